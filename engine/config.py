@@ -1,0 +1,148 @@
+"""Engine and sampling settings: small frozen dataclasses validated on construction.
+
+Each field carries its own check and a human description of what is allowed, so every
+error names the key, the bad value and the allowed values. `coerce()` turns the strings
+that come from environment variables and flags into the field's type.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting has an unknown key or a bad value; the message is one line for the user."""
+
+
+def _choice(*values: str):
+    return dict(check=lambda v: v in values, allowed=" | ".join(values), kind=str)
+
+
+def _int(lo: int, hi: int | None = None, allowed: str | None = None):
+    ok = (lambda v: lo <= v) if hi is None else (lambda v: lo <= v <= hi)
+    text = allowed or (f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+    return dict(check=ok, allowed=text, kind=int)
+
+
+def _float(lo: float, hi: float | None = None, lo_open: bool = False, allowed: str | None = None):
+    def ok(v):
+        above = v > lo if lo_open else v >= lo
+        return above and (hi is None or v <= hi)
+    text = allowed or (f"a number {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else ""))
+    return dict(check=ok, allowed=text, kind=float)
+
+
+def _bool():
+    return dict(check=lambda v: isinstance(v, bool), allowed="true | false", kind=bool)
+
+
+def _str():
+    return dict(check=lambda v: isinstance(v, str), allowed="a string", kind=str)
+
+
+def _str_list():
+    return dict(check=lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+                allowed="a list of non-empty strings", kind=list)
+
+
+def setting(default: Any, rule: dict) -> Any:
+    return field(default=default, metadata=rule)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def coerce(cls, key: str, raw: Any) -> Any:
+    """Convert a raw value (often a string from the environment or a flag) to the field's type."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[key]
+    kind = f.metadata["kind"]
+    if not isinstance(raw, str):
+        if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        return raw
+    text = raw.strip()
+    try:
+        if kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is list:
+            return [s for s in text.split(",") if s] if text else []
+        if key == "cuda_graph" and text.lower() in _TRUE | _FALSE:
+            return "on" if text.lower() in _TRUE else "off"
+        return text
+    except ValueError:
+        raise ConfigError(f"{key}: {raw!r} is not valid; allowed: {f.metadata['allowed']}") from None
+
+
+class _Validated:
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.metadata["kind"]
+            type_ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                value, type_ok = float(value), True
+            if not type_ok or not f.metadata["check"](value):
+                raise ConfigError(f"{f.name}: {value!r} is not valid; allowed: {f.metadata['allowed']}")
+        if hasattr(self, "_check"):
+            self._check()
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Validated):
+    model: str = setting("smollm2", dict(check=lambda v: bool(v), allowed="an alias (smollm2) or a path", kind=str))
+    device: str = setting("auto", _choice("auto", "cpu", "cuda"))
+    dtype: str = setting("auto", _choice("auto", "float32", "bfloat16", "float16"))
+    max_context: int = setting(8192, _int(16, 1 << 20))
+    cuda_graph: str = setting("auto", _choice("auto", "on", "off"))
+    threads: int = setting(0, _int(0, 1024, "0 (auto) or a number of threads"))
+
+
+@dataclass(frozen=True)
+class SamplingConfig(_Validated):
+    temperature: float = setting(0.7, _float(0.0, 100.0))
+    top_k: int = setting(40, _int(0, allowed="0 (off) or a positive integer"))
+    top_p: float = setting(0.95, _float(0.0, 1.0, lo_open=True))
+    min_p: float = setting(0.05, _float(0.0, 1.0))
+    repetition_penalty: float = setting(1.0, _float(0.0, 100.0, lo_open=True))
+    frequency_penalty: float = setting(0.0, _float(-2.0, 2.0))
+    presence_penalty: float = setting(0.0, _float(-2.0, 2.0))
+    penalty_last_n: int = setting(64, _int(-1, allowed="-1 (whole context), 0 (off) or a positive integer"))
+    seed: int = setting(-1, _int(-1, 2**63 - 1, "-1 (random) or an integer >= 0"))
+    max_new_tokens: int = setting(1024, _int(1, 1 << 20))
+    stop: list = field(default_factory=list, metadata=_str_list())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def allowed(cls, key: str) -> str:
+    return {f.name: f for f in dataclasses.fields(cls)}[key].metadata["allowed"]
+
+
+def build(cls, values: dict[str, Any], section: str):
+    """Construct `cls` from a dict, rejecting unknown keys with the list of known ones."""
+    known = field_names(cls)
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{section}.{key}: unknown setting; known keys: {', '.join(known)}")
+    return cls(**{k: coerce(cls, k, v) for k, v in values.items()})
+

