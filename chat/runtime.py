@@ -1,0 +1,47 @@
+"""Wiring: settings → loaded model, chat template and one DecodeSession for the process."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import models
+from engine.device import configure_threads, resolve_device, resolve_dtype
+from engine.session import DecodeSession
+
+from .conversation import Conversation
+from .settings import Settings
+from .template import ChatTemplate
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    loaded: models.LoadedModel
+    session: DecodeSession
+    template: ChatTemplate
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.template, self.loaded.tokenizer, self.settings.ui.system_prompt)
+
+
+def open_runtime(settings: Settings, status=None) -> Runtime:
+    """Load the model and open the session; `status(text)` reports progress (optional)."""
+    report = status or (lambda text: None)
+    t0 = time.perf_counter()
+    eng = settings.engine
+    device = resolve_device(eng)
+    dtype = resolve_dtype(eng, device)
+    if device.type == "cpu":
+        configure_threads(eng)
+    report(f"loading {eng.model}")
+    loaded = models.load(eng.model, device, dtype)
+    template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
+    report("allocating state")
+    session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
+                            eos_ids=loaded.eos_ids)
+    return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)

@@ -1,0 +1,76 @@
+"""One turn: prompt ids → streamed text chunks, with stop strings and clean UTF-8.
+
+`run_turn` drives `DecodeSession.generate` and yields text as it becomes final. Stop strings are
+text, so they live here: text is held back while it could still be the start of a stop string,
+and on a match the generation is closed (its committed state stays valid). The result records
+the token ids (end-of-turn id included), the text, the finish reason and the session's stats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from engine.config import SamplingConfig
+from engine.session import DecodeSession, GenerationStats
+
+from .detok import IncrementalDecoder
+
+
+@dataclass
+class TurnResult:
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "interrupted"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters could still begin a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling: SamplingConfig,
+             seed: int | None, result: TurnResult) -> Iterator[str]:
+    """Yields text chunks; fills `result` as it goes (also when interrupted)."""
+    tokens = session.generate(prompt_ids, sampling, seed=seed)  # raises before touching state
+    decoder = IncrementalDecoder(tokenizer)
+    stops = list(sampling.stop)
+    emitted = 0
+    try:
+        for token in tokens:
+            result.ids.append(token)
+            if token in session.eos_ids:
+                continue  # the session ends the generation after its end-of-turn id
+            decoder.push(token)
+            text = decoder.text
+            if stops:
+                hit = min((text.find(s) for s in stops if s in text), default=-1)
+                if hit >= 0:
+                    result.text = text[:hit]
+                    yield text[emitted:hit]
+                    result.finish_reason = "stop"
+                    return
+                safe = len(text) - _held_back(text, stops)
+            else:
+                safe = len(text)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        decoder.flush()
+        result.text = decoder.text
+        if len(result.text) > emitted:
+            yield result.text[emitted:]
+        result.finish_reason = session.last_stats.finish_reason
+    finally:
+        tokens.close()
+        if result.finish_reason == "interrupted":
+            result.text = decoder.text
+        result.stats = session.last_stats
+        result.stats.finish_reason = result.finish_reason

@@ -1,0 +1,40 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One tiny random checkpoint directory per dense architecture, with its HF model."""
+    from tiny import hf_model, write_checkpoint
+
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        model = hf_model(kind)
+        out[kind] = (write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=model), model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from models import resolve
+    return resolve("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import models
+    return models.load("smollm2")

@@ -1,0 +1,45 @@
+"""Settings: config.yaml documents the defaults exactly; env and flags override one to one."""
+import dataclasses
+import os
+
+import pytest
+import yaml
+
+from chat.settings import SECTIONS, Settings, load_settings
+from engine.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def test_repo_config_yaml_equals_defaults():
+    data = yaml.safe_load(open(os.path.join(ROOT, "config.yaml")))
+    defaults = Settings()
+    assert set(data) == set(SECTIONS)
+    for section in SECTIONS:
+        assert data[section] == dataclasses.asdict(getattr(defaults, section)), section
+
+
+def test_repo_config_yaml_loads():
+    assert load_settings(os.path.join(ROOT, "config.yaml"), env={}) == Settings()
+
+
+def test_env_then_flags_override(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("sampling:\n  temperature: 0.3\n")
+    s = load_settings(str(f), env={"CHAT_TEMPERATURE": "0.4", "CHAT_TOP_K": "5", "CHAT_CUDA_GRAPH": "0"},
+                      overrides={"top_k": "9"})
+    assert s.sampling.temperature == 0.4 and s.sampling.top_k == 9 and s.engine.cuda_graph == "off"
+
+
+def test_bad_values_name_key_and_allowed():
+    with pytest.raises(ConfigError, match="top_p: 1.5 is not valid; allowed: a number > 0.0"):
+        load_settings(None, env={}, overrides={"top_p": "1.5"})
+    with pytest.raises(ConfigError, match="markdown: 'perhaps'"):
+        load_settings(None, env={}, overrides={"markdown": "perhaps"})
+
+
+def test_with_value_validates():
+    s = Settings().with_value("temperature", "0")
+    assert s.sampling.greedy
+    with pytest.raises(ConfigError):
+        s.with_value("nonsense", "1")

@@ -1,0 +1,84 @@
+"""DecodeSession: reuse across calls, rewind == fresh, context limits, interruption."""
+import pytest
+import torch
+
+import models
+from engine import reference
+from engine.config import SamplingConfig
+from engine.session import ContextOverflow, DecodeSession
+
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=10)
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=1234, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_dirs):
+    return models.load(tiny_dirs["llama"][0])
+
+
+def new(lm, max_context=128):
+    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED])
+def test_same_prompt_twice_same_tokens(lm, cfg):
+    s = new(lm)
+    a = list(s.generate(ids(20), cfg))
+    b = list(s.generate(ids(20), cfg))
+    assert a == b
+    assert s.last_stats.reused_tokens == 19  # all but the last prompt token came from the cache
+
+
+def test_rewind_then_generate_equals_fresh(lm):
+    s = new(lm)
+    list(s.generate(ids(30, 1), GREEDY))
+    prompt = ids(30, 1)[:12] + ids(4, 2)
+    assert list(s.generate(prompt, GREEDY)) == list(new(lm).generate(prompt, GREEDY))
+    assert s.last_stats.reused_tokens == 12
+
+
+def test_extension_prefills_only_new_tokens(lm):
+    s = new(lm)
+    first = ids(15, 3)
+    reply = list(s.generate(first, GREEDY))
+    second = first + reply + ids(6, 4)
+    out = list(s.generate(second, GREEDY))
+    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # the last reply token was never fed
+    assert out == reference.greedy(lm.model, second, len(out))
+
+
+def test_context_overflow_refused_before_state_changes(lm):
+    s = new(lm, max_context=32)
+    list(s.generate(ids(10), GREEDY))
+    before = (s.state.length, list(s.cached))
+    with pytest.raises(ContextOverflow):
+        s.generate(ids(40), GREEDY)
+    assert (s.state.length, s.cached) == before
+
+
+def test_generation_stops_when_context_full(lm):
+    s = new(lm, max_context=24)
+    out = list(s.generate(ids(20), SamplingConfig(temperature=0, max_new_tokens=100)))
+    assert s.last_stats.finish_reason == "context"
+    assert s.state.length == 24 and len(out) == 5
+
+
+def test_interrupted_generation_keeps_state_consistent(lm):
+    s = new(lm)
+    gen = s.generate(ids(20), GREEDY)
+    next(gen), next(gen)
+    gen.close()
+    assert s.state.length == len(s.cached)
+    assert list(s.generate(ids(20), GREEDY)) == list(new(lm).generate(ids(20), GREEDY))
+
+
+def test_stop_ids_end_generation(lm):
+    s = new(lm)
+    first = list(s.generate(ids(20), GREEDY))
+    stop = first[3]
+    out = list(s.generate(ids(20), GREEDY, stop_ids=(stop,)))
+    assert out == first[:first.index(stop) + 1] and s.last_stats.finish_reason == "stop"

@@ -1,0 +1,81 @@
+"""Tiny random HF checkpoints written by the tests, with transformers as the reference.
+
+`write_checkpoint(kind, path)` saves a transformers model of a tiny config (safetensors), a small
+byte-level BPE tokenizer.json with ChatML control tokens, a tokenizer_config.json with a chat
+template, and a generation_config.json, i.e. everything our HF-directory loader reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+VOCAB = 320
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+          "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE: specials 0-2, the 256 byte symbols, then a few merges (< VOCAB ids)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    merges = []
+    for a, b in [("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"), ("Ġ", "a"), ("e", "r"), ("o", "n")]:
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    assert tok.get_vocab_size() <= VOCAB
+    return tok
+
+
+def hf_config(kind: str, **over):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
+    else:
+        raise ValueError(kind)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def hf_model(kind: str, seed: int = 0, **over):
+    import transformers as tf
+
+    cfg = hf_config(kind, **over)
+    torch.manual_seed(seed)
+    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[kind]
+    model = cls(cfg).eval()
+    with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_checkpoint(kind: str, path: str, seed: int = 0, model=None, **over) -> str:
+    model = model if model is not None else hf_model(kind, seed, **over)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2]}, f)
+    return path
