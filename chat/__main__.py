@@ -35,10 +35,31 @@ def overrides(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chat", description="Chat with a local LLM in the terminal.")
+    parser = argparse.ArgumentParser(
+        prog="chat", description="Chat with a local LLM in the terminal.",
+        epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml [--runs N]` "
+               "(each takes --help)")
     parser.add_argument("--prompt", help="answer one prompt, print the reply and exit")
     add_setting_flags(parser)
     return parser
+
+
+def build_run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chat run", description="Run a scripted conversation and record it.")
+    p.add_argument("script", help="a transcript (YAML) of user turns and commands")
+    p.add_argument("-o", "--output", help="write the recording (token ids, settings, fingerprint) here")
+    add_setting_flags(p)
+    return p
+
+
+def build_replay_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chat replay", description="Replay a recording and compare token by token. "
+                                "Exit 0: identical; 1: a divergence; 2: an invalid file or a different model.")
+    p.add_argument("recording")
+    p.add_argument("--runs", type=int, default=1, help="extra runs on the same reused session (default 1)")
+    p.add_argument("--allow-model-change", action="store_true", help="compare even if the fingerprint differs")
+    add_setting_flags(p)
+    return p
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -54,7 +75,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from models.checkpoints import CheckpointError
 
     from .template import TemplateError
-    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError)
+    from .transcript import TranscriptError
+    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError, TranscriptError)
 
 
 def one_shot(rt, text: str) -> int:
@@ -70,10 +92,82 @@ def one_shot(rt, text: str) -> int:
     return 0
 
 
+def settings_for(args, transcript=None):
+    """Config and flags; a transcript's engine section fills what no flag set."""
+    from .settings import KEY_SECTION, load_settings
+
+    given = overrides(args)
+    if transcript is not None:
+        recorded = dict(transcript.engine)
+        if transcript.model.get("source"):
+            recorded["model"] = transcript.model["source"]
+        for key, value in recorded.items():
+            if KEY_SECTION.get(key) == "engine" and key not in given:
+                given[key] = value
+    return load_settings(args.config, overrides=given)
+
+
+def cmd_run(argv: list[str]) -> int:
+    from . import transcript as tr
+    from .controller import ChatController
+    from .replay import play
+    from .runtime import open_runtime
+
+    args = build_run_parser().parse_args(argv)
+    script = tr.load(args.script)
+    settings = settings_for(args, script)
+    controller = ChatController(open_runtime(settings), settings)
+
+    def show(chunk):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+
+    events = play(controller, script, show)
+    if args.output:
+        rec = tr.recording_from(controller, events)
+        rec.sampling = dict(script.sampling)
+        rec.system_prompt = script.system_prompt
+        tr.write_atomic(args.output, tr.to_yaml(rec))
+        print(f"recorded {sum(e.result is not None for e in events)} turns to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_replay(argv: list[str]) -> int:
+    from . import transcript as tr
+    from .controller import ChatController
+    from .replay import Divergence, replay
+    from .runtime import open_runtime
+
+    args = build_replay_parser().parse_args(argv)
+    if args.runs < 0:
+        return fail("--runs must be 0 or more")
+    rec = tr.load(args.recording)
+    if not rec.is_recording:
+        return fail(f"{args.recording}: not a recording (no turn has results); record it with `chat run -o`")
+    settings = settings_for(args, rec)
+    rt = open_runtime(settings)
+    actual = tr.model_info(rt)["fingerprint"]
+    expected = rec.model.get("fingerprint")
+    if expected != actual and not args.allow_model_change:
+        return fail(f"{args.recording}: recorded with model fingerprint {expected}, this model is {actual} "
+                    "(use --allow-model-change to compare anyway)")
+    try:
+        turns = replay(ChatController(rt, settings), rec, args.runs)
+    except Divergence as d:
+        print(str(d), file=sys.stderr)
+        return 1
+    print(f"replay identical: {turns} turns, {args.runs + 1} runs (1 fresh, {args.runs} on the reused session)")
+    return 0
+
+
 def run_main(argv: list[str]) -> int:
     from .runtime import open_runtime
     from .settings import load_settings
 
+    if argv and argv[0] == "run":
+        return cmd_run(argv[1:])
+    if argv and argv[0] == "replay":
+        return cmd_replay(argv[1:])
     args = build_parser().parse_args(argv)
     settings = load_settings(args.config, overrides=overrides(args))
     if args.prompt is not None:

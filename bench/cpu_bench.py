@@ -1,0 +1,137 @@
+"""CPU benchmark of the embedded model: load time, prefill tok/s (~600-token prompt), decode tok/s.
+
+Runs ours and, when `llama_cpp` is importable (optional, never a dependency), llama.cpp on the
+same GGUF in the same run (a child process, so the two OpenMP runtimes never meet), with the same
+thread count and prompt, and prints a table with ratios.
+    python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
+                              [--llama-python PYTHON]   # an interpreter that has llama_cpp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# torch and the engine are imported where used: the llama.cpp child runs in a Python without them.
+
+TEXT = ("The history of computing is a story of layers: transistors become gates, gates become "
+        "adders and memories, and those become processors that run programs written in languages "
+        "compiled by other programs. ")
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(TEXT, add_special_tokens=False).ids
+    return ids[:n]
+
+
+def bench_ours(path: str, ids: list[int], n_decode: int, repeats: int) -> dict:
+    import torch
+
+    import models
+    from engine.config import SamplingConfig
+    from engine.session import DecodeSession
+
+    t0 = time.perf_counter()
+    lm = models.load(path)
+    load = time.perf_counter() - t0
+    s = DecodeSession(lm.model, max_context=2048, device=torch.device("cpu"), dtype=torch.float32)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=n_decode)
+    list(s.generate(ids[:32], SamplingConfig(temperature=0, max_new_tokens=4)))  # warm-up
+    prefill, decode = [], []
+    for _ in range(repeats):
+        s.reset()
+        t = time.perf_counter()
+        s.prefill(ids)
+        prefill.append(len(ids) / (time.perf_counter() - t))
+        s.reset()
+        gen = s.generate(ids[:16], greedy, stop_ids=())
+        next(gen)
+        t = time.perf_counter()
+        n = sum(1 for _ in gen)
+        decode.append(n / (time.perf_counter() - t))
+    return {"load_s": load, "prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+
+
+def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, threads: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    load = time.perf_counter() - t0
+    prefill, decode = [], []
+    for _ in range(repeats):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        prefill.append(len(ids) / (time.perf_counter() - t))
+        llm.reset()
+        llm.eval(ids[:16])
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            tok = llm.sample(temp=0.0)
+            llm.eval([tok])
+        decode.append(n_decode / (time.perf_counter() - t))
+    return {"load_s": load, "prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+
+
+def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, repeats: int,
+                       threads: int) -> dict | None:
+    args = json.dumps({"path": path, "ids": ids, "n_decode": n_decode, "repeats": repeats, "threads": threads})
+    proc = subprocess.run([python, os.path.abspath(__file__), "--child-llama-cpp", args],
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child-llama-cpp":
+        a = json.loads(sys.argv[2])
+        r = bench_llama_cpp(a["path"], a["ids"], a["n_decode"], a["repeats"], a["threads"])
+        print(json.dumps(r) if r else "")
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--prompt-tokens", type=int, default=622)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
+    args = ap.parse_args()
+    import torch
+
+    import models
+    from engine.device import physical_cores
+
+    threads = args.threads or physical_cores()
+    torch.set_num_threads(threads)
+    path = models.resolve(args.model)
+    tok = models.read_checkpoint(path).tokenizer
+    ids = prompt_ids(tok, args.prompt_tokens)
+    ours = bench_ours(path, ids, args.decode, args.repeats)
+    rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads)
+    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode}")
+    print(f"{'':12}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
+    print(f"{'ours':12}{ours['load_s']:>10.2f}{ours['prefill']:>16.1f}{ours['decode']:>15.1f}")
+    if ref:
+        print(f"{'llama.cpp':12}{ref['load_s']:>10.2f}{ref['prefill']:>16.1f}{ref['decode']:>15.1f}")
+        print(f"{'ratio':12}{'':>10}{ours['prefill'] / ref['prefill']:>15.2f}x{ours['decode'] / ref['decode']:>14.2f}x")
+    else:
+        print("llama.cpp: not measured (llama_cpp is not importable)")
+    print(f"peak RSS after ours: {rss_ours:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

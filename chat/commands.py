@@ -1,0 +1,162 @@
+"""Slash commands as a table: name → handler(app, arg), usage, help text, completion.
+
+A handler returns nothing, or a user message to send as a turn (/retry). Bad arguments raise
+`CommandError`: the REPL prints it with a hint and nothing goes to the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.config import ConfigError, SamplingConfig
+
+from .settings import KEY_SECTION
+
+
+class CommandError(ValueError):
+    pass
+
+
+class ExitRepl(Exception):
+    pass
+
+
+# Keys `/set` may change while the session lives; engine keys shape the session and need a restart.
+SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats"]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    usage: str
+    help: str
+    handler: Callable
+    completions: Callable[[], list[str]] | None = None
+
+
+def _help(app, arg):
+    width = max(len(f"/{c.name} {c.usage}") for c in COMMANDS.values())
+    lines = [f"/{c.name} {c.usage}".ljust(width + 2) + c.help for c in COMMANDS.values()]
+    lines.append("Enter sends; Alt+Enter inserts a newline; a block between \"\"\" lines is one message.")
+    app.renderer.info("\n".join(lines))
+
+
+def _reset(app, arg):
+    app.controller.reset()
+    app.renderer.info("new conversation")
+
+
+def _system(app, arg):
+    if not arg:
+        current = app.controller.settings.ui.system_prompt
+        app.renderer.info(f"system prompt: {current!r}" if current else "system prompt: (the template's default)")
+        return
+    app.controller.set("system_prompt", arg)
+    app.renderer.info("system prompt set")
+
+
+def _set(app, arg):
+    parts = arg.split(None, 1)
+    if len(parts) != 2:
+        raise CommandError("usage: /set KEY VALUE (keys: " + ", ".join(SETTABLE) + ")")
+    key, value = parts
+    if key not in SETTABLE:
+        if key in KEY_SECTION:
+            raise CommandError(f"{key} shapes the session; set it with --{key.replace('_', '-')} and restart")
+        raise CommandError(f"unknown key {key!r}; keys: {', '.join(SETTABLE)}")
+    try:
+        app.controller.set(key, value)
+    except ConfigError as e:
+        raise CommandError(str(e)) from None
+    app.renderer.info(f"{key} = {value}")
+
+
+def _show(app, arg):
+    c = app.controller
+    rt = c.rt
+    s = dataclasses.asdict(c.settings.sampling)
+    lines = [f"model: {rt.loaded.source} ({rt.loaded.model_type}, {rt.loaded.n_params / 1e6:.0f}M params, "
+             f"{str(rt.dtype).replace('torch.', '')} on {rt.device})",
+             f"context: {c.context_used}/{c.session.max_context} tokens used; "
+             f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
+             f"turns: {len(c.turns)}",
+             "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
+             f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]
+    app.renderer.info("\n".join(lines))
+
+
+def _stats(app, arg):
+    c = app.controller
+    if c.last is None:
+        app.renderer.info("no turn yet")
+        return
+    from .render import format_stats
+    app.renderer.info(format_stats(c.last.stats, c.context_used, c.session.max_context)
+                      + f" · finish: {c.last.finish_reason}")
+
+
+def _undo(app, arg):
+    dropped = app.controller.undo()
+    if dropped is None:
+        raise CommandError("nothing to undo")
+    app.renderer.info("dropped the last exchange")
+
+
+def _retry(app, arg):
+    user = app.controller.pop_for_retry()
+    if user is None:
+        raise CommandError("nothing to retry")
+    return user
+
+
+def _save(app, arg):
+    if not arg:
+        raise CommandError("usage: /save FILE")
+    from .transcript import TranscriptError, save_controller
+    try:
+        save_controller(app.controller, arg)
+    except (TranscriptError, OSError) as e:
+        raise CommandError(str(e)) from None
+    app.renderer.info(f"saved {len(app.controller.turns)} turns to {arg}")
+
+
+def _load(app, arg):
+    if not arg:
+        raise CommandError("usage: /load FILE")
+    from .transcript import TranscriptError, load_into_controller
+    try:
+        n = load_into_controller(app.controller, arg)
+    except (TranscriptError, OSError) as e:
+        raise CommandError(str(e)) from None
+    app.renderer.info(f"loaded {n} turns from {arg}")
+
+
+def _exit(app, arg):
+    raise ExitRepl
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in [
+    Command("help", "", "list commands", _help),
+    Command("reset", "", "start a new conversation", _reset),
+    Command("system", "[TEXT]", "show or set the system prompt", _system),
+    Command("set", "KEY VALUE", "change a sampling setting (e.g. /set temperature 0)", _set, lambda: SETTABLE),
+    Command("show", "", "settings, model facts, context used and cached tokens", _show),
+    Command("stats", "", "the last turn's timing and token counts", _stats),
+    Command("undo", "", "drop the last exchange", _undo),
+    Command("retry", "", "regenerate the last reply", _retry),
+    Command("save", "FILE", "save the conversation as a transcript (YAML)", _save),
+    Command("load", "FILE", "resume a conversation from a transcript", _load),
+    Command("exit", "", "leave (also Ctrl-D)", _exit),
+]}
+ALIASES = {"quit": "exit", "q": "exit", "clear": "reset", "?": "help"}
+
+
+def run_command(app, line: str):
+    """Run a slash command line; returns a message to send as a turn, or None."""
+    name, _, arg = line[1:].partition(" ")
+    name = ALIASES.get(name, name)
+    cmd = COMMANDS.get(name)
+    if cmd is None:
+        raise CommandError(f"unknown command /{name}; /help lists the commands")
+    return cmd.handler(app, arg.strip())

@@ -1,0 +1,113 @@
+"""The chat application's state, independent of any terminal: one runtime, one conversation.
+
+`ChatController` owns the conversation, the live settings and the turn log, and runs turns on
+the process's one DecodeSession. The REPL, `chat run` and `chat replay` all drive it, so they
+behave identically. A turn that fails or is interrupted changes nothing: the conversation keeps
+its messages and the session is rolled back to its pre-turn length (or reset where recurrent
+state cannot rewind), so the next turn works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from engine.sampling import resolve_seed
+
+from .conversation import Conversation
+from .runtime import Runtime
+from .settings import Settings
+from .turn import TurnResult, run_turn
+
+
+@dataclass
+class TurnRecord:
+    """One completed exchange, as recordings store it."""
+    user: str
+    result: TurnResult
+    settings: dict = field(default_factory=dict)
+
+
+class ChatController:
+    def __init__(self, runtime: Runtime, settings: Settings | None = None):
+        self.rt = runtime
+        self.settings = settings or runtime.settings
+        self.conv: Conversation = runtime.conversation()
+        self.conv.system_prompt = self.settings.ui.system_prompt
+        self.turns: list[TurnRecord] = []
+        self.last: TurnResult | None = None
+
+    @property
+    def session(self):
+        return self.rt.session
+
+    @property
+    def tokenizer(self):
+        return self.rt.loaded.tokenizer
+
+    def set(self, key: str, value) -> None:
+        self.settings = self.settings.with_value(key, value)
+        if key == "system_prompt":
+            self.conv.system_prompt = self.settings.ui.system_prompt
+
+    def prompt_ids(self, user_text: str) -> list[int]:
+        return self.conv.prompt_ids(user_text)
+
+    def send(self, user_text: str, result: TurnResult, seed: int | None = None) -> Iterator[str]:
+        """Stream one reply. The exchange joins the conversation only when the reply completes."""
+        ids = self.prompt_ids(user_text)
+        result.prompt_ids = ids
+        sampling = self.settings.sampling
+        seed = resolve_seed(sampling.seed) if seed is None else seed
+        self.session.check_fits(ids)  # refuse before anything changes
+        before = self.session.state.length
+        completed = False
+        try:
+            yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result)
+            completed = True
+        finally:
+            if not completed:
+                self._rollback(before)
+        self.conv.add_exchange(user_text, result.text)
+        self.turns.append(TurnRecord(user_text, result, self.sampling_dict()))
+        self.last = result
+
+    def _rollback(self, length: int) -> None:
+        s = self.session
+        target = min(length, s.state.length)
+        if s.state.can_rewind(target):
+            s.rewind(target)
+        else:
+            s.reset()
+
+    def sampling_dict(self) -> dict:
+        import dataclasses
+        return dataclasses.asdict(self.settings.sampling)
+
+    def undo(self) -> tuple[str, str] | None:
+        dropped = self.conv.undo()
+        if dropped is not None:
+            self.turns.pop()
+            self.last = self.turns[-1].result if self.turns else None
+        return dropped
+
+    def pop_for_retry(self) -> str | None:
+        """Drop the last exchange and return its user text, to be sent again."""
+        dropped = self.undo()
+        return None if dropped is None else dropped[0]
+
+    def reset(self) -> None:
+        """A new conversation; the cache is cleared too."""
+        self.reset_conversation(keep_cache=False)
+
+    def reset_conversation(self, keep_cache: bool) -> None:
+        """Forget the messages. With keep_cache the session keeps its state, and the next turn
+        reuses whatever prefix still matches (what replay's reused-session runs exercise)."""
+        self.conv.clear()
+        self.turns = []
+        self.last = None
+        if not keep_cache:
+            self.session.reset()
+
+    @property
+    def context_used(self) -> int:
+        return self.session.state.length

@@ -1,0 +1,302 @@
+"""Versioned YAML transcripts: scripts (input) and recordings (input + token-level results).
+
+One format for both (documented in docs/TRANSCRIPTS.md). A script lists events; a recording is a
+script whose turns also carry what happened: the prompt token ids, the reused-prefix length, the
+generated ids, the text, the finish reason, the seed and the sampling settings in force.
+
+    format: chat-transcript
+    version: 1
+    model: {source: smollm2, fingerprint: sha256:…}      # recordings only
+    engine: {device: cpu, dtype: float32, cuda_graph: off, max_context: 8192}
+    sampling: {temperature: 0, …}                         # starting settings (any subset)
+    system_prompt: ""
+    events:
+      - user: "Hello"                                      # a turn
+        set: {temperature: 0.5}                            # optional: applied before this turn
+      - command: /undo                                     # /undo /retry /reset /system /set
+Files are read with safe_load and written atomically; every problem is a `TranscriptError`
+naming the file and line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import yaml
+
+FORMAT, VERSION = "chat-transcript", 1
+SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set")
+RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
+
+
+class TranscriptError(ValueError):
+    pass
+
+
+# --- reading with line numbers -----------------------------------------------------------------
+
+class _LineDict(dict):
+    line = 0
+
+
+class _LineLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_mapping(loader, node):
+    loader.flatten_mapping(node)
+    d = _LineDict()
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise TranscriptError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain value") from None
+        d[key] = loader.construct_object(value_node, deep=True)
+    d.line = node.start_mark.line + 1
+    return d
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+@dataclass
+class Event:
+    line: int
+    user: str | None = None
+    command: str | None = None
+    set: dict = field(default_factory=dict)
+    result: dict | None = None  # RESULT_KEYS, in recordings
+
+    @property
+    def makes_turn(self) -> bool:
+        return self.user is not None or (self.command or "").split(" ")[0] == "/retry"
+
+
+@dataclass
+class Transcript:
+    events: list[Event]
+    model: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)
+    system_prompt: str = ""
+    path: str = ""
+
+    @property
+    def is_recording(self) -> bool:
+        return any(e.result is not None for e in self.events)
+
+
+def _err(path: str, line: int, message: str) -> TranscriptError:
+    return TranscriptError(f"{path}:{line}: {message}")
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _check_event(path: str, raw, index: int) -> Event:
+    line = getattr(raw, "line", 0)
+    if not isinstance(raw, dict):
+        raise _err(path, line, f"event {index + 1} must be a mapping with 'user' or 'command'")
+    known = {"user", "command", "set", *RESULT_KEYS}
+    for key in raw:
+        if key not in known:
+            raise _err(path, line, f"event {index + 1}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    has_user, has_cmd = "user" in raw, "command" in raw
+    if has_user == has_cmd:
+        raise _err(path, line, f"event {index + 1} needs exactly one of 'user' or 'command'")
+    ev = Event(line)
+    if has_user:
+        if not isinstance(raw["user"], str) or not raw["user"].strip():
+            raise _err(path, line, f"event {index + 1}: 'user' must be non-empty text")
+        ev.user = raw["user"]
+    else:
+        cmd = raw["command"]
+        if not isinstance(cmd, str) or not cmd.split(" ", 1)[0] in SCRIPT_COMMANDS:
+            raise _err(path, line, f"event {index + 1}: command must be one of {', '.join(SCRIPT_COMMANDS)}")
+        ev.command = cmd.strip()
+    if "set" in raw:
+        if not isinstance(raw["set"], dict):
+            raise _err(path, line, f"event {index + 1}: 'set' must be a mapping of settings")
+        ev.set = dict(raw["set"])
+    present = [k for k in RESULT_KEYS if k in raw]
+    if present:
+        if not ev.makes_turn or len(present) != len(RESULT_KEYS):
+            missing = [k for k in RESULT_KEYS if k not in raw]
+            raise _err(path, line, f"event {index + 1}: a recorded turn (user or /retry) needs all of {', '.join(RESULT_KEYS)}"
+                       + (f" (missing {', '.join(missing)})" if missing else ""))
+        r = raw
+        checks = [(_int_list(r["prompt_ids"]) and r["prompt_ids"], "prompt_ids must be a non-empty list of token ids"),
+                  (_int_list(r["generated_ids"]), "generated_ids must be a list of token ids"),
+                  (isinstance(r["reused"], int) and not isinstance(r["reused"], bool) and r["reused"] >= 0,
+                   "reused must be a count >= 0"),
+                  (isinstance(r["seed"], int) and not isinstance(r["seed"], bool) and r["seed"] >= 0,
+                   "seed must be an integer >= 0"),
+                  (isinstance(r["text"], str), "text must be a string"),
+                  (isinstance(r["finish_reason"], str), "finish_reason must be a string"),
+                  (isinstance(r["sampling"], dict), "sampling must be a mapping")]
+        for ok, message in checks:
+            if not ok:
+                raise _err(path, line, f"event {index + 1}: {message}")
+        ev.result = {k: raw[k] for k in RESULT_KEYS}
+    return ev
+
+
+def parse(text: str, path: str = "<transcript>") -> Transcript:
+    try:
+        data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass: no arbitrary objects
+    except TranscriptError as e:
+        raise TranscriptError(f"{path}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise TranscriptError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    except (ValueError, TypeError, RecursionError) as e:  # e.g. bad timestamps, deep nesting
+        raise TranscriptError(f"{path}: unreadable YAML: {e}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise TranscriptError(f"{path}: expected a mapping with 'format: {FORMAT}' and 'events'")
+    line = getattr(data, "line", 1)
+    if data.get("format") != FORMAT:
+        raise _err(path, line, f"not a transcript: 'format' must be {FORMAT!r}")
+    if data.get("version") != VERSION:
+        raise _err(path, line, f"transcript version {data.get('version')!r} is not supported (supported: {VERSION})")
+    known = {"format", "version", "model", "engine", "sampling", "system_prompt", "events"}
+    for key in data:
+        if key not in known:
+            raise _err(path, line, f"unknown key {key!r} (known: {', '.join(sorted(known))})")
+    for key in ("model", "engine", "sampling"):
+        if not isinstance(data.get(key, {}), dict):
+            raise _err(path, getattr(data.get(key), "line", line), f"'{key}' must be a mapping")
+    system = data.get("system_prompt", "") or ""
+    if not isinstance(system, str):
+        raise _err(path, line, "'system_prompt' must be text")
+    events = data.get("events")
+    if not isinstance(events, list) or not events:
+        raise _err(path, line, "'events' must be a non-empty list")
+    return Transcript([_check_event(path, e, i) for i, e in enumerate(events)], dict(data.get("model", {})),
+                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path)
+
+
+def load(path: str) -> Transcript:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise TranscriptError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TranscriptError(f"{path}: not UTF-8 text") from None
+    return parse(text, path)
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+def to_yaml(t: Transcript) -> str:
+    events = []
+    for e in t.events:
+        d: dict = {"user": e.user} if e.user is not None else {"command": e.command}
+        if e.set:
+            d["set"] = dict(e.set)
+        if e.result is not None:
+            d.update({k: e.result[k] for k in RESULT_KEYS})
+        events.append(d)
+    doc = {"format": FORMAT, "version": VERSION, "model": t.model, "engine": t.engine, "sampling": t.sampling,
+           "system_prompt": t.system_prompt, "events": events}
+    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=120, default_flow_style=None)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write beside the target, fsync, then rename: a reader sees the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yaml", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def fingerprint(files: list[str], extra: str = "") -> str:
+    """sha256 over the checkpoint's files (weights, tokenizer, config) and the engine's model type."""
+    h = hashlib.sha256(extra.encode())
+    for path in files:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def recording_from(controller, events: list[Event] | None = None) -> Transcript:
+    """The controller's conversation as a recording (events default to its turns)."""
+    rt = controller.rt
+    if events is None:
+        events = [Event(0, user=t.user, result=result_dict(t)) for t in controller.turns]
+    return Transcript(events, model_info(rt), engine_info(rt), dataclasses.asdict(controller.settings.sampling),
+                      controller.conv.system_prompt)
+
+
+def result_dict(turn) -> dict:
+    r = turn.result
+    return {"seed": r.stats.seed, "sampling": dict(turn.settings), "prompt_ids": list(r.prompt_ids),
+            "reused": r.stats.reused_tokens, "generated_ids": list(r.ids), "text": r.text,
+            "finish_reason": r.finish_reason}
+
+
+def model_info(rt) -> dict:
+    if not hasattr(rt, "_fingerprint"):
+        rt._fingerprint = fingerprint(rt.loaded.files, rt.loaded.model_type)
+    return {"source": rt.settings.engine.model, "type": rt.loaded.model_type, "fingerprint": rt._fingerprint}
+
+
+def engine_info(rt) -> dict:
+    return {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
+            "cuda_graph": rt.settings.engine.cuda_graph, "max_context": rt.session.max_context}
+
+
+def save_controller(controller, path: str) -> None:
+    write_atomic(path, to_yaml(recording_from(controller)))
+
+
+def load_into_controller(controller, path: str) -> int:
+    """Resume a conversation: its messages (and system prompt) replace the current ones."""
+    t = load(path)
+    from engine.session import GenerationStats
+
+    from .controller import TurnRecord
+    from .turn import TurnResult
+
+    turns: list = []
+    for e in t.events:
+        if e.command is not None:
+            if e.command in ("/undo", "/retry") and turns:
+                user = turns.pop().user
+            elif e.command == "/reset":
+                turns.clear()
+            if e.command != "/retry":
+                continue
+        else:
+            user = e.user
+        if e.result is None:
+            raise TranscriptError(f"{path}:{e.line}: this is a script (no replies recorded); run it with `chat run`")
+        r = e.result
+        stats = GenerationStats(prompt_tokens=len(r["prompt_ids"]), reused_tokens=r["reused"],
+                                generated_tokens=len(r["generated_ids"]), finish_reason=r["finish_reason"],
+                                seed=r["seed"])
+        turns.append(TurnRecord(user, TurnResult(r["prompt_ids"], r["generated_ids"], r["text"],
+                                                   r["finish_reason"], stats), r["sampling"]))
+    controller.reset_conversation(keep_cache=True)
+    controller.conv.system_prompt = t.system_prompt
+    for turn in turns:
+        controller.conv.add_exchange(turn.user, turn.result.text)
+    controller.turns = turns
+    controller.last = turns[-1].result if turns else None
+    return len(turns)
