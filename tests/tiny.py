@@ -48,6 +48,20 @@ def hf_config(kind: str, **over):
         cfg = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif kind == "qwen3_5":
+        common["num_hidden_layers"] = 4
+        cfg = tf.Qwen3_5TextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=True,
+                                   layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"])
+    elif kind == "qwen3_next":
+        common["num_hidden_layers"] = 4
+        cfg = tf.Qwen3NextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                 decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+                                 layer_types=["linear_attention", "linear_attention", "full_attention",
+                                              "linear_attention"])
     else:
         raise ValueError(kind)
     for k, v in over.items():
@@ -60,12 +74,15 @@ def hf_model(kind: str, seed: int = 0, **over):
 
     cfg = hf_config(kind, **over)
     torch.manual_seed(seed)
-    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[kind]
+    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+           "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith(("bias", "dt_bias")) or "norm" in name or name.endswith("A_log"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() >= 2 and p.std() == 0:  # e.g. zero-initialised routers
+                p.normal_(0, 0.5)
     return model
 
 

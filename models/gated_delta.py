@@ -1,0 +1,73 @@
+"""The gated delta rule in three forms sharing one state layout: naive oracle, chunked, one step.
+
+Shapes (one sequence): q, k [T, H, dk] (already L2-normalised, q scaled by 1/sqrt(dk), key heads
+repeated to the H value heads); v [T, H, dv]; g [T, H] log-decay (<= 0); beta [T, H] in (0, 1);
+state [H, dk, dv] fp32, read as the initial state and overwritten in place with the final one.
+Per step: S <- exp(g) S;  S <- S + k (beta (v - k^T S))^T;  o = q^T S.  Output [T, H, dv] fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def recurrent_naive(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The oracle: one token at a time, exactly the rule above."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = state.clone()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        kv_mem = torch.einsum("hk,hkv->hv", k[t], S)
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], S)
+    state.copy_(S)
+    return out
+
+
+def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """T == 1, vectorised, in place (the decode path; graph-safe: no shape-dependent control flow)."""
+    q, k, v, g, beta = (x[0].float() for x in (q, k, v, g, beta))
+    state.mul_(g.exp()[:, None, None])
+    kv_mem = (state * k[:, :, None]).sum(1)
+    delta = (v - kv_mem) * beta[:, None]
+    state.add_(k[:, :, None] * delta[:, None, :])
+    return (state * q[:, :, None]).sum(1)[None]
+
+
+def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them."""
+    T = q.shape[0]
+    q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # [H, T, ...]
+    pad = (chunk - T % chunk) % chunk
+    if pad:  # zero keys, beta 0 and decay exp(0) = 1 leave the state untouched
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    H, L = q.shape[0], q.shape[1]
+    n = L // chunk
+    q, k, v = (x.reshape(H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(H, n, chunk), beta.reshape(H, n, chunk)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(-1)                                                  # [H, n, C]
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    # (I + A) u = v_beta with A strictly lower: the accumulated delta-rule corrections of a chunk
+    # (the solver reads only the strict lower triangle; unitriangular supplies the identity)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay                           # causal, diagonal included
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]                   # [H, n, 1, 1]
+
+    S = state.clone()
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ S
+        out[:, i] = q_dec[:, i] @ S + intra[:, i] @ v_new
+        S = S * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+    state.copy_(S)
+    return out.reshape(H, L, -1)[:, :T].transpose(0, 1)

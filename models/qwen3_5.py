@@ -1,0 +1,328 @@
+"""Hybrid LinearAttention models: Qwen3.5 (dense MLP) and Qwen3-Next (MoE MLP with a shared expert).
+
+`layer_types` interleaves Gated DeltaNet layers (fixed conv + recurrent state) with gated full
+attention (GQA, per-head zero-centred q/k norm, partial RoPE, a sigmoid output gate from a doubled
+q projection). The model declares each layer's state; the engine's StateManager owns it. A
+multi-token forward on an existing state continues from it: the conv window is prepended and the
+recurrent state is the chunked scan's initial state. Qwen3-Next's fused in_proj_qkvz / in_proj_ba
+are split into the Qwen3.5 layout once, in `checkpoint_names` (the one place renames live).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gated_delta
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask
+from .state_spec import AttentionState, FixedState, StateView
+
+# Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
+PREFILL_FORM = "chunked"
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool
+    lin_k_heads: int
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int
+    # MoE (Qwen3-Next); num_experts 0 = dense MLP everywhere
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+
+    @classmethod
+    def from_hf(cls, c: dict, moe: bool = False) -> "HybridConfig":
+        rope = c.get("rope_parameters") or {}
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+        n = c["num_hidden_layers"]
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % c.get("full_attention_interval", 4) == 0
+                                         else "linear_attention" for i in range(n)]
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} (only default RoPE is supported here)")
+        moe_layers = ()
+        if moe and c.get("num_experts", 0) > 0:
+            step, only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+            moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            layer_types=tuple(types), num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+            head_dim=head_dim, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rotary_dim=int(head_dim * factor), rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position=int(c.get("max_position_embeddings", 32768)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias", False)),
+            lin_k_heads=c["linear_num_key_heads"], lin_v_heads=c["linear_num_value_heads"],
+            lin_k_dim=c["linear_key_head_dim"], lin_v_dim=c["linear_value_head_dim"],
+            conv_kernel=c.get("linear_conv_kernel_dim", 4),
+            num_experts=c.get("num_experts", 0) if moe else 0, experts_per_tok=c.get("num_experts_per_tok", 0),
+            moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * w * SiLU(z): the DeltaNet output norm (its weight is not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * x.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.nk, self.nv, self.dk, self.dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.conv_kernel
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def state(self) -> FixedState:
+        return FixedState((("conv", (self.conv_dim, self.kernel - 1), None),
+                           ("recurrent", (self.nv, self.dk, self.dv), torch.float32)))
+
+    def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        mixed = self.in_proj_qkv(x).transpose(0, 1)                         # [C, T]
+        conv_state = st["conv"]
+        window = torch.cat((conv_state, mixed.to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
+        conv_state.copy_(window[:, -(self.kernel - 1):])
+        mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0])
+        q, k, v = torch.split(mixed.transpose(0, 1), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(T, self.nk, self.dk).float()) * self.dk ** -0.5
+        k = l2norm(k.reshape(T, self.nk, self.dk).float())
+        if self.nv != self.nk:  # each key head serves nv/nk consecutive value heads
+            q = q.repeat_interleave(self.nv // self.nk, dim=1)
+            k = k.repeat_interleave(self.nv // self.nk, dim=1)
+        v = v.reshape(T, self.nv, self.dv)
+        beta = self.in_proj_b(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        rec = st["recurrent"]
+        if T == 1:
+            out = gated_delta.step(q, k, v, g, beta, rec)
+        elif PREFILL_FORM == "chunked":
+            out = gated_delta.chunked(q, k, v, g, beta, rec)
+        else:
+            out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
+        z = self.in_proj_z(x).reshape(T, self.nv, self.dv)
+        out = self.norm(out.to(x.dtype), z).reshape(T, self.value_dim)
+        return self.out_proj(out)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.nh * d * 2, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
+        self.k_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
+
+    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
+        q = rope.apply(self.q_norm(q).transpose(0, 1), cos, sin)
+        k = rope.apply(self.k_norm(self.k_proj(x).view(T, self.nkv, self.d)).transpose(0, 1), cos, sin)
+        v = self.v_proj(x).view(T, self.nkv, self.d).transpose(0, 1)
+        out = cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(T, -1)))
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stored as 3D tensors (the transformers 5 layout)."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x, idx, weights):
+        """x [T, h]; idx, weights [T, top_k]."""
+        if x.shape[0] == 1:  # decode: gather the chosen experts (no data-dependent control flow)
+            gate, up = torch.einsum("kih,h->ki", self.gate_up_proj[idx[0]], x[0]).chunk(2, dim=-1)
+            y = torch.einsum("khi,ki->kh", self.down_proj[idx[0]], F.silu(gate) * up)
+            return (y * weights[0][:, None].to(y.dtype)).sum(0, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.top_k, self.norm_topk = cfg.experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x):
+        probs = F.linear(x, self.weight).float().softmax(-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        idx, weights = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, idx, weights) + shared
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, i: int):
+        super().__init__()
+        self.linear = cfg.layer_types[i] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = SparseMoe(cfg) if cfg.moe_layers and cfg.moe_layers[i] else SwiGLU(cfg.hidden_size,
+                                                                                       cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
+
+    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask):
+        h = self.input_layernorm(x)
+        if self.linear:
+            h = self.linear_attn(h, state.fixed(i))
+        else:
+            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(len(cfg.layer_types)))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
+    def state_spec(self):
+        c = self.config
+        return [layer.linear_attn.state() if layer.linear else AttentionState(c.num_kv_heads, c.head_dim)
+                for layer in self.model.layers]
+
+    def forward(self, tokens, positions, state: StateView, all_logits: bool = False):
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        mask = causal_mask(positions, state.kv_len)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, i, positions, self.rope, cos, sin, state, mask)
+        if not all_logits:
+            x = x[-1:]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names → ours: multimodal prefixes, Qwen3-Next's fused projections, per-expert weights."""
+        c = self.config
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        for name, t in tensors.items():
+            if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+                continue  # the vision tower and multi-token-prediction heads are not part of the text model
+            name = name.replace("model.language_model.", "model.")
+            if name.endswith("conv1d.weight") and t.dim() == 2:
+                t = t[:, None, :]
+            if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
+                prefix, rest = name.split(".mlp.experts.")
+                e, proj = rest.split(".")[0], rest.split(".")[1]
+                experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+                continue
+            if name.endswith("in_proj_qkvz.weight"):
+                base = name[: -len("in_proj_qkvz.weight")]
+                r, h = c.lin_v_heads // c.lin_k_heads, t.shape[-1]
+                w = t.view(c.lin_k_heads, 2 * c.lin_k_dim + 2 * r * c.lin_v_dim, h)
+                q, k, v, z = w.split([c.lin_k_dim, c.lin_k_dim, r * c.lin_v_dim, r * c.lin_v_dim], dim=1)
+                out[base + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, h) for x in (q, k, v)])
+                out[base + "in_proj_z.weight"] = z.reshape(-1, h)
+                continue
+            if name.endswith("in_proj_ba.weight"):
+                base = name[: -len("in_proj_ba.weight")]
+                r = c.lin_v_heads // c.lin_k_heads
+                b, a = t.view(c.lin_k_heads, 2 * r, -1).split([r, r], dim=1)
+                out[base + "in_proj_b.weight"] = b.reshape(c.lin_v_heads, -1)
+                out[base + "in_proj_a.weight"] = a.reshape(c.lin_v_heads, -1)
+                continue
+            out[name] = t
+        for prefix, per in experts.items():
+            ids = sorted(per)
+            out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids])
+            out[prefix + ".mlp.experts.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
+        return out
+
+
+def from_hf_config(c: dict, flags: dict) -> HybridForCausalLM:
+    return HybridForCausalLM(HybridConfig.from_hf(c, **flags))

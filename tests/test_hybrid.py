@@ -1,0 +1,134 @@
+"""Hybrid LinearAttention models: parity with transformers, the gated delta forms, and state resets."""
+import pytest
+import torch
+
+import models
+from engine import reference
+from engine.config import SamplingConfig
+from engine.session import DecodeSession
+from models import gated_delta, qwen3_5
+
+TOL = 1e-4
+KINDS = ["qwen3_5", "qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    out = {}
+    for kind in KINDS:
+        hf = hf_model(kind)
+        path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)
+        out[kind] = (models.load(path), hf)
+    return out
+
+
+def session(lm, max_context=512):
+    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def rand_ids(n, seed=0):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_prefill_logits_match_transformers(hybrids, kind, length):
+    lm, hf = hybrids[kind]
+    ids = rand_ids(length, length)
+    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_steps_match_transformers(hybrids, kind):
+    lm, hf = hybrids[kind]
+    s = session(lm)
+    seq = rand_ids(37, 5)
+    logits = s.prefill(seq)
+    for _ in range(16):
+        seq.append(int(logits[-1].argmax()))
+        logits = s.step(seq[-1])
+        assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_prefill_equals_one_prefill(hybrids, kind):
+    lm, _ = hybrids[kind]
+    ids = rand_ids(150, 7)
+    whole = session(lm).prefill(ids, all_logits=True)
+    s = session(lm)
+    parts = [s.prefill(ids[a:b], all_logits=True) for a, b in [(0, 13), (13, 14), (14, 79), (79, 150)]]
+    assert (torch.cat(parts) - whole).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("T", [1, 2, 31, 63, 64, 65, 129])
+def test_chunked_equals_naive_from_nonzero_state(T):
+    g = torch.Generator().manual_seed(T)
+    H, dk, dv = 3, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=g), dim=-1)
+    v = torch.randn(T, H, dv, generator=g)
+    decay = -torch.rand(T, H, generator=g) * 2
+    beta = torch.rand(T, H, generator=g)
+    s0 = torch.randn(H, dk, dv, generator=g)
+    s_naive, s_chunk = s0.clone(), s0.clone()
+    o_naive = gated_delta.recurrent_naive(q, k, v, decay, beta, s_naive)
+    o_chunk = gated_delta.chunked(q, k, v, decay, beta, s_chunk, chunk=16)
+    assert (o_naive - o_chunk).abs().max() <= 1e-5 and (s_naive - s_chunk).abs().max() <= 1e-5
+    if T == 1:
+        s_step = s0.clone()
+        assert (gated_delta.step(q, k, v, decay, beta, s_step) - o_naive).abs().max() <= 1e-6
+        assert (s_step - s_naive).abs().max() <= 1e-6
+
+
+def test_model_prefill_forms_agree(hybrids, monkeypatch):
+    lm, _ = hybrids["qwen3_5"]
+    ids = rand_ids(70, 9)
+    chunked = session(lm).prefill(ids, all_logits=True)
+    monkeypatch.setattr(qwen3_5, "PREFILL_FORM", "naive")
+    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0, max_new_tokens=12),
+                                 SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11,
+                                                max_new_tokens=12)])
+def test_generate_twice_on_one_session_is_identical(hybrids, kind, cfg):
+    lm, _ = hybrids[kind]
+    s = session(lm)
+    prompt = rand_ids(40, 3)
+    a = list(s.generate(prompt, cfg))
+    b = list(s.generate(prompt, cfg))
+    assert a == b
+    assert s.last_stats.reused_tokens == 0  # recurrent state cannot rewind: reset and full prefill
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_turn_appended_equals_cold_run(hybrids, kind):
+    lm, _ = hybrids[kind]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+    s = session(lm)
+    first = rand_ids(30, 4)
+    reply = list(s.generate(first, greedy))
+    second = first + reply + rand_ids(9, 5)
+    warm = list(s.generate(second, greedy))
+    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
+    assert warm == list(session(lm).generate(second, greedy))
+    assert warm == reference.greedy(lm.model, second, len(warm))
+
+
+def test_non_extension_prompt_falls_back_to_reset(hybrids):
+    lm, _ = hybrids["qwen3_5"]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=6)
+    s = session(lm)
+    list(s.generate(rand_ids(30, 1), greedy))
+    other = rand_ids(30, 1)[:10] + rand_ids(5, 2)
+    assert list(s.generate(other, greedy)) == list(session(lm).generate(other, greedy))
+    assert s.last_stats.reused_tokens == 0
+    with pytest.raises(Exception, match="without a snapshot"):
+        s.state.rewind(5)
