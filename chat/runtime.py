@@ -41,7 +41,7 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     report(f"loading {eng.model}")
     loaded = models.load(eng.model, device, dtype)
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
-    report("allocating state")
+    report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
-                            eos_ids=loaded.eos_ids)
+                            eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph)
     return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)

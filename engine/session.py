@@ -59,7 +59,7 @@ class DecodeSession:
     PREFILL_CHUNK = 512  # bounds the attention scores' memory on long prompts
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
-                 eos_ids: tuple[int, ...] = ()):
+                 eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto"):
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
@@ -68,16 +68,29 @@ class DecodeSession:
         self.cached: list[int] = []  # the tokens whose state is in self.state
         self.last_stats = GenerationStats()
         self.vocab_size = model.config.vocab_size
+        # On CUDA the decode step attends over all max_context slots (masked), eager or graphed,
+        # so the graph is a recording of the very same eager step. On the CPU: only the live ones.
+        self._full_kv_decode = device.type == "cuda"
+        if cuda_graph == "on" and device.type != "cuda":
+            raise ValueError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
+        self.graph = None
+        if cuda_graph in ("on", "auto") and device.type == "cuda":
+            from .graphs import GraphedDecodeStep
+            self.graph = GraphedDecodeStep(model, self.state, device)
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         start = self.state.length
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-        self.state.begin_forward(len(ids))
+        decode = len(ids) == 1 and self._full_kv_decode
+        self.state.begin_forward(len(ids), self.max_context if decode else None)
         try:
-            logits = self.model(tokens, positions, self.state, all_logits=all_logits)
+            if decode and self.graph is not None:
+                logits = self.graph(ids[0], start)
+            else:
+                tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+                positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+                logits = self.model(tokens, positions, self.state, all_logits=all_logits)
         except BaseException:
             self.state.invalidate()
             del self.cached[self.state.length:]

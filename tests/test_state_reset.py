@@ -1,10 +1,12 @@
 """Regression test of the original bug: a reused session must re-zero fixed recurrent state.
 
-A synthetic recurrent decoder's logits are a direct function of the conv state a forward finds:
-logit[0] = sum(incoming window), and each forward pushes 1 + that sum into the window. From a zero
-state the first logit is 0 and the logits strictly grow, so any state leaked from generation 1
-into generation 2 shows up in the first logit. Non-vacuity: with the re-zero disabled through
-engine.state's test-only switch, the same check fails (asserted below).
+A synthetic recurrent decoder whose logits are a direct function of the conv state a forward
+finds: with s = sum(incoming window), logits = -(arange(V) - s)^2, so greedy decoding emits s
+itself, and each forward pushes 1 into the window. From a zero state the first logit's argmax is
+0 and the emitted values strictly grow (0, 1, 2, ...), proving the state feeds the logits; any
+state leaked from generation 1 into generation 2 changes generation 2's first token. Pure tensor
+ops, so the same model runs eagerly on the CPU and inside a CUDA graph. Non-vacuity: with the
+re-zero disabled through engine.state's test-only switch, the same check fails (asserted below).
 """
 import pytest
 import torch
@@ -15,63 +17,60 @@ from engine.config import SamplingConfig
 from engine.session import DecodeSession
 from models.state_spec import FixedState
 
-K = 3
+WINDOW, VOCAB, STEPS = 16, 32, 7
 
 
 class SyntheticRecurrentDecoder(nn.Module):
     class config:  # noqa: N801 - mirrors model.config
-        vocab_size = 2
+        vocab_size = VOCAB
 
     max_position = 1 << 16
 
-    def __init__(self):
-        super().__init__()
-        self.logits_seen: list[float] = []
-
     def state_spec(self):
-        return [FixedState((("conv", (1, K), torch.float32),))]
+        return [FixedState((("conv", (1, WINDOW), torch.float32),))]
 
     def forward(self, tokens, positions, state, all_logits=False):
         conv = state.fixed(0)["conv"]
+        grid = torch.arange(VOCAB, device=conv.device, dtype=torch.float32)
         rows = []
         for _ in range(tokens.shape[0]):
             incoming = conv.sum()
-            rows.append(torch.stack([incoming, torch.zeros(())]))
-            self.logits_seen.append(float(incoming))
-            conv.copy_(torch.cat([conv[:, 1:], (1 + incoming).reshape(1, 1)], dim=1))
+            rows.append(-(grid - incoming) ** 2)
+            conv.copy_(torch.cat([conv[:, 1:], torch.ones_like(conv[:, :1])], dim=1))
         logits = torch.stack(rows)
         return logits if all_logits else logits[-1:]
 
 
-def two_generations(device="cpu", session_factory=None):
-    model = SyntheticRecurrentDecoder()
-    s = (session_factory or (lambda m: DecodeSession(m, max_context=64, device=torch.device(device),
-                                                     dtype=torch.float32)))(model)
-    cfg = SamplingConfig(temperature=0, max_new_tokens=6)
-    out = []
-    for _ in range(2):
-        model.logits_seen.clear()
-        tokens = list(s.generate([1], cfg))  # one prompt token, then 5 decode steps
-        out.append((tokens, list(model.logits_seen)))
-    return out
+def two_generations(device: str, cuda_graph: str = "off"):
+    s = DecodeSession(SyntheticRecurrentDecoder(), max_context=64, device=torch.device(device),
+                      dtype=torch.float32, cuda_graph=cuda_graph)
+    cfg = SamplingConfig(temperature=0, max_new_tokens=STEPS)
+    return [list(s.generate([1], cfg)) for _ in range(2)], s
 
 
 def check(generations):
-    (tok1, log1), (tok2, log2) = generations
-    assert tok1 == tok2
-    assert log1 == log2
-    assert log1[0] == 0.0
-    assert all(b > a for a, b in zip(log1, log1[1:])), log1
+    first, second = generations
+    assert first == second
+    assert first[0] == 0  # the first logit's argmax: the incoming state was zero
+    assert all(b > a for a, b in zip(first, first[1:])), first  # the state feeds the logits
 
 
-def test_reset_rezeroes_recurrent_state_on_reused_session():
-    check(two_generations())
+DEVICES = [("cpu", "off"), pytest.param("cuda", "on", marks=pytest.mark.gpu)]
 
 
-def test_regression_test_fails_without_the_rezero(monkeypatch):
+@pytest.mark.parametrize("device,graph", DEVICES)
+def test_reset_rezeroes_recurrent_state_on_reused_session(device, graph):
+    generations, s = two_generations(device, graph)
+    check(generations)
+    assert (s.graph is not None) == (graph == "on")
+
+
+@pytest.mark.parametrize("device,graph", DEVICES)
+def test_regression_test_fails_without_the_rezero(monkeypatch, device, graph):
     monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
+    generations, _ = two_generations(device, graph)
     with pytest.raises(AssertionError):
-        check(two_generations())
+        check(generations)
 
 
 def test_pure_kv_models_have_no_fixed_state(tiny_dirs):

@@ -1,0 +1,155 @@
+"""Decode and prefill speed of our engine on the PERFORMANCE.md shapes (random weights).
+
+    python bench/decode_bench.py NAME [NAME ...] [--device cuda] [--graph auto|on|off]
+        [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--hf hf.jsonl] [--startup NAME]
+
+Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
+on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
+of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
+benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
+lines (run in the same device command) and prints ratios. `--startup NAME`: process start to
+ready-to-decode (model built, state allocated, graph captured) in a fresh child process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+T_PROCESS = time.perf_counter()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from engine.config import SamplingConfig  # noqa: E402
+from engine.session import DecodeSession  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs) -> dict:
+    t0 = time.perf_counter()
+    model = random_model(name, device, dtype)
+    sync(device)
+    rec = {"model": name, "build_s": round(time.perf_counter() - t0, 1),
+           "weight_gb": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9, 3)}
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (max(prompt_len, prefill_len),), generator=g).tolist()
+    prompt = ids[:prompt_len]
+    t0 = time.perf_counter()
+    s = DecodeSession(model, max_context=prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph)
+    sync(device)
+    rec["session_s"] = round(time.perf_counter() - t0, 2)
+    rec["graph"] = s.graph is not None
+    greedy = SamplingConfig(temperature=0, max_new_tokens=new)
+    list(s.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=16), stop_ids=()))  # warm-up
+    times, outs = [], []
+    for _ in range(max(3, runs)):
+        s.reset()
+        out = list(s.generate(prompt, greedy, stop_ids=()))
+        st = s.last_stats
+        times.append(st.decode_seconds / max(st.generated_tokens - 1, 1))
+        outs.append(out)
+    ms = statistics.median(times) * 1e3
+    rec.update(decode_ms_per_tok=round(ms, 3), decode_tok_s=round(1e3 / ms, 1),
+               floor_ms_per_tok=round(rec["weight_gb"] / 4.3, 3))
+    if runs > 1:
+        for i, out in enumerate(outs[1:runs], start=2):
+            if out != outs[0]:
+                first = next(j for j, (a, b) in enumerate(zip(out, outs[0])) if a != b)
+                raise SystemExit(f"{name}: run {i} differs from run 1 at token {first}: "
+                                 f"{out[first]} != {outs[0][first]}")
+        rec["runs_identical"] = runs
+    del s
+    if prefill_len:
+        s = DecodeSession(model, max_context=prefill_len + 8, device=device, dtype=dtype, cuda_graph="off")
+        pf = []
+        for _ in range(4):
+            s.reset()
+            sync(device)
+            t = time.perf_counter()
+            s.prefill(ids[:prefill_len])
+            sync(device)
+            pf.append(time.perf_counter() - t)
+        rec["prefill_tok_s"] = round(prefill_len / statistics.median(pf[1:]), 1)
+        del s
+    if device.type == "cuda":
+        rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return rec
+
+
+def startup(name: str, device: str, graph: str) -> float:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ready", name, "--device", device,
+                           "--graph", graph], capture_output=True, text=True)
+    if "READY" not in proc.stdout:
+        raise SystemExit(f"startup child failed: {proc.stderr[-2000:]}")
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="*")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--graph", default="auto")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
+    ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
+    ap.add_argument("--ready", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if a.ready:
+        model = random_model(a.ready, device, dtype)
+        s = DecodeSession(model, max_context=4096, device=device, dtype=dtype, cuda_graph=a.graph)
+        s.prefill([1])
+        sync(device)
+        print("READY", round(time.perf_counter() - T_PROCESS, 2), flush=True)
+        return
+    rows = []
+    for name in a.names:
+        rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs)
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    hf = {}
+    if a.hf and os.path.exists(a.hf):
+        for line in open(a.hf):
+            if line.startswith("{"):
+                r = json.loads(line)
+                key = "prefill" if r.get("tag") == "prefill" else ("static" if r.get("static") else "eager")
+                hf.setdefault(r["model"], {})[key] = r
+    if rows:
+        print(f"\n{'shape':14}{'ours tok/s':>11}{'HF best':>9}{'ratio':>7}{'floor':>8}"
+              f"{'ours prefill':>14}{'HF prefill':>12}{'ratio':>7}")
+        for r in rows:
+            h = hf.get(r["model"], {})
+            best = max((v.get("decode_tok_s", 0) for k, v in h.items() if k != "prefill"), default=0)
+            hf_pf = h.get("prefill", {}).get("ttft_ms")
+            hf_pf_tps = a.prefill / (hf_pf / 1e3) if hf_pf else 0
+            print(f"{r['model']:14}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
+                  f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / r['floor_ms_per_tok']:>8.0f}"
+                  f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
+                  f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")
+    if a.startup:
+        print(f"\nstartup {a.startup}: process start to ready-to-decode "
+              f"(graph={a.graph}) {startup(a.startup, a.device, a.graph):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
