@@ -90,13 +90,13 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs) 
     return rec
 
 
-def startup(name: str, device: str, graph: str) -> float:
+def startup(name: str, device: str, graph: str) -> tuple[float, str]:
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ready", name, "--device", device,
                            "--graph", graph], capture_output=True, text=True)
     if "READY" not in proc.stdout:
         raise SystemExit(f"startup child failed: {proc.stderr[-2000:]}")
-    return time.perf_counter() - t
+    return time.perf_counter() - t, proc.stdout.strip()
 
 
 def main() -> None:
@@ -116,11 +116,15 @@ def main() -> None:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if a.ready:
+        t_import = time.perf_counter() - T_PROCESS
         model = random_model(a.ready, device, dtype)
+        sync(device)
+        t_model = time.perf_counter() - T_PROCESS
         s = DecodeSession(model, max_context=4096, device=device, dtype=dtype, cuda_graph=a.graph)
         s.prefill([1])
         sync(device)
-        print("READY", round(time.perf_counter() - T_PROCESS, 2), flush=True)
+        print("READY", f"imports {t_import:.2f}s, model {t_model:.2f}s, session+capture "
+              f"{time.perf_counter() - T_PROCESS:.2f}s (times since interpreter start)", flush=True)
         return
     rows = []
     for name in a.names:
@@ -147,8 +151,8 @@ def main() -> None:
                   f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
                   f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")
     if a.startup:
-        print(f"\nstartup {a.startup}: process start to ready-to-decode "
-              f"(graph={a.graph}) {startup(a.startup, a.device, a.graph):.2f} s")
+        total, detail = startup(a.startup, a.device, a.graph)
+        print(f"\nstartup {a.startup}: process start to ready-to-decode (graph={a.graph}) {total:.2f} s; {detail}")
 
 
 if __name__ == "__main__":

@@ -51,4 +51,5 @@ def random_model(name: str, device, dtype, seed: int = 0):
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
+    models.fuse(model)
     return model.eval()

@@ -125,7 +125,15 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
+    fuse(model)
     model.eval()
+
+
+def fuse(model: torch.nn.Module) -> None:
+    """Concatenate projections that read the same input, once, after the weights are in place."""
+    for m in list(model.modules()):
+        if hasattr(m, "fuse"):
+            m.fuse()
 
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:

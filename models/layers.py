@@ -90,8 +90,25 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
+    def fuse(self) -> None:
+        """After loading: one [2*ffn, hidden] matmul instead of two (fewer, larger kernels)."""
+        self.gate_up = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up"):
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[nn.Parameter, nn.Parameter | None, list[int]]:
+    """Concatenate linears that read the same input: (weight, bias or None, output sizes)."""
+    weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+    has_bias = linears[0].bias is not None
+    bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False) if has_bias else None
+    return weight, bias, [m.weight.shape[0] for m in linears]
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -110,6 +127,28 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     k_cache.index_copy_(1, positions, k.to(k_cache.dtype))
     v_cache.index_copy_(1, positions, v.to(v_cache.dtype))
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
-    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                         attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0])
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+    T = q.shape[1]
+    if T == 1:
+        out = decode_attention(q, keys, values, mask)
+    elif kv_len == T:  # a prefill from position 0: plain causal attention (flash-eligible)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                             is_causal=True, enable_gqa=q.shape[0] != keys.shape[0])[0]
+    else:
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                             attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0])[0]
+    return out.transpose(0, 1).reshape(T, -1)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per head, written out as two batched GEMVs and an fp32 softmax.
+
+    Deterministic on every device (fused SDPA kernels for masked single-query attention were
+    not bitwise reproducible run to run on an H200), and cheap: the scores are [H, kv_len].
+    q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] bool. Returns [H, 1, D].
+    """
+    H, _, D = q.shape
+    kvh = keys.shape[0]
+    qg = q.reshape(kvh, H // kvh, D)  # query heads grouped by the KV head they read
+    scores = (qg @ keys.transpose(1, 2)).float() * (D ** -0.5)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    return (probs @ values).reshape(H, 1, D)

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask
+import torch.nn.functional as F
+
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask, fuse_linears
 from .state_spec import AttentionState, StateView
 
 
@@ -61,11 +63,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_eps)
             self.k_norm = RMSNorm(d, cfg.rms_eps)
 
+    def fuse(self) -> None:
+        """After loading: q, k and v from one matmul."""
+        self.qkv_weight, self.qkv_bias, self.qkv_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        if hasattr(self, "qkv_weight"):
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv, self.head_dim)
+        v = v.view(T, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope.apply(q.transpose(0, 1), cos, sin)

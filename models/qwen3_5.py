@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gated_delta
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask, fuse_linears
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -122,9 +122,19 @@ class GatedDeltaNet(nn.Module):
         return FixedState((("conv", (self.conv_dim, self.kernel - 1), None),
                            ("recurrent", (self.nv, self.dk, self.dv), torch.float32)))
 
+    def fuse(self) -> None:
+        """After loading: the four input projections from one matmul."""
+        self.in_weight, _, self.in_sizes = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                         self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        mixed = self.in_proj_qkv(x).transpose(0, 1)                         # [C, T]
+        if hasattr(self, "in_weight"):
+            mixed, z, b, a = F.linear(x, self.in_weight).split(self.in_sizes, dim=-1)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        mixed = mixed.transpose(0, 1)                                       # [C, T]
         conv_state = st["conv"]
         window = torch.cat((conv_state, mixed.to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
         conv_state.copy_(window[:, -(self.kernel - 1):])
@@ -136,8 +146,8 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
         v = v.reshape(T, self.nv, self.dv)
-        beta = self.in_proj_b(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         rec = st["recurrent"]
         if T == 1:
             out = gated_delta.step(q, k, v, g, beta, rec)
@@ -145,7 +155,7 @@ class GatedDeltaNet(nn.Module):
             out = gated_delta.chunked(q, k, v, g, beta, rec)
         else:
             out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
-        z = self.in_proj_z(x).reshape(T, self.nv, self.dv)
+        z = z.reshape(T, self.nv, self.dv)
         out = self.norm(out.to(x.dtype), z).reshape(T, self.value_dim)
         return self.out_proj(out)
 
@@ -162,12 +172,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
 
+    def fuse(self) -> None:
+        """After loading: q (with its gate), k and v from one matmul."""
+        self.qkv_weight, self.qkv_bias, self.qkv_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
+        if hasattr(self, "qkv_weight"):
+            qg, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
         q = rope.apply(self.q_norm(q).transpose(0, 1), cos, sin)
-        k = rope.apply(self.k_norm(self.k_proj(x).view(T, self.nkv, self.d)).transpose(0, 1), cos, sin)
-        v = self.v_proj(x).view(T, self.nkv, self.d).transpose(0, 1)
+        k = rope.apply(self.k_norm(k.view(T, self.nkv, self.d)).transpose(0, 1), cos, sin)
+        v = v.view(T, self.nkv, self.d).transpose(0, 1)
         out = cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask)
         return self.o_proj(out * torch.sigmoid(gate.reshape(T, -1)))
 
