@@ -36,7 +36,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs) -> dict:
+def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off") -> dict:
     t0 = time.perf_counter()
     model = random_model(name, device, dtype)
     sync(device)
@@ -47,10 +47,12 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs) 
     ids = torch.randint(0, vocab, (max(prompt_len, prefill_len),), generator=g).tolist()
     prompt = ids[:prompt_len]
     t0 = time.perf_counter()
-    s = DecodeSession(model, max_context=prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph)
+    s = DecodeSession(model, max_context=prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph,
+                      compile=compile)
     sync(device)
     rec["session_s"] = round(time.perf_counter() - t0, 2)
     rec["graph"] = s.graph is not None
+    rec["compile"] = compile
     greedy = SamplingConfig(temperature=0, max_new_tokens=new)
     list(s.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=16), stop_ids=()))  # warm-up
     times, outs = [], []
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--compile", default="off", help="torch.compile the decode step (on|off)")
     ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
@@ -128,7 +131,7 @@ def main() -> None:
         return
     rows = []
     for name in a.names:
-        rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs)
+        rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile)
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     hf = {}

@@ -43,5 +43,6 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
-                            eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph)
+                            eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
+                            compile=eng.compile)
     return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)

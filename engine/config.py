@@ -108,6 +108,7 @@ class EngineConfig(_Validated):
     dtype: str = setting("auto", _choice("auto", "float32", "bfloat16", "float16"))
     max_context: int = setting(8192, _int(16, 1 << 20))
     cuda_graph: str = setting("auto", _choice("auto", "on", "off"))
+    compile: str = setting("off", _choice("off", "on"))
     threads: int = setting(0, _int(0, 1024, "0 (auto) or a number of threads"))
 
 

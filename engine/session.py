@@ -59,7 +59,7 @@ class DecodeSession:
     PREFILL_CHUNK = 512  # bounds the attention scores' memory on long prompts
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
-                 eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto"):
+                 eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off"):
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
@@ -73,10 +73,16 @@ class DecodeSession:
         self._full_kv_decode = device.type == "cuda"
         if cuda_graph == "on" and device.type != "cuda":
             raise ValueError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
+        if compile == "on" and device.type != "cuda":
+            raise ValueError("compile: 'on' is for the CUDA decode step; use off on the CPU")
+        # The decode step: the model itself, or its torch.compile'd form (same call, fused kernels).
+        self._step_fn = model
+        if compile == "on":
+            self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         self.graph = None
         if cuda_graph in ("on", "auto") and device.type == "cuda":
             from .graphs import GraphedDecodeStep
-            self.graph = GraphedDecodeStep(model, self.state, device)
+            self.graph = GraphedDecodeStep(self._step_fn, self.state, device)
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -90,7 +96,8 @@ class DecodeSession:
             else:
                 tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
                 positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-                logits = self.model(tokens, positions, self.state, all_logits=all_logits)
+                fn = self._step_fn if decode else self.model
+                logits = fn(tokens, positions, self.state, all_logits=all_logits)
         except BaseException:
             self.state.invalidate()
             del self.cached[self.state.length:]
