@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.sampling import resolve_seed
+from engine.session import common_prefix
 
 from .conversation import Conversation
 from .runtime import Runtime
@@ -59,7 +60,7 @@ class ChatController:
         sampling = self.settings.sampling
         seed = resolve_seed(sampling.seed) if seed is None else seed
         self.session.check_fits(ids)  # refuse before anything changes
-        before = self.session.state.length
+        before = list(self.session.cached)
         completed = False
         try:
             yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result)
@@ -71,9 +72,10 @@ class ChatController:
         self.turns.append(TurnRecord(user_text, result, self.sampling_dict()))
         self.last = result
 
-    def _rollback(self, length: int) -> None:
+    def _rollback(self, before: list[int]) -> None:
+        """Keep only what is still exactly the pre-turn state: the prefix shared with it."""
         s = self.session
-        target = min(length, s.state.length)
+        target = common_prefix(s.cached, before)
         if s.state.can_rewind(target):
             s.rewind(target)
         else:

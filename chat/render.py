@@ -133,3 +133,5 @@ class Renderer:
     def notice(self, message: str) -> None:
         if self.rich:
             self.console.print(Text(message, style="dim"))
+        else:  # stderr: stdout stays the replies alone
+            print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,132 @@
+"""The REPL driven through the real prompt-toolkit application (pipe input, dummy output)."""
+import os
+import subprocess
+import sys
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from chat.controller import ChatController
+from chat.render import Renderer
+from chat.repl import ReplApp, make_prompt_session, run_loop
+from chat.runtime import open_runtime
+from chat.settings import load_settings
+
+
+class Out:
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    @property
+    def text(self):
+        return "".join(self.parts)
+
+
+@pytest.fixture
+def app_factory(tiny_dirs, tmp_path):
+    def make(**over):
+        settings = load_settings(None, env={}, overrides={"model": tiny_dirs["llama"][0], "temperature": "0",
+                                                         "max_new_tokens": "12", "history_file": str(tmp_path / "h"),
+                                                         **over})
+        out = Out()
+        renderer = Renderer(out=out, color="never")
+        app = ReplApp(ChatController(open_runtime(settings), settings), renderer)
+        return app, out, settings
+    return make
+
+
+def drive(app, settings, keys: str):
+    with create_pipe_input() as inp:
+        inp.send_text(keys)
+        session = make_prompt_session(settings, input=inp, output=DummyOutput())
+        return run_loop(app, session)
+
+
+def test_multi_turn_conversation_with_commands(app_factory):
+    app, out, settings = app_factory()
+    c = app.controller
+    keys = ("hello there\r"            # turn 1
+            "/set temperature 0\r"
+            "tell me more\r"           # turn 2
+            "/show\r/stats\r"
+            "/undo\r"
+            "tell me more\r"           # turn 2 again, after the undo
+            "/bogus\r"
+            "/set top_k -3\r"
+            "/exit\r")
+    assert drive(app, settings, keys) == 0
+    assert len(c.turns) == 2 and len(c.conv.messages) == 4
+    t1, t2 = c.turns
+    # on a KV model turn 2 prefills only its new tokens: everything of turn 1 but its last token came from the cache
+    assert t2.result.stats.reused_tokens >= len(t1.result.prompt_ids) + len(t1.result.ids) - 2
+    assert t2.result.stats.prefilled_tokens < len(t2.result.prompt_ids) - len(t1.result.prompt_ids)
+    assert c.session.state.length == len(c.session.cached)
+    assert "temperature = 0" in out.text and "context:" in out.text
+
+
+def test_unknown_command_sends_nothing(app_factory, capsys):
+    app, out, settings = app_factory()
+    drive(app, settings, "/frobnicate\r/set nonsense 1\r/exit\r")
+    assert app.controller.turns == [] and app.controller.session.state.length == 0
+    err = capsys.readouterr().err
+    assert "unknown command /frobnicate" in err and "unknown key 'nonsense'" in err
+
+
+def test_retry_regenerates_and_multiline_block(app_factory):
+    app, out, settings = app_factory()
+    drive(app, settings, '"""\rline one\rline two\r"""\r/retry\r/exit\r')
+    c = app.controller
+    assert len(c.turns) == 1 and c.turns[0].user == "line one\nline two"
+
+
+def test_context_overflow_refused_state_untouched(app_factory, capsys):
+    app, out, settings = app_factory(max_context="48")
+    drive(app, settings, "hi\r" + "word " * 60 + "\r/exit\r")
+    c = app.controller
+    assert len(c.turns) == 1
+    assert "context holds 48" in capsys.readouterr().err
+    assert c.session.state.length == len(c.session.cached)
+
+
+def test_interrupted_turn_leaves_pre_turn_state(app_factory):
+    app, out, settings = app_factory(max_new_tokens="40")
+    c = app.controller
+    app.handle("first question")
+    before = (list(c.session.cached), [dict(m) for m in c.conv.messages])
+    chunks = 0
+    from chat.turn import TurnResult
+    result = TurnResult([])
+    gen = c.send("second question", result)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in gen:
+            chunks += 1
+            if chunks == 2:
+                gen.throw(KeyboardInterrupt)
+    assert c.conv.messages == before[1]
+    assert c.session.cached == before[0][:len(c.session.cached)]
+    # the next turn gives what a fresh session gives
+    app.handle("second question")
+    fresh, _, _ = app_factory(max_new_tokens="40")
+    fresh.handle("first question")
+    fresh.handle("second question")
+    assert c.turns[-1].result.ids == fresh.controller.turns[-1].result.ids
+
+
+def test_piped_stdout_is_byte_stable(tiny_dirs):
+    cmd = [sys.executable, "-m", "chat", "--model", tiny_dirs["llama"][0], "--temperature", "0",
+           "--max-new-tokens", "16"]
+    runs = [subprocess.run(cmd, input="hi\nwhat now?\n/exit\n", capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, CHAT_HISTORY_FILE=os.devnull)) for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.count("\n") >= 2
+    assert "\x1b" not in runs[0].stdout  # no colour or cursor codes in plain mode
