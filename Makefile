@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: chat test setup setup-test bench clean
+.PHONY: chat test setup setup-test bench golden clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ chat: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+golden: setup-test
+	$(BIN)/python tests/golden/rerecord.py
 
 bench: setup
 	$(BIN)/python bench/cpu_bench.py $(ARGS)

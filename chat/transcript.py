@@ -33,7 +33,10 @@ RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "tex
 
 
 class TranscriptError(ValueError):
-    pass
+    """One line for the user, whatever the underlying parser said."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
 
 
 # --- reading with line numbers -----------------------------------------------------------------
