@@ -79,7 +79,9 @@ def _show(app, arg):
     lines = [f"model: {rt.loaded.source} ({rt.loaded.model_type}, {rt.loaded.n_params / 1e6:.0f}M params, "
              f"{str(rt.dtype).replace('torch.', '')} on {rt.device})",
              f"context: {c.context_used}/{c.session.max_context} tokens used; "
-             f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
+             f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB; "
+             f"checkpoints {len(c.session.state.checkpoints)} held, "
+             f"{c.session.state.checkpoint_nbytes / 2**20:.1f} MiB reserved",
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
              f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]

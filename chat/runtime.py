@@ -44,5 +44,6 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
-                            compile=eng.compile)
+                            compile=eng.compile, checkpoint_mib=eng.checkpoint_mib,
+                            verify_reuse=eng.verify_reuse)
     return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)

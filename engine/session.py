@@ -23,6 +23,10 @@ class ContextOverflow(ValueError):
     """The prompt does not leave room for a single new token."""
 
 
+class ReuseMismatch(RuntimeError):
+    """verify_reuse: the logits after a cache reuse differ from a cold prefill's."""
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -59,11 +63,14 @@ class DecodeSession:
     PREFILL_CHUNK = 512  # bounds the attention scores' memory on long prompts
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
-                 eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off"):
+                 eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
+                 checkpoint_mib: int = 256, verify_reuse: bool = False):
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
-        self.state = StateManager(model.state_spec(), self.max_context, device, dtype)
+        self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
+                                  vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20)
+        self.verify_reuse = verify_reuse
         self.eos_ids = tuple(eos_ids)
         self.cached: list[int] = []  # the tokens whose state is in self.state
         self.last_stats = GenerationStats()
@@ -128,17 +135,23 @@ class DecodeSession:
         self.state.rewind(n)
         del self.cached[n:]
 
-    def reuse_prefix(self, prompt_ids: list[int]) -> int:
-        """Bring the state to the longest reusable prefix of `prompt_ids`; returns its length.
+    def reuse_prefix(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Bring the state to the longest reusable prefix of `prompt_ids`.
 
-        At least one prompt token is always left to prefill (its logits start the reply).
+        Returns (reused length, next-token logits or None). The whole prompt counts as reused only
+        when a checkpoint at exactly its length saved the logits (a /retry); otherwise at least one
+        token is left to prefill. Where recurrent state cannot rewind, the newest checkpoint at or
+        before the prefix is restored (or the state reset) and the caller prefills the gap.
         """
-        n = min(common_prefix(self.cached, prompt_ids), len(prompt_ids) - 1)
-        if self.state.can_rewind(n):
-            self.rewind(n)
-        else:
-            self.reset()
-        return self.state.length
+        lcp = common_prefix(self.cached, prompt_ids)
+        if lcp == len(prompt_ids):
+            logits = self.state.checkpoint_logits(lcp)
+            if logits is not None and self.state.restore_nearest(lcp) == lcp:
+                del self.cached[lcp:]
+                return lcp, logits[None].clone()
+        n = self.state.restore_nearest(min(lcp, len(prompt_ids) - 1))
+        del self.cached[n:]
+        return n, None
 
     # --- generation ---------------------------------------------------------------------------
     def check_fits(self, prompt_ids: list[int]) -> None:
@@ -160,8 +173,12 @@ class DecodeSession:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()
-        stats.reused_tokens = self.reuse_prefix(prompt)
-        logits = self.prefill(prompt[stats.reused_tokens:])
+        stats.reused_tokens, logits = self.reuse_prefix(prompt)
+        if logits is None:
+            logits = self.prefill(prompt[stats.reused_tokens:])
+        if self.verify_reuse and stats.reused_tokens > 0:
+            self._verify(prompt, logits[-1], stats.reused_tokens)
+        self.state.checkpoint(logits[-1])  # a turn boundary: after the prompt
         sampler = Sampler(cfg, self.vocab_size, self.device, prompt, seed)
         token = int(sampler(logits[-1]))
         t1 = time.perf_counter()
@@ -182,3 +199,13 @@ class DecodeSession:
             sampler.accept(token)
             token = int(sampler(self.step(token)[-1]))
         stats.decode_seconds = time.perf_counter() - t1
+        self.state.checkpoint()  # a turn boundary: after the reply
+
+    def _verify(self, prompt: list[int], logits: torch.Tensor, reused: int) -> None:
+        from .reference import full_logits
+        cold = full_logits(self.model, prompt, self.device, self.dtype)[-1]
+        diff = float((cold.float() - logits.float()).abs().max())
+        tol = 1e-3 if self.dtype == torch.float32 else 0.25
+        if diff > tol:
+            raise ReuseMismatch(f"reusing {reused} cached tokens changed the next-token logits by {diff:.3g} "
+                                f"(tolerance {tol:g}) versus a cold prefill of the {len(prompt)}-token prompt")

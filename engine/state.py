@@ -4,8 +4,12 @@ Every tensor is allocated once, up front, for `max_context`, and afterwards only
 (`zero_`, `copy_`, index writes) so a captured CUDA graph's raw pointers stay valid.
 - Attention KV is growable and masked: `rewind(n)` moves the logical length; stale slots are inert.
 - Fixed conv/recurrent state is an unmasked rolling cache: `rewind(0)` (= `reset()`) re-zeroes it
-  exactly as construction did. A non-zero rewind of such state cannot be made exact without a
-  snapshot, so it raises `RewindError` (callers check `can_rewind(n)` and fall back to reset).
+  exactly as construction did. A non-zero rewind of such state is exact only from a checkpoint:
+  `rewind(n)` raises `RewindError`; `restore_nearest(n)` restores the newest checkpoint at or
+  before n (or resets) and the caller re-prefills the gap.
+- Checkpoints: a bounded ring of preallocated slots (fixed-state copies + the next-token logits)
+  taken at turn boundaries. A checkpoint stays valid while the KV below its length is untouched,
+  so every rewind below a checkpoint's length drops it.
 - Pure-KV models have an empty fixed-state set: reset is a length change and nothing else.
 """
 from __future__ import annotations
@@ -32,8 +36,19 @@ class Snapshot:
     fixed: list[dict[str, torch.Tensor]]
 
 
+@dataclass
+class Checkpoint:
+    length: int
+    slot: int
+    has_logits: bool
+
+
+MAX_SLOTS = 32
+
+
 class StateManager:
-    def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype,
+                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20):
         self.max_context = max_context
         self.device, self.dtype = device, dtype
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -52,7 +67,16 @@ class StateManager:
                 raise TypeError(f"unknown layer state declaration {layer!r}")
         self.length = 0
         self.kv_len = 0  # slots the next forward attends over; set by begin_forward()
+        self._slots = self._allocate_slots(vocab_size, checkpoint_budget)
+        self.checkpoints: list[Checkpoint] = []  # oldest first
 
+    def _allocate_slots(self, vocab_size: int, budget: int) -> list:
+        per_slot = sum(t.numel() * t.element_size() for t in self.fixed_tensors()) + 4 * vocab_size
+        n = 0 if per_slot == 0 else min(MAX_SLOTS, budget // per_slot)
+        if self.has_fixed_state and n < 1 and budget > 0:
+            n = 1  # one slot at least: a budget too small for it is still better spent than refused
+        return [([None if f is None else {k: torch.empty_like(t) for k, t in f.items()} for f in self._fixed],
+                 torch.empty(vocab_size, dtype=torch.float32, device=self.device)) for _ in range(n)]
     # --- the view a model's forward receives -------------------------------------------------
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv[layer]
@@ -71,6 +95,12 @@ class StateManager:
     def nbytes(self) -> int:
         kv = sum(t.numel() * t.element_size() for p in self._kv if p is not None for t in p)
         return kv + sum(t.numel() * t.element_size() for t in self.fixed_tensors())
+
+    @property
+    def checkpoint_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for fixed, logits in self._slots
+                   for f in fixed if f is not None for t in f.values()) + \
+            sum(logits.numel() * 4 for _, logits in self._slots)
 
     # --- lengths ------------------------------------------------------------------------------
     def begin_forward(self, n_new: int, kv_len: int | None = None) -> None:
@@ -100,10 +130,57 @@ class StateManager:
             raise RewindError(f"cannot rewind recurrent state from {self.length} to {n} tokens "
                               "without a snapshot; reset and re-prefill instead")
         self.length = n
+        self._drop_checkpoints_above(n)
 
     def reset(self) -> None:
-        """Back to the construction state: length 0 and zeroed fixed state."""
+        """Back to the construction state: length 0, zeroed fixed state, no checkpoints."""
         self.rewind(0)
+        self.checkpoints = []
+
+    # --- checkpoints at turn boundaries --------------------------------------------------------
+    def checkpoint(self, logits: torch.Tensor | None = None) -> None:
+        """Save the fixed state (and the next-token logits, if given) at the current length."""
+        if not self._slots:
+            return
+        self.checkpoints = [c for c in self.checkpoints if c.length != self.length]
+        used = {c.slot for c in self.checkpoints}
+        if len(used) == len(self._slots):
+            used.discard(self.checkpoints.pop(0).slot)  # the ring is full: forget the oldest
+        slot = next(i for i in range(len(self._slots)) if i not in used)
+        fixed, buf = self._slots[slot]
+        for live, saved in zip(self._fixed, fixed):
+            if live is not None:
+                for k, t in live.items():
+                    saved[k].copy_(t)
+        if logits is not None:
+            buf.copy_(logits.reshape(-1))
+        self.checkpoints.append(Checkpoint(self.length, slot, logits is not None))
+
+    def checkpoint_logits(self, n: int) -> torch.Tensor | None:
+        """The saved next-token logits of a checkpoint at exactly length n, if any."""
+        c = next((c for c in self.checkpoints if c.length == n and c.has_logits), None)
+        return None if c is None else self._slots[c.slot][1]
+
+    def restore_nearest(self, n: int) -> int:
+        """Bring the state to the newest checkpoint at or before n (or reset); returns its length."""
+        if self.can_rewind(n):
+            self.rewind(n)
+            return n
+        best = max((c for c in self.checkpoints if c.length <= min(n, self.length)),
+                   key=lambda c: c.length, default=None)
+        if best is None:
+            self.reset()
+            return 0
+        for live, saved in zip(self._fixed, self._slots[best.slot][0]):
+            if live is not None:
+                for k, t in live.items():
+                    t.copy_(saved[k])
+        self.length = best.length
+        self._drop_checkpoints_above(best.length)
+        return best.length
+
+    def _drop_checkpoints_above(self, n: int) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c.length <= n]
 
     def invalidate(self) -> None:
         """A forward broke off midway (Ctrl-C, error). KV slots past `length` are inert, so a

@@ -30,7 +30,8 @@ def test_same_prompt_twice_same_tokens(lm, cfg):
     a = list(s.generate(ids(20), cfg))
     b = list(s.generate(ids(20), cfg))
     assert a == b
-    assert s.last_stats.reused_tokens == 19  # all but the last prompt token came from the cache
+    # the whole prompt came back from its turn-boundary checkpoint, next-token logits included
+    assert s.last_stats.reused_tokens == 20 and s.last_stats.prefilled_tokens == 0
 
 
 def test_rewind_then_generate_equals_fresh(lm):

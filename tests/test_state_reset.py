@@ -42,8 +42,9 @@ class SyntheticRecurrentDecoder(nn.Module):
 
 
 def two_generations(device: str, cuda_graph: str = "off"):
+    # checkpoints off: the second generation must go through reset(), the path of the original bug
     s = DecodeSession(SyntheticRecurrentDecoder(), max_context=64, device=torch.device(device),
-                      dtype=torch.float32, cuda_graph=cuda_graph)
+                      dtype=torch.float32, cuda_graph=cuda_graph, checkpoint_mib=0)
     cfg = SamplingConfig(temperature=0, max_new_tokens=STEPS)
     return [list(s.generate([1], cfg)) for _ in range(2)], s
 

@@ -1,0 +1,110 @@
+"""Turn-boundary checkpoints: prefix reuse, /undo, /retry and interrupts without a full recompute."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import models
+from chat.controller import ChatController
+from chat.runtime import open_runtime
+from chat.settings import load_settings
+from chat.turn import TurnResult
+from engine.config import SamplingConfig
+from engine.session import DecodeSession, ReuseMismatch
+
+KINDS = ["llama", "qwen3_5"]
+WORDS = ["alpha", "beta", "gamma", "delta", "the end", "why?", "more please"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    return {k: write_checkpoint(k, str(tmp_path_factory.mktemp(k)), model=hf_model(k)) for k in KINDS}
+
+
+def controller(path, **over):
+    s = load_settings(None, env={}, overrides={"model": path, "max_new_tokens": "6", "history_file": "/dev/null",
+                                               **over})
+    return ChatController(open_runtime(s), s)
+
+
+def cold_tokens(c: ChatController, prompt_ids, sampling, seed):
+    """A brand-new session over the same prompt: the ground truth for a warm generation."""
+    s = DecodeSession(c.session.model, max_context=c.session.max_context, device=c.session.device,
+                      dtype=c.session.dtype, eos_ids=c.session.eos_ids)
+    return list(s.generate(prompt_ids, sampling, seed=seed))
+
+
+OPS = st.lists(st.one_of(st.tuples(st.just("send"), st.sampled_from(WORDS)), st.just(("undo",)),
+                         st.just(("retry",)), st.just(("reset",))), min_size=3, max_size=9)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_property_every_generation_equals_a_cold_session(ckpts, kind, temperature):
+    c = controller(ckpts[kind], temperature=temperature, seed="3")
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+    @given(OPS)
+    def run(ops):
+        c.reset()
+        for op in ops:
+            if op[0] == "undo":
+                c.undo()
+                continue
+            if op[0] == "reset":
+                c.reset_conversation(keep_cache=True)
+                continue
+            text = c.pop_for_retry() if op[0] == "retry" else op[1]
+            if text is None:
+                continue
+            r = TurnResult([])
+            list(c.send(text, r, seed=3))
+            assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, 3)
+            assert c.session.state.length == len(c.session.cached)
+    run()
+
+
+def test_hybrid_turn_four_prefills_only_new_tokens(ckpts):
+    c = controller(ckpts["qwen3_5"], temperature="0")
+    assert c.session.state.has_fixed_state
+    for word in WORDS[:3]:
+        list(c.send(word, TurnResult([])))
+    c.undo()  # the recurrent state of turn 3 is gone; the checkpoint after turn 2 is not
+    r3 = TurnResult([])
+    list(c.send(WORDS[2], r3))
+    before = list(c.session.cached)
+    r = TurnResult([])
+    list(c.send(WORDS[3], r))
+    shared = next(i for i, (a, b) in enumerate(zip(before + [-1], r.prompt_ids)) if a != b)
+    assert r.stats.reused_tokens == shared  # everything the template re-rendered identically
+    assert r.stats.prefilled_tokens == len(r.prompt_ids) - shared
+    # nothing of turn 3's prompt or older is prefilled again: only the reply's re-rendered tail and turn 4
+    assert shared >= len(r3.prompt_ids)
+
+
+def test_hybrid_undo_and_retry_restore_checkpoints(ckpts):
+    c = controller(ckpts["qwen3_5"], temperature="0")
+    list(c.send("alpha", TurnResult([])))
+    list(c.send("beta", TurnResult([])))
+    r = TurnResult([])
+    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
+    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
+    c.undo()
+    r = TurnResult([])
+    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
+    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
+
+
+def test_checkpoint_bytes_shown(ckpts):
+    c = controller(ckpts["qwen3_5"])
+    assert c.session.state.checkpoint_nbytes > 0
+
+
+def test_verify_reuse_passes_then_catches_a_corrupted_state(ckpts):
+    c = controller(ckpts["qwen3_5"], temperature="0", verify_reuse="true")
+    list(c.send("alpha", TurnResult([])))
+    list(c.send("beta", TurnResult([])))  # reuse verified against a cold prefill
+    c.session.state.fixed_tensors()[1].add_(1.0)  # corrupt the live recurrent state
+    with pytest.raises(ReuseMismatch, match="cold prefill"):
+        list(c.send("gamma", TurnResult([])))
