@@ -50,6 +50,6 @@ def random_model(name: str, device, dtype, seed: int = 0):
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
-            m.reset_buffers()
+            m.reset_buffers(device)
     models.fuse(model)
     return model.eval()

@@ -99,32 +99,36 @@ def build_model(config: dict) -> tuple[torch.nn.Module, str]:
 
 
 def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers."""
+    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers.
+
+    Parameters take the checkpoint's tensors directly (converted only where dtype or device
+    differ), so loading never holds two copies of the weights."""
     rename = getattr(model, "checkpoint_names", None)
     if rename is not None:
         tensors = rename(tensors)
-    model.to(dtype=dtype)  # still on meta: free; the copy_ below converts each tensor once
-    model.to_empty(device=device)
-    expected = set(model.state_dict().keys())
+    expected = {name: t.shape for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
-    missing = expected - set(tensors) - tied
-    unexpected = set(tensors) - expected
+    missing = set(expected) - set(tensors) - tied
+    unexpected = set(tensors) - set(expected)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} weights this architecture does not use, "
                               f"e.g. {sorted(unexpected)[0]!r}")
-    own = model.state_dict()
-    with torch.no_grad():
-        for name, t in tensors.items():
-            if own[name].shape != t.shape:
-                raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(own[name].shape)}")
-            own[name].copy_(t)
+    for name, t in tensors.items():
+        if expected[name] != t.shape:
+            raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
+            t.to(device=device, dtype=dtype), requires_grad=False)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
-            m.reset_buffers()
+            m.reset_buffers(device)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
     fuse(model)
     model.eval()
 

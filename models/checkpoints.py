@@ -165,8 +165,43 @@ def _field(reader, key: str, default=None):
 
 
 def load_gguf(path: str) -> Checkpoint:
-    import gguf
+    """A GGUF file → Checkpoint. Parsing the metadata (gguf's reader: seconds for a large vocab)
+    is done once per file version and cached as an index; tensors are read through a memmap."""
     from gguf.quants import dequantize
+
+    index = _cached_index(path)
+    if index is None:
+        index = _read_gguf_index(path)
+        _store_index(path, index)
+    tensors = {}
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        for name, ttype, shape, dtype, offset in index["tensors"]:
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            if offset + n > data.shape[0]:
+                raise CheckpointError(f"{path}: truncated: tensor {name!r} ends past the end of the file")
+            raw = data[offset:offset + n].view(dtype).reshape(shape)
+            w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
+            if index["config"]["model_type"] == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
+                w = unpermute_qk(w, heads)
+            tensors[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt tensor data ({type(e).__name__}: {e})".splitlines()[0]) from None
+    tokenizer = Tokenizer.from_str(index["tokenizer"])
+    return Checkpoint(index["config"], tensors, tokenizer, index["chat_template"], index["bos_token"],
+                      index["eos_token"], tuple(index["eos_ids"]), [path])
+
+
+def gguf_type(value: int):
+    from gguf import GGMLQuantizationType
+    return GGMLQuantizationType(value)
+
+
+def _read_gguf_index(path: str) -> dict:
+    import gguf
 
     from .gguf_tokenizer import TokenizerError, build
 
@@ -196,27 +231,65 @@ def load_gguf(path: str) -> Checkpoint:
     if tokens is None:
         raise CheckpointError(f"{path}: the GGUF file has no tokenizer")
     config["vocab_size"] = a("vocab_size", len(tokens))
-    tensors = {}
-    try:
-        for t in reader.tensors:
-            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # owned, writable
-            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-                w = unpermute_qk(w, heads if "attn_q" in t.name else kv_heads)
-            tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{path}: corrupt tensor data ({type(e).__name__}: {e})".splitlines()[0]) from None
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     try:
         tokenizer = build(tokens, types, _field(reader, "tokenizer.ggml.merges") or [],
                           _field(reader, "tokenizer.ggml.pre", "default"), _field(reader, "tokenizer.ggml.model"))
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    for t in reader.tensors:
+        _hf_name(t.name)  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+    # llama.cpp also ends generation on its end-of-turn control tokens (and the FIM repo-name token)
     eos_ids += [i for i, tt in enumerate(types) if tt == 3 and tokens[i] in END_OF_TURN_TEXTS]
-    return Checkpoint(config, tensors, tokenizer, _field(reader, "tokenizer.chat_template"),
-                      tokens[bos] if bos is not None else None, tokens[eos] if eos is not None else None,
-                      tuple(dict.fromkeys(eos_ids)), [path])
+    return {
+        "config": config, "tokenizer": tokenizer.to_str(), "chat_template": _field(reader, "tokenizer.chat_template"),
+        "bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
+        "eos_ids": list(dict.fromkeys(eos_ids)),
+        "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))
+                    for t in reader.tensors],
+    }
+
+
+INDEX_VERSION = 1
+
+
+def _index_path(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    import hashlib
+    key = f"{INDEX_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "chat", "gguf-index", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _cached_index(path: str) -> dict | None:
+    cache = _index_path(path)
+    if cache is None or not os.path.isfile(cache):
+        return None
+    try:
+        with open(cache, encoding="utf-8") as f:
+            index = json.load(f)
+        return index if index.get("version") == INDEX_VERSION else None
+    except (OSError, ValueError):
+        return None  # a damaged cache entry is rebuilt, never trusted
+
+
+def _store_index(path: str, index: dict) -> None:
+    """Best effort (a read-only home still loads, only slower); written atomically."""
+    cache = _index_path(path)
+    if cache is None:
+        return
+    try:
+        import tempfile
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(dict(index, version=INDEX_VERSION), f)
+        os.replace(tmp, cache)
+    except OSError:
+        pass

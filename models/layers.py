@@ -46,9 +46,9 @@ class Rope(nn.Module):
             inv_freq = _scale_inv_freq(inv_freq, self.scaling)
         return inv_freq.float()
 
-    def reset_buffers(self) -> None:
+    def reset_buffers(self, device) -> None:
         """Recompute after loading (the model is built on the meta device); always fp32."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        self.inv_freq = self._inv_freq().to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -92,23 +92,34 @@ class SwiGLU(nn.Module):
 
     def fuse(self) -> None:
         """After loading: one [2*ffn, hidden] matmul instead of two (fewer, larger kernels)."""
-        self.gate_up = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up"):
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[nn.Parameter, nn.Parameter | None, list[int]]:
-    """Concatenate linears that read the same input: (weight, bias or None, output sizes)."""
-    weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
-    has_bias = linears[0].bias is not None
-    bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False) if has_bias else None
-    return weight, bias, [m.weight.shape[0] for m in linears]
+class FusedLinear(nn.Linear):
+    """Linears that read the same input, concatenated; `sizes` splits the output back."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.sizes = sizes
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split(self.sizes, dim=-1)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> FusedLinear:
+    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    return FusedLinear(torch.cat([m.weight for m in linears]), bias, [m.weight.shape[0] for m in linears])
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask, fuse_linears
 from .state_spec import AttentionState, StateView
 
@@ -65,13 +63,13 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """After loading: q, k and v from one matmul."""
-        self.qkv_weight, self.qkv_bias, self.qkv_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if hasattr(self, "qkv_weight"):
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj.split(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(T, self.n_heads, self.head_dim)

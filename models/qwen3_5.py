@@ -124,14 +124,13 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """After loading: the four input projections from one matmul."""
-        self.in_weight, _, self.in_sizes = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                                         self.in_proj_a])
+        self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        if hasattr(self, "in_weight"):
-            mixed, z, b, a = F.linear(x, self.in_weight).split(self.in_sizes, dim=-1)
+        if hasattr(self, "in_proj"):
+            mixed, z, b, a = self.in_proj.split(x)
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         mixed = mixed.transpose(0, 1)                                       # [C, T]
@@ -174,13 +173,13 @@ class GatedAttention(nn.Module):
 
     def fuse(self) -> None:
         """After loading: q (with its gate), k and v from one matmul."""
-        self.qkv_weight, self.qkv_bias, self.qkv_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if hasattr(self, "qkv_weight"):
-            qg, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        if hasattr(self, "qkv_proj"):
+            qg, k, v = self.qkv_proj.split(x)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = qg.view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
