@@ -1,0 +1,65 @@
+"""Where a decode step's time goes: kernels per step and the top kernels by GPU time.
+
+    python bench/profile_step.py NAME [--compile on] [--steps 20]
+Profiles eager decode steps (the step a CUDA graph records) with torch.profiler and compares
+the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
+graph cannot remove, the busy time is what fusion must shrink.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from engine.session import DecodeSession  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("--compile", default="off")
+    ap.add_argument("--steps", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    model = random_model(a.name, dev, torch.bfloat16)
+    s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)
+    s.prefill(list(range(1, 129)))
+    for _ in range(5):
+        s.step(7)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(a.steps):
+        s.step(7)
+    torch.cuda.synchronize()
+    graph_ms = (time.perf_counter() - t) / a.steps * 1e3
+    graph, s.graph = s.graph, None  # the same step, eager, for the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            s.step(7)
+        torch.cuda.synchronize()
+    s.graph = graph
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = per_kernel[e.name[:70]]
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    n_kernels = sum(v[0] for v in per_kernel.values()) / a.steps
+    busy = sum(v[1] for v in per_kernel.values()) / a.steps / 1e3
+    print(f"{a.name} (compile={a.compile}): graph step {graph_ms:.3f} ms; eager step runs {n_kernels:.0f} kernels, "
+          f"GPU busy {busy:.3f} ms")
+    for name, (count, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:8]:
+        print(f"  {us / a.steps / 1e3:7.3f} ms  {count / a.steps:5.0f}x  {name}")
+
+
+if __name__ == "__main__":
+    main()
