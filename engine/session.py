@@ -60,7 +60,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DecodeSession:
-    PREFILL_CHUNK = 512  # bounds the attention scores' memory on long prompts
+    # Prefill chunk: on the CPU it bounds the attention scores' memory; on CUDA one chunk keeps a
+    # prompt from position 0 on the flash (is_causal) path, as HF runs it.
+    PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
@@ -118,8 +120,9 @@ class DecodeSession:
         if not ids:
             raise ValueError("prefill needs at least one token")
         outs = []
-        for i in range(0, len(ids), self.PREFILL_CHUNK):
-            outs.append(self._forward(ids[i:i + self.PREFILL_CHUNK], all_logits))
+        chunk = self.PREFILL_CHUNK.get(self.device.type, 512)
+        for i in range(0, len(ids), chunk):
+            outs.append(self._forward(ids[i:i + chunk], all_logits))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def step(self, token: int) -> torch.Tensor:
