@@ -62,11 +62,13 @@ def main() -> None:
         st = s.last_stats
         rows.append((turn, st.prompt_tokens, st.reused_tokens, st.prefilled_tokens, st.prefill_seconds * 1e3))
         convo = convo + reply + rand(a.new - len(reply)) if a.new > len(reply) else convo + reply
-    # the last turn again (its prompt's final token changed, so it restores the checkpoint before it):
-    # the same work on shapes already seen, to separate first-use costs from steady state
+    # the last turn again, its first new token changed so that everything after the previous reply
+    # is prefilled anew (from the checkpoint there): the same work on shapes already seen, which
+    # separates first-use costs (kernel selection for new shapes) from the steady state
+    p = rows[-1][2]
     repeat = []
     for k in range(3):
-        list(s.generate(last[:-1] + [(last[-1] + 1 + k) % vocab], cfg, stop_ids=()))
+        list(s.generate(last[:p] + [(last[p] + 1 + k) % vocab] + last[p + 1:], cfg, stop_ids=()))
         repeat.append(s.last_stats.prefill_seconds * 1e3)
     base = first_turn_ttft(rows[-1][3]) * 1e3
     print(f"{a.name} on {a.device}: hybrid={s.state.has_fixed_state}")
