@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -141,13 +142,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     T = q.shape[1]
     if T == 1:
         out = decode_attention(q, keys, values, mask)
-    elif kv_len == T:  # a prefill from position 0: plain causal attention (flash-eligible)
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                             is_causal=True, enable_gqa=q.shape[0] != keys.shape[0])[0]
     else:
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                             attn_mask=mask, enable_gqa=q.shape[0] != keys.shape[0])[0]
+        if keys.shape[0] != q.shape[0]:  # GQA: expand the KV heads, which keeps flash eligible
+            rep = q.shape[0] // keys.shape[0]
+            keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
+        with sdpa_kernel(_PREFILL_BACKENDS):
+            if kv_len == T:  # a prefill from position 0: plain causal attention
+                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
+            else:
+                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
     return out.transpose(0, 1).reshape(T, -1)
+
+
+# Not cuDNN attention: it plans per new shape (tens of ms each time a turn's key length is new).
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
