@@ -112,10 +112,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--compile", default="off", help="torch.compile the decode step (on|off)")
+    ap.add_argument("--prefill-form", default="chunked", choices=["chunked", "naive"],
+                    help="hybrid models: the gated delta form used for multi-token forwards")
     ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    from models import qwen3_5
+    qwen3_5.PREFILL_FORM = a.prefill_form
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if a.ready:
@@ -132,6 +136,7 @@ def main() -> None:
     rows = []
     for name in a.names:
         rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile)
+        rec["prefill_form"] = a.prefill_form
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     hf = {}

@@ -70,13 +70,14 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input, reported as one line (anything else is a bug)."""
     from engine.config import ConfigError
-    from engine.session import ContextOverflow
+    from engine.session import ContextOverflow, ReuseMismatch
     from engine.state import RewindError
     from models.checkpoints import CheckpointError
 
     from .template import TemplateError
     from .transcript import TranscriptError
-    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError, TranscriptError)
+    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError, TranscriptError,
+            ReuseMismatch)
 
 
 def one_shot(rt, text: str) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.sampling import resolve_seed
-from engine.session import common_prefix
+from engine.session import ReuseMismatch, common_prefix
 
 from .conversation import Conversation
 from .runtime import Runtime
@@ -65,6 +65,8 @@ class ChatController:
         try:
             yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result)
             completed = True
+        except ReuseMismatch as e:
+            raise ReuseMismatch(f"turn {len(self.turns) + 1}: {e}") from None
         finally:
             if not completed:
                 self._rollback(before)
@@ -73,13 +75,9 @@ class ChatController:
         self.last = result
 
     def _rollback(self, before: list[int]) -> None:
-        """Keep only what is still exactly the pre-turn state: the prefix shared with it."""
-        s = self.session
-        target = common_prefix(s.cached, before)
-        if s.state.can_rewind(target):
-            s.rewind(target)
-        else:
-            s.reset()
+        """Keep only what is still exactly the pre-turn state: the prefix shared with it
+        (on hybrid models through the newest checkpoint at or before it)."""
+        self.session.rollback_to(common_prefix(self.session.cached, before))
 
     def sampling_dict(self) -> dict:
         import dataclasses

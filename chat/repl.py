@@ -16,7 +16,7 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from engine.session import ContextOverflow
+from engine.session import ContextOverflow, ReuseMismatch
 
 from .commands import COMMANDS, CommandError, ExitRepl, run_command
 from .controller import ChatController
@@ -111,6 +111,9 @@ class ReplApp:
             self.renderer.error(f"{e}")
         except (ContextOverflow, TemplateError) as e:
             self.renderer.error(f"{e}; nothing was sent")
+        except ReuseMismatch as e:  # verify_reuse found the cache wrong: report it, start clean
+            self.controller.session.reset()
+            self.renderer.error(f"{e}; the cache was cleared")
 
     def turn(self, text: str) -> None:
         c = self.controller

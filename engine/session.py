@@ -138,6 +138,13 @@ class DecodeSession:
         self.state.rewind(n)
         del self.cached[n:]
 
+    def rollback_to(self, n: int) -> int:
+        """Bring the state back to at most n cached tokens, exactly (a KV rewind, or the newest
+        checkpoint at or before n on recurrent state, or a reset). Returns the length reached."""
+        n = self.state.restore_nearest(min(n, self.state.length))
+        del self.cached[n:]
+        return n
+
     def reuse_prefix(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None]:
         """Bring the state to the longest reusable prefix of `prompt_ids`.
 

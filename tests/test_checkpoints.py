@@ -108,3 +108,18 @@ def test_verify_reuse_passes_then_catches_a_corrupted_state(ckpts):
     c.session.state.fixed_tensors()[1].add_(1.0)  # corrupt the live recurrent state
     with pytest.raises(ReuseMismatch, match="cold prefill"):
         list(c.send("gamma", TurnResult([])))
+
+
+def test_hybrid_interrupt_rolls_back_to_a_checkpoint_not_a_reset(ckpts):
+    c = controller(ckpts["qwen3_5"], temperature="0", max_new_tokens="20")
+    list(c.send("alpha", TurnResult([])))
+    after_turn1 = c.session.state.length
+    gen = c.send("beta", TurnResult([]))
+    next(gen)
+    with pytest.raises(KeyboardInterrupt):
+        gen.throw(KeyboardInterrupt)
+    assert 0 < c.session.state.length <= after_turn1  # restored from a checkpoint, not reset to zero
+    r = TurnResult([])
+    list(c.send("beta", r))
+    assert r.stats.reused_tokens > 0
+    assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, r.stats.seed)

@@ -130,3 +130,27 @@ def test_piped_stdout_is_byte_stable(tiny_dirs):
     assert runs[0].returncode == 0, runs[0].stderr
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.count("\n") >= 2
     assert "\x1b" not in runs[0].stdout  # no colour or cursor codes in plain mode
+
+
+def test_save_then_load_resumes_the_conversation(app_factory, tmp_path):
+    app, out, settings = app_factory()
+    rec = tmp_path / "conv.yaml"
+    drive(app, settings, f"first\rsecond\r/save {rec}\r/exit\r")
+    from chat import transcript as tr
+    t = tr.load(str(rec))
+    assert [e.user for e in t.events] == ["first", "second"] and t.is_recording
+    other, _, settings2 = app_factory()
+    drive(other, settings2, f"/load {rec}\r/exit\r")
+    assert other.controller.conv.messages == app.controller.conv.messages
+    assert len(other.controller.turns) == 2
+    drive(other, settings2, "/load /no/such/file.yaml\r/exit\r")  # an error line, nothing lost
+    assert len(other.controller.turns) == 2
+
+
+@pytest.mark.slow
+def test_piped_embedded_model_is_byte_identical():
+    cmd = [sys.executable, "-m", "chat", "--temperature", "0"]
+    runs = [subprocess.run(cmd, input="hi\n/exit\n", capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, CHAT_HISTORY_FILE=os.devnull)) for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout and runs[0].stdout == runs[1].stdout
