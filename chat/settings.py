@@ -53,16 +53,28 @@ def default_config_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
+# What PyYAML raises on bad input: its own errors, and plain ones from constructors (a timestamp
+# like 2024-13-45, absurd nesting, undecodable bytes).
+YAML_ERRORS = (yaml.YAMLError, ValueError, TypeError, RecursionError, UnicodeDecodeError)
+
+
+def yaml_error_message(path: str, e: BaseException) -> str:
+    """One line naming the file and, when PyYAML knows it, the line."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark else path
+    if isinstance(e, yaml.YAMLError):
+        return " ".join(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}".split())
+    return " ".join(f"{where}: unreadable YAML: {e}".split())
+
+
 def read_yaml(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    except YAML_ERRORS as e:
+        raise ConfigError(yaml_error_message(path, e)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

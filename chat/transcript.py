@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from .settings import YAML_ERRORS, yaml_error_message
+
 FORMAT, VERSION = "chat-transcript", 1
 SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set")
 RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
@@ -154,12 +156,8 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
         data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass: no arbitrary objects
     except TranscriptError as e:
         raise TranscriptError(f"{path}: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise TranscriptError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
-    except (ValueError, TypeError, RecursionError) as e:  # e.g. bad timestamps, deep nesting
-        raise TranscriptError(f"{path}: unreadable YAML: {e}".splitlines()[0]) from None
+    except YAML_ERRORS as e:
+        raise TranscriptError(yaml_error_message(path, e)) from None
     if not isinstance(data, dict):
         raise TranscriptError(f"{path}: expected a mapping with 'format: {FORMAT}' and 'events'")
     line = getattr(data, "line", 1)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask, fuse_linears
+from .causal_lm import Body, CausalLM
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
 from .state_spec import AttentionState, StateView
 
 
@@ -91,47 +92,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def forward(self, x, positions, rope, cos, sin, kv, kv_len, mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, kv, kv_len, mask)
+    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _Body(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = _Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def max_position(self) -> int:
-        return self.config.max_position
+        body = Body(cfg.vocab_size, cfg.hidden_size, [DecoderLayer(cfg) for _ in range(cfg.num_layers)],
+                    RMSNorm(cfg.hidden_size, cfg.rms_eps))
+        super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
 
     def state_spec(self) -> list[AttentionState]:
         return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, state: StateView,
-                all_logits: bool = False) -> torch.Tensor:
-        """tokens, positions: [T] int64. Returns logits [T, vocab] (or [1, vocab], the last row)."""
-        x = self.model.embed_tokens(tokens)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
-        mask = causal_mask(positions, state.kv_len)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, cos, sin, state.kv(i), state.kv_len, mask)
-        if not all_logits:
-            x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()
 
 
 def from_hf_config(c: dict, flags: dict) -> LlamaForCausalLM:

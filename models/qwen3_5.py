@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gated_delta
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, causal_mask, fuse_linears
+from .causal_lm import Body, CausalLM
+from .layers import RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -265,42 +266,16 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _Body(nn.Module):
+class HybridForCausalLM(CausalLM):
     def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(len(cfg.layer_types)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
-
-
-class HybridForCausalLM(nn.Module):
-    def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = _Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, rotary_dim=cfg.rotary_dim)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def max_position(self) -> int:
-        return self.config.max_position
+        body = Body(cfg.vocab_size, cfg.hidden_size, [HybridLayer(cfg, i) for i in range(len(cfg.layer_types))],
+                    RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0))
+        super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, rotary_dim=cfg.rotary_dim))
 
     def state_spec(self):
         c = self.config
         return [layer.linear_attn.state() if layer.linear else AttentionState(c.num_kv_heads, c.head_dim)
                 for layer in self.model.layers]
-
-    def forward(self, tokens, positions, state: StateView, all_logits: bool = False):
-        x = self.model.embed_tokens(tokens)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
-        mask = causal_mask(positions, state.kv_len)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, i, positions, self.rope, cos, sin, state, mask)
-        if not all_logits:
-            x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()
 
     def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names → ours: multimodal prefixes, Qwen3-Next's fused projections, per-expert weights."""

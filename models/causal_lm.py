@@ -1,0 +1,50 @@
+"""The shared top of every architecture: embeddings → decoder layers → final norm → LM head.
+
+`CausalLM.forward(tokens, positions, state)` is the one model function (prefill, eager decode,
+graph capture, the oracle and the tests all call it). Each layer is called as
+`layer(x, i, positions, rope, cos, sin, state, mask)` and reads its own state through `state`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import Rope, causal_mask
+from .state_spec import StateView
+
+
+class Body(nn.Module):
+    """`model.*` in HF checkpoint names."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg, body: Body, rope: Rope):
+        super().__init__()
+        self.config = cfg
+        self.model = body
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = rope
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, state: StateView,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row)."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        mask = causal_mask(positions, state.kv_len)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, i, positions, self.rope, cos, sin, state, mask)
+        if not all_logits:
+            x = x[-1:]
+        return self.lm_head(self.model.norm(x)).float()
