@@ -9,6 +9,7 @@ Ctrl-C on an empty prompt, or Ctrl-D, exits.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from prompt_toolkit import PromptSession
@@ -181,6 +182,10 @@ def make_prompt_session(settings: Settings, input=None, output=None) -> PromptSe
 
 def run_repl(settings: Settings) -> int:
     interactive = sys.stdin.isatty()
+    if interactive:
+        # Ctrl-C must stop a reply even when a launcher started us with SIGINT ignored (shells do
+        # that to background jobs, and the setting is inherited).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     renderer = Renderer(color=settings.ui.color, markdown=settings.ui.markdown, show_stats=settings.ui.show_stats)
     if renderer.rich:
         with renderer.console.status(f"loading {settings.engine.model}…", spinner="dots") as status:
