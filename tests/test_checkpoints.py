@@ -1,14 +1,11 @@
 """Turn-boundary checkpoints: prefix reuse, /undo, /retry and interrupts without a full recompute."""
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import models
 from chat.controller import ChatController
 from chat.runtime import open_runtime
 from chat.settings import load_settings
 from chat.turn import TurnResult
-from engine.config import SamplingConfig
 from engine.session import DecodeSession, ReuseMismatch
 
 KINDS = ["llama", "qwen3_5"]
