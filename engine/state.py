@@ -53,11 +53,15 @@ class StateManager:
         self.device, self.dtype = device, dtype
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._fixed: list[dict[str, torch.Tensor] | None] = []
+        # KV slots past the live length are read only on CUDA (the decode step attends over all of
+        # max_context, masked), where they must hold finite values; elsewhere attention reads only
+        # written slots, so untouched pages cost no memory until the context grows into them.
+        kv_alloc = torch.zeros if device.type == "cuda" else torch.empty
         for layer in spec:
             if isinstance(layer, AttentionState):
                 shape = (layer.n_kv_heads, max_context, layer.head_dim)
-                self._kv.append((torch.zeros(shape, device=device, dtype=dtype),
-                                 torch.zeros(shape, device=device, dtype=dtype)))
+                self._kv.append((kv_alloc(shape, device=device, dtype=dtype),
+                                 kv_alloc(shape, device=device, dtype=dtype)))
                 self._fixed.append(None)
             elif isinstance(layer, FixedState):
                 self._kv.append(None)

@@ -6,6 +6,7 @@ so no weights are ever downloaded at run time.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -91,21 +92,38 @@ def build_model(config: dict) -> tuple[torch.nn.Module, str]:
     module_name, flags = REGISTRY[model_type]
     module = importlib.import_module(f".{module_name}", __name__)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             model = module.from_hf_config(cfg, flags)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"config for {model_type!r} is missing or has a bad value: {e}") from None
     return model, model_type
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Skip random initialisation while building on the meta device: every weight is replaced
+    by the checkpoint anyway, and running init ops on meta tensors costs a second of imports."""
+    classes = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+    saved = [(c, c.reset_parameters) for c in classes]
+    try:
+        for c in classes:
+            c.reset_parameters = lambda self: None
+        yield
+    finally:
+        for c, fn in saved:
+            c.reset_parameters = fn
+
+
 def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
     """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers.
 
     Parameters take the checkpoint's tensors directly (converted only where dtype or device
-    differ), so loading never holds two copies of the weights."""
+    differ), and the dict is consumed (emptied), so loading never holds two copies of the weights."""
     rename = getattr(model, "checkpoint_names", None)
     if rename is not None:
-        tensors = rename(tensors)
+        renamed = rename(tensors)
+        tensors.clear()
+        tensors = renamed
     expected = {name: t.shape for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
     missing = set(expected) - set(tensors) - tied
@@ -121,6 +139,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
             t.to(device=device, dtype=dtype), requires_grad=False)
+    tensors.clear()  # the model holds the only references now: fusion below frees what it replaces
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
@@ -131,6 +150,17 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
     fuse(model)
     model.eval()
+    _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Loading frees as much as the model keeps (checkpoint arrays replaced by fused copies);
+    glibc keeps such freed heap memory mapped unless asked to give it back."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def fuse(model: torch.nn.Module) -> None:

@@ -42,7 +42,7 @@ class Rope(nn.Module):
 
     def _inv_freq(self) -> torch.Tensor:
         r = self.rotary_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float64, device="cpu") / r))
         if self.scaling:
             inv_freq = _scale_inv_freq(inv_freq, self.scaling)
         return inv_freq.float()
