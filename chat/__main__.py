@@ -17,6 +17,14 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and names where help is."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="PATH", help="a config.yaml overriding the defaults")
     for section, cls in SECTIONS.items():
@@ -35,7 +43,7 @@ def overrides(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="chat", description="Chat with a local LLM in the terminal.",
         epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml [--runs N]` "
                "(each takes --help)")
@@ -45,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chat run", description="Run a scripted conversation and record it.")
+    p = Parser(prog="chat run", description="Run a scripted conversation and record it.")
     p.add_argument("script", help="a transcript (YAML) of user turns and commands")
     p.add_argument("-o", "--output", help="write the recording (token ids, settings, fingerprint) here")
     add_setting_flags(p)
@@ -53,7 +61,7 @@ def build_run_parser() -> argparse.ArgumentParser:
 
 
 def build_replay_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chat replay", description="Replay a recording and compare token by token. "
+    p = Parser(prog="chat replay", description="Replay a recording and compare token by token. "
                                 "Exit 0: identical; 1: a divergence; 2: an invalid file or a different model.")
     p.add_argument("recording")
     p.add_argument("--runs", type=int, default=1, help="extra runs on the same reused session (default 1)")

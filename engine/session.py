@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from .config import SamplingConfig
+from .config import ConfigError, SamplingConfig
 from .sampling import Sampler, resolve_seed
 from .state import StateManager
 
@@ -81,9 +81,9 @@ class DecodeSession:
         # so the graph is a recording of the very same eager step. On the CPU: only the live ones.
         self._full_kv_decode = device.type == "cuda"
         if cuda_graph == "on" and device.type != "cuda":
-            raise ValueError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
+            raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
         if compile == "on" and device.type != "cuda":
-            raise ValueError("compile: 'on' is for the CUDA decode step; use off on the CPU")
+            raise ConfigError("compile: 'on' is for the CUDA decode step; use off on the CPU")
         # The decode step: the model itself, or its torch.compile'd form (same call, fused kernels).
         self._step_fn = model
         if compile == "on":

@@ -80,3 +80,9 @@ def test_config_unknown_key_and_bad_value(tmp_path):
 def test_prompt_longer_than_context(tiny_dirs):
     proc = run_chat("--model", tiny_dirs["llama"][0], "--max-context", "16", "--prompt", "word " * 50)
     assert_clean_error(proc, "context")
+
+
+def test_unknown_flag_and_cpu_only_switches():
+    assert_clean_error(run_chat("--nonsense", "1"), "unrecognized arguments", "--help")
+    assert_clean_error(run_chat("--compile", "on", "--device", "cpu", "--prompt", "hi"), "compile")
+    assert_clean_error(run_chat("--device", "cuda", "--prompt", "hi"), "no CUDA device")
