@@ -28,7 +28,7 @@ class GraphedDecodeStep:
             raise RuntimeError("cannot capture the decode step on a full context")
         saved = state.snapshot()
         self.positions.fill_(state.length)  # the next free slot: its KV write is inert until committed
-        state.kv_len = state.max_context
+        state.begin_forward(1, state.max_context)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -104,6 +104,19 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class QKVProjections(nn.Module):
+    """q_proj/k_proj/v_proj (checkpoint names) that `fuse()` turns into one matmul after loading."""
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hasattr(self, "qkv_proj"):
+            return self.qkv_proj.split(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
 class FusedLinear(nn.Linear):
     """Linears that read the same input, concatenated; `sizes` splits the output back."""
 

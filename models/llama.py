@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .causal_lm import Body, CausalLM
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
+from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, cached_attention
 from .state_spec import AttentionState, StateView
 
 
@@ -48,7 +48,7 @@ class LlamaConfig:
             qkv_bias=bool(c.get("attention_bias", qkv_bias)), qk_norm=qk_norm, rope_scaling=scaling)
 
 
-class Attention(nn.Module):
+class Attention(QKVProjections):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -61,17 +61,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_eps)
             self.k_norm = RMSNorm(d, cfg.rms_eps)
 
-    def fuse(self) -> None:
-        """After loading: q, k and v from one matmul."""
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj.split(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv, self.head_dim)
         v = v.view(T, self.n_kv, self.head_dim)

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import gated_delta
 from .causal_lm import Body, CausalLM
-from .layers import RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
+from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(QKVProjections):
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -172,17 +172,9 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
 
-    def fuse(self) -> None:
-        """After loading: q (with its gate), k and v from one matmul."""
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if hasattr(self, "qkv_proj"):
-            qg, k, v = self.qkv_proj.split(x)
-        else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg, k, v = self.project_qkv(x)  # q comes with its output gate, per head
         q, gate = qg.view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
         q = rope.apply(self.q_norm(q).transpose(0, 1), cos, sin)
         k = rope.apply(self.k_norm(k.view(T, self.nkv, self.d)).transpose(0, 1), cos, sin)
