@@ -38,3 +38,15 @@ def test_graphs_on_off_identical(gpu_models, kind):
         off = generations(lm, "off", prompts, cfg)
         assert on == off
         assert on[0] == on[2]
+
+
+def test_capture_leaves_no_trace_in_live_state(gpu_models):
+    lm = gpu_models["qwen3_5"]
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
+                      cuda_graph="on")
+    assert s.state.length == 0 and all(int(t.count_nonzero()) == 0 for t in s.state.fixed_tensors())
+    list(s.generate(list(range(3, 40)), SamplingConfig(temperature=0, max_new_tokens=5)))
+    before = [t.clone() for t in s.state.fixed_tensors()], s.state.length
+    s.graph.capture()  # an explicit re-capture mid-conversation
+    assert s.state.length == before[1]
+    assert all(torch.equal(a, b) for a, b in zip(before[0], s.state.fixed_tensors()))
