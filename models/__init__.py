@@ -79,8 +79,15 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def text_config(config: dict) -> dict:
-    """Multimodal checkpoints nest the language model's config under text_config."""
-    return config.get("text_config", config) if "text_config" in config else config
+    """Multimodal checkpoints nest the language model's config under text_config; a few keys
+    (tie_word_embeddings) can stay at the top level there."""
+    if "text_config" not in config:
+        return config
+    text = dict(config["text_config"])
+    for key in ("tie_word_embeddings",):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
 
 
 def build_model(config: dict) -> tuple[torch.nn.Module, str]:

@@ -1,4 +1,6 @@
 """Hybrid LinearAttention models: parity with transformers, the gated delta forms, and state resets."""
+import os
+
 import pytest
 import torch
 
@@ -132,3 +134,31 @@ def test_non_extension_prompt_falls_back_to_reset(hybrids):
     assert s.last_stats.reused_tokens == 0
     with pytest.raises(Exception, match="without a snapshot"):
         s.state.rewind(5)
+
+
+def test_multimodal_checkpoint_loads_its_text_model(hybrids, tmp_path):
+    """Qwen3.5 multimodal layout: text weights under model.language_model.*, a vision tower to
+    skip, the text config nested under text_config and tie_word_embeddings at the top level."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, hf = hybrids["qwen3_5"]
+    src = tmp_path / "mm"
+    src.mkdir()
+    from tiny import write_checkpoint
+    text_dir = write_checkpoint("qwen3_5", str(tmp_path / "text"), model=hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(text_dir, name), src / name)
+    cfg = json.load(open(os.path.join(text_dir, "config.json")))
+    tie = cfg.pop("tie_word_embeddings")
+    json.dump({"model_type": "qwen3_5", "text_config": cfg, "tie_word_embeddings": tie,
+               "vision_config": {"depth": 1}}, open(src / "config.json", "w"))
+    tensors = {k.replace("model.", "model.language_model.", 1): v.contiguous()
+               for k, v in hf.state_dict().items() if not k.startswith("lm_head") or not tie}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(src / "model.safetensors"))
+    lm = models.load(str(src))
+    ids = rand_ids(30, 11)
+    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
