@@ -1,4 +1,5 @@
 """Hybrid LinearAttention models: parity with transformers, the gated delta forms, and state resets."""
+import json
 import os
 
 import pytest
@@ -139,7 +140,6 @@ def test_non_extension_prompt_falls_back_to_reset(hybrids):
 def test_multimodal_checkpoint_loads_its_text_model(hybrids, tmp_path):
     """Qwen3.5 multimodal layout: text weights under model.language_model.*, a vision tower to
     skip, the text config nested under text_config and tie_word_embeddings at the top level."""
-    import json
     import shutil
 
     from safetensors.torch import save_file
@@ -162,3 +162,35 @@ def test_multimodal_checkpoint_loads_its_text_model(hybrids, tmp_path):
     lm = models.load(str(src))
     ids = rand_ids(30, 11)
     assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_qwen3_next_per_expert_checkpoint_layout(hybrids, tmp_path):
+    """Hub Qwen3-Next checkpoints store each expert's gate/up/down as 2D weights; the loader stacks them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, hf = hybrids["qwen3_next"]
+    from tiny import write_checkpoint
+    d = write_checkpoint("qwen3_next", str(tmp_path / "ref"), model=hf)
+    tensors = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            prefix = k[: -len("gate_up_proj")]
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, dim=0)
+                tensors[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            prefix = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                tensors[f"{prefix}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            tensors[k] = v.contiguous()
+    assert any(".experts.0.gate_proj.weight" in k for k in tensors)
+    out = tmp_path / "per-expert"
+    shutil.copytree(d, out)
+    os.remove(out / "model.safetensors")
+    save_file(tensors, str(out / "model.safetensors"))
+    ids = rand_ids(25, 12)
+    assert (session(models.load(str(out))).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
