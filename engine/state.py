@@ -144,18 +144,15 @@ class StateManager:
     # --- checkpoints at turn boundaries --------------------------------------------------------
     def checkpoint(self, logits: torch.Tensor | None = None) -> None:
         """Save the fixed state (and the next-token logits, if given) at the current length."""
-        if not self._slots:
-            return
+        if not self._slots or (logits is None and not self.has_fixed_state):
+            return  # a KV-only checkpoint without logits holds nothing a rewind cannot redo
         self.checkpoints = [c for c in self.checkpoints if c.length != self.length]
         used = {c.slot for c in self.checkpoints}
         if len(used) == len(self._slots):
             used.discard(self.checkpoints.pop(0).slot)  # the ring is full: forget the oldest
         slot = next(i for i in range(len(self._slots)) if i not in used)
         fixed, buf = self._slots[slot]
-        for live, saved in zip(self._fixed, fixed):
-            if live is not None:
-                for k, t in live.items():
-                    saved[k].copy_(t)
+        _copy_fixed(fixed, self._fixed)
         if logits is not None:
             buf.copy_(logits.reshape(-1))
         self.checkpoints.append(Checkpoint(self.length, slot, logits is not None))
@@ -170,15 +167,15 @@ class StateManager:
         if self.can_rewind(n):
             self.rewind(n)
             return n
-        best = max((c for c in self.checkpoints if c.length <= min(n, self.length)),
-                   key=lambda c: c.length, default=None)
+        return self._restore_checkpoint(min(n, self.length))
+
+    def _restore_checkpoint(self, limit: int) -> int:
+        """The newest checkpoint at or below `limit` becomes the live state (or reset)."""
+        best = max((c for c in self.checkpoints if c.length <= limit), key=lambda c: c.length, default=None)
         if best is None:
             self.reset()
             return 0
-        for live, saved in zip(self._fixed, self._slots[best.slot][0]):
-            if live is not None:
-                for k, t in live.items():
-                    t.copy_(saved[k])
+        _copy_fixed(self._fixed, self._slots[best.slot][0])
         self.length = best.length
         self._drop_checkpoints_above(best.length)
         return best.length
@@ -188,9 +185,10 @@ class StateManager:
 
     def invalidate(self) -> None:
         """A forward broke off midway (Ctrl-C, error). KV slots past `length` are inert, so a
-        pure-KV state is still exact; fixed state may be half-written and must start over."""
+        pure-KV state is still exact; fixed state may be half-written: back to the newest
+        checkpoint (whose KV prefix is untouched), or to zero."""
         if self.has_fixed_state:
-            self.reset()
+            self._restore_checkpoint(self.length)
 
     # --- snapshots ----------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -200,8 +198,13 @@ class StateManager:
     def restore(self, snap: Snapshot) -> None:
         if snap.length > self.length and not self.has_fixed_state:
             raise RewindError("a KV snapshot can only restore a length at or below the current one")
-        for live, saved in zip(self._fixed, snap.fixed):
-            if live is not None:
-                for k, t in live.items():
-                    t.copy_(saved[k])
+        _copy_fixed(self._fixed, snap.fixed)
         self.length = snap.length
+
+
+def _copy_fixed(dst: list, src: list) -> None:
+    """In-place copy of per-layer fixed state (dicts of tensors; None for attention layers)."""
+    for d, s in zip(dst, src):
+        if d is not None:
+            for k, t in d.items():
+                t.copy_(s[k])

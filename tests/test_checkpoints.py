@@ -120,3 +120,25 @@ def test_hybrid_interrupt_rolls_back_to_a_checkpoint_not_a_reset(ckpts):
     list(c.send("beta", r))
     assert r.stats.reused_tokens > 0
     assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, r.stats.seed)
+
+
+def test_forward_broken_midway_falls_back_to_a_checkpoint(ckpts, monkeypatch):
+    from models import gated_delta
+    c = controller(ckpts["qwen3_5"], temperature="0")
+    list(c.send("alpha", TurnResult([])))
+    after_turn1 = c.session.state.length
+    real = gated_delta.chunked
+
+    def broken(q, k, v, g, beta, state, chunk=64):
+        state.add_(1.0)  # half-written recurrent state, then the forward dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gated_delta, "chunked", broken)
+    with pytest.raises(KeyboardInterrupt):
+        list(c.send("beta gamma delta", TurnResult([])))
+    monkeypatch.setattr(gated_delta, "chunked", real)
+    assert 0 < c.session.state.length <= after_turn1  # a checkpoint, not zero
+    r = TurnResult([])
+    list(c.send("beta gamma delta", r))
+    assert r.stats.reused_tokens > 0
+    assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, r.stats.seed)
