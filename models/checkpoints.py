@@ -181,7 +181,7 @@ def load_gguf(path: str) -> Checkpoint:
             if offset + n > data.shape[0]:
                 raise CheckpointError(f"{path}: truncated: tensor {name!r} ends past the end of the file")
             raw = data[offset:offset + n].view(dtype).reshape(shape)
-            w = _dequantize_rows(raw, gguf_type(ttype), dequantize)
+            w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if index["config"]["model_type"] == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 w = unpermute_qk(w, heads)
@@ -193,19 +193,6 @@ def load_gguf(path: str) -> Checkpoint:
     tokenizer = Tokenizer.from_str(index["tokenizer"])
     return Checkpoint(index["config"], tensors, tokenizer, index["chat_template"], index["bos_token"],
                       index["eos_token"], tuple(index["eos_ids"]), [path])
-
-
-def _dequantize_rows(raw: np.ndarray, qtype, dequantize, rows_per_step: int = 2048) -> np.ndarray:
-    """Dequantize into one owned fp32 array a block of rows at a time: the quantized formats'
-    temporaries (several times the output) then stay small, which bounds peak memory at load."""
-    if raw.ndim < 2 or raw.shape[0] <= rows_per_step:
-        return np.array(dequantize(raw, qtype), dtype=np.float32)
-    first = np.asarray(dequantize(raw[:rows_per_step], qtype), dtype=np.float32)
-    out = np.empty((raw.shape[0],) + first.shape[1:], dtype=np.float32)
-    out[:rows_per_step] = first
-    for r in range(rows_per_step, raw.shape[0], rows_per_step):
-        out[r:r + rows_per_step] = dequantize(raw[r:r + rows_per_step], qtype)
-    return out
 
 
 def gguf_type(value: int):
