@@ -4,7 +4,8 @@ Runs ours and, when `llama_cpp` is importable (optional, never a dependency), ll
 same GGUF in the same run (a child process, so the two OpenMP runtimes never meet), with the same
 thread count and prompt, and prints a table with ratios.
     python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
-                              [--llama-python PYTHON]   # an interpreter that has llama_cpp
+                              [--quantized auto|off] [--llama-python PYTHON]  # one that has llama_cpp
+--quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels.
 """
 from __future__ import annotations
 
@@ -33,16 +34,12 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def bench_ours(path: str, ids: list[int], n_decode: int, repeats: int) -> dict:
+def bench_ours(lm, ids: list[int], n_decode: int, repeats: int) -> dict:
     import torch
 
-    import models
     from engine.config import SamplingConfig
     from engine.session import DecodeSession
 
-    t0 = time.perf_counter()
-    lm = models.load(path)
-    load = time.perf_counter() - t0
     s = DecodeSession(lm.model, max_context=2048, device=torch.device("cpu"), dtype=torch.float32)
     greedy = SamplingConfig(temperature=0, max_new_tokens=n_decode)
     list(s.generate(ids[:32], SamplingConfig(temperature=0, max_new_tokens=4)))  # warm-up
@@ -58,7 +55,7 @@ def bench_ours(path: str, ids: list[int], n_decode: int, repeats: int) -> dict:
         t = time.perf_counter()
         n = sum(1 for _ in gen)
         decode.append(n / (time.perf_counter() - t))
-    return {"load_s": load, "prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 
 def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, threads: int) -> dict | None:
@@ -107,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=622)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantized", choices=("auto", "off"), default="auto")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     args = ap.parse_args()
     import torch
@@ -117,12 +115,15 @@ def main() -> None:
     threads = args.threads or physical_cores()
     torch.set_num_threads(threads)
     path = models.resolve(args.model)
-    tok = models.read_checkpoint(path).tokenizer
-    ids = prompt_ids(tok, args.prompt_tokens)
-    ours = bench_ours(path, ids, args.decode, args.repeats)
+    t0 = time.perf_counter()
+    lm = models.load(path, quantized=args.quantized == "auto")
+    load = time.perf_counter() - t0
+    ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
+    ours = dict(bench_ours(lm, ids, args.decode, args.repeats), load_s=load)
     rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads)
-    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode}")
+    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode}, "
+          f"quantized: {args.quantized}")
     print(f"{'':12}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
     print(f"{'ours':12}{ours['load_s']:>10.2f}{ours['prefill']:>16.1f}{ours['decode']:>15.1f}")
     if ref:

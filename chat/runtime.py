@@ -39,7 +39,7 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     if device.type == "cpu":
         configure_threads(eng)
     report(f"loading {eng.model}")
-    loaded = models.load(eng.model, device, dtype)
+    loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto")
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,

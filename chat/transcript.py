@@ -260,7 +260,8 @@ def model_info(rt) -> dict:
 
 def engine_info(rt) -> dict:
     return {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
-            "cuda_graph": rt.settings.engine.cuda_graph, "max_context": rt.session.max_context}
+            "cuda_graph": rt.settings.engine.cuda_graph, "quantized": rt.settings.engine.quantized,
+            "max_context": rt.session.max_context}
 
 
 def save_controller(controller, path: str) -> None:

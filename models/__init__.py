@@ -12,9 +12,11 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from . import quant
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -44,7 +46,7 @@ class LoadedModel:
 
     @property
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return self.model.n_params
 
 
 def resolve(path_or_alias: str) -> str:
@@ -68,13 +70,13 @@ def resolve(path_or_alias: str) -> str:
     return path
 
 
-def read_checkpoint(path: str) -> Checkpoint:
+def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
     if os.path.isdir(path):
         return load_hf_dir(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized)
     raise CheckpointError(f"{path}: not a GGUF file or an HF checkpoint directory")
 
 
@@ -143,12 +145,27 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     for name, t in tensors.items():
         if expected[name] != t.shape:
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
+    model.n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
+    # quantized tensors replace their modules first, so a bias then lands on the new module
+    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.QuantTensor)):
+        t = tensors[name]
         owner, _, leaf = name.rpartition(".")
+        if isinstance(t, quant.QuantTensor):
+            replacement = _quantized_module(model.get_submodule(owner), owner, t)
+            if replacement is not None:
+                parent, _, child = owner.rpartition(".")
+                setattr(model.get_submodule(parent), child, replacement)
+                continue
+            t = t.dequantize()
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
             t.to(device=device, dtype=dtype), requires_grad=False)
     tensors.clear()  # the model holds the only references now: fusion below frees what it replaces
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        embed = model.model.embed_tokens
+        if isinstance(embed, quant.Q8Embedding):  # the head runs on the same Q8_0 blocks
+            model.lm_head = quant.Q8Linear(embed.quant)
+        else:
+            model.lm_head.weight = embed.weight
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers(device)
@@ -158,6 +175,18 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     fuse(model)
     model.eval()
     _release_freed_memory()
+
+
+def _quantized_module(module: torch.nn.Module, name: str, qt: "quant.QuantTensor") -> torch.nn.Module | None:
+    """The CPU module that computes with `qt` as stored, or None to dequantize it into `module`."""
+    if isinstance(module, torch.nn.Embedding):
+        return quant.Q8Embedding(qt) if qt.kind == "q8_0" else None
+    if isinstance(module, torch.nn.Linear):
+        if qt.kind in ("q4_0", "q4_1"):
+            return quant.Int4Linear.from_quant(qt)
+        if qt.kind == "q8_0":
+            return quant.Q8Linear(qt)
+    return None
 
 
 def _release_freed_memory() -> None:
@@ -177,10 +206,14 @@ def fuse(model: torch.nn.Module) -> None:
             m.fuse()
 
 
-def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         quantized: bool = False) -> LoadedModel:
+    """quantized: keep a GGUF's 4-bit linears and Q8_0 embedding quantized (CPU only; see quant.py).
+    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against."""
     path = resolve(path_or_alias)
-    ckpt = read_checkpoint(path)
+    device = torch.device(device)
+    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type == "cpu")
     model, model_type = build_model(ckpt.config)
-    materialize(model, ckpt.tensors, torch.device(device), dtype)
+    materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
                        ckpt.eos_ids, path, model_type, ckpt.files)

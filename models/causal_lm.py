@@ -42,7 +42,8 @@ class CausalLM(nn.Module):
         """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        mask = causal_mask(positions, state.kv_len)
+        live_only = tokens.shape[0] == 1 and state.kv_len == state.length + 1
+        mask = None if live_only else causal_mask(positions, state.kv_len)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)
         if not all_logits:

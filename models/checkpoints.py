@@ -164,10 +164,14 @@ def _field(reader, key: str, default=None):
     return f.parts[f.data[0]].tolist()[0]
 
 
-def load_gguf(path: str) -> Checkpoint:
+def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     """A GGUF file → Checkpoint. Parsing the metadata (gguf's reader: seconds for a large vocab)
-    is done once per file version and cached as an index; tensors are read through a memmap."""
+    is done once per file version and cached as an index; tensors are read through a memmap.
+    keep_quantized: Q4_0/Q4_1/Q8_0 tensors come back as `quant.QuantTensor` (codes and block
+    scales, never an fp32 copy) for the CPU's quantized modules; everything else is dequantized."""
     from gguf.quants import dequantize
+
+    from . import quant
 
     index = _cached_index(path)
     if index is None:
@@ -181,10 +185,17 @@ def load_gguf(path: str) -> Checkpoint:
             if offset + n > data.shape[0]:
                 raise CheckpointError(f"{path}: truncated: tensor {name!r} ends past the end of the file")
             raw = data[offset:offset + n].view(dtype).reshape(shape)
-            w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
+            unpermute = None
             if index["config"]["model_type"] == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
-                w = unpermute_qk(w, heads)
+                unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
+            if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
+                qt = quant.decode(raw, ttype)
+                tensors[_hf_name(name)] = qt if unpermute is None else qt.permute_rows(unpermute)
+                continue
+            w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
+            if unpermute is not None:
+                w = unpermute(w)
             tensors[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
     except CheckpointError:
         raise

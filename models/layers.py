@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .quant import Int4Linear
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + w); computed in fp32. offset=1 for zero-centred weights."""
@@ -25,10 +27,9 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * (self.offset + self.weight.float())).to(dtype)
+        # one fused op (the decode step is op-count bound on the CPU and launch bound on CUDA)
+        w = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 
 class Rope(nn.Module):
@@ -52,17 +53,19 @@ class Rope(nn.Module):
         self.inv_freq = self._inv_freq().to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and a signed sin, [T, rotary_dim]: the sin's first half is negated so that
+        rotate_half(x) * sin == roll(x, half) * signed_sin (one roll instead of neg + cat)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [heads, T, head_dim]; cos/sin: [T, rotary_dim]."""
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: [heads, T, head_dim]; cos/signed_sin from cos_sin(): [T, rotary_dim]."""
         r = self.rotary_dim
         rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
-        half = r // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
+        out = torch.addcmul(rot * cos, rot.roll(r // 2, dims=-1), signed_sin)
         return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
@@ -93,8 +96,10 @@ class SwiGLU(nn.Module):
 
     def fuse(self) -> None:
         """After loading: one [2*ffn, hidden] matmul instead of two (fewer, larger kernels)."""
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
@@ -108,8 +113,10 @@ class QKVProjections(nn.Module):
     """q_proj/k_proj/v_proj (checkpoint names) that `fuse()` turns into one matmul after loading."""
 
     def fuse(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hasattr(self, "qkv_proj"):
@@ -131,13 +138,20 @@ class FusedLinear(nn.Linear):
         return self(x).split(self.sizes, dim=-1)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> FusedLinear:
+def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One module for linears that read the same input, or None where their storage differs
+    (a GGUF may quantize q, k and v differently: those stay separate)."""
+    if all(isinstance(m, Int4Linear) for m in linears):
+        return Int4Linear.concat(linears)
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
     bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
     return FusedLinear(torch.cat([m.weight for m in linears]), bias, [m.weight.shape[0] for m in linears])
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[T, kv_len] bool: query at position p sees key slots 0..p."""
+    """[T, kv_len] bool: query at position p sees key slots 0..p. (Not needed, and not built,
+    for one query over exactly the live slots: an eager decode step on the CPU.)"""
     slots = torch.arange(kv_len, device=positions.device)
     return slots[None, :] <= positions[:, None]
 
@@ -176,11 +190,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     Deterministic on every device (fused SDPA kernels for masked single-query attention were
     not bitwise reproducible run to run on an H200), and cheap: the scores are [H, kv_len].
-    q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] bool. Returns [H, 1, D].
+    q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] bool, or None where every slot is live.
+    Returns [H, 1, D].
     """
     H, _, D = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(kvh, H // kvh, D)  # query heads grouped by the KV head they read
     scores = (qg @ keys.transpose(1, 2)).float() * (D ** -0.5)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype)
     return (probs @ values).reshape(H, 1, D)

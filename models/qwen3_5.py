@@ -125,8 +125,10 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """After loading: the four input projections from one matmul."""
-        self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        if fused is not None:
+            self.in_proj = fused
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]

@@ -6,6 +6,7 @@ reads and writes the tensors handed to it through this view:
   state.fixed(i)  -> {name: tensor} of the shapes the model declared (conv, recurrent state)
   state.kv_len    -> how many key slots this forward may attend over (slots past the newest
                      position are masked; a CUDA graph passes the full max_context)
+  state.length    -> tokens cached before this forward (its first position)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ LayerState = AttentionState | FixedState
 
 class StateView(Protocol):
     kv_len: int
+    length: int
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 

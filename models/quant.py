@@ -1,0 +1,148 @@
+"""GGUF weights kept quantized on the CPU: 4-bit linears on torch's int4 kernel, Q8_0 embeddings.
+
+Contract: a module here computes what the dequantized fp32 module computes, up to bf16 rounding.
+- Q4_0 / Q4_1 blocks (32 weights, an fp16 scale d and for Q4_1 an fp16 minimum m) map exactly
+  onto torch's groupwise int4 layout, w = (q - 8) * scale + zero: scale = d, zero = m + 8d
+  (Q4_1) or 0 (Q4_0). `Int4Linear` runs `_weight_int4pack_mm_for_cpu`, which takes bf16
+  activations and a bf16 scale/zero and returns bf16; that rounding is the only numeric change
+  from the dequantized path, and tests/test_quant.py bounds it (the tolerance is documented
+  there and in bench/RESULTS.md: tighter than llama.cpp's own distance from the fp32 path).
+- A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
+  planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
+  same rounding as above. The embedding lookup dequantizes only the rows it reads, exactly.
+Weights are converted once at load; nothing here runs on CUDA (the GPU path dequantizes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32  # weights per GGUF block, and the int4 kernel's group size
+_Q4_TYPES = {2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
+_Q8_0 = 8
+_PACK_ROWS = 2048
+
+
+@dataclass
+class QuantTensor:
+    """A GGUF-quantized matrix decoded to codes and per-block scale/zero: w = codes * scale + zero
+    (after `q - 8` re-centring for the kernel). codes uint8 [N, K]; scale, zero float32 [N, K/32]."""
+    kind: str
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.codes.shape)
+
+    def permute_rows(self, fn) -> "QuantTensor":
+        return QuantTensor(self.kind, fn(self.codes), fn(self.scale), fn(self.zero))
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.reshape(n, k // GROUP, GROUP).astype(np.float32) * self.scale[..., None] + self.zero[..., None]
+        return torch.from_numpy(w.reshape(n, k)).to(dtype)
+
+
+def keeps(ggml_type: int) -> bool:
+    """Whether a GGUF tensor type stays quantized on the CPU path."""
+    return ggml_type in _Q4_TYPES or ggml_type == _Q8_0
+
+
+def decode(raw: np.ndarray, ggml_type: int) -> QuantTensor:
+    """Raw GGUF blocks [N, bytes per row] → QuantTensor (no fp32 copy of the matrix is made)."""
+    n = raw.shape[0]
+    if ggml_type == _Q8_0:  # d fp16, 32 × int8
+        b = raw.reshape(n, -1, 34)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = b[..., 2:].copy().view(np.int8).reshape(n, -1)
+        return QuantTensor("q8_0", codes, d, np.zeros_like(d))
+    width = 18 if ggml_type == 2 else 20  # Q4_0: d, 16 bytes; Q4_1: d, m, 16 bytes
+    b = raw.reshape(n, -1, width)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if width == 20 else None
+    qs = b[..., width - 16:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)  # low nibbles first
+    zero = -8.0 * d if m is None else m  # Q4_0 stores q - 8
+    return QuantTensor(_Q4_TYPES[ggml_type], codes, d, zero)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias) for W in GGUF 4-bit blocks; rows of several matrices may be
+    concatenated (`sizes`, `split`), as FusedLinear does for float weights."""
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, in_features: int, sizes: list[int]):
+        super().__init__()
+        self.in_features, self.out_features = in_features, sum(sizes)
+        self.sizes = sizes
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)  # [K/32, N, 2] bf16
+        self.register_parameter("bias", None)
+
+    @classmethod
+    def from_quant(cls, qt: QuantTensor) -> "Int4Linear":
+        n, k = qt.codes.shape
+        # the packed layout is per row: pack row blocks, so the int32 copy the packer wants stays small
+        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(qt.codes[i:i + _PACK_ROWS].astype(np.int32)), 1) for i in range(0, n, _PACK_ROWS)])
+        # the kernel computes (q - 8) * scale + zero: fold the +8 into the zero
+        zero = qt.zero + 8.0 * qt.scale
+        sz = torch.stack([torch.from_numpy(qt.scale.T.copy()), torch.from_numpy(zero.T.copy())], -1)
+        return cls(packed, sz.to(torch.bfloat16), k, [n])
+
+    @classmethod
+    def concat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
+        """Rows of several linears that read the same input, as one (the packed layout is per row)."""
+        fused = cls(torch.cat([p.packed for p in parts]), torch.cat([p.scale_zero for p in parts], 1),
+                    parts[0].in_features, [s for p in parts for s in p.sizes])
+        if parts[0].bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed, GROUP, self.scale_zero)
+        y = y.reshape(*lead, self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split(self.sizes, dim=-1)
+
+
+class Q8Embedding(nn.Module):
+    """An embedding table in Q8_0 blocks; a lookup dequantizes only the rows it reads (exact)."""
+
+    def __init__(self, qt: QuantTensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qt.codes.shape
+        self.register_buffer("codes", torch.from_numpy(qt.codes.copy()))
+        self.register_buffer("scale", torch.from_numpy(qt.scale.copy()))
+
+    @property
+    def quant(self) -> QuantTensor:
+        scale = self.scale.numpy()
+        return QuantTensor("q8_0", self.codes.numpy(), scale, np.zeros_like(scale))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[ids].float().view(*ids.shape, -1, GROUP) * self.scale[ids][..., None]
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+class Q8Linear(nn.Module):
+    """y = x @ W.T for W in Q8_0 blocks, as two int4 matmuls: with u = q + 128 = 16 * hi + lo,
+    W = 16d * (hi - 8) + d * lo exactly (the first plane has zero 0, the second zero 8d)."""
+
+    def __init__(self, qt: QuantTensor):
+        super().__init__()
+        u = qt.codes.view(np.uint8) ^ 0x80  # q + 128 as a byte: flipping the sign bit
+        self.hi = Int4Linear.from_quant(QuantTensor("q4", u >> 4, 16.0 * qt.scale, -128.0 * qt.scale))
+        self.lo = Int4Linear.from_quant(QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
+        self.in_features, self.out_features = self.hi.in_features, self.hi.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hi(x) + self.lo(x)
