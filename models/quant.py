@@ -23,7 +23,8 @@ from torch import nn
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size
 _Q4_TYPES = {2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
 _Q8_0 = 8
-_PACK_ROWS = 2048
+_PACK_ROWS = 2048  # rows packed at a time at load (a multiple of the packer's row tile)
+_TILE_ROWS = 64
 
 
 @dataclass
@@ -95,8 +96,11 @@ class Int4Linear(nn.Module):
         return cls(packed, sz.to(torch.bfloat16), k, [n])
 
     @classmethod
-    def concat(cls, parts: list["Int4Linear"]) -> "Int4Linear":
-        """Rows of several linears that read the same input, as one (the packed layout is per row)."""
+    def concat(cls, parts: list["Int4Linear"]) -> "Int4Linear | None":
+        """Rows of several linears that read the same input, as one; None where a part's rows are
+        not a whole number of the packer's 64-row tiles (its packed rows could not be appended)."""
+        if any(p.out_features % _TILE_ROWS for p in parts[:-1]):
+            return None
         fused = cls(torch.cat([p.packed for p in parts]), torch.cat([p.scale_zero for p in parts], 1),
                     parts[0].in_features, [s for p in parts for s in p.sizes])
         if parts[0].bias is not None:
@@ -139,10 +143,15 @@ class Q8Linear(nn.Module):
 
     def __init__(self, qt: QuantTensor):
         super().__init__()
-        u = qt.codes.view(np.uint8) ^ 0x80  # q + 128 as a byte: flipping the sign bit
-        self.hi = Int4Linear.from_quant(QuantTensor("q4", u >> 4, 16.0 * qt.scale, -128.0 * qt.scale))
-        self.lo = Int4Linear.from_quant(QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
+        hi, lo = self.planes(qt)
+        self.hi, self.lo = Int4Linear.from_quant(hi), Int4Linear.from_quant(lo)
         self.in_features, self.out_features = self.hi.in_features, self.hi.out_features
+
+    @staticmethod
+    def planes(qt: QuantTensor) -> tuple[QuantTensor, QuantTensor]:
+        u = qt.codes.view(np.uint8) ^ 0x80  # q + 128 as a byte: flipping the sign bit
+        return (QuantTensor("q4", u >> 4, 16.0 * qt.scale, -128.0 * qt.scale),
+                QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hi(x) + self.lo(x)
