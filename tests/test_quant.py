@@ -46,7 +46,7 @@ def test_int4_linear_matches_dequantized(qtype):
     w = torch.from_numpy(ref)
     x = torch.randn(5, w.shape[1])
     assert torch.all((lin(x) - x @ w.T).abs() <= bf16_bound(x, w))
-    assert lin(x).dtype == torch.float32
+    assert lin(x).dtype == torch.bfloat16  # consumers promote it
 
 
 def test_fused_int4_equals_its_parts():
