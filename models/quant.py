@@ -73,7 +73,7 @@ def decode(raw: np.ndarray, ggml_type: int) -> QuantTensor:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T (+ bias) for W in GGUF 4-bit blocks, returned in bf16 (+ an fp32 bias: fp32);
+    """y = x @ W.T (+ bias) for W in GGUF 4-bit blocks, in x's dtype (bf16 inside the kernel);
     rows of several matrices may be concatenated (`sizes`, `split`), as FusedLinear does."""
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, in_features: int, sizes: list[int]):
@@ -111,9 +111,7 @@ class Int4Linear(nn.Module):
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed, GROUP, self.scale_zero)
-        # bf16 out, as the kernel wrote it: the consumers' fp32 operands (residual, RoPE tables, the
-        # KV cache copy) promote it back, and the next int4 matmul wants bf16 in anyway
-        y = y.reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -156,4 +154,4 @@ class Q8Linear(nn.Module):
                 QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hi(x).float() + self.lo(x)
+        return self.hi(x) + self.lo(x)

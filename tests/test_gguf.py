@@ -67,8 +67,9 @@ def test_greedy_parity_with_transformers(smollm2, hf_gguf):
 
 @pytest.mark.slow
 def test_cli_answers_like_transformers(smollm2, hf_gguf):
+    # the reference path (weights dequantized), which is what transformers computes
     proc = subprocess.run([sys.executable, "-m", "chat", "--prompt", "What is the capital of France?",
-                           "--temperature", "0"], capture_output=True, text=True, timeout=300)
+                           "--temperature", "0", "--quantized", "off"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     from chat.template import ChatTemplate
     ids = smollm2.tokenizer.encode(ChatTemplate(smollm2.chat_template).render(
