@@ -43,7 +43,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         live_only = tokens.shape[0] == 1 and state.kv_len == state.length + 1
-        mask = None if live_only else causal_mask(positions, state.kv_len)
+        mask = None if live_only else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)
         if not all_logits:

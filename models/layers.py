@@ -27,8 +27,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op (the decode step is op-count bound on the CPU and launch bound on CUDA)
-        w = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()
+        # One fused kernel where input and weight share a dtype (it accumulates in fp32): the
+        # decode step is op-count bound on the CPU and launch bound on CUDA. A zero-centred weight
+        # (offset 1) is applied in fp32 as HF does, which costs two casts.
+        if self.offset == 0.0 and x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        w = self.offset + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 
@@ -149,11 +153,13 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     return FusedLinear(torch.cat([m.weight for m in linears]), bias, [m.weight.shape[0] for m in linears])
 
 
-def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[T, kv_len] bool: query at position p sees key slots 0..p. (Not needed, and not built,
-    for one query over exactly the live slots: an eager decode step on the CPU.)"""
+def causal_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, kv_len] additive mask (0 or -inf): query at position p sees key slots 0..p. Built once
+    per forward for all layers. (Not needed, and not built, for one query over exactly the live
+    slots: an eager decode step on the CPU.)"""
     slots = torch.arange(kv_len, device=positions.device)
-    return slots[None, :] <= positions[:, None]
+    hidden = slots[None, :] > positions[:, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, float("-inf"))
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -190,14 +196,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     Deterministic on every device (fused SDPA kernels for masked single-query attention were
     not bitwise reproducible run to run on an H200), and cheap: the scores are [H, kv_len].
-    q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] bool, or None where every slot is live.
-    Returns [H, 1, D].
+    q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] additive (causal_mask), or None where
+    every slot is live. Returns [H, 1, D].
     """
     H, _, D = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(kvh, H // kvh, D)  # query heads grouped by the KV head they read
-    scores = (qg @ keys.transpose(1, 2)).float() * (D ** -0.5)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1).to(values.dtype)
-    return (probs @ values).reshape(H, 1, D)
+    if mask is None:
+        scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(D ** -0.5)
+    else:  # scale and mask inside the GEMM's epilogue: one kernel
+        scores = torch.baddbmm(mask.to(q.dtype).expand(kvh, H // kvh, -1), qg, keys.transpose(1, 2), alpha=D ** -0.5)
+    probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values).reshape(H, 1, D)
