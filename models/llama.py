@@ -62,16 +62,19 @@ class Attention(QKVProjections):
             self.k_norm = RMSNorm(d, cfg.rms_eps)
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
-        T = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        q = q.view(T, self.n_heads, self.head_dim)
-        k = k.view(T, self.n_kv, self.head_dim)
-        v = v.view(T, self.n_kv, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rope.apply(q.transpose(0, 1), cos, sin)
-        k = rope.apply(k.transpose(0, 1), cos, sin)
-        out = cached_attention(q, k, v.transpose(0, 1), positions, kv[0], kv[1], kv_len, mask)
+        T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
+            # query and key heads are adjacent in the fused output: one RoPE over both
+            heads = self.qkv_proj(x).view(T, H + 2 * KVH, D).transpose(0, 1)
+            qk = rope.apply(heads[:H + KVH], cos, sin)
+            q, k, v = qk[:H], qk[H:], heads[H + KVH:]
+        else:
+            q, k, v = self.project_qkv(x)
+            q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D).transpose(0, 1)
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.apply(q.transpose(0, 1), cos, sin), rope.apply(k.transpose(0, 1), cos, sin)
+        out = cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask)
         return self.o_proj(out)
 
 
