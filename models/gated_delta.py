@@ -30,10 +30,10 @@ def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """T == 1, vectorised, in place (the decode path; graph-safe: no shape-dependent control flow)."""
     q, k, v, g, beta = (x[0].float() for x in (q, k, v, g, beta))
     state.mul_(g.exp()[:, None, None])
-    kv_mem = (state * k[:, :, None]).sum(1)
+    kv_mem = torch.bmm(k[:, None, :], state)[:, 0]                  # [H, dv]: k^T S per head
     delta = (v - kv_mem) * beta[:, None]
-    state.add_(k[:, :, None] * delta[:, None, :])
-    return (state * q[:, :, None]).sum(1)[None]
+    state.baddbmm_(k[:, :, None], delta[:, None, :])                # S += k delta^T, in place
+    return torch.bmm(q[:, None, :], state).transpose(0, 1)          # [1, H, dv]: q^T S
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:

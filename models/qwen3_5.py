@@ -91,14 +91,20 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * x.to(dtype)) * F.silu(z.float())).to(dtype)
+        # the fused norm accumulates in fp32 and applies the weight (one kernel, not seven)
+        return F.rms_norm(x.to(self.weight.dtype), (x.shape[-1],), self.weight, self.eps) * F.silu(z)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps): the reference form (tests compare the fused form with it)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def l2norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """l2norm(x) * scale as one fused RMSNorm: rsqrt(sum/d + eps/d) = sqrt(d) * rsqrt(sum + eps),
+    so rms_norm(x, eps/d) with a constant weight scale/sqrt(d) is exactly that."""
+    d = x.shape[-1]
+    return F.rms_norm(x, (d,), scale, eps / d)
 
 
 class GatedDeltaNet(nn.Module):
@@ -118,6 +124,15 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def reset_buffers(self, device) -> None:
+        """After loading: the decay rate -exp(A_log) and dt_bias in fp32, and the constant weights
+        of the fused q/k l2 norms (q also takes the 1/sqrt(dk) attention scale)."""
+        self.register_buffer("neg_A", -self.A_log.detach().float().exp(), persistent=False)
+        self.register_buffer("dt_bias32", self.dt_bias.detach().float(), persistent=False)
+        d = self.dk
+        self.register_buffer("q_norm_w", torch.full((d,), 1.0 / d, device=device), persistent=False)
+        self.register_buffer("k_norm_w", torch.full((d,), d ** -0.5, device=device), persistent=False)
 
     def state(self) -> FixedState:
         return FixedState((("conv", (self.conv_dim, self.kernel - 1), None),
@@ -141,15 +156,16 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat((conv_state, mixed.to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
         conv_state.copy_(window[:, -(self.kernel - 1):])
         mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0])
-        q, k, v = torch.split(mixed.transpose(0, 1), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(T, self.nk, self.dk).float()) * self.dk ** -0.5
-        k = l2norm(k.reshape(T, self.nk, self.dk).float())
+        mixed = mixed.transpose(0, 1)
+        qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
+        q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
+        k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
         if self.nv != self.nk:  # each key head serves nv/nk consecutive value heads
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
-        v = v.reshape(T, self.nv, self.dv)
+        v = mixed[:, 2 * self.key_dim:].reshape(T, self.nv, self.dv)
         beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias32)
         rec = st["recurrent"]
         if T == 1:
             out = gated_delta.step(q, k, v, g, beta, rec)

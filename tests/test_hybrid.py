@@ -194,3 +194,11 @@ def test_qwen3_next_per_expert_checkpoint_layout(hybrids, tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     ids = rand_ids(25, 12)
     assert (session(models.load(str(out))).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_fused_l2norm_equals_the_reference_form():
+    from models.qwen3_5 import l2norm, l2norm_scaled
+    x = torch.randn(3, 4, 64, dtype=torch.float64)
+    for scale in (1.0 / 64, 64 ** -0.5):
+        w = torch.full((64,), scale, dtype=torch.float64)
+        assert torch.allclose(l2norm_scaled(x, w), l2norm(x) * (scale * 8), rtol=1e-12, atol=0)
