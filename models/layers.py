@@ -32,8 +32,13 @@ class RMSNorm(nn.Module):
         # (offset 1) is applied in fp32 as HF does, which costs two casts.
         if self.offset == 0.0 and x.dtype == self.weight.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        w = self.offset + self.weight.float()
+        w = self.offset_weight if hasattr(self, "offset_weight") else self.offset + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
+
+    def reset_buffers(self, device) -> None:
+        """After loading: offset + weight in fp32, once (not two kernels per call)."""
+        if self.offset != 0.0:
+            self.register_buffer("offset_weight", self.offset + self.weight.detach().float(), persistent=False)
 
 
 class Rope(nn.Module):
