@@ -63,16 +63,21 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks. logits: [vocab] fp32."""
     logits = logits / cfg.temperature
     neg_inf = torch.finfo(logits.dtype).min
+    candidates = None  # where top-k ran: the ids still in play (all others have probability 0)
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, neg_inf)
+        candidates = (logits >= kth).nonzero()[:, 0]  # k ids, or a few more on ties at the k-th value
     if cfg.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # top-p over the candidates only: the masked ids carry zero mass, so this is the same rule
+        # as over the whole vocabulary without sorting all of it (the sort was most of a sample)
+        pool = logits if candidates is None else logits[candidates]
+        sorted_logits, order = torch.sort(pool, descending=True)
+        probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, neg_inf)
+        drop_sorted = (probs.cumsum(-1) - probs) >= cfg.top_p
+        dropped = order[drop_sorted] if candidates is None else candidates[order[drop_sorted]]
+        logits = logits.index_fill(0, dropped, neg_inf)
     if cfg.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < cfg.min_p * probs.max(), neg_inf)
