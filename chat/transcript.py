@@ -121,7 +121,7 @@ def _check_event(path: str, raw, index: int) -> Event:
         ev.user = raw["user"]
     else:
         cmd = raw["command"]
-        if not isinstance(cmd, str) or not cmd.split(" ", 1)[0] in SCRIPT_COMMANDS:
+        if not isinstance(cmd, str) or cmd.split(" ", 1)[0] not in SCRIPT_COMMANDS:
             raise _err(path, line, f"event {index + 1}: command must be one of {', '.join(SCRIPT_COMMANDS)}")
         ev.command = cmd.strip()
     if "set" in raw:
@@ -132,7 +132,8 @@ def _check_event(path: str, raw, index: int) -> Event:
     if present:
         if not ev.makes_turn or len(present) != len(RESULT_KEYS):
             missing = [k for k in RESULT_KEYS if k not in raw]
-            raise _err(path, line, f"event {index + 1}: a recorded turn (user or /retry) needs all of {', '.join(RESULT_KEYS)}"
+            raise _err(path, line, f"event {index + 1}: a recorded turn (user or /retry) needs all of "
+                                   f"{', '.join(RESULT_KEYS)}"
                        + (f" (missing {', '.join(missing)})" if missing else ""))
         r = raw
         checks = [(_int_list(r["prompt_ids"]) and r["prompt_ids"], "prompt_ids must be a non-empty list of token ids"),

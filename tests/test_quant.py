@@ -143,3 +143,38 @@ def test_short_replies_are_the_reference_replies(smollm2, smollm2_q4, text):
         return list(s.generate(chat_ids(lm, text), SamplingConfig(temperature=0, max_new_tokens=48)))
 
     assert reply(smollm2_q4) == reply(smollm2)
+
+
+# --- tiny GGUF files of other types and architectures -----------------------------------------
+
+@pytest.mark.parametrize("kind,qtype", [("llama", Q.Q4_0), ("qwen2", Q.Q4_1)], ids=["llama-Q4_0", "qwen2-Q4_1"])
+def test_tiny_gguf_quantized_path_matches_dequantized(tmp_path, kind, qtype):
+    """Q4_0 and Q4_1, untied (llama: Q8_0 output.weight) and tied heads, Qwen2's q/k/v biases on
+    4-bit linears, llama's permuted Q/K rows, and q/k/v too small to fuse (32-row parts)."""
+    import models
+    from engine.reference import full_logits
+    from tiny import hf_model
+    from tiny_gguf import write_gguf
+
+    path = write_gguf(kind, str(tmp_path / f"{kind}.gguf"), hf_model(kind), qtype)
+    ref, q4 = models.load(path), models.load(path, quantized=True)
+    assert sum(isinstance(m, quant.Int4Linear) for m in q4.model.modules()) > 0
+    assert isinstance(q4.model.lm_head, quant.Q8Linear) and isinstance(q4.model.model.embed_tokens, quant.Q8Embedding)
+    assert q4.n_params == ref.n_params
+    # layouts first (tiny random models barely use attention, so logits alone would miss a Q/K
+    # row-order error): every layer's projections read back through the identity
+    eye = torch.eye(ref.model.config.hidden_size)
+    for lr, lq in zip(ref.model.model.layers, q4.model.model.layers):
+        pr, pq = projections(lr.self_attn, eye), projections(lq.self_attn, eye)
+        assert float((pr - pq).abs().max()) <= 2 ** -7 * float(pr.abs().max())
+    ids = list(range(3, 60))
+    a, b = full_logits(ref.model, ids), full_logits(q4.model, ids)
+    assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max()), float((a - b).abs().max())
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def projections(attn, eye):
+    """[in, q+k+v out]: the attention's input projections applied to the identity (bias included)."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj(eye)
+    return torch.cat([attn.q_proj(eye), attn.k_proj(eye), attn.v_proj(eye)], -1)

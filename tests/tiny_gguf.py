@@ -1,0 +1,88 @@
+"""Tiny GGUF files written from a tiny transformers model, the way llama.cpp's converter lays them out.
+
+`write_gguf(kind, path, model, linear_type)`: metadata for our loader (architecture, sizes, the
+tiny byte-level tokenizer, a ChatML template), 2-D weights quantized to `linear_type` (Q4_0,
+Q4_1, Q8_0 or F32), the token embedding (and an untied output) in Q8_0, norms and biases in F32,
+and Llama's Q/K rows permuted as the converter permutes them.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+from tiny import CHATML, SPECIALS, tiny_tokenizer
+
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation (the inverse of checkpoints.unpermute_qk)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf.split(".", 3)
+    module, leaf = rest.rsplit(".", 1)
+    return f"blk.{i}.{_LAYER[module]}.{leaf}"
+
+
+def write_gguf(kind: str, path: str, model, linear_type: Q) -> str:
+    cfg = model.config
+    arch = {"llama": "llama", "qwen2": "qwen2"}[kind]
+    w = GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    tok = tiny_tokenizer()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(cfg.vocab_size - len(vocab))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in _merges(tok)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHATML)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, t in state.items():
+        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            t = permute_qk(t, heads)
+        qtype = Q.F32
+        if t.ndim == 2:
+            qtype = Q.Q8_0 if name in ("model.embed_tokens.weight", "lm_head.weight") else linear_type
+        data = np.ascontiguousarray(t, dtype=np.float32)
+        if qtype == Q.F32:
+            w.add_tensor(gguf_name(name), data)
+        else:
+            w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _merges(tok) -> list[tuple[str, str]]:
+    import json
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
