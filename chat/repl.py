@@ -191,7 +191,8 @@ def run_repl(settings: Settings) -> int:
         with renderer.console.status(f"loading {settings.engine.model}…", spinner="dots") as status:
             rt = open_runtime(settings, lambda text: status.update(text + "…"))
         lm = rt.loaded
-        renderer.notice(f"{os.path.basename(lm.source)} · {lm.n_params / 1e6:.0f}M params · {rt.device} · "
+        renderer.notice(f"{os.path.basename(lm.source)} · {lm.n_params / 1e6:.0f}M params · "
+                        f"{lm.weight_format} · {rt.device} · "
                         f"loaded in {rt.load_seconds:.1f}s · /help for commands, Ctrl-D to exit")
     else:
         rt = open_runtime(settings)

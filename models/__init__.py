@@ -48,6 +48,13 @@ class LoadedModel:
     def n_params(self) -> int:
         return self.model.n_params
 
+    @property
+    def weight_format(self) -> str:
+        """How the weights are held: "4-bit GGUF blocks" where int4 kernels run, else the dtype."""
+        if any(isinstance(m, quant.Int4Linear) for m in self.model.modules()):
+            return "4-bit GGUF blocks"
+        return str(next(self.model.parameters()).dtype).replace("torch.", "")
+
 
 def resolve(path_or_alias: str) -> str:
     """An alias → the file inside its package; a path is checked to exist."""
