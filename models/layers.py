@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import fused_cuda
 from .quant import Int4Linear
 
 
@@ -111,6 +112,8 @@ class SwiGLU(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj") and fused_cuda.usable(x):
+            return self.down_proj(fused_cuda.silu_mul(self.gate_up_proj(x)))
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -176,6 +179,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     """
     k_cache.index_copy_(1, positions, k.to(k_cache.dtype))
     v_cache.index_copy_(1, positions, v.to(v_cache.dtype))
+    return attend_cached(q, k_cache, v_cache, kv_len, mask)
+
+
+def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [H, T, D] over the first kv_len cached slots (already written). [T, H*D]."""
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     T = q.shape[1]
     if T == 1:

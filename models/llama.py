@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from .causal_lm import Body, CausalLM
-from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, cached_attention
+from . import fused_cuda
+from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, attend_cached, cached_attention
 from .state_spec import AttentionState, StateView
 
 
@@ -64,8 +65,12 @@ class Attention(QKVProjections):
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
+            qkv = self.qkv_proj(x)
+            if fused_cuda.usable(qkv) and rope.rotary_dim == D:  # one kernel: RoPE and the KV write
+                q = fused_cuda.rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH)
+                return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
             # query and key heads are adjacent in the fused output: one RoPE over both
-            heads = self.qkv_proj(x).view(T, H + 2 * KVH, D).transpose(0, 1)
+            heads = qkv.view(T, H + 2 * KVH, D).transpose(0, 1)
             qk = rope.apply(heads[:H + KVH], cos, sin)
             q, k, v = qk[:H], qk[H:], heads[H + KVH:]
         else:
@@ -87,8 +92,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
+        norm = self.post_attention_layernorm
+        if fused_cuda.usable(x) and norm.weight.dtype == x.dtype:  # the add and the norm in one kernel
+            x, h = fused_cuda.add_rms_norm(x, a, norm.weight, norm.eps)
+        else:
+            x = x + a
+            h = norm(x)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):

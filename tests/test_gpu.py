@@ -50,3 +50,59 @@ def test_capture_leaves_no_trace_in_live_state(gpu_models):
     s.graph.capture()  # an explicit re-capture mid-conversation
     assert s.state.length == before[1]
     assert all(torch.equal(a, b) for a, b in zip(before[0], s.state.fixed_tensors()))
+
+
+# --- the Triton decode kernels (models/fused_cuda.py) against their torch forms ----------------
+
+def test_fused_kernels_match_torch_forms():
+    from models import fused_cuda
+    from models.layers import Rope
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    H, KVH, D, S = 9, 3, 64, 32
+    qkv = torch.randn(1, (H + 2 * KVH) * D, device=dev, dtype=bf)
+    rope = Rope(D, 10000.0)
+    rope.reset_buffers(dev)
+    pos = torch.tensor([13], device=dev)
+    cos, sin = rope.cos_sin(pos, bf)
+    kc, vc = torch.randn(KVH, S, D, device=dev, dtype=bf), torch.randn(KVH, S, D, device=dev, dtype=bf)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = fused_cuda.rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
+    heads = qkv.view(1, H + 2 * KVH, D).transpose(0, 1).float()
+    ref = rope.apply(heads[:H + KVH], cos.float(), sin.float())
+    assert torch.allclose(q.float(), ref[:H], atol=2e-2, rtol=1e-2)
+    assert torch.allclose(kc[:, 13].float(), ref[H:, 0], atol=2e-2, rtol=1e-2)
+    assert torch.equal(vc[:, 13], heads[H + KVH:, 0].to(bf))
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[13] = False
+    assert torch.equal(kc[:, untouched], kc0[:, untouched]) and torch.equal(vc[:, untouched], vc0[:, untouched])
+
+    x, y, w = (torch.randn(1, 576, device=dev, dtype=bf) for _ in range(3))
+    s, n = fused_cuda.add_rms_norm(x, y, w[0], 1e-5)
+    assert torch.equal(s, x + y)
+    assert torch.allclose(n.float(), torch.nn.functional.rms_norm((x + y).float(), (576,), w[0].float(), 1e-5),
+                          atol=3e-2, rtol=1e-2)
+
+    gu = torch.randn(1, 2 * 1536, device=dev, dtype=bf)
+    g, u = gu.float().chunk(2, dim=-1)
+    assert torch.allclose(fused_cuda.silu_mul(gu).float(), torch.nn.functional.silu(g) * u, atol=3e-2, rtol=1e-2)
+
+
+def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch):
+    from models import fused_cuda
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    lm = gpu_models["llama"]
+    prompt = list(range(3, 40))
+
+    def step_logits():
+        s = DecodeSession(lm.model, max_context=64, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="off")
+        s.prefill(prompt)
+        return torch.stack([s.step(t)[-1] for t in (5, 6, 7, 8)])
+
+    fused = step_logits()
+    monkeypatch.setattr(fused_cuda, "ENABLED", False)
+    plain = step_logits()
+    assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
