@@ -1,7 +1,8 @@
 """Decode and prefill speed of our engine on the PERFORMANCE.md shapes (random weights).
 
     python bench/decode_bench.py NAME [NAME ...] [--device cuda] [--graph auto|on|off]
-        [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--hf hf.jsonl] [--startup NAME]
+        [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--max-context N] [--hf hf.jsonl]
+        [--startup NAME]
 
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
@@ -36,7 +37,8 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off") -> dict:
+def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off",
+                max_context=0) -> dict:
     t0 = time.perf_counter()
     model = random_model(name, device, dtype)
     sync(device)
@@ -47,7 +49,7 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
     ids = torch.randint(0, vocab, (max(prompt_len, prefill_len),), generator=g).tolist()
     prompt = ids[:prompt_len]
     t0 = time.perf_counter()
-    s = DecodeSession(model, max_context=prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph,
+    s = DecodeSession(model, max_context=max_context or prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph,
                       compile=compile)
     sync(device)
     rec["session_s"] = round(time.perf_counter() - t0, 2)
@@ -111,6 +113,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="state size of the decode session (default: prompt + new + 8); the CUDA step "
+                         "attends over all of it, masked, as the REPL's session (8192) does")
     ap.add_argument("--compile", default="off", help="torch.compile the decode step (on|off)")
     ap.add_argument("--prefill-form", default="chunked", choices=["chunked", "naive"],
                     help="hybrid models: the gated delta form used for multi-token forwards")
@@ -137,7 +142,9 @@ def main() -> None:
         return
     rows = []
     for name in a.names:
-        rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile)
+        rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile,
+                          a.max_context)
+        rec["max_context"] = a.max_context or a.prompt + a.new + 8
         rec["prefill_form"] = a.prefill_form
         print(json.dumps(rec), flush=True)
         rows.append(rec)
