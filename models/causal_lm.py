@@ -2,14 +2,16 @@
 
 `CausalLM.forward(tokens, positions, state)` is the one model function (prefill, eager decode,
 graph capture, the oracle and the tests all call it). Each layer is called as
-`layer(x, i, positions, rope, cos, sin, state, mask)` and reads its own state through `state`.
+`layer(x, i, positions, rope, cos, sin, state, mask)` and reads its own state through `state`;
+it takes and returns the residual stream as a tensor or a `Residual` (the last branch not yet
+added: the next norm adds it, in one kernel on CUDA).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .layers import Rope, causal_mask
+from .layers import Residual, Rope, add_norm, causal_mask
 from .state_spec import StateView
 
 
@@ -45,7 +47,7 @@ class CausalLM(nn.Module):
         live_only = tokens.shape[0] == 1 and state.kv_len == state.length + 1
         mask = None if live_only else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, i, positions, self.rope, cos, sin, state, mask)
+            x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
         if not all_logits:
-            x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()
+            x = x.last_row() if isinstance(x, Residual) else x[-1:]
+        return self.lm_head(add_norm(x, self.model.norm)[1]).float()

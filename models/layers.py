@@ -8,6 +8,7 @@ eager decode step and a CUDA-graph decode step (which passes kv_len = max_contex
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,26 @@ class RMSNorm(nn.Module):
         """After loading: offset + weight in fp32, once (not two kernels per call)."""
         if self.offset != 0.0:
             self.register_buffer("offset_weight", self.offset + self.weight.detach().float(), persistent=False)
+
+
+class Residual(NamedTuple):
+    """The residual stream with its newest branch not added yet. A layer hands this on instead of
+    `x + branch`, so the next norm can add and normalise in one step (one kernel on CUDA)."""
+    x: torch.Tensor
+    branch: torch.Tensor
+
+    def last_row(self) -> "Residual":
+        return Residual(self.x[-1:], self.branch[-1:])
+
+
+def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream, norm(stream)), adding a pending branch first."""
+    if isinstance(x, Residual):
+        s, b = x
+        if fused_cuda.usable(s) and norm.offset == 0.0 and norm.weight.dtype == s.dtype == b.dtype:
+            return fused_cuda.add_rms_norm(s, b, norm.weight, norm.eps)
+        x = s + b
+    return x, norm(x)
 
 
 class Rope(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 
 from .causal_lm import Body, CausalLM
 from . import fused_cuda
-from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, attend_cached, cached_attention
+from .layers import QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached, cached_attention
 from .state_spec import AttentionState, StateView
 
 
@@ -91,15 +91,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask):
-        a = self.self_attn(self.input_layernorm(x), positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        norm = self.post_attention_layernorm
-        if fused_cuda.usable(x) and norm.weight.dtype == x.dtype:  # the add and the norm in one kernel
-            x, h = fused_cuda.add_rms_norm(x, a, norm.weight, norm.eps)
-        else:
-            x = x + a
-            h = norm(x)
-        return x + self.mlp(h)
+    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
+        x, h = add_norm(x, self.input_layernorm)  # adds the previous layer's MLP output first
+        a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
+        x, h = add_norm(Residual(x, a), self.post_attention_layernorm)
+        return Residual(x, self.mlp(h))
 
 
 class LlamaForCausalLM(CausalLM):

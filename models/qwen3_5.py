@@ -17,7 +17,8 @@ from torch import nn
 
 from . import gated_delta
 from .causal_lm import Body, CausalLM
-from .layers import QKVProjections, RMSNorm, Rope, SwiGLU, cached_attention, fuse_linears
+from .layers import (QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention,
+                     fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -267,14 +268,14 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
 
-    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask):
-        h = self.input_layernorm(x)
+    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
+        x, h = add_norm(x, self.input_layernorm)
         if self.linear:
             h = self.linear_attn(h, state.fixed(i))
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_norm(Residual(x, h), self.post_attention_layernorm)
+        return Residual(x, self.mlp(h))
 
 
 class HybridForCausalLM(CausalLM):
