@@ -49,8 +49,8 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
     ids = torch.randint(0, vocab, (max(prompt_len, prefill_len),), generator=g).tolist()
     prompt = ids[:prompt_len]
     t0 = time.perf_counter()
-    s = DecodeSession(model, max_context=max_context or prompt_len + new + 8, device=device, dtype=dtype, cuda_graph=graph,
-                      compile=compile)
+    s = DecodeSession(model, max_context=max_context or prompt_len + new + 8, device=device, dtype=dtype,
+                      cuda_graph=graph, compile=compile)
     sync(device)
     rec["session_s"] = round(time.perf_counter() - t0, 2)
     rec["graph"] = s.graph is not None
