@@ -1,23 +1,44 @@
 """CUDA-graph capture and replay of the decode step: a recording of the eager step, nothing more.
 
 The captured call is exactly the eager decode call, `model(tokens, positions, state)` with
-`state.kv_len = max_context` (the eager CUDA step uses the same kv_len, so both run the same
-kernels). Inputs live in static buffers; state tensors are the StateManager's own, never
-rebound, so `reset()` (in-place zeroing) needs no re-capture. Warm-up and capture run at the
-next free position and the fixed state is restored afterwards: they leave no trace in live state.
+`state.kv_len = decode_kv_len(position)`: the attention reads a fixed number of key slots (the
+ones past the position masked), chosen from a few buckets (powers of two from 512 up to
+max_context), so a short conversation in a large context does not read all of it. One graph per
+bucket, captured together at start (sharing one memory pool); the eager CUDA step uses the same
+buckets, so both run the same kernels. Inputs live in static buffers; state tensors are the
+StateManager's own, never rebound, so `reset()` (in-place zeroing) needs no re-capture. Warm-up and
+capture run at the next free position and the fixed state is restored afterwards: they leave no
+trace in live state.
 """
 from __future__ import annotations
 
 import torch
 
 
+SMALLEST_BUCKET = 512
+
+
+def kv_buckets(max_context: int, single: bool = False) -> list[int]:
+    """Key-slot counts a decode step may attend over: 512, 1024, … below max_context, then
+    max_context. `single`: max_context only (a compiled step would recompile per count)."""
+    out, b = [], SMALLEST_BUCKET
+    while not single and b < max_context:
+        out.append(b)
+        b *= 2
+    return out + [max_context]
+
+
+def decode_kv_len(position: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds the slot at `position`."""
+    return next(b for b in buckets if b > position)
+
+
 class GraphedDecodeStep:
-    def __init__(self, model, state, device: torch.device):
-        self.model, self.state = model, state
+    def __init__(self, model, state, device: torch.device, buckets: list[int]):
+        self.model, self.state, self.buckets = model, state, buckets
         self.tokens = torch.zeros(1, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture()
 
     @torch.inference_mode()
@@ -28,22 +49,26 @@ class GraphedDecodeStep:
             raise RuntimeError("cannot capture the decode step on a full context")
         saved = state.snapshot()
         self.positions.fill_(state.length)  # the next free slot: its KV write is inert until committed
-        state.begin_forward(1, state.max_context)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy initialisation must not happen during capture
-                self.model(self.tokens, self.positions, state)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self.model(self.tokens, self.positions, state)
-        self.graph = graph
+        self.graphs, pool = {}, None
+        for kv_len in self.buckets:
+            state.begin_forward(1, kv_len)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: lazy initialisation must not happen during capture
+                    self.model(self.tokens, self.positions, state)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):  # one pool: only one bucket ever runs at a time
+                logits = self.model(self.tokens, self.positions, state)
+            pool = graph.pool()
+            self.graphs[kv_len] = (graph, logits)
         state.restore(saved)  # undo the warm-up's writes into fixed state
         torch.cuda.synchronize()
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
+        graph, logits = self.graphs[decode_kv_len(position, self.buckets)]
         self.tokens.fill_(token)
         self.positions.fill_(position)
-        self.graph.replay()
-        return self.logits
+        graph.replay()
+        return logits

@@ -106,3 +106,24 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
     monkeypatch.setattr(fused_cuda, "ENABLED", False)
     plain = step_logits()
     assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
+
+
+def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
+    """The decode step reads a bucket of key slots that grows with the position; crossing
+    from one bucket's graph to the next keeps graphs on = off."""
+    import engine.graphs
+    monkeypatch.setattr(engine.graphs, "SMALLEST_BUCKET", 64)
+    for kind in ("llama", "qwen3_5"):
+        lm = gpu_models[kind]
+        prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+        cfg = SamplingConfig(temperature=0, max_new_tokens=60)  # positions 100..159: buckets 128, 256
+
+        def run(graph):
+            s = DecodeSession(lm.model, max_context=256, device=torch.device("cuda"), dtype=torch.bfloat16,
+                              cuda_graph=graph)
+            if graph == "on":
+                assert sorted(s.graph.graphs) == [64, 128, 256]
+            return [list(s.generate(prompt, cfg)) for _ in range(2)]
+
+        on, off = run("on"), run("off")
+        assert on == off and on[0] == on[1]

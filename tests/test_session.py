@@ -83,3 +83,12 @@ def test_stop_ids_end_generation(lm):
     stop = first[3]
     out = list(s.generate(ids(20), GREEDY, stop_ids=(stop,)))
     assert out == first[:first.index(stop) + 1] and s.last_stats.finish_reason == "stop"
+
+
+def test_decode_kv_buckets():
+    from engine.graphs import decode_kv_len, kv_buckets
+    assert kv_buckets(8192) == [512, 1024, 2048, 4096, 8192]
+    assert kv_buckets(1000) == [512, 1000] and kv_buckets(392) == [392]
+    assert kv_buckets(8192, single=True) == [8192]
+    b = kv_buckets(8192)
+    assert [decode_kv_len(p, b) for p in (0, 511, 512, 4095, 4096, 8191)] == [512, 512, 1024, 4096, 8192, 8192]
