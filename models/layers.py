@@ -198,8 +198,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
     Writes k/v at `positions` in place (index_copy_ keeps the buffers' identity for graphs).
     """
-    k_cache.index_copy_(1, positions, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, positions, v.to(v_cache.dtype))
+    k_cache.index_copy_(1, positions, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+    v_cache.index_copy_(1, positions, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
     return attend_cached(q, k_cache, v_cache, kv_len, mask)
 
 
@@ -209,7 +209,7 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     T = q.shape[1]
     if T == 1:
-        out = decode_attention(q, keys, values, mask)
+        return decode_attention(q, keys, values, mask)
     else:
         if keys.shape[0] != q.shape[0]:  # GQA: expand the KV heads, which keeps flash eligible
             rep = q.shape[0] // keys.shape[0]
@@ -232,7 +232,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     Deterministic on every device (fused SDPA kernels for masked single-query attention were
     not bitwise reproducible run to run on an H200), and cheap: the scores are [H, kv_len].
     q: [H, 1, D]; keys/values: [KVH, S, D]; mask: [1, S] additive (causal_mask), or None where
-    every slot is live. Returns [H, 1, D].
+    every slot is live. Returns [1, H*D], as attend_cached does.
     """
     H, _, D = q.shape
     kvh = keys.shape[0]
@@ -240,6 +240,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if mask is None:
         scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(D ** -0.5)
     else:  # scale and mask inside the GEMM's epilogue: one kernel
-        scores = torch.baddbmm(mask.to(q.dtype).expand(kvh, H // kvh, -1), qg, keys.transpose(1, 2), alpha=D ** -0.5)
+        bias = mask if mask.dtype == q.dtype else mask.to(q.dtype)
+        scores = torch.baddbmm(bias.expand(kvh, H // kvh, -1), qg, keys.transpose(1, 2), alpha=D ** -0.5)
     probs = scores.softmax(-1)  # accumulates in fp32 for bf16 input, rounds once on the way out
-    return torch.bmm(probs, values).reshape(H, 1, D)
+    return torch.bmm(probs, values).view(1, H * D)  # [KVH, G, D] is already head-major
