@@ -34,6 +34,22 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+def timed(repeats: int, n_prompt: int, prefill_case, decode_case) -> dict:
+    """Median prefill and decode tok/s. Each case sets up untimed and returns the timed call;
+    a decode call returns how many tokens it decoded."""
+    prefill, decode = [], []
+    for _ in range(repeats):
+        go = prefill_case()
+        t = time.perf_counter()
+        go()
+        prefill.append(n_prompt / (time.perf_counter() - t))
+        go = decode_case()
+        t = time.perf_counter()
+        n = go()
+        decode.append(n / (time.perf_counter() - t))
+    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+
+
 def bench_ours(lm, ids: list[int], n_decode: int, repeats: int) -> dict:
     import torch
 
@@ -43,19 +59,18 @@ def bench_ours(lm, ids: list[int], n_decode: int, repeats: int) -> dict:
     s = DecodeSession(lm.model, max_context=2048, device=torch.device("cpu"), dtype=torch.float32)
     greedy = SamplingConfig(temperature=0, max_new_tokens=n_decode)
     list(s.generate(ids[:32], SamplingConfig(temperature=0, max_new_tokens=4)))  # warm-up
-    prefill, decode = [], []
-    for _ in range(repeats):
+
+    def prefill_case():
         s.reset()
-        t = time.perf_counter()
-        s.prefill(ids)
-        prefill.append(len(ids) / (time.perf_counter() - t))
+        return lambda: s.prefill(ids)
+
+    def decode_case():
         s.reset()
         gen = s.generate(ids[:16], greedy, stop_ids=())
-        next(gen)
-        t = time.perf_counter()
-        n = sum(1 for _ in gen)
-        decode.append(n / (time.perf_counter() - t))
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+        next(gen)  # the prompt's prefill and first token are not decode time
+        return lambda: sum(1 for _ in gen)
+
+    return timed(repeats, len(ids), prefill_case, decode_case)
 
 
 def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, threads: int) -> dict | None:
@@ -66,20 +81,22 @@ def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, thre
     t0 = time.perf_counter()
     llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
     load = time.perf_counter() - t0
-    prefill, decode = [], []
-    for _ in range(repeats):
+
+    def prefill_case():
         llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        prefill.append(len(ids) / (time.perf_counter() - t))
+        return lambda: llm.eval(ids)
+
+    def decode_case():
         llm.reset()
         llm.eval(ids[:16])
-        t = time.perf_counter()
-        for _ in range(n_decode):
-            tok = llm.sample(temp=0.0)
-            llm.eval([tok])
-        decode.append(n_decode / (time.perf_counter() - t))
-    return {"load_s": load, "prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+
+        def go():
+            for _ in range(n_decode):
+                llm.eval([llm.sample(temp=0.0)])
+            return n_decode
+        return go
+
+    return dict(timed(repeats, len(ids), prefill_case, decode_case), load_s=load)
 
 
 def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, repeats: int,
