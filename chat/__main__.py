@@ -108,6 +108,8 @@ def settings_for(args, transcript=None):
     given = overrides(args)
     if transcript is not None:
         recorded = dict(transcript.engine)
+        if transcript.model.get("fingerprint") and "quantized" not in recorded:
+            recorded["quantized"] = "off"  # recorded before the setting existed: weights were dequantized
         if transcript.model.get("source"):
             recorded["model"] = transcript.model["source"]
         for key, value in recorded.items():

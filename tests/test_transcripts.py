@@ -142,3 +142,20 @@ def test_fuzz_bytes_through_load(tmp_path_factory, raw):
         tr.load(str(f))
     except tr.TranscriptError:
         pass
+
+
+def test_recordings_from_before_the_quantized_setting_replay_on_the_dequantized_path(tmp_path):
+    """Recordings made before `quantized` existed ran on dequantized weights: they replay on
+    that path; new recordings carry the setting; scripts without it take the default."""
+    from chat.__main__ import build_replay_parser, settings_for
+    src = os.path.join(GOLDEN, "smollm2-greedy.yaml")
+    data = yaml.safe_load(open(src, encoding="utf-8"))
+    assert data["engine"]["quantized"] == "auto"
+    del data["engine"]["quantized"]
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(data), encoding="utf-8")
+    args = build_replay_parser().parse_args([str(old)])
+    assert settings_for(args, tr.load(str(old))).engine.quantized == "off"
+    assert settings_for(args, tr.load(src)).engine.quantized == "auto"
+    script = tr.load(os.path.join(ROOT, "tests", "golden", "scripts", "smollm2-greedy.yaml"))
+    assert settings_for(args, script).engine.quantized == "auto"
