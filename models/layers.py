@@ -3,7 +3,9 @@
 All ops take one sequence (batch 1): activations are [T, hidden]. Attention writes the new
 keys/values into the engine's preallocated buffers at `positions` and attends over the first
 `kv_len` slots with a causal mask built from `positions`, so the same code runs a prefill, an
-eager decode step and a CUDA-graph decode step (which passes kv_len = max_context).
+eager decode step and a CUDA-graph decode step (which passes a fixed bucket of slots: see
+engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of fused_cuda.py where
+Triton is installed; everywhere else the torch forms here run.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ reads and writes the tensors handed to it through this view:
   state.kv(i)     -> (k, v), each [n_kv_heads, max_context, head_dim]: write at `positions`
   state.fixed(i)  -> {name: tensor} of the shapes the model declared (conv, recurrent state)
   state.kv_len    -> how many key slots this forward may attend over (slots past the newest
-                     position are masked; a CUDA graph passes the full max_context)
+                     position are masked; a CUDA decode step passes a bucket: engine/graphs.py)
   state.length    -> tokens cached before this forward (its first position)
 """
 from __future__ import annotations
