@@ -67,7 +67,8 @@ class GraphedDecodeStep:
         torch.cuda.synchronize()
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
-        graph, logits = self.graphs[decode_kv_len(position, self.buckets)]
+        """Replay the graph of the bucket the session chose (state.kv_len, set by begin_forward)."""
+        graph, logits = self.graphs[self.state.kv_len]
         self.tokens.fill_(token)
         self.positions.fill_(position)
         graph.replay()

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from .config import ConfigError, SamplingConfig
-from .graphs import decode_kv_len, kv_buckets
+from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
 from .sampling import Sampler, resolve_seed
 from .state import StateManager
 
@@ -81,7 +81,7 @@ class DecodeSession:
         # On CUDA the decode step attends over a fixed bucket of slots (masked past the position),
         # eager or graphed, so a graph is a recording of the very same eager step. On the CPU: over
         # the live slots only. A compiled step keeps one bucket (each would be a recompile).
-        self._full_kv_decode = device.type == "cuda"
+        self._bucketed_decode = device.type == "cuda"
         self._kv_buckets = kv_buckets(self.max_context, single=compile == "on")
         if cuda_graph == "on" and device.type != "cuda":
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
@@ -93,14 +93,13 @@ class DecodeSession:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         self.graph = None
         if cuda_graph in ("on", "auto") and device.type == "cuda":
-            from .graphs import GraphedDecodeStep
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         start = self.state.length
-        decode = len(ids) == 1 and self._full_kv_decode
+        decode = len(ids) == 1 and self._bucketed_decode
         self.state.begin_forward(len(ids), decode_kv_len(start, self._kv_buckets) if decode else None)
         try:
             if decode and self.graph is not None:

@@ -158,7 +158,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.QuantTensor):
-            replacement = _quantized_module(model.get_submodule(owner), owner, t)
+            replacement = _quantized_module(model.get_submodule(owner), t)
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -184,7 +184,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     _release_freed_memory()
 
 
-def _quantized_module(module: torch.nn.Module, name: str, qt: "quant.QuantTensor") -> torch.nn.Module | None:
+def _quantized_module(module: torch.nn.Module, qt: "quant.QuantTensor") -> torch.nn.Module | None:
     """The CPU module that computes with `qt` as stored, or None to dequantize it into `module`."""
     if isinstance(module, torch.nn.Embedding):
         return quant.Q8Embedding(qt) if qt.kind == "q8_0" else None

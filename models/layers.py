@@ -242,7 +242,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if mask is None:
         scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(D ** -0.5)
     else:  # scale and mask inside the GEMM's epilogue: one kernel
-        bias = mask if mask.dtype == q.dtype else mask.to(q.dtype)
-        scores = torch.baddbmm(bias.expand(kvh, H // kvh, -1), qg, keys.transpose(1, 2), alpha=D ** -0.5)
+        scores = torch.baddbmm(mask.expand(kvh, H // kvh, -1), qg, keys.transpose(1, 2), alpha=D ** -0.5)
     probs = scores.softmax(-1)  # accumulates in fp32 for bf16 input, rounds once on the way out
     return torch.bmm(probs, values).view(1, H * D)  # [KVH, G, D] is already head-major

@@ -66,7 +66,7 @@ class Attention(QKVProjections):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
-            if fused_cuda.usable(qkv) and rope.rotary_dim == D:  # one kernel: RoPE and the KV write
+            if fused_cuda.usable(qkv):  # one kernel: RoPE (full rotary, as Llama's) and the KV write
                 q = fused_cuda.rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH)
                 return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
             # query and key heads are adjacent in the fused output: one RoPE over both
