@@ -80,9 +80,12 @@ class DecodeSession:
         self.vocab_size = model.config.vocab_size
         # On CUDA the decode step attends over a fixed bucket of slots (masked past the position),
         # eager or graphed, so a graph is a recording of the very same eager step. On the CPU: over
-        # the live slots only. A compiled step keeps one bucket (each would be a recompile).
+        # the live slots only. One bucket where the Triton attention reads the live length itself,
+        # and for a compiled step (each bucket would be a recompile).
         self._bucketed_decode = device.type == "cuda"
-        self._kv_buckets = kv_buckets(self.max_context, single=compile == "on")
+        live = getattr(model, "decode_attends_live", None)
+        single = compile == "on" or (live is not None and live(device))
+        self._kv_buckets = kv_buckets(self.max_context, single=single)
         if cuda_graph == "on" and device.type != "cuda":
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
         if compile == "on" and device.type != "cuda":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import fused_cuda
 from .layers import Residual, Rope, add_norm, causal_mask
 from .state_spec import StateView
 
@@ -35,6 +36,11 @@ class CausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def decode_attends_live(self, device: torch.device) -> bool:
+        """Whether an eager one-token forward on `device` runs the Triton attention, which reads
+        the live length from `positions` (so `state.kv_len` buckets change nothing)."""
+        return device.type == "cuda" and fused_cuda.ENABLED and fused_cuda.attention_fits(self.config.head_dim)
+
     @property
     def max_position(self) -> int:
         return self.config.max_position
@@ -44,7 +50,10 @@ class CausalLM(nn.Module):
         """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        live_only = tokens.shape[0] == 1 and state.kv_len == state.length + 1
+        # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
+        # the live length from `positions`): no mask
+        fused = fused_cuda.usable(x) and fused_cuda.attention_fits(self.config.head_dim)
+        live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1 or fused)
         mask = None if live_only else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm

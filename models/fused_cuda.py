@@ -5,8 +5,9 @@ the output dtype (torch's forms round between ops, so results agree to bf16 roun
 tests/test_gpu.py compares them). They are used only for one-token forwards on CUDA, so the eager
 step and the CUDA graph that records it run the same kernels; the CPU, prefill and machines
 without Triton use the torch forms. `CHAT_TRITON=0` turns them off.
-- rope_kv_write: RoPE over the query and key heads of the fused QKV output, keys and values
-  written into the caches at the position read from the device (5 kernels → 1);
+- qk_rope_kv_write: the optional per-head q/k RMSNorm (Qwen3, Qwen3.5) and RoPE (full or
+  partial rotary) over the query and key heads of the fused QKV output, keys and values written
+  into the caches at the position read from the device (5 to 20 kernels → 1);
 - add_rms_norm: the residual add and the next RMSNorm (2 → 1);
 - silu_mul: SwiGLU's silu(gate) * up (2 → 1).
 """
@@ -32,17 +33,44 @@ def usable(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and x.shape[0] == 1 and not torch.compiler.is_compiling()
 
 
+def fits(*dims: int, least: int = 1) -> bool:
+    """Whether per-head kernels take these sizes: powers of two (Triton's blocks), at least `least`."""
+    return all(d >= least and d & (d - 1) == 0 for d in dims)
+
+
+def attention_fits(head_dim: int) -> bool:
+    """The decode attention kernel's head sizes (its tensor-core dots need 16 at least)."""
+    return fits(head_dim, least=16) and head_dim <= 256
+
+
 if triton is not None:
     @triton.jit
-    def _rope_kv_kernel(qkv, cos, sin, pos_ptr, q_out, k_cache, v_cache, stride_kh, stride_vh,
-                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    def _qk_rope_kv_kernel(src, cos, sin, pos_ptr, q_w, k_w, q_out, k_cache, v_cache, stride_kh, stride_vh, eps,
+                           Q_STRIDE: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, H: tl.constexpr,
+                           KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr):
         head = tl.program_id(0)
         d = tl.arange(0, D)
-        x = tl.load(qkv + head * D + d).to(tl.float32)
         pos = tl.load(pos_ptr)
+        off = tl.where(head < H, head * Q_STRIDE,
+                       tl.where(head < H + KVH, K_OFF + (head - H) * D, V_OFF + (head - H - KVH) * D))
+        x = tl.load(src + off + d).to(tl.float32)
         if head < H + KVH:
-            rolled = tl.load(qkv + head * D + (d + D // 2) % D).to(tl.float32)
-            y = x * tl.load(cos + d).to(tl.float32) + rolled * tl.load(sin + d).to(tl.float32)
+            # rotate-half over the first R dims: roll(x, R/2) * signed sin; dims past R pass through
+            rd = tl.where(d < R, (d + R // 2) % R, d)
+            rolled = tl.load(src + off + rd).to(tl.float32)
+            if NORM:  # the per-head RMSNorm first (the same factor scales x and its rolled copy)
+                r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+                if head < H:
+                    wx = tl.load(q_w + d).to(tl.float32)
+                    wr = tl.load(q_w + rd).to(tl.float32)
+                else:
+                    wx = tl.load(k_w + d).to(tl.float32)
+                    wr = tl.load(k_w + rd).to(tl.float32)
+                x = x * r * wx
+                rolled = rolled * r * wr
+            c = tl.load(cos + d, mask=d < R, other=1.0).to(tl.float32)
+            s = tl.load(sin + d, mask=d < R, other=0.0).to(tl.float32)
+            y = x * c + rolled * s
             if head < H:
                 tl.store(q_out + head * D + d, y.to(q_out.dtype.element_ty))
             else:
@@ -72,14 +100,22 @@ if triton is not None:
         tl.store(out + offs, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=mask)
 
 
-def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    """qkv: [1, (H + 2 KVH) * D] contiguous; cos, sin: [1, D] from Rope.cos_sin (signed sin);
-    caches [KVH, S, D] with contiguous rows. Returns q [H, 1, D]; writes k and v at positions[0]."""
+def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, q_stride: int | None = None,
+                     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
+    """qkv: [1, q part + 2 KVH D] contiguous, the query heads `q_stride` apart (D; 2D where each
+    head carries its output gate after it), then the key and value heads; cos, sin: [1, R] from
+    Rope.cos_sin (signed sin, R = rotary dims <= D); caches [KVH, S, D] with contiguous rows;
+    norm_weights: the per-head q and k RMSNorm weights (offset already added), or None.
+    Returns q [H, 1, D]; writes k and v at positions[0]."""
     D = k_cache.shape[-1]
+    q_stride = q_stride or D
     q = torch.empty(n_heads, 1, D, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_kernel[(n_heads + 2 * n_kv,)](qkv, cos, sin, positions, q, k_cache, v_cache,
-                                           k_cache.stride(0), v_cache.stride(0), H=n_heads, KVH=n_kv, D=D)
+    q_w, k_w = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
+    _qk_rope_kv_kernel[(n_heads + 2 * n_kv,)](
+        qkv, cos, sin, positions, q_w, k_w, q, k_cache, v_cache, k_cache.stride(0), v_cache.stride(0), eps,
+        Q_STRIDE=q_stride, K_OFF=n_heads * q_stride, V_OFF=n_heads * q_stride + n_kv * D, H=n_heads, KVH=n_kv,
+        D=D, R=cos.shape[-1], NORM=norm_weights is not None)
     return q
 
 

@@ -4,8 +4,9 @@ All ops take one sequence (batch 1): activations are [T, hidden]. Attention writ
 keys/values into the engine's preallocated buffers at `positions` and attends over the first
 `kv_len` slots with a causal mask built from `positions`, so the same code runs a prefill, an
 eager decode step and a CUDA-graph decode step (which passes a fixed bucket of slots: see
-engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of fused_cuda.py where
-Triton is installed; everywhere else the torch forms here run.
+engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of fused_cuda.py and
+fused_attention.py where Triton is installed (the attention then reads only the live slots and
+needs no mask); everywhere else the torch forms here run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class RMSNorm(nn.Module):
         w = self.offset_weight if hasattr(self, "offset_weight") else self.offset + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
+    def fused_weight(self) -> torch.Tensor:
+        """The weight the fused kernels apply in fp32: offset + weight (set by reset_buffers)."""
+        return self.offset_weight if self.offset != 0.0 else self.weight
+
     def reset_buffers(self, device) -> None:
         """After loading: offset + weight in fp32, once (not two kernels per call)."""
         if self.offset != 0.0:
@@ -59,8 +64,8 @@ def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm) -> tuple[torch.Tensor,
     """(the residual stream, norm(stream)), adding a pending branch first."""
     if isinstance(x, Residual):
         s, b = x
-        if fused_cuda.usable(s) and norm.offset == 0.0 and norm.weight.dtype == s.dtype == b.dtype:
-            return fused_cuda.add_rms_norm(s, b, norm.weight, norm.eps)
+        if fused_cuda.usable(s) and s.dtype == b.dtype and (norm.offset != 0.0 or norm.weight.dtype == s.dtype):
+            return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps)
         x = s + b
     return x, norm(x)
 

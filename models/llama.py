@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from . import fused_attention, fused_cuda
 from .causal_lm import Body, CausalLM
-from . import fused_cuda
-from .layers import QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached, cached_attention
+from .layers import QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention
 from .state_spec import AttentionState, StateView
 
 
@@ -64,11 +65,14 @@ class Attention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        if fused_cuda.usable(x) and fused_cuda.attention_fits(D):  # one kernel: q/k norms, RoPE and the KV write; then the attention
+            qkv = self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
+            norms = (self.q_norm.fused_weight(), self.k_norm.fused_weight()) if hasattr(self, "q_norm") else None
+            q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
+                                            eps=self.q_norm.eps if norms else 0.0)
+            return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
-            if fused_cuda.usable(qkv):  # one kernel: RoPE (full rotary, as Llama's) and the KV write
-                q = fused_cuda.rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH)
-                return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
             # query and key heads are adjacent in the fused output: one RoPE over both
             heads = qkv.view(T, H + 2 * KVH, D).transpose(0, 1)
             qk = rope.apply(heads[:H + KVH], cos, sin)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gated_delta
+from . import fused_attention, fused_cuda, fused_delta, gated_delta
 from .causal_lm import Body, CausalLM
 from .layers import (QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention,
                      fuse_linears)
@@ -149,6 +149,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
+        if hasattr(self, "in_proj") and fused_cuda.usable(x) and fused_cuda.fits(self.dk, self.dv):  # conv, delta rule and gated norm: 2 kernels
+            out = fused_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
+                                     self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk, self.dv)
+            return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
         else:
@@ -194,6 +198,12 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
+        if fused_cuda.usable(x) and fused_cuda.attention_fits(self.d):  # q/k norms, partial RoPE and the KV write; attention with the gate
+            qkv = self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
+            q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
+                                            q_stride=2 * self.d, eps=self.q_norm.eps,
+                                            norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
+            return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
         qg, k, v = self.project_qkv(x)  # q comes with its output gate, per head
         q, gate = qg.view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
         q = rope.apply(self.q_norm(q).transpose(0, 1), cos, sin)

@@ -1,6 +1,7 @@
 """CUDA: graphs on vs off give identical tokens across generations on one reused session."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import models
 from engine.config import SamplingConfig
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def gpu_models(tmp_path_factory):
     from tiny import hf_model, write_checkpoint
     out = {}
-    for kind in ("llama", "qwen3_5"):
+    for kind in ("llama", "qwen3", "qwen3_5"):
         path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind))
         out[kind] = models.load(path, "cuda", torch.bfloat16)
     return out
@@ -68,7 +69,7 @@ def test_fused_kernels_match_torch_forms():
     cos, sin = rope.cos_sin(pos, bf)
     kc, vc = torch.randn(KVH, S, D, device=dev, dtype=bf), torch.randn(KVH, S, D, device=dev, dtype=bf)
     kc0, vc0 = kc.clone(), vc.clone()
-    q = fused_cuda.rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
+    q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
     heads = qkv.view(1, H + 2 * KVH, D).transpose(0, 1).float()
     ref = rope.apply(heads[:H + KVH], cos.float(), sin.float())
     assert torch.allclose(q.float(), ref[:H], atol=2e-2, rtol=1e-2)
@@ -89,11 +90,106 @@ def test_fused_kernels_match_torch_forms():
     assert torch.allclose(fused_cuda.silu_mul(gu).float(), torch.nn.functional.silu(g) * u, atol=3e-2, rtol=1e-2)
 
 
-def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch):
+def test_qk_norm_partial_rope_kernel_matches_torch_forms():
+    """Qwen3.5's gated attention: q heads 2D apart (each followed by its gate), zero-centred q/k
+    norms, RoPE over the first quarter of each head."""
+    from models import fused_cuda
+    from models.layers import Rope
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    H, KVH, D, R, S = 8, 2, 256, 64, 32
+    qkv = torch.randn(1, H * 2 * D + 2 * KVH * D, device=dev, dtype=bf)
+    rope = Rope(D, 1e7, rotary_dim=R)
+    rope.reset_buffers(dev)
+    pos = torch.tensor([21], device=dev)
+    cos, sin = rope.cos_sin(pos, bf)
+    kc, vc = torch.zeros(KVH, S, D, device=dev, dtype=bf), torch.zeros(KVH, S, D, device=dev, dtype=bf)
+    qw, kw = torch.rand(D, device=dev) + 0.5, torch.rand(D, device=dev) + 0.5
+    q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, q_stride=2 * D, norm_weights=(qw, kw), eps=1e-6)
+    x = qkv[0].float()
+    qh = F.rms_norm(x[:H * 2 * D].view(H, 2 * D)[:, :D], (D,), qw, 1e-6)
+    kh = F.rms_norm(x[H * 2 * D:H * 2 * D + KVH * D].view(KVH, D), (D,), kw, 1e-6)
+    assert torch.allclose(q[:, 0].float(), rope.apply(qh[:, None], cos.float(), sin.float())[:, 0], atol=3e-2, rtol=1e-2)
+    assert torch.allclose(kc[:, 21].float(), rope.apply(kh[:, None], cos.float(), sin.float())[:, 0], atol=3e-2, rtol=1e-2)
+    assert torch.equal(vc[:, 21], qkv[0, H * 2 * D + KVH * D:].view(KVH, D))
+    assert int(kc[:, :21].count_nonzero()) == 0 and int(vc[:, 22:].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("H,KVH,D,S", [(9, 3, 64, 8192), (14, 2, 64, 600), (8, 2, 256, 300)])
+def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
+    """Live slots only (stale slots past the position hold garbage that must not leak in), at
+    positions that leave slices empty, fill one block exactly, and span many slices. Compared
+    with the torch form in fp32: its bf16 form rounds the scores before the softmax (the kernel
+    keeps them fp32), so on sharp softmaxes it is the less exact of the two."""
+    from models import fused_attention, fused_cuda
+    from models.layers import decode_attention
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(3)
+    kc = torch.randn(KVH, S, D, device=dev, dtype=bf, generator=g) * 3
+    vc = torch.randn(KVH, S, D, device=dev, dtype=bf, generator=g)
+    q = torch.randn(H, 1, D, device=dev, dtype=bf, generator=g)
+    gate = torch.randn(1, H * 2 * D, device=dev, dtype=bf, generator=g)
+    for pos in sorted({0, 1, 63, 64, 200, S // 2 + 7, S - 1}):
+        p = torch.tensor([pos], device=dev)
+        ref = decode_attention(q.float(), kc[:, :pos + 1].float(), vc[:, :pos + 1].float(), None)
+        out = fused_attention.decode(q, kc, vc, p)
+        assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (pos, float((out.float() - ref).abs().max()))
+        assert torch.equal(out, fused_attention.decode(q, kc, vc, p))  # the same bits every run
+        gated = fused_attention.decode(q, kc, vc, p, gate[:, D:], 2 * D)
+        want = ref * torch.sigmoid(gate.view(H, 2 * D)[:, D:].reshape(1, -1).float())
+        assert torch.allclose(gated.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("nk,nv", [(2, 2), (2, 6)])
+def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
+    """The two-kernel DeltaNet step against GatedDeltaNet's torch form, over several tokens from
+    the same states: outputs, the conv window and the fp32 recurrent state."""
+    from models import fused_cuda
+    from models.qwen3_5 import GatedDeltaNet, HybridConfig
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),
+                       num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4, rotary_dim=16, rms_eps=1e-6,
+                       max_position=64, tie_embeddings=False, attention_bias=False, lin_k_heads=nk,
+                       lin_v_heads=nv, lin_k_dim=128, lin_v_dim=64, conv_kernel=4)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg)
+    with torch.no_grad():
+        layer.A_log.uniform_(0, 2)
+        layer.norm.weight.uniform_(0.5, 1.5)
+        for lin in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj):
+            lin.weight.normal_(0, 0.05)
+    layer = layer.to(dev, bf)
+    layer.reset_buffers(dev)
+    layer.fuse()
+    spec = dict((name, (shape, dt)) for name, shape, dt in layer.state().tensors)
+    states = {name: torch.randn(shape, device=dev, dtype=dt or bf) * 0.3 for name, (shape, dt) in spec.items()}
+    xs = torch.randn(5, 1, 256, device=dev, dtype=bf)
+
+    def run():
+        st = {k: v.clone() for k, v in states.items()}
+        with torch.inference_mode():
+            return [layer(x, st).float() for x in xs], st
+
+    fused, st_f = run()
+    monkeypatch.setattr(fused_cuda, "ENABLED", False)
+    plain, st_p = run()
+    for a, b in zip(fused, plain):
+        assert torch.allclose(a, b, atol=2e-2, rtol=3e-2), float((a - b).abs().max())
+    assert torch.equal(st_f["conv"], st_p["conv"])
+    assert torch.allclose(st_f["recurrent"], st_p["recurrent"], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch, kind):
     from models import fused_cuda
     if not fused_cuda.ENABLED:
         pytest.skip("Triton is not installed here")
-    lm = gpu_models["llama"]
+    lm = gpu_models[kind]
     prompt = list(range(3, 40))
 
     def step_logits():
@@ -108,11 +204,31 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
     assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
 
 
+def test_triton_decode_needs_one_graph_and_matches_eager_over_long_positions(gpu_models):
+    """The Triton attention reads the live length itself: one graph for every position."""
+    for kind in ("llama", "qwen3_5"):
+        lm = gpu_models[kind]
+        prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+        cfg = SamplingConfig(temperature=0, max_new_tokens=150)
+
+        def run(graph):
+            s = DecodeSession(lm.model, max_context=1024, device=torch.device("cuda"), dtype=torch.bfloat16,
+                              cuda_graph=graph)
+            if graph == "on":  # (max_context is the tiny model's 512 positions)
+                assert list(s.graph.graphs) == [s.max_context]
+            return [list(s.generate(prompt, cfg)) for _ in range(2)]
+
+        on, off = run("on"), run("off")
+        assert on == off and on[0] == on[1]
+
+
 def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
-    """The decode step reads a bucket of key slots that grows with the position; crossing
-    from one bucket's graph to the next keeps graphs on = off."""
+    """Without Triton (CHAT_TRITON=0) the decode step reads a bucket of key slots that grows with
+    the position; crossing from one bucket's graph to the next keeps graphs on = off."""
     import engine.graphs
+    from models import fused_cuda
     monkeypatch.setattr(engine.graphs, "SMALLEST_BUCKET", 64)
+    monkeypatch.setattr(fused_cuda, "ENABLED", False)
     for kind in ("llama", "qwen3_5"):
         lm = gpu_models[kind]
         prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()

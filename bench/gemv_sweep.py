@@ -1,0 +1,92 @@
+"""One-token linear layers (GEMV, x [1, K] @ W^T) on CUDA: cuBLAS against Triton GEMV configs.
+
+    python bench/gemv_sweep.py [--shapes smollm2-135m,...] [--quick]
+For each matrix shape of the PERFORMANCE.md models, times F.linear (cuBLAS) and the Triton kernel
+of models/fused_linear.py under a set of (BLOCK_N, BLOCK_K, warps) configs, each inside a CUDA graph of
+many calls over rotating weight copies (>= 256 MB, so the weights come from HBM, as in a decode
+step, not from L2). Prints microseconds per call and the achieved GB/s; the best config per shape
+is what fused_linear.pick_config encodes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from models import fused_linear  # noqa: E402
+
+SHAPES = {  # (K, N) of each linear in one decoder layer, and the LM head
+    "smollm2-135m": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
+    "qwen2.5-0.5b": [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936)],
+    "qwen3.5-0.8b": [(1024, 8224), (2048, 1024), (1024, 5120), (1024, 7168), (3584, 1024), (1024, 248320)],
+    "qwen3.5-27b": [(5120, 16480), (6144, 5120), (5120, 14336), (5120, 34816), (17408, 5120)],
+}
+
+
+def time_calls(fn, weights, x, reps=5) -> float:
+    """Microseconds per call: one graph of len(weights) * 4 calls, replayed `reps` times."""
+    calls = [w for w in weights] * 4
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in weights[:2]:
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in calls:
+            fn(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="only the configs pick_config would choose, and cuBLAS")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    configs = [c for c in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512), (4, 8)) if c[0] * c[1] <= 16384]
+    for name in a.shapes.split(","):
+        for K, N in SHAPES[name]:
+            size = K * N * 2
+            n = max(2, min(64, (256 << 20) // size))
+            weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+            x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0]).float()
+            row = {"cublas": time_calls(lambda x, w: F.linear(x, w), weights, x)}
+            cands = [fused_linear.pick_config(K, N)] if a.quick else configs
+            for bn, bk, nw in cands:
+                out = fused_linear.gemv(x, weights[0], config=(bn, bk, nw))
+                assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2), (K, N, bn, bk, nw)
+                row[(bn, bk, nw)] = time_calls(lambda x, w: fused_linear.gemv(x, w, config=(bn, bk, nw)), weights, x)
+            best = min((k for k in row if k != "cublas"), key=row.get)
+            picked = fused_linear.pick_config(K, N)
+            print(f"{name:13} K={K:5} N={N:6} {size / 1e6:7.1f} MB  cuBLAS {row['cublas']:7.2f} us "
+                  f"({size / row['cublas'] / 1e3:5.0f} GB/s)  best {best} {row[best]:7.2f} us "
+                  f"({size / row[best] / 1e3:5.0f} GB/s)  picked {picked} {row.get(picked, float('nan')):7.2f} us",
+                  flush=True)
+            if not a.quick:
+                top = sorted((k for k in row if k != "cublas"), key=row.get)[:5]
+                print("    top:", ", ".join(f"{k}={row[k]:.2f}" for k in top), flush=True)
+            del weights
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
