@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import fused_cuda
-from .layers import Residual, Rope, add_norm, causal_mask
+from .layers import Linear, Residual, Rope, add_norm, causal_mask
 from .state_spec import StateView
 
 
@@ -31,7 +31,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = body
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -59,4 +59,4 @@ class CausalLM(nn.Module):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
         if not all_logits:
             x = x.last_row() if isinstance(x, Residual) else x[-1:]
-        return self.lm_head(add_norm(x, self.model.norm)[1]).float()
+        return self.lm_head(add_norm(x, self.model.norm, defer=True)[1]).float()

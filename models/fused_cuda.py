@@ -8,8 +8,8 @@ without Triton use the torch forms. `CHAT_TRITON=0` turns them off.
 - qk_rope_kv_write: the optional per-head q/k RMSNorm (Qwen3, Qwen3.5) and RoPE (full or
   partial rotary) over the query and key heads of the fused QKV output, keys and values written
   into the caches at the position read from the device (5 to 20 kernels → 1);
-- add_rms_norm: the residual add and the next RMSNorm (2 → 1);
-- silu_mul: SwiGLU's silu(gate) * up (2 → 1).
+- add_rms_norm: the residual add and the next RMSNorm (2 → 1).
+fused_linear.py (GEMVs, SwiGLU), fused_attention.py and fused_delta.py hold the others.
 """
 from __future__ import annotations
 
@@ -91,14 +91,6 @@ if triton is not None:
         out = sf * r * tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(norm_out + offs, out.to(norm_out.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _silu_mul_kernel(gu, out, N: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        g = tl.load(gu + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu + N + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + offs, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=mask)
-
 
 def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, q_stride: int | None = None,
@@ -126,12 +118,3 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     s, out = torch.empty_like(x), torch.empty_like(x)
     _add_rms_norm_kernel[(1,)](x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n))
     return s, out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[1, 2F] (gate then up) → silu(gate) * up, [1, F]."""
-    f = gate_up.shape[-1] // 2
-    out = torch.empty(gate_up.shape[0], f, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul_kernel[(triton.cdiv(f, block),)](gate_up, out, N=f, BLOCK=block)
-    return out

@@ -17,21 +17,40 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _gemv_kernel(x, w, bias, out, N, K, stride_w, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, HAS_BIAS: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
+        if NORM:  # the prologue: s = x + res (rounded, as the residual stream is), 1/rms(s)
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                s = tl.load(x + kk, mask=kk < K, other=0.0)
+                if HAS_RES:
+                    s = (s.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(s.dtype)
+                    tl.store(sum_out + kk, s, mask=kk < tl.where(pid == 0, K, 0))  # one program writes the stream
+                ss += s.to(tl.float32) * s.to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                xv = tl.load(x + kk).to(tl.float32)
+                xr = tl.load(x + kk)
                 m2 = nm[:, None]
             else:
                 km = kk < K
-                xv = tl.load(x + kk, mask=km, other=0.0).to(tl.float32)
+                xr = tl.load(x + kk, mask=km, other=0.0)
                 m2 = nm[:, None] & km[None, :]
+            if NORM:  # the normed input, rounded as the norm's output would be
+                if HAS_RES:
+                    xr = (xr.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(xr.dtype)
+                nw = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)
+                xv = (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
+            else:
+                xv = xr.to(tl.float32)
             wv = tl.load(w + n[:, None] * stride_w + kk[None, :], mask=m2, other=0.0)
             acc += wv.to(tl.float32) * xv[None, :]
             if SWIGLU:  # the up row F rows below the gate row
@@ -46,23 +65,62 @@ if triton is not None:
 
 
 def pick_config(K: int, N: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight: enough programs to fill the GPU's SMs
-    several times over, and long K steps where there are few rows."""
+    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight, from bench/gemv_sweep.py on an H200
+    (bench/RESULTS.md): few rows per program below 4k rows (more programs in flight), more above;
+    an LM head's ~50-250k rows take short K steps."""
+    if N >= 40000:
+        return 8, 64, 4
+    if N >= 9000:
+        return 16, 128, 8
     if N >= 4096:
-        return 16, 256, 4
-    if N >= 1024:
-        return 8, 256, 4
-    return 4, 512, 4
+        return 8, 128, 8
+    return 4, 128, 8
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
+# Weights above this size take their norm from a separate add_rms_norm launch: every program of
+# a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate.
+PROLOGUE_MAX_BYTES = 32 << 20
+
+
+class NormedRow:
+    """A one-token RMSNorm input not computed yet: rms_norm(x + res) * weight, with x + res (the
+    residual stream) still to be written into `stream`. The first GEMV that reads it computes
+    both in its prologue (or `materialize()` does, in one add_rms_norm launch). res may be None
+    (nothing pending: the stream is x). Linear layers take it in place of a tensor."""
+
+    def __init__(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        self.x, self.res, self.weight, self.eps = x, res, weight, eps
+        self.stream = x if res is None else torch.empty_like(x)
+        self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
+        self._h: torch.Tensor | None = None
+
+    def materialize(self) -> torch.Tensor:
+        """The normed row as a tensor (and the stream written), once."""
+        if self._h is None:
+            from . import fused_cuda
+            y = self.res if self.res is not None else torch.zeros_like(self.x)
+            s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
+            if self.res is not None:
+                self.stream.copy_(s)
+        return self._h
+
+
+def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] contiguous; w [N, K] with contiguous rows. Returns [1, N] (swiglu: [1, N/2])."""
+    """x [1, K] contiguous (or a NormedRow of one); w [N, K] with contiguous rows. Returns [1, N]
+    (swiglu: [1, N/2])."""
     N, K = w.shape
+    if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or x._h is not None):
+        x = x.materialize()
+    pre = x if isinstance(x, NormedRow) else None
+    src = pre.x if pre is not None else x
     n_out = N // 2 if swiglu else N
     bn, bk, warps = config or pick_config(K, n_out)
-    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n_out, bn),)](x, w, bias if bias is not None else w, out, n_out, K, w.stride(0),
-                                            HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=K % bk == 0,
-                                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    out = torch.empty(1, n_out, dtype=src.dtype, device=src.device)
+    res = pre.res if pre is not None and pre.res is not None else src
+    _gemv_kernel[(triton.cdiv(n_out, bn),)](
+        src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res,
+        pre.weight if pre is not None else w, pre.stream if pre is not None else src, pre.eps if pre is not None else 0.0,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
+        EVEN_K=K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out

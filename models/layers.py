@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import fused_cuda
+from . import fused_cuda, fused_linear
 from .quant import Int4Linear
 
 
@@ -60,13 +60,21 @@ class Residual(NamedTuple):
         return Residual(self.x[-1:], self.branch[-1:])
 
 
-def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the residual stream, norm(stream)), adding a pending branch first."""
-    if isinstance(x, Residual):
-        s, b = x
-        if fused_cuda.usable(s) and s.dtype == b.dtype and (norm.offset != 0.0 or norm.weight.dtype == s.dtype):
+def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm,
+             defer: bool = False) -> "tuple[torch.Tensor, torch.Tensor | fused_linear.NormedRow]":
+    """(the residual stream, norm(stream)), adding a pending branch first. `defer` (for callers
+    whose normed row goes only into Linear layers): on the fused CUDA path the norm is returned
+    as a NormedRow, computed in the prologue of the GEMV that reads it (one launch fewer), and
+    the stream tensor is written by that GEMV."""
+    s, b = x if isinstance(x, Residual) else (x, None)
+    if (fused_cuda.usable(s) and (b is None or s.dtype == b.dtype)
+            and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
+        if defer:
+            row = fused_linear.NormedRow(s, b, norm.fused_weight(), norm.eps)
+            return row.stream, row
+        if b is not None:
             return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps)
-        x = s + b
+    x = s if b is None else s + b
     return x, norm(x)
 
 
@@ -128,9 +136,9 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = Linear(hidden, ffn, bias=False)
+        self.up_proj = Linear(hidden, ffn, bias=False)
+        self.down_proj = Linear(ffn, hidden, bias=False)
 
     def fuse(self) -> None:
         """After loading: one [2*ffn, hidden] matmul instead of two (fewer, larger kernels)."""
@@ -140,8 +148,12 @@ class SwiGLU(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj") and fused_cuda.usable(x):
-            return self.down_proj(fused_cuda.silu_mul(self.gate_up_proj(x)))
+        if isinstance(getattr(self, "gate_up_proj", None), FusedLinear) and fused_cuda.usable(x):
+            # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
+            x = x if isinstance(x, fused_linear.NormedRow) else x.contiguous()
+            return self.down_proj(fused_linear.gemv(x, self.gate_up_proj.weight, swiglu=True))
+        if isinstance(x, fused_linear.NormedRow):
+            x = x.materialize()
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -164,7 +176,21 @@ class QKVProjections(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) whose one-token CUDA forward is the
+    Triton GEMV of fused_linear.py: cuBLAS's one-row kernels leave much of the bandwidth unused."""
+
+    def forward(self, x: "torch.Tensor | fused_linear.NormedRow") -> torch.Tensor:
+        if isinstance(x, fused_linear.NormedRow):
+            if x.dtype != self.weight.dtype:
+                return F.linear(x.materialize(), self.weight, self.bias)
+            return fused_linear.gemv(x, self.weight, self.bias)
+        if fused_cuda.usable(x) and x.dtype == self.weight.dtype and x.is_contiguous():
+            return fused_linear.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """Linears that read the same input, concatenated; `sizes` splits the output back."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
@@ -183,7 +209,7 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     (a GGUF may quantize q, k and v differently: those stay separate)."""
     if all(isinstance(m, Int4Linear) for m in linears):
         return Int4Linear.concat(linears)
-    if not all(type(m) is nn.Linear for m in linears):
+    if not all(type(m) is Linear for m in linears):
         return None
     bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
     return FusedLinear(torch.cat([m.weight for m in linears]), bias, [m.weight.shape[0] for m in linears])

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import fused_attention, fused_cuda
 from .causal_lm import Body, CausalLM
-from .layers import QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention
+from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention
 from .state_spec import AttentionState, StateView
 
 
@@ -55,10 +55,10 @@ class Attention(QKVProjections):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_eps)
             self.k_norm = RMSNorm(d, cfg.rms_eps)
@@ -96,9 +96,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
-        x, h = add_norm(x, self.input_layernorm)  # adds the previous layer's MLP output first
+        # adds the previous layer's MLP output first; h goes only into linears (defer: see add_norm)
+        x, h = add_norm(x, self.input_layernorm, defer=True)
         a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x, h = add_norm(Residual(x, a), self.post_attention_layernorm)
+        x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=True)
         return Residual(x, self.mlp(h))
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import fused_attention, fused_cuda, fused_delta, gated_delta
 from .causal_lm import Body, CausalLM
-from .layers import (QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention,
+from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention,
                      fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
 
@@ -117,15 +117,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.conv_kernel
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.nv, bias=False)
+        self.in_proj_a = Linear(h, self.nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def reset_buffers(self, device) -> None:
         """After loading: the decay rate -exp(A_log) and dt_bias in fp32, and the constant weights
@@ -189,10 +189,10 @@ class GatedAttention(QKVProjections):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.nh * d * 2, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.nkv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.nkv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * d, h, bias=cfg.attention_bias)
+        self.q_proj = Linear(h, self.nh * d * 2, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.nkv * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.nkv * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.nh * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
 
@@ -257,7 +257,7 @@ class SparseMoe(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
         idx, weights = self.gate(x)
@@ -279,12 +279,12 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
 
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
-        x, h = add_norm(x, self.input_layernorm)
+        x, h = add_norm(x, self.input_layernorm, defer=True)  # both mixers read h through linears only
         if self.linear:
             h = self.linear_attn(h, state.fixed(i))
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x, h = add_norm(Residual(x, h), self.post_attention_layernorm)
+        x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, SwiGLU))
         return Residual(x, self.mlp(h))
 
 

@@ -85,9 +85,48 @@ def test_fused_kernels_match_torch_forms():
     assert torch.allclose(n.float(), torch.nn.functional.rms_norm((x + y).float(), (576,), w[0].float(), 1e-5),
                           atol=3e-2, rtol=1e-2)
 
-    gu = torch.randn(1, 2 * 1536, device=dev, dtype=bf)
-    g, u = gu.float().chunk(2, dim=-1)
-    assert torch.allclose(fused_cuda.silu_mul(gu).float(), torch.nn.functional.silu(g) * u, atol=3e-2, rtol=1e-2)
+
+@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152)])
+def test_gemv_kernel_matches_linear(K, N):
+    """The one-token Triton GEMV (uneven K steps and rows included) and its SwiGLU form."""
+    from models import fused_cuda, fused_linear
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(1, K, device=dev, dtype=bf, generator=g)
+    w = torch.randn(N, K, device=dev, dtype=bf, generator=g) * 0.05
+    b = torch.randn(N, device=dev, dtype=bf, generator=g)
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert torch.allclose(fused_linear.gemv(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
+    gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
+    assert torch.allclose(fused_linear.gemv(x, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("res", [True, False])
+def test_gemv_norm_prologue_matches_add_norm_then_linear(res):
+    """A deferred add + RMSNorm (NormedRow) computed in the GEMV's prologue: the stream written
+    equals x + res bit for bit, the output matches norm-then-linear, plain and SwiGLU."""
+    from models import fused_cuda, fused_linear
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(4)
+    K, N = 576, 1536
+    x = torch.randn(1, K, device=dev, dtype=bf, generator=g)
+    r = torch.randn(1, K, device=dev, dtype=bf, generator=g) if res else None
+    nw = torch.rand(K, device=dev, generator=g) + 0.5
+    w = torch.randn(N, K, device=dev, dtype=bf, generator=g) * 0.05
+    s = x + r if res else x
+    h = F.rms_norm(s.float(), (K,), nw, 1e-5).to(bf).float()
+    row = fused_linear.NormedRow(x, r, nw, 1e-5)
+    assert torch.allclose(fused_linear.gemv(row, w).float(), F.linear(h, w.float()), atol=2e-2, rtol=1e-2)
+    assert torch.equal(row.stream, s)
+    row = fused_linear.NormedRow(x, r, nw, 1e-5)
+    gate, up = F.linear(h, w.float()).chunk(2, dim=-1)
+    assert torch.allclose(fused_linear.gemv(row, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    assert torch.equal(row.stream, s)
+    assert torch.allclose(fused_linear.NormedRow(x, r, nw, 1e-5).materialize().float(), h, atol=2e-2, rtol=1e-2)
 
 
 def test_qk_norm_partial_rope_kernel_matches_torch_forms():
