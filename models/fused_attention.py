@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_cuda
 from .fused_cuda import triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .fused_cuda import _pdl_enter
+
     @triton.jit
     def _split_kernel(q, k_cache, v_cache, pos_ptr, m_out, l_out, acc_out, stride_kh, stride_vh, scale,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
         n = tl.load(pos_ptr) + 1                                   # live slots
@@ -58,7 +62,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(m_in, l_in, acc_in, gate, out, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr,
-                      D: tl.constexpr, NSPLIT: tl.constexpr):
+                      D: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         h = tl.program_id(0)
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, D)
@@ -89,8 +94,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     l_sum = torch.empty_like(m)
     acc = torch.empty(H, ns, D, dtype=torch.float32, device=q.device)
     _split_kernel[(kvh, ns)](q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
-                             D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64)
+                             D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64,
+                             **fused_cuda.pdl(q))
     out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
     _merge_kernel[(H,)](m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
-                        HAS_GATE=gate is not None, D=D, NSPLIT=ns)
+                        HAS_GATE=gate is not None, D=D, NSPLIT=ns, **fused_cuda.pdl(q))
     return out

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_cuda
 from .fused_cuda import triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .fused_cuda import _pdl_enter
+
     @triton.jit
-    def _conv_step_kernel(x, state, weight, out, C, KM1: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_step_kernel(x, state, weight, out, C, KM1: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+        _pdl_enter(PDL)
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cm = c < C
         j = tl.arange(0, KP)  # window column: 0..K-2 the stored window, K-1 the new input
@@ -39,7 +44,9 @@ if triton is not None:
 
     @triton.jit
     def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, z_off, b_off, a_off, eps, q_scale,
-                           KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+                           KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           PDL: tl.constexpr):
+        _pdl_enter(PDL)
         h = tl.program_id(0)
         kh = h // R
         dk = tl.arange(0, DK)
@@ -78,9 +85,11 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
     _conv_step_kernel[(triton.cdiv(conv_dim, block),)](proj, conv_state, conv_weight, act, conv_dim,
-                                                       KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block)
+                                                       KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block,
+                                                       **fused_cuda.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     _delta_step_kernel[(nv,)](act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
                               conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
-                              KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8)
+                              KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8,
+                              **fused_cuda.pdl(proj))
     return out

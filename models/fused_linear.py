@@ -11,51 +11,63 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_cuda
 from .fused_cuda import triton
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _input_chunk(x, res, norm_w, r, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """x[kk] in fp32; with NORM, the normed (x + res)[kk], rounded as the norm's output is."""
+        xr = tl.load(x + kk, mask=kk < K, other=0.0)
+        if NORM:
+            if HAS_RES:
+                xr = (xr.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(xr.dtype)
+            nw = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)
+            return (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
+        return xr.to(tl.float32)
+
+    @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, HAS_BIAS: tl.constexpr,
-                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
+        if PDL:  # let the next kernel launch now: it prefetches its weights while this one runs
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first weight tile before waiting on the previous kernel (no kernel writes weights)
+        kk = tl.arange(0, BLOCK_K)
+        w_rows = w + n[:, None] * stride_w
+        m2 = nm[:, None] & (kk[None, :] < K)
+        wv = tl.load(w_rows + kk[None, :], mask=m2, other=0.0)
+        uv = wv
+        if SWIGLU:  # the up rows sit N rows below the gate rows
+            uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=0.0)
+        if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
+            tl.extra.cuda.gdc_wait()
+        r = 1.0
         if NORM:  # the prologue: s = x + res (rounded, as the residual stream is), 1/rms(s)
             ss = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                s = tl.load(x + kk, mask=kk < K, other=0.0)
+                kc = k0 + tl.arange(0, BLOCK_K)
+                s = tl.load(x + kc, mask=kc < K, other=0.0)
                 if HAS_RES:
-                    s = (s.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(s.dtype)
-                    tl.store(sum_out + kk, s, mask=kk < tl.where(pid == 0, K, 0))  # one program writes the stream
+                    s = (s.to(tl.float32) + tl.load(res + kc, mask=kc < K, other=0.0).to(tl.float32)).to(s.dtype)
+                    tl.store(sum_out + kc, s, mask=kc < tl.where(pid == 0, K, 0))  # one program writes the stream
                 ss += s.to(tl.float32) * s.to(tl.float32)
             r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                xr = tl.load(x + kk)
-                m2 = nm[:, None]
-            else:
-                km = kk < K
-                xr = tl.load(x + kk, mask=km, other=0.0)
-                m2 = nm[:, None] & km[None, :]
-            if NORM:  # the normed input, rounded as the norm's output would be
-                if HAS_RES:
-                    xr = (xr.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(xr.dtype)
-                nw = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)
-                xv = (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
-            else:
-                xv = xr.to(tl.float32)
-            wv = tl.load(w + n[:, None] * stride_w + kk[None, :], mask=m2, other=0.0)
-            acc += wv.to(tl.float32) * xv[None, :]
-            if SWIGLU:  # the up row F rows below the gate row
-                uv = tl.load(w + (n + N)[:, None] * stride_w + kk[None, :], mask=m2, other=0.0)
-                acc_up += uv.to(tl.float32) * xv[None, :]
+        xv = _input_chunk(x, res, norm_w, r, kk, K, NORM, HAS_RES)
+        acc = wv.to(tl.float32) * xv[None, :]
+        acc_up = uv.to(tl.float32) * xv[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kc = k0 + tl.arange(0, BLOCK_K)
+            xv = _input_chunk(x, res, norm_w, r, kc, K, NORM, HAS_RES)
+            mc = nm[:, None] & (kc[None, :] < K)
+            acc += tl.load(w_rows + kc[None, :], mask=mc, other=0.0).to(tl.float32) * xv[None, :]
+            if SWIGLU:
+                acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=0.0).to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
@@ -79,7 +91,7 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
 # a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate.
-PROLOGUE_MAX_BYTES = 32 << 20
+PROLOGUE_MAX_BYTES = 4 << 20
 
 
 class NormedRow:
@@ -97,7 +109,6 @@ class NormedRow:
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
         if self._h is None:
-            from . import fused_cuda
             y = self.res if self.res is not None else torch.zeros_like(self.x)
             s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
             if self.res is not None:
@@ -122,5 +133,5 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res,
         pre.weight if pre is not None else w, pre.stream if pre is not None else src, pre.eps if pre is not None else 0.0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
-        EVEN_K=K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))
     return out
