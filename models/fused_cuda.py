@@ -34,11 +34,12 @@ def usable(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and x.shape[0] == 1 and not torch.compiler.is_compiling()
 
 
+PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
+
+
 @functools.cache
-def _pdl_on(device_index: int) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a Triton that launches with it, not off."""
-    if os.environ.get("CHAT_PDL", "1").lower() in ("0", "false", "off", "no"):
-        return False
+def _pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper or newer, and a Triton that launches with it."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -53,7 +54,8 @@ def pdl(x: torch.Tensor) -> dict:
     finishes (each kernel signals at its start and waits for its predecessor before it reads
     activations or writes anything, so only constant loads such as weights overlap). Saves most
     of a launch's latency per kernel, on a step of ~200 small kernels."""
-    on = x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    on = PDL_ENABLED and x.is_cuda and _pdl_supported(
+        x.device.index if x.device.index is not None else torch.cuda.current_device())
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

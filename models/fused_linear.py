@@ -18,20 +18,21 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _input_chunk(x, res, norm_w, r, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    def _input_chunk(x, res, norm_w, r, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
         """x[kk] in fp32; with NORM, the normed (x + res)[kk], rounded as the norm's output is."""
-        xr = tl.load(x + kk, mask=kk < K, other=0.0)
+        km = None if EVEN else kk < K
+        xr = tl.load(x + kk, mask=km, other=None if EVEN else 0.0)
         if NORM:
             if HAS_RES:
-                xr = (xr.to(tl.float32) + tl.load(res + kk, mask=kk < K, other=0.0).to(tl.float32)).to(xr.dtype)
-            nw = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)
+                xr = (xr.to(tl.float32) + tl.load(res + kk, mask=km, other=None if EVEN else 0.0).to(tl.float32)).to(xr.dtype)
+            nw = tl.load(norm_w + kk, mask=km, other=None if EVEN else 0.0).to(tl.float32)
             return (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
         return xr.to(tl.float32)
 
     @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, HAS_BIAS: tl.constexpr,
                      SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -40,11 +41,11 @@ if triton is not None:
         # the first weight tile before waiting on the previous kernel (no kernel writes weights)
         kk = tl.arange(0, BLOCK_K)
         w_rows = w + n[:, None] * stride_w
-        m2 = nm[:, None] & (kk[None, :] < K)
-        wv = tl.load(w_rows + kk[None, :], mask=m2, other=0.0)
+        m2 = None if EVEN else nm[:, None] & (kk[None, :] < K)  # EVEN: whole blocks, no masks
+        wv = tl.load(w_rows + kk[None, :], mask=m2, other=None if EVEN else 0.0)
         uv = wv
         if SWIGLU:  # the up rows sit N rows below the gate rows
-            uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=0.0)
+            uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=None if EVEN else 0.0)
         if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
         r = 1.0
@@ -58,22 +59,22 @@ if triton is not None:
                     tl.store(sum_out + kc, s, mask=kc < tl.where(pid == 0, K, 0))  # one program writes the stream
                 ss += s.to(tl.float32) * s.to(tl.float32)
             r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        xv = _input_chunk(x, res, norm_w, r, kk, K, NORM, HAS_RES)
+        xv = _input_chunk(x, res, norm_w, r, kk, K, NORM, HAS_RES, EVEN)
         acc = wv.to(tl.float32) * xv[None, :]
         acc_up = uv.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kc = k0 + tl.arange(0, BLOCK_K)
-            xv = _input_chunk(x, res, norm_w, r, kc, K, NORM, HAS_RES)
-            mc = nm[:, None] & (kc[None, :] < K)
-            acc += tl.load(w_rows + kc[None, :], mask=mc, other=0.0).to(tl.float32) * xv[None, :]
+            xv = _input_chunk(x, res, norm_w, r, kc, K, NORM, HAS_RES, EVEN)
+            mc = None if EVEN else nm[:, None] & (kc[None, :] < K)
+            acc += tl.load(w_rows + kc[None, :], mask=mc, other=None if EVEN else 0.0).to(tl.float32) * xv[None, :]
             if SWIGLU:
-                acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=0.0).to(tl.float32) * xv[None, :]
+                acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=None if EVEN else 0.0).to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
         if SWIGLU:
             y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
-        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
 
 
 def pick_config(K: int, N: int) -> tuple[int, int, int]:
@@ -133,5 +134,5 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res,
         pre.weight if pre is not None else w, pre.stream if pre is not None else src, pre.eps if pre is not None else 0.0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))
+        EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))
     return out

@@ -1,0 +1,84 @@
+"""A/B of CUDA decode-step variants, interleaved in one process (drift between runs of several
+percent would otherwise swamp the differences being measured).
+
+    python bench/ab_decode.py NAME [NAME ...] [--variants base,nopdl,noprologue,prologue32]
+        [--rounds 5] [--prompt 128] [--new 256]
+For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
+times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
+whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
+dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
+GEMVs of weights up to 32 MB), notriton (the torch forms).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from engine.config import SamplingConfig  # noqa: E402
+from engine.session import DecodeSession  # noqa: E402
+from models import fused_cuda, fused_linear  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+DEFAULTS = dict(pdl=fused_cuda.PDL_ENABLED, prologue=fused_linear.PROLOGUE_MAX_BYTES, triton=fused_cuda.ENABLED)
+VARIANTS = {
+    "base": {},
+    "nopdl": dict(pdl=False),
+    "noprologue": dict(prologue=0),
+    "prologue32": dict(prologue=32 << 20),
+    "notriton": dict(triton=False),
+}
+
+
+def apply(variant: str) -> None:
+    v = {**DEFAULTS, **VARIANTS[variant]}
+    fused_cuda.PDL_ENABLED, fused_linear.PROLOGUE_MAX_BYTES, fused_cuda.ENABLED = v["pdl"], v["prologue"], v["triton"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="+")
+    ap.add_argument("--variants", default="base,nopdl,noprologue,prologue32")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    variants = a.variants.split(",")
+    for name in a.names:
+        model = random_model(name, dev, torch.bfloat16)
+        prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        cfg = SamplingConfig(temperature=0, max_new_tokens=a.new)
+        speeds = {v: [] for v in variants}
+        tokens = {}
+        for _ in range(a.rounds):
+            for v in variants:
+                apply(v)
+                s = DecodeSession(model, max_context=a.prompt + a.new + 8, device=dev, dtype=torch.bfloat16,
+                                  cuda_graph="on")
+                list(s.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=16), stop_ids=()))
+                s.reset()
+                tokens[v] = list(s.generate(prompt, cfg, stop_ids=()))
+                st = s.last_stats
+                speeds[v].append((st.generated_tokens - 1) / st.decode_seconds)
+                del s
+        apply("base")
+        first = variants[0]
+        base = statistics.median(speeds[first])
+        for v in variants:
+            med = statistics.median(speeds[v])
+            print(f"{name:14} {v:11} {med:8.1f} tok/s  {med / base:5.3f}x  (min {min(speeds[v]):.1f}, "
+                  f"max {max(speeds[v]):.1f})  tokens {'=' if tokens[v] == tokens[first] else '!='} {first}",
+                  flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
