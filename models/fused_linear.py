@@ -77,10 +77,18 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
 
 
+# Weights up to this size are read in one K step per program, all of it before the kernel waits
+# on its predecessor (PDL): the weight loads leave the critical path. Larger ones stream.
+WHOLE_K_MAX_BYTES = 0
+
+
 def pick_config(K: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight, from bench/gemv_sweep.py on an H200
     (bench/RESULTS.md): few rows per program below 4k rows (more programs in flight), more above;
     an LM head's ~50-250k rows take short K steps."""
+    whole = triton.next_power_of_2(K)
+    if N * K * 2 <= WHOLE_K_MAX_BYTES and whole <= 4096:
+        return (4 if N < 4096 else 8), whole, 8
     if N >= 40000:
         return 8, 64, 4
     if N >= 9000:
