@@ -79,7 +79,7 @@ if triton is not None:
 
 # Weights up to this size are read in one K step per program, all of it before the kernel waits
 # on its predecessor (PDL): the weight loads leave the critical path. Larger ones stream.
-WHOLE_K_MAX_BYTES = 0
+WHOLE_K_MAX_BYTES = 32 << 20
 
 
 def pick_config(K: int, N: int) -> tuple[int, int, int]:
@@ -100,7 +100,7 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
 # a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate.
-PROLOGUE_MAX_BYTES = 4 << 20
+PROLOGUE_MAX_BYTES = 32 << 20
 
 
 class NormedRow:

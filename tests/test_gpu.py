@@ -86,9 +86,10 @@ def test_fused_kernels_match_torch_forms():
                           atol=3e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152)])
+@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152), (5120, 640)])
 def test_gemv_kernel_matches_linear(K, N):
-    """The one-token Triton GEMV (uneven K steps and rows included) and its SwiGLU form."""
+    """The one-token Triton GEMV (one whole prefetched K step, streamed K steps, uneven steps and
+    rows) and its SwiGLU form."""
     from models import fused_cuda, fused_linear
     if not fused_cuda.ENABLED:
         pytest.skip("Triton is not installed here")
