@@ -23,12 +23,50 @@ from engine.session import DecodeSession  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 
+def top_kernels(prof, per: int, n: int = 8) -> None:
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = per_kernel[e.name[:70]]
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    busy = sum(v[1] for v in per_kernel.values()) / per / 1e3
+    print(f"  {sum(v[0] for v in per_kernel.values()) / per:.0f} kernels, GPU busy {busy:.3f} ms")
+    for name, (count, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:n]:
+        print(f"  {us / per / 1e3:7.3f} ms  {count / per:5.0f}x  {name}")
+
+
+def profile_prefill(name: str, n: int) -> None:
+    dev = torch.device("cuda")
+    model = random_model(name, dev, torch.bfloat16)
+    s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    for _ in range(2):
+        s.reset()
+        s.prefill(ids)
+    torch.cuda.synchronize()
+    s.reset()
+    t = time.perf_counter()
+    s.prefill(ids)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    s.reset()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        s.prefill(ids)
+        torch.cuda.synchronize()
+    print(f"{name}: prefill of {n} tokens {wall:.2f} ms wall ({n / wall * 1e3:.0f} tok/s)")
+    top_kernels(prof, 1, 12)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
     ap.add_argument("--compile", default="off")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     a = ap.parse_args()
+    if a.prefill:
+        return profile_prefill(a.name, a.prefill)
     dev = torch.device("cuda")
     model = random_model(a.name, dev, torch.bfloat16)
     s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)
