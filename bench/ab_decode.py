@@ -60,7 +60,8 @@ def main() -> None:
     variants = a.variants.split(",")
     for name in a.names:
         model = random_model(name, dev, torch.bfloat16)
-        prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=g).tolist()
         cfg = SamplingConfig(temperature=0, max_new_tokens=a.new)
         speeds = {v: [] for v in variants}
         tokens = {}

@@ -21,11 +21,12 @@ if triton is not None:
     def _input_chunk(x, res, norm_w, r, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
         """x[kk] in fp32; with NORM, the normed (x + res)[kk], rounded as the norm's output is."""
         km = None if EVEN else kk < K
-        xr = tl.load(x + kk, mask=km, other=None if EVEN else 0.0)
+        zero = None if EVEN else 0.0  # (a load without a mask takes no fill value)
+        xr = tl.load(x + kk, mask=km, other=zero)
         if NORM:
             if HAS_RES:
-                xr = (xr.to(tl.float32) + tl.load(res + kk, mask=km, other=None if EVEN else 0.0).to(tl.float32)).to(xr.dtype)
-            nw = tl.load(norm_w + kk, mask=km, other=None if EVEN else 0.0).to(tl.float32)
+                xr = (xr.to(tl.float32) + tl.load(res + kk, mask=km, other=zero).to(tl.float32)).to(xr.dtype)
+            nw = tl.load(norm_w + kk, mask=km, other=zero).to(tl.float32)
             return (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
         return xr.to(tl.float32)
 
@@ -42,10 +43,11 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         w_rows = w + n[:, None] * stride_w
         m2 = None if EVEN else nm[:, None] & (kk[None, :] < K)  # EVEN: whole blocks, no masks
-        wv = tl.load(w_rows + kk[None, :], mask=m2, other=None if EVEN else 0.0)
+        zero = None if EVEN else 0.0
+        wv = tl.load(w_rows + kk[None, :], mask=m2, other=zero)
         uv = wv
         if SWIGLU:  # the up rows sit N rows below the gate rows
-            uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=None if EVEN else 0.0)
+            uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=zero)
         if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
         r = 1.0
@@ -66,9 +68,9 @@ if triton is not None:
             kc = k0 + tl.arange(0, BLOCK_K)
             xv = _input_chunk(x, res, norm_w, r, kc, K, NORM, HAS_RES, EVEN)
             mc = None if EVEN else nm[:, None] & (kc[None, :] < K)
-            acc += tl.load(w_rows + kc[None, :], mask=mc, other=None if EVEN else 0.0).to(tl.float32) * xv[None, :]
+            acc += tl.load(w_rows + kc[None, :], mask=mc, other=zero).to(tl.float32) * xv[None, :]
             if SWIGLU:
-                acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=None if EVEN else 0.0).to(tl.float32) * xv[None, :]
+                acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=zero).to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
@@ -138,9 +140,9 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     bn, bk, warps = config or pick_config(K, n_out)
     out = torch.empty(1, n_out, dtype=src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
+    norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
     _gemv_kernel[(triton.cdiv(n_out, bn),)](
-        src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res,
-        pre.weight if pre is not None else w, pre.stream if pre is not None else src, pre.eps if pre is not None else 0.0,
+        src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
         EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))
     return out

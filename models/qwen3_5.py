@@ -149,9 +149,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        if hasattr(self, "in_proj") and fused_cuda.usable(x) and fused_cuda.fits(self.dk, self.dv):  # conv, delta rule and gated norm: 2 kernels
+        if hasattr(self, "in_proj") and fused_cuda.usable(x) and fused_cuda.fits(self.dk, self.dv):
+            # the conv, the delta rule and the gated norm in two kernels
             out = fused_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
-                                     self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk, self.dv)
+                                     self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
+                                     self.dv)
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
@@ -198,7 +200,8 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if fused_cuda.usable(x) and fused_cuda.attention_fits(self.d):  # q/k norms, partial RoPE and the KV write; attention with the gate
+        if fused_cuda.usable(x) and fused_cuda.attention_fits(self.d):
+            # q/k norms, partial RoPE and the KV write in one kernel; the attention applies the gate
             qkv = self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
             q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
                                             q_stride=2 * self.d, eps=self.q_norm.eps,

@@ -150,8 +150,10 @@ def test_qk_norm_partial_rope_kernel_matches_torch_forms():
     x = qkv[0].float()
     qh = F.rms_norm(x[:H * 2 * D].view(H, 2 * D)[:, :D], (D,), qw, 1e-6)
     kh = F.rms_norm(x[H * 2 * D:H * 2 * D + KVH * D].view(KVH, D), (D,), kw, 1e-6)
-    assert torch.allclose(q[:, 0].float(), rope.apply(qh[:, None], cos.float(), sin.float())[:, 0], atol=3e-2, rtol=1e-2)
-    assert torch.allclose(kc[:, 21].float(), rope.apply(kh[:, None], cos.float(), sin.float())[:, 0], atol=3e-2, rtol=1e-2)
+    want_q = rope.apply(qh[:, None], cos.float(), sin.float())[:, 0]
+    want_k = rope.apply(kh[:, None], cos.float(), sin.float())[:, 0]
+    assert torch.allclose(q[:, 0].float(), want_q, atol=3e-2, rtol=1e-2)
+    assert torch.allclose(kc[:, 21].float(), want_k, atol=3e-2, rtol=1e-2)
     assert torch.equal(vc[:, 21], qkv[0, H * 2 * D + KVH * D:].view(KVH, D))
     assert int(kc[:, :21].count_nonzero()) == 0 and int(vc[:, 22:].count_nonzero()) == 0
 
