@@ -1,11 +1,14 @@
 """CUDA-graph capture and replay of the decode step: a recording of the eager step, nothing more.
 
 The captured call is exactly the eager decode call, `model(tokens, positions, state)` with
-`state.kv_len = decode_kv_len(position)`: the attention reads a fixed number of key slots (the
-ones past the position masked), chosen from a few buckets (powers of two from 512 up to
-max_context), so a short conversation in a large context does not read all of it. One graph per
-bucket, captured together at start (sharing one memory pool); the eager CUDA step uses the same
-buckets, so both run the same kernels. Inputs live in static buffers; state tensors are the
+`state.kv_len = decode_kv_len(position)`. Where the model's attention is the Triton kernel (it
+reads the live length from `positions`: CausalLM.decode_attends_live) there is one bucket,
+max_context, and one graph for every position. Otherwise (CHAT_TRITON=0, head sizes the kernel
+does not take, compile: on) the torch attention reads a fixed number of key slots (the ones past
+the position masked), chosen from a few buckets (powers of two from 512 up to max_context, one
+for a compiled step), so a short conversation in a large context does not read all of it: one
+graph per bucket, captured together at start (sharing one memory pool). The eager CUDA step uses
+the same buckets, so both run the same kernels. Inputs live in static buffers; state tensors are the
 StateManager's own, never rebound, so `reset()` (in-place zeroing) needs no re-capture. Warm-up and
 capture run at the next free position and the fixed state is restored afterwards: they leave no
 trace in live state.
