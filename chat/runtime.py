@@ -41,7 +41,9 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     report(f"loading {eng.model}")
     loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto")
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
-    report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else ""))
+    report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
+           + ("; compiling the decode step (minutes the first time, ~20 s from the cache)"
+              if eng.compile == "on" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
                             compile=eng.compile, checkpoint_mib=eng.checkpoint_mib,

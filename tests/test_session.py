@@ -92,3 +92,20 @@ def test_decode_kv_buckets():
     assert kv_buckets(8192, single=True) == [8192]
     b = kv_buckets(8192)
     assert [decode_kv_len(p, b) for p in (0, 511, 512, 4095, 4096, 8191)] == [512, 512, 1024, 4096, 8192, 8192]
+
+
+def test_compiled_cpu_step_matches_eager_and_repeats_itself(lm):
+    """`compile: on` on the CPU: the step is compiled at start by a scratch forward that leaves
+    nothing behind; its logits equal the eager step's to fp32 summation order; greedy runs on
+    the reused session repeat token for token."""
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, compile="on")
+    assert s.state.length == 0 and s.cached == []
+    eager = new(lm)
+    p = ids(20)
+    want = [eager.prefill(p)] + [eager.step(t) for t in (5, 6, 7)]
+    got = [s.prefill(p)] + [s.step(t) for t in (5, 6, 7)]
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), float((a - b).abs().max())
+    s.reset()
+    runs = [list(s.generate(ids(20, seed=3), GREEDY)) for _ in range(2)]
+    assert runs[0] == runs[1] == list(eager.generate(ids(20, seed=3), GREEDY))
