@@ -84,7 +84,7 @@ class DecodeSession:
         # and for a compiled step (each bucket would be a recompile).
         self._bucketed_decode = device.type == "cuda"
         live = getattr(model, "decode_attends_live", None)
-        single = compile == "on" or (live is not None and live(device))
+        single = compile == "on" or (live is not None and live(device, dtype))
         self._kv_buckets = kv_buckets(self.max_context, single=single)
         if cuda_graph == "on" and device.type != "cuda":
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")

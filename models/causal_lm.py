@@ -36,10 +36,11 @@ class CausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def decode_attends_live(self, device: torch.device) -> bool:
-        """Whether an eager one-token forward on `device` runs the Triton attention, which reads
-        the live length from `positions` (so `state.kv_len` buckets change nothing)."""
-        return device.type == "cuda" and fused_cuda.ENABLED and fused_cuda.attention_fits(self.config.head_dim)
+    def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether an eager one-token forward on `device` in `dtype` runs the Triton attention,
+        which reads the live length from `positions` (so `state.kv_len` buckets change nothing)."""
+        return (device.type == "cuda" and dtype in fused_cuda.HALF and fused_cuda.ENABLED
+                and fused_cuda.attention_fits(self.config.head_dim))
 
     @property
     def max_position(self) -> int:

@@ -27,11 +27,15 @@ except ImportError:  # CPU-only installs: the torch forms run instead
 ENABLED = triton is not None and os.environ.get("CHAT_TRITON", "1").lower() not in ("0", "false", "off", "no")
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
 def usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve this forward: one token, on CUDA, Triton present and on, and
-    not inside torch.compile (Inductor fuses the torch forms itself, and further than these: with
-    them as opaque calls the compiled SmolLM2 step measured 977 tok/s against 1,090 without)."""
-    return ENABLED and x.is_cuda and x.shape[0] == 1 and not torch.compiler.is_compiling()
+    """Whether the fused kernels serve this forward: one token, on CUDA, in half precision (an
+    fp32 model keeps the exact torch forms: the kernels' tensor-core dots would round to TF32),
+    Triton present and on, and not inside torch.compile (Inductor fuses the torch forms itself)."""
+    return (ENABLED and x.is_cuda and x.shape[0] == 1 and x.dtype in HALF
+            and not torch.compiler.is_compiling())
 
 
 PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
