@@ -2,10 +2,14 @@
 
 Contract: `gemv(x, w, bias)` equals F.linear(x, w, bias) for one row, accumulated in fp32 and
 rounded once; `gemv(x, w, swiglu=True)` with w = [gate; up] ([2F, K]) returns silu(x W_g^T) *
-(x W_u^T), [1, F], in one launch (the torch form: a GEMM and a silu-mul kernel). Each program
-owns BLOCK_N output rows and walks K in BLOCK_K steps: no split-K, so no atomics and the same
-bits every run. Why not cuBLAS: for one row it measured 1.3-2 TB/s on these shapes on an H200
-(bench/gemv_sweep.py prints both); the configs below are that sweep's winners.
+(x W_u^T), [1, F], in one launch (the torch form: a GEMM and a silu-mul kernel). x may be a
+NormedRow: the pending residual add and RMSNorm are then computed in the kernel's prologue (and
+the stream written once), as add_norm + F.linear would, rounding included. Each program owns
+BLOCK_N output rows and walks K in BLOCK_K steps: no split-K, so no atomics and the same bits
+every run. With PDL, a program loads its first weight tile (all of it, for the small weights
+read in one K step) before it waits on the previous kernel. Why not cuBLAS: on the one-row
+shapes of the benchmark models its kernels reached 0.2-1.1 TB/s below 10 MB of weights and
+1.9-4.2 TB/s above, ours 0.27-1.3 and 2.2-4.5 (bench/gemv_sweep.py, bench/RESULTS.md).
 """
 from __future__ import annotations
 
