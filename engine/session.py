@@ -97,7 +97,15 @@ class DecodeSession:
             # compile. The C++ wrapper calls the generated kernels without Python between them
             # (SmolLM2 Q4_1 on 2 cores: 12.2-12.8 ms a step against 14.6 with the Python wrapper
             # and 21-23 eager; it compiles in ~100 s cold, ~20 s from Inductor's cache).
-            self._step_fn = torch.compile(model, dynamic=True, fullgraph=False, options={"cpp_wrapper": True})
+            compiled = torch.compile(model, dynamic=True, fullgraph=False, options={"cpp_wrapper": True})
+
+            def step_fn(*args, **kwargs):
+                # the model's float constants (eps, scales) as constants: with symbolic floats
+                # the trace is redone once (a first attempt of ~15 s thrown away)
+                with torch._dynamo.config.patch(specialize_float=True):
+                    return compiled(*args, **kwargs)
+
+            self._step_fn = step_fn
             self._compile_now()
         self.graph = None
         if cuda_graph in ("on", "auto") and device.type == "cuda":
