@@ -119,16 +119,12 @@ def main() -> None:
     ap.add_argument("--compile", default="off", help="torch.compile the decode step (on|off)")
     ap.add_argument("--prefill-form", default="chunked", choices=["chunked", "naive"],
                     help="hybrid models: the gated delta form used for multi-token forwards")
-    ap.add_argument("--no-prologue", action="store_true",
-                    help="A/B: every RMSNorm in its own launch, not in the next GEMV's prologue")
     ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from models import fused_linear, qwen3_5
+    from models import qwen3_5
     qwen3_5.PREFILL_FORM = a.prefill_form
-    if a.no_prologue:
-        fused_linear.PROLOGUE_MAX_BYTES = 0
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if a.ready:

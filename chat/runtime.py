@@ -42,7 +42,7 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto")
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
-           + ("; compiling the decode step (~2 minutes the first time, ~10 s from the cache)"
+           + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,

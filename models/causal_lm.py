@@ -39,8 +39,7 @@ class CausalLM(nn.Module):
     def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether an eager one-token forward on `device` in `dtype` runs the Triton attention,
         which reads the live length from `positions` (so `state.kv_len` buckets change nothing)."""
-        return (device.type == "cuda" and dtype in fused_cuda.HALF and fused_cuda.ENABLED
-                and fused_cuda.attention_fits(self.config.head_dim))
+        return fused_cuda.serves(device, dtype) and fused_cuda.attention_fits(self.config.head_dim)
 
     @property
     def max_position(self) -> int:
@@ -53,8 +52,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
         # the live length from `positions`): no mask
-        fused = fused_cuda.usable(x) and fused_cuda.attention_fits(self.config.head_dim)
-        live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1 or fused)
+        live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1
+                                              or fused_cuda.attention_usable(x, self.config.head_dim))
         mask = None if live_only else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm

@@ -30,12 +30,17 @@ ENABLED = triton is not None and os.environ.get("CHAT_TRITON", "1").lower() not 
 HALF = (torch.bfloat16, torch.float16)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve this forward: one token, on CUDA, in half precision (an
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels serve forwards on this device in this dtype: CUDA, half precision (an
     fp32 model keeps the exact torch forms: the kernels' tensor-core dots would round to TF32),
-    Triton present and on, and not inside torch.compile (Inductor fuses the torch forms itself)."""
-    return (ENABLED and x.is_cuda and x.shape[0] == 1 and x.dtype in HALF
-            and not torch.compiler.is_compiling())
+    Triton present and on."""
+    return ENABLED and device.type == "cuda" and dtype in HALF
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve this forward: `serves`, one token, and not inside
+    torch.compile (Inductor fuses the torch forms itself)."""
+    return serves(x.device, x.dtype) and x.shape[0] == 1 and not torch.compiler.is_compiling()
 
 
 PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
@@ -71,6 +76,12 @@ def fits(*dims: int, least: int = 1) -> bool:
 def attention_fits(head_dim: int) -> bool:
     """The decode attention kernel's head sizes (its tensor-core dots need 16 at least)."""
     return fits(head_dim, least=16) and head_dim <= 256
+
+
+def attention_usable(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether the Triton decode attention serves this forward. The attention layers and
+    CausalLM (which then builds no mask) must agree on it: this is the one rule."""
+    return usable(x) and attention_fits(head_dim)
 
 
 if triton is not None:

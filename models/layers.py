@@ -175,6 +175,10 @@ class QKVProjections(nn.Module):
             return self.qkv_proj.split(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def project_joint(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side in one row, as the fused decode kernels read them."""
+        return self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
+
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose one-token CUDA forward is the

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from . import fused_attention, fused_cuda
@@ -65,9 +64,9 @@ class Attention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if fused_cuda.usable(x) and fused_cuda.attention_fits(D):
+        if fused_cuda.attention_usable(x, D):
             # one kernel for the q/k norms, RoPE and the KV write; two for the attention
-            qkv = self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
+            qkv = self.project_joint(x)
             norms = (self.q_norm.fused_weight(), self.k_norm.fused_weight()) if hasattr(self, "q_norm") else None
             q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)

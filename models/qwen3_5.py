@@ -200,9 +200,9 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if fused_cuda.usable(x) and fused_cuda.attention_fits(self.d):
+        if fused_cuda.attention_usable(x, self.d):
             # q/k norms, partial RoPE and the KV write in one kernel; the attention applies the gate
-            qkv = self.qkv_proj(x) if hasattr(self, "qkv_proj") else torch.cat(self.project_qkv(x), dim=-1)
+            qkv = self.project_joint(x)
             q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
