@@ -54,7 +54,9 @@ class CausalLM(nn.Module):
         # the live length from `positions`): no mask
         live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1
                                               or fused_cuda.attention_usable(x, self.config.head_dim))
-        mask = None if live_only else causal_mask(positions, state.kv_len, x.dtype)
+        # a prompt from position 0 attends with is_causal (attend_cached): no mask either
+        from_zero = state.length == 0 and state.kv_len == tokens.shape[0]
+        mask = None if live_only or from_zero else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
         if not all_logits:

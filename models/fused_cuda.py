@@ -1,14 +1,15 @@
-"""Triton kernels for the CUDA decode step (one token), where torch would launch several kernels.
+"""Triton kernels for CUDA forwards, where torch would launch several kernels.
 
 Contract: each function computes what its torch form computes, in fp32 inside and one rounding to
 the output dtype (torch's forms round between ops, so results agree to bf16 rounding, and
-tests/test_gpu.py compares them). They are used only for one-token forwards on CUDA, so the eager
-step and the CUDA graph that records it run the same kernels; the CPU, prefill and machines
-without Triton use the torch forms. `CHAT_TRITON=0` turns them off.
+tests/test_gpu.py compares them). The eager decode step and the CUDA graph that records it run
+the same kernels; the CPU, fp32 models, torch.compile and machines without Triton use the torch
+forms. `CHAT_TRITON=0` turns them off.
 - qk_rope_kv_write: the optional per-head q/k RMSNorm (Qwen3, Qwen3.5) and RoPE (full or
   partial rotary) over the query and key heads of the fused QKV output, keys and values written
-  into the caches at the position read from the device (5 to 20 kernels → 1);
-- add_rms_norm: the residual add and the next RMSNorm (2 → 1).
+  into the caches at the positions read from the device (5 to 20 kernels -> 1), for one token
+  (decode) or many (prefill: the queries come out in the [T, H, D] memory flash attention reads);
+- add_rms_norm: the residual add and the next RMSNorm over any number of rows (2 -> 1).
 fused_linear.py (GEMVs, SwiGLU), fused_attention.py and fused_delta.py hold the others.
 """
 from __future__ import annotations
@@ -41,6 +42,12 @@ def usable(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve this forward: `serves`, one token, and not inside
     torch.compile (Inductor fuses the torch forms itself)."""
     return serves(x.device, x.dtype) and x.shape[0] == 1 and not torch.compiler.is_compiling()
+
+
+def prefill_usable(x: torch.Tensor) -> bool:
+    """Whether the multi-token kernels (fused_scan, the T-row forms here) serve this forward:
+    `serves`, and not inside torch.compile."""
+    return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
 
 
 PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
@@ -78,6 +85,11 @@ def attention_fits(head_dim: int) -> bool:
     return fits(head_dim, least=16) and head_dim <= 256
 
 
+def rope_usable(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether qk_rope_kv_write serves this forward (any number of tokens)."""
+    return prefill_usable(x) and fits(head_dim, least=16)
+
+
 def attention_usable(x: torch.Tensor, head_dim: int) -> bool:
     """Whether the Triton decode attention serves this forward. The attention layers and
     CausalLM (which then builds no mask) must agree on it: this is the one rule."""
@@ -94,13 +106,18 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_kv_kernel(src, cos, sin, pos_ptr, q_w, k_w, q_out, k_cache, v_cache, stride_kh, stride_vh, eps,
+                           src_row,
                            Q_STRIDE: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, H: tl.constexpr,
                            KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
                            PDL: tl.constexpr):
         _pdl_enter(PDL)
         head = tl.program_id(0)
+        t = tl.program_id(1)  # the token (one program per head and token)
         d = tl.arange(0, D)
-        pos = tl.load(pos_ptr)
+        pos = tl.load(pos_ptr + t)
+        src += t * src_row
+        cos += t * R
+        sin += t * R
         off = tl.where(head < H, head * Q_STRIDE,
                        tl.where(head < H + KVH, K_OFF + (head - H) * D, V_OFF + (head - H - KVH) * D))
         x = tl.load(src + off + d).to(tl.float32)
@@ -122,7 +139,7 @@ if triton is not None:
             s = tl.load(sin + d, mask=d < R, other=0.0).to(tl.float32)
             y = x * c + rolled * s
             if head < H:
-                tl.store(q_out + head * D + d, y.to(q_out.dtype.element_ty))
+                tl.store(q_out + (t * H + head) * D + d, y.to(q_out.dtype.element_ty))
             else:
                 tl.store(k_cache + (head - H) * stride_kh + pos * D + d, y.to(k_cache.dtype.element_ty))
         else:
@@ -132,41 +149,43 @@ if triton is not None:
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
         _pdl_enter(PDL)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < N
+        offs = tl.program_id(0) * N + tl.arange(0, BLOCK)  # one program per row
+        mask = tl.arange(0, BLOCK) < N
         s = (tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
              + tl.load(y + offs, mask=mask, other=0.0).to(tl.float32))
         s = s.to(sum_out.dtype.element_ty)  # the residual stream keeps its dtype, as `x + y` would
         tl.store(sum_out + offs, s, mask=mask)
         sf = s.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        out = sf * r * tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
+        out = sf * r * tl.load(w + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
         tl.store(norm_out + offs, out.to(norm_out.dtype.element_ty), mask=mask)
 
 
 def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, q_stride: int | None = None,
                      norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0) -> torch.Tensor:
-    """qkv: [1, q part + 2 KVH D] contiguous, the query heads `q_stride` apart (D; 2D where each
-    head carries its output gate after it), then the key and value heads; cos, sin: [1, R] from
-    Rope.cos_sin (signed sin, R = rotary dims <= D); caches [KVH, S, D] with contiguous rows;
-    norm_weights: the per-head q and k RMSNorm weights (offset already added), or None.
-    Returns q [H, 1, D]; writes k and v at positions[0]."""
-    D = k_cache.shape[-1]
+    """qkv: [T, q part + 2 KVH D] with contiguous rows, the query heads `q_stride` apart (D; 2D
+    where each head carries its output gate after it), then the key and value heads; cos, sin:
+    [T, R] from Rope.cos_sin (signed sin, R = rotary dims <= D); caches [KVH, S, D] with
+    contiguous rows; norm_weights: the per-head q and k RMSNorm weights (offset already added),
+    or None. Returns q [H, T, D] (a view of a [T, H, D] tensor, the layout flash attention reads
+    and writes); writes k and v at `positions`."""
+    T, D = qkv.shape[0], k_cache.shape[-1]
     q_stride = q_stride or D
-    q = torch.empty(n_heads, 1, D, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     q_w, k_w = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
-    _qk_rope_kv_kernel[(n_heads + 2 * n_kv,)](
+    _qk_rope_kv_kernel[(n_heads + 2 * n_kv, T)](
         qkv, cos, sin, positions, q_w, k_w, q, k_cache, v_cache, k_cache.stride(0), v_cache.stride(0), eps,
+        qkv.stride(0),
         Q_STRIDE=q_stride, K_OFF=n_heads * q_stride, V_OFF=n_heads * q_stride + n_kv * D, H=n_heads, KVH=n_kv,
         D=D, R=cos.shape[-1], NORM=norm_weights is not None, **pdl(qkv))
-    return q
+    return q.transpose(0, 1)
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + y, rms_norm(x + y) * weight) for one row."""
+    """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows."""
     n = x.shape[-1]
     s, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(1,)](x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
+    _add_rms_norm_kernel[(x.shape[0],)](x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
     return s, out

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused_scan
+
 
 def recurrent_naive(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """The oracle: one token at a time, exactly the rule above."""
@@ -36,8 +38,9 @@ def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q[:, None, :], state).transpose(0, 1)          # [1, H, dv]: q^T S
 
 
-def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them."""
+def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
+    """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
+    `fused`: the scan as one Triton kernel (fused_scan.chunk_scan, CUDA) instead of the loop."""
     T = q.shape[0]
     q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # [H, T, ...]
     pad = (chunk - T % chunk) % chunk
@@ -63,6 +66,9 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Ten
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]                   # [H, n, 1, 1]
 
+    if fused and fused_scan.scan_fits(chunk, k.shape[-1], v.shape[-1]):
+        out = fused_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
+        return out.reshape(H, L, -1)[:, :T].transpose(0, 1)
     S = state.clone()
     out = torch.empty_like(v)
     for i in range(n):

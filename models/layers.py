@@ -67,12 +67,12 @@ def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm,
     as a NormedRow, computed in the prologue of the GEMV that reads it (one launch fewer), and
     the stream tensor is written by that GEMV."""
     s, b = x if isinstance(x, Residual) else (x, None)
-    if (fused_cuda.usable(s) and (b is None or s.dtype == b.dtype)
+    if (fused_cuda.prefill_usable(s) and (b is None or s.dtype == b.dtype)
             and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
-        if defer:
+        if defer and s.shape[0] == 1:
             row = fused_linear.NormedRow(s, b, norm.fused_weight(), norm.eps)
             return row.stream, row
-        if b is not None:
+        if b is not None and s.is_contiguous() and b.is_contiguous():  # any number of rows
             return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps)
     x = s if b is None else s + b
     return x, norm(x)
@@ -247,15 +247,18 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     T = q.shape[1]
     if T == 1:
         return decode_attention(q, keys, values, mask)
-    else:
-        if keys.shape[0] != q.shape[0]:  # GQA: expand the KV heads, which keeps flash eligible
-            rep = q.shape[0] // keys.shape[0]
-            keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
-        with sdpa_kernel(_PREFILL_BACKENDS):
-            if kv_len == T:  # a prefill from position 0: plain causal attention
-                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
-            else:
-                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+    gqa = keys.shape[0] != q.shape[0]
+    with sdpa_kernel(_PREFILL_BACKENDS):
+        if kv_len == T:
+            # a prefill from position 0: plain causal attention, the KV heads read grouped by
+            # flash (measured 58 vs 75 us a layer against expanding them, 2k-token Qwen2.5, H200)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, enable_gqa=gqa)[0]
+        else:
+            if gqa:  # masked: expand the KV heads, which keeps the memory-efficient kernel eligible
+                rep = q.shape[0] // keys.shape[0]
+                keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+    # a q in [T, H, D] memory (qk_rope_kv_write's) comes back the same way: the reshape is a view
     return out.transpose(0, 1).reshape(T, -1)
 
 

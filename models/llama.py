@@ -11,7 +11,8 @@ from torch import nn
 
 from . import fused_attention, fused_cuda
 from .causal_lm import Body, CausalLM
-from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention
+from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
+                     cached_attention)
 from .state_spec import AttentionState, StateView
 
 
@@ -64,13 +65,15 @@ class Attention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if fused_cuda.attention_usable(x, D):
-            # one kernel for the q/k norms, RoPE and the KV write; two for the attention
+        if fused_cuda.rope_usable(x, D):
+            # one kernel for the q/k norms, RoPE and the KV write; two for a one-token attention
             qkv = self.project_joint(x)
             norms = (self.q_norm.fused_weight(), self.k_norm.fused_weight()) if hasattr(self, "q_norm") else None
             q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)
-            return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions))
+            if fused_cuda.attention_usable(x, D):
+                return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions))
+            return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
             # query and key heads are adjacent in the fused output: one RoPE over both

@@ -17,8 +17,8 @@ from torch import nn
 
 from . import fused_attention, fused_cuda, fused_delta, gated_delta
 from .causal_lm import Body, CausalLM
-from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention,
-                     fuse_linears)
+from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
+                     cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -178,7 +178,7 @@ class GatedDeltaNet(nn.Module):
         if T == 1:
             out = gated_delta.step(q, k, v, g, beta, rec)
         elif PREFILL_FORM == "chunked":
-            out = gated_delta.chunked(q, k, v, g, beta, rec)
+            out = gated_delta.chunked(q, k, v, g, beta, rec, fused=fused_cuda.prefill_usable(x))
         else:
             out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
         z = z.reshape(T, self.nv, self.dv)
@@ -200,13 +200,17 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if fused_cuda.attention_usable(x, self.d):
-            # q/k norms, partial RoPE and the KV write in one kernel; the attention applies the gate
+        if fused_cuda.rope_usable(x, self.d):
+            # q/k norms, partial RoPE and the KV write in one kernel; a one-token attention applies the gate
             qkv = self.project_joint(x)
             q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
-            return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
+            if fused_cuda.attention_usable(x, self.d):
+                return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
+            gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
+            out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
+            return self.o_proj(out.view(T, -1))
         qg, k, v = self.project_qkv(x)  # q comes with its output gate, per head
         q, gate = qg.view(T, self.nh, 2 * self.d).chunk(2, dim=-1)
         q = rope.apply(self.q_norm(q).transpose(0, 1), cos, sin)

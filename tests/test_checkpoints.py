@@ -129,7 +129,7 @@ def test_forward_broken_midway_falls_back_to_a_checkpoint(ckpts, monkeypatch):
     after_turn1 = c.session.state.length
     real = gated_delta.chunked
 
-    def broken(q, k, v, g, beta, state, chunk=64):
+    def broken(q, k, v, g, beta, state, chunk=64, fused=False):
         state.add_(1.0)  # half-written recurrent state, then the forward dies
         raise KeyboardInterrupt
 

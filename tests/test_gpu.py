@@ -56,34 +56,65 @@ def test_capture_leaves_no_trace_in_live_state(gpu_models):
 # --- the Triton decode kernels (models/fused_cuda.py) against their torch forms ----------------
 
 def test_fused_kernels_match_torch_forms():
+    """RoPE + KV write and add + RMSNorm, for one token (decode) and for several (prefill)."""
     from models import fused_cuda
     from models.layers import Rope
     if not fused_cuda.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, KVH, D, S = 9, 3, 64, 32
-    qkv = torch.randn(1, (H + 2 * KVH) * D, device=dev, dtype=bf)
     rope = Rope(D, 10000.0)
     rope.reset_buffers(dev)
-    pos = torch.tensor([13], device=dev)
-    cos, sin = rope.cos_sin(pos, bf)
-    kc, vc = torch.randn(KVH, S, D, device=dev, dtype=bf), torch.randn(KVH, S, D, device=dev, dtype=bf)
-    kc0, vc0 = kc.clone(), vc.clone()
-    q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
-    heads = qkv.view(1, H + 2 * KVH, D).transpose(0, 1).float()
-    ref = rope.apply(heads[:H + KVH], cos.float(), sin.float())
-    assert torch.allclose(q.float(), ref[:H], atol=2e-2, rtol=1e-2)
-    assert torch.allclose(kc[:, 13].float(), ref[H:, 0], atol=2e-2, rtol=1e-2)
-    assert torch.equal(vc[:, 13], heads[H + KVH:, 0].to(bf))
-    untouched = torch.ones(S, dtype=torch.bool)
-    untouched[13] = False
-    assert torch.equal(kc[:, untouched], kc0[:, untouched]) and torch.equal(vc[:, untouched], vc0[:, untouched])
+    for first, T in ((13, 1), (9, 5)):
+        qkv = torch.randn(T, (H + 2 * KVH) * D, device=dev, dtype=bf)
+        pos = torch.arange(first, first + T, device=dev)
+        cos, sin = rope.cos_sin(pos, bf)
+        kc, vc = torch.randn(KVH, S, D, device=dev, dtype=bf), torch.randn(KVH, S, D, device=dev, dtype=bf)
+        kc0, vc0 = kc.clone(), vc.clone()
+        q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
+        assert q.shape == (H, T, D)
+        heads = qkv.view(T, H + 2 * KVH, D).transpose(0, 1).float()
+        ref = rope.apply(heads[:H + KVH], cos.float(), sin.float())
+        assert torch.allclose(q.float(), ref[:H], atol=2e-2, rtol=1e-2)
+        live = slice(first, first + T)
+        assert torch.allclose(kc[:, live].float(), ref[H:], atol=2e-2, rtol=1e-2)
+        assert torch.equal(vc[:, live], heads[H + KVH:].to(bf))
+        untouched = torch.ones(S, dtype=torch.bool)
+        untouched[live] = False
+        assert torch.equal(kc[:, untouched], kc0[:, untouched]) and torch.equal(vc[:, untouched], vc0[:, untouched])
 
-    x, y, w = (torch.randn(1, 576, device=dev, dtype=bf) for _ in range(3))
-    s, n = fused_cuda.add_rms_norm(x, y, w[0], 1e-5)
-    assert torch.equal(s, x + y)
-    assert torch.allclose(n.float(), torch.nn.functional.rms_norm((x + y).float(), (576,), w[0].float(), 1e-5),
-                          atol=3e-2, rtol=1e-2)
+    for T in (1, 7):
+        x, y = (torch.randn(T, 576, device=dev, dtype=bf) for _ in range(2))
+        w = torch.randn(576, device=dev, dtype=bf)
+        s, n = fused_cuda.add_rms_norm(x, y, w, 1e-5)
+        assert torch.equal(s, x + y)
+        assert torch.allclose(n.float(), F.rms_norm((x + y).float(), (576,), w.float(), 1e-5), atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("T,H,dk,dv", [(200, 4, 128, 128), (64, 3, 64, 32), (1000, 2, 128, 64)])
+def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
+    """The chunked gated delta rule with its scan in one Triton kernel (fused_scan) against the
+    torch loop and the naive recurrence: outputs and the final state, from a non-zero state,
+    over a partial last chunk."""
+    from models import fused_cuda, gated_delta
+    if not fused_cuda.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(6)
+    q = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1)
+    v = torch.randn(T, H, dv, device=dev, generator=g)
+    gate = -torch.rand(T, H, device=dev, generator=g) * 0.3
+    beta = torch.rand(T, H, device=dev, generator=g)
+    s0 = torch.randn(H, dk, dv, device=dev, generator=g) * 0.1
+    s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
+    loop = gated_delta.chunked(q, k, v, gate, beta, s_loop)
+    fused = gated_delta.chunked(q, k, v, gate, beta, s_fused, fused=True)
+    naive = gated_delta.recurrent_naive(q, k, v, gate, beta, s_naive)
+    assert torch.allclose(fused, loop, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(s_fused, s_loop, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(fused, naive, atol=2e-3, rtol=2e-3)
+    assert torch.allclose(s_fused, s_naive, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152), (5120, 640)])
@@ -132,30 +163,30 @@ def test_gemv_norm_prologue_matches_add_norm_then_linear(res):
 
 def test_qk_norm_partial_rope_kernel_matches_torch_forms():
     """Qwen3.5's gated attention: q heads 2D apart (each followed by its gate), zero-centred q/k
-    norms, RoPE over the first quarter of each head."""
+    norms, RoPE over the first quarter of each head; three tokens (a prefill's form)."""
     from models import fused_cuda
     from models.layers import Rope
     if not fused_cuda.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
-    H, KVH, D, R, S = 8, 2, 256, 64, 32
-    qkv = torch.randn(1, H * 2 * D + 2 * KVH * D, device=dev, dtype=bf)
+    H, KVH, D, R, S, T = 8, 2, 256, 64, 32, 3
+    qkv = torch.randn(T, H * 2 * D + 2 * KVH * D, device=dev, dtype=bf)
     rope = Rope(D, 1e7, rotary_dim=R)
     rope.reset_buffers(dev)
-    pos = torch.tensor([21], device=dev)
+    pos = torch.arange(21, 21 + T, device=dev)
     cos, sin = rope.cos_sin(pos, bf)
     kc, vc = torch.zeros(KVH, S, D, device=dev, dtype=bf), torch.zeros(KVH, S, D, device=dev, dtype=bf)
     qw, kw = torch.rand(D, device=dev) + 0.5, torch.rand(D, device=dev) + 0.5
     q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, q_stride=2 * D, norm_weights=(qw, kw), eps=1e-6)
-    x = qkv[0].float()
-    qh = F.rms_norm(x[:H * 2 * D].view(H, 2 * D)[:, :D], (D,), qw, 1e-6)
-    kh = F.rms_norm(x[H * 2 * D:H * 2 * D + KVH * D].view(KVH, D), (D,), kw, 1e-6)
-    want_q = rope.apply(qh[:, None], cos.float(), sin.float())[:, 0]
-    want_k = rope.apply(kh[:, None], cos.float(), sin.float())[:, 0]
-    assert torch.allclose(q[:, 0].float(), want_q, atol=3e-2, rtol=1e-2)
-    assert torch.allclose(kc[:, 21].float(), want_k, atol=3e-2, rtol=1e-2)
-    assert torch.equal(vc[:, 21], qkv[0, H * 2 * D + KVH * D:].view(KVH, D))
-    assert int(kc[:, :21].count_nonzero()) == 0 and int(vc[:, 22:].count_nonzero()) == 0
+    x = qkv.float()
+    qh = F.rms_norm(x[:, :H * 2 * D].view(T, H, 2 * D)[..., :D], (D,), qw, 1e-6)
+    kh = F.rms_norm(x[:, H * 2 * D:H * 2 * D + KVH * D].view(T, KVH, D), (D,), kw, 1e-6)
+    want_q = rope.apply(qh.transpose(0, 1), cos.float(), sin.float())
+    want_k = rope.apply(kh.transpose(0, 1), cos.float(), sin.float())
+    assert torch.allclose(q.float(), want_q, atol=3e-2, rtol=1e-2)
+    assert torch.allclose(kc[:, 21:21 + T].float(), want_k, atol=3e-2, rtol=1e-2)
+    assert torch.equal(vc[:, 21:21 + T], qkv[:, H * 2 * D + KVH * D:].view(T, KVH, D).transpose(0, 1))
+    assert int(kc[:, :21].count_nonzero()) == 0 and int(vc[:, 21 + T:].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("H,KVH,D,S", [(9, 3, 64, 8192), (14, 2, 64, 600), (8, 2, 256, 300)])
@@ -237,8 +268,8 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
     def step_logits():
         s = DecodeSession(lm.model, max_context=64, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph="off")
-        s.prefill(prompt)
-        return torch.stack([s.step(t)[-1] for t in (5, 6, 7, 8)])
+        first = s.prefill(prompt)[-1]  # the prefill's kernels (RoPE + KV write, add + norm, scan)
+        return torch.stack([first] + [s.step(t)[-1] for t in (5, 6, 7, 8)])
 
     fused = step_logits()
     monkeypatch.setattr(fused_cuda, "ENABLED", False)
