@@ -10,7 +10,7 @@ forms. `CHAT_TRITON=0` turns them off.
   into the caches at the positions read from the device (5 to 20 kernels -> 1), for one token
   (decode) or many (prefill: the queries come out in the [T, H, D] memory flash attention reads);
 - add_rms_norm: the residual add and the next RMSNorm over any number of rows (2 -> 1).
-fused_linear.py (GEMVs, SwiGLU), fused_attention.py and fused_delta.py hold the others.
+fused_linear.py (GEMVs, SwiGLU), fused_attention.py, fused_delta.py and fused_scan.py hold the others.
 """
 from __future__ import annotations
 
