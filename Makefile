@@ -21,8 +21,14 @@ $(VENV)/.setup-test: $(VENV)/.setup
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.setup
-setup-test: $(VENV)/.setup-test
+# The C++ CPU decode step, compiled once into ~/.cache/chat (chat builds it itself when missing,
+# and decodes with the torch step where no C++ compiler exists: a failure here is not fatal).
+$(VENV)/.cpu_step: models/cpu_step.cpp $(VENV)/.setup
+	-$(BIN)/python -m models.cpu_step
+	touch $@
+
+setup: $(VENV)/.setup $(VENV)/.cpu_step
+setup-test: $(VENV)/.setup-test $(VENV)/.cpu_step
 
 chat: setup
 	$(BIN)/chat $(ARGS)

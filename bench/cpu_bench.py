@@ -4,7 +4,7 @@ Runs ours and, when `llama_cpp` is importable (optional, never a dependency), ll
 same GGUF in the same run (a child process, so the two OpenMP runtimes never meet), with the same
 thread count and prompt, and prints a table with ratios.
     python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
-                              [--quantized auto|off] [--compile on|off]
+                              [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--llama-python PYTHON]  # one that has llama_cpp
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
 --compile on the torch.compile'd decode step (the session's start, compile included, is printed).
@@ -52,7 +52,8 @@ def timed(repeats: int, n_prompt: int, prefill_case, decode_case) -> dict:
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 
-def bench_ours(lm, ids: list[int], n_decode: int, repeats: int, compile: str = "off") -> dict:
+def bench_ours(lm, ids: list[int], n_decode: int, repeats: int, compile: str = "off",
+               cpu_kernel: str = "auto") -> dict:
     import torch
 
     from engine.config import SamplingConfig
@@ -60,7 +61,9 @@ def bench_ours(lm, ids: list[int], n_decode: int, repeats: int, compile: str = "
 
     t0 = time.perf_counter()
     s = DecodeSession(lm.model, max_context=2048, device=torch.device("cpu"), dtype=torch.float32,
-                      compile=compile)
+                      compile=compile, cpu_kernel=cpu_kernel)
+    if s.cpu_kernel_note:
+        print(s.cpu_kernel_note, file=sys.stderr)
     session_s = time.perf_counter() - t0
     greedy = SamplingConfig(temperature=0, max_new_tokens=n_decode)
     list(s.generate(ids[:32], SamplingConfig(temperature=0, max_new_tokens=4)))  # warm-up
@@ -128,6 +131,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantized", choices=("auto", "off"), default="auto")
     ap.add_argument("--compile", choices=("on", "off"), default="off")
+    ap.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
+                    help="the C++ decode step (auto/on) or the torch step (off)")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     args = ap.parse_args()
     import torch
@@ -142,11 +147,12 @@ def main() -> None:
     lm = models.load(path, quantized=args.quantized == "auto")
     load = time.perf_counter() - t0
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
-    ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile), load_s=load)
+    ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel), load_s=load)
     rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads)
     print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode}, "
-          f"quantized: {args.quantized}, compile: {args.compile} (session start {ours['session_s']:.1f} s)")
+          f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
+          f"(session start {ours['session_s']:.1f} s)")
     print(f"{'':12}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
     print(f"{'ours':12}{ours['load_s']:>10.2f}{ours['prefill']:>16.1f}{ours['decode']:>15.1f}")
     if ref:

@@ -110,6 +110,8 @@ def settings_for(args, transcript=None):
         recorded = dict(transcript.engine)
         if transcript.model.get("fingerprint") and "quantized" not in recorded:
             recorded["quantized"] = "off"  # recorded before the setting existed: weights were dequantized
+        if transcript.model.get("fingerprint") and "cpu_kernel" not in recorded:
+            recorded["cpu_kernel"] = "off"  # recorded before the C++ CPU step existed: the torch step ran
         if transcript.model.get("source"):
             recorded["model"] = transcript.model["source"]
         for key, value in recorded.items():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import models
+from models import cpu_step
 from engine.device import configure_threads, resolve_device, resolve_dtype
 from engine.session import DecodeSession
 
@@ -44,8 +45,12 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
+    if device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off" and not cpu_step.is_built():
+        report("building the CPU decode kernel (once: ~10-20 s; cached for later runs)")
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
-                            compile=eng.compile, checkpoint_mib=eng.checkpoint_mib,
+                            compile=eng.compile, cpu_kernel=eng.cpu_kernel, checkpoint_mib=eng.checkpoint_mib,
                             verify_reuse=eng.verify_reuse)
+    if session.cpu_kernel_note:
+        report(session.cpu_kernel_note)
     return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)

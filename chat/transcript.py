@@ -262,7 +262,8 @@ def model_info(rt) -> dict:
 def engine_info(rt) -> dict:
     return {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
             "cuda_graph": rt.settings.engine.cuda_graph, "quantized": rt.settings.engine.quantized,
-            "compile": rt.settings.engine.compile, "max_context": rt.session.max_context}
+            "compile": rt.settings.engine.compile, "cpu_kernel": rt.settings.engine.cpu_kernel,
+            "max_context": rt.session.max_context}
 
 
 def save_controller(controller, path: str) -> None:

@@ -109,6 +109,7 @@ class EngineConfig(_Validated):
     max_context: int = setting(8192, _int(16, 1 << 20))
     cuda_graph: str = setting("auto", _choice("auto", "on", "off"))
     compile: str = setting("off", _choice("off", "on"))
+    cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
     quantized: str = setting("auto", _choice("auto", "off"))
     checkpoint_mib: int = setting(256, _int(0, 1 << 20, "0 (no checkpoints) or a size in MiB"))
     verify_reuse: bool = setting(False, _bool())

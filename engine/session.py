@@ -67,7 +67,7 @@ class DecodeSession:
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
-                 checkpoint_mib: int = 256, verify_reuse: bool = False):
+                 cpu_kernel: str = "auto", checkpoint_mib: int = 256, verify_reuse: bool = False):
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
@@ -88,8 +88,14 @@ class DecodeSession:
         self._kv_buckets = kv_buckets(self.max_context, single=single)
         if cuda_graph == "on" and device.type != "cuda":
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
-        # The decode step: the model itself, or its torch.compile'd form (same call, fused kernels).
+        # The decode step: the model itself, its torch.compile'd form, or on the CPU the model's
+        # C++ step (same call, same state buffers; see _cpu_kernel_step).
         self._step_fn = model
+        self.cpu_kernel_note = ""
+        if cpu_kernel == "on" and (device.type != "cpu" or compile == "on"):
+            raise ConfigError("cpu_kernel: 'on' is the CPU's decode step (with compile: off); use auto or off")
+        if device.type == "cpu" and compile == "off" and cpu_kernel != "off":
+            self._step_fn = self._cpu_kernel_step(cpu_kernel == "on")
         if compile == "on" and device.type == "cuda":
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":
@@ -110,6 +116,26 @@ class DecodeSession:
         self.graph = None
         if cuda_graph in ("on", "auto") and device.type == "cuda":
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
+
+    def _cpu_kernel_step(self, required: bool):
+        """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where
+        it has none for this model and dtype, or (auto) where it cannot be built here: then
+        `cpu_kernel_note` says why, for the front end to show. Required (on): those are errors."""
+        hook = getattr(self.model, "cpu_decode_step", None)
+        try:
+            step = hook(self.dtype) if hook is not None else None
+        except RuntimeError as e:  # models.cpu_step.Unavailable: no compiler, a failed build
+            if required:
+                raise ConfigError(f"cpu_kernel: on, but the CPU decode kernel is unavailable ({e}); "
+                                  "use cpu_kernel: auto or off") from None
+            self.cpu_kernel_note = f"CPU decode kernel unavailable ({e}); decoding with the torch step"
+            return self.model
+        if step is None:
+            if required:
+                raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (dense Llama-family "
+                                  "models in float32 have one); use cpu_kernel: auto or off")
+            return self.model
+        return step
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()

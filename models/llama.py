@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from . import fused_attention, fused_cuda
@@ -111,6 +112,14 @@ class LlamaForCausalLM(CausalLM):
         body = Body(cfg.vocab_size, cfg.hidden_size, [DecoderLayer(cfg) for _ in range(cfg.num_layers)],
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
+
+    def cpu_decode_step(self, dtype):
+        """The C++ one-token step (models/cpu_step.py) where it serves this model, else None.
+        Raises cpu_step.Unavailable where it would serve but cannot be built or loaded here."""
+        from . import cpu_step
+        if not (cpu_step.ENABLED and dtype == torch.float32 and cpu_step.supports(self)):
+            return None
+        return cpu_step.CpuStep(self)
 
     def state_spec(self) -> list[AttentionState]:
         return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers

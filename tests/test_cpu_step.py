@@ -1,0 +1,95 @@
+"""The C++ CPU decode step (models/cpu_step.py) against the torch step it replaces."""
+import pytest
+import torch
+
+import models
+from engine.config import ConfigError, SamplingConfig
+from engine.session import DecodeSession
+from models import cpu_step
+
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=40)
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=77, max_new_tokens=40)
+
+
+def session(lm, kernel, max_context=256):
+    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32,
+                         cpu_kernel=kernel)
+
+
+def step_logits(lm, kernel, prompt, tokens):
+    s = session(lm, kernel)
+    s.prefill(prompt)
+    return torch.stack([s.step(t)[-1] for t in tokens])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
+    """fp32 weights: the same logits to float summation order, step after step (the KV the C++
+    step writes is read back by the next steps), GQA, Qwen2's q/k/v biases, a tied head."""
+    lm = models.load(tiny_dirs[kind][0])
+    assert cpu_step.supports(lm.model)
+    s = session(lm, "on")
+    assert isinstance(s._step_fn, cpu_step.CpuStep)
+    prompt, tokens = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+    got, want = step_logits(lm, "on", prompt, tokens), step_logits(lm, "off", prompt, tokens)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+    for cfg in (GREEDY, SAMPLED):
+        assert list(session(lm, "on").generate(prompt, cfg)) == list(session(lm, "off").generate(prompt, cfg))
+
+
+def test_cpp_step_on_the_embedded_quantized_model(smollm2_q4_model):
+    """The embedded model's 4-bit linears and Q8 head: the C++ step rounds activations to bf16
+    before each int4 matmul as the torch step does, so the two agree to that rounding."""
+    lm = smollm2_q4_model
+    prompt = lm.tokenizer.encode("The capital of France is", add_special_tokens=False).ids
+    s_on, s_off = session(lm, "on", 512), session(lm, "off", 512)
+    a, b = s_on.prefill(prompt)[-1], s_off.prefill(prompt)[-1]
+    for _ in range(24):  # each along its own greedy path while they agree
+        t = int(b.argmax())
+        assert int(a.argmax()) == t or float(b.topk(2).values.diff().abs()) < 0.5
+        a, b = s_on.step(t)[-1], s_off.step(t)[-1]
+        assert float((a - b).abs().max()) <= 0.05 * float(b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_model():
+    return models.load("smollm2", quantized=True)
+
+
+def test_reused_session_equals_a_cold_one(tiny_dirs):
+    """Rewinds and resets under the C++ step: a reused session's greedy tokens equal a fresh one's."""
+    lm = models.load(tiny_dirs["llama"][0])
+    s = session(lm, "on")
+    base = list(range(3, 60))
+    prompts = [base, base[:20] + [8, 9], base + [11], base]
+    reused = [list(s.generate(p, GREEDY)) for p in prompts]
+    cold = [list(session(lm, "on").generate(p, GREEDY)) for p in prompts]
+    assert reused == cold and reused[0] == reused[3]
+
+
+def test_models_without_a_kernel_keep_the_torch_step(tiny_dirs):
+    lm = models.load(tiny_dirs["qwen3"][0])  # per-head q/k norms: no C++ step
+    assert not cpu_step.supports(lm.model)
+    assert session(lm, "auto")._step_fn is lm.model
+    with pytest.raises(ConfigError, match="no CPU decode kernel"):
+        session(lm, "on")
+
+
+def test_a_failed_build_is_a_note_in_auto_and_an_error_in_on(tiny_dirs, tmp_path, monkeypatch):
+    lm = models.load(tiny_dirs["llama"][0])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there: it must build
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_step, "_loaded", None)
+    s = session(lm, "auto")
+    assert s._step_fn is lm.model and "no C++ compiler" in s.cpu_kernel_note
+    with pytest.raises(ConfigError, match="cpu_kernel: on, but the CPU decode kernel is unavailable"):
+        session(lm, "on")
+    assert not any(tmp_path.joinpath("chat").iterdir())  # no half-written library left behind
+
+
+def test_the_library_is_cached_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = cpu_step.library_path()
+    assert path.startswith(str(tmp_path)) and not cpu_step.is_built()
+    monkeypatch.setattr(cpu_step, "_flags", lambda: ["-O1"])  # other flags: another library
+    assert cpu_step.library_path() != path
