@@ -147,15 +147,14 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                             HAS_Y: tl.constexpr, PDL: tl.constexpr):
+                             PDL: tl.constexpr):
         _pdl_enter(PDL)
         offs = tl.program_id(0) * N + tl.arange(0, BLOCK)  # one program per row
         mask = tl.arange(0, BLOCK) < N
-        s = tl.load(x + offs, mask=mask, other=0.0)
-        if HAS_Y:
-            s = s.to(tl.float32) + tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
-            s = s.to(sum_out.dtype.element_ty)  # the residual stream keeps its dtype, as `x + y` would
-            tl.store(sum_out + offs, s, mask=mask)
+        s = (tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(y + offs, mask=mask, other=0.0).to(tl.float32))
+        s = s.to(sum_out.dtype.element_ty)  # the residual stream keeps its dtype, as `x + y` would
+        tl.store(sum_out + offs, s, mask=mask)
         sf = s.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
         out = sf * r * tl.load(w + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
@@ -183,13 +182,10 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     return q.transpose(0, 1)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 sum_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows; the sum is written into
-    `sum_out` where given. y None: (x, rms_norm(x) * weight), nothing added or written."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows."""
     n = x.shape[-1]
-    s = x if y is None else (torch.empty_like(x) if sum_out is None else sum_out)
-    out = torch.empty_like(x)
-    _add_rms_norm_kernel[(x.shape[0],)](x, x if y is None else y, weight, s, out, eps, N=n,
-                                        BLOCK=triton.next_power_of_2(n), HAS_Y=y is not None, **pdl(x))
+    s, out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(x.shape[0],)](x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
     return s, out

@@ -123,8 +123,11 @@ class NormedRow:
 
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
-        if self._h is None:  # one launch, the sum written straight into the stream
-            self._h = fused_cuda.add_rms_norm(self.x, self.res, self.weight, self.eps, sum_out=self.stream)[1]
+        if self._h is None:
+            y = self.res if self.res is not None else torch.zeros_like(self.x)
+            s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
+            if self.res is not None:
+                self.stream.copy_(s)
         return self._h
 
 

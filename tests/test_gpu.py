@@ -89,12 +89,6 @@ def test_fused_kernels_match_torch_forms():
         s, n = fused_cuda.add_rms_norm(x, y, w, 1e-5)
         assert torch.equal(s, x + y)
         assert torch.allclose(n.float(), F.rms_norm((x + y).float(), (576,), w.float(), 1e-5), atol=3e-2, rtol=1e-2)
-        into = torch.zeros_like(x)
-        s, n2 = fused_cuda.add_rms_norm(x, y, w, 1e-5, sum_out=into)
-        assert s is into and torch.equal(into, x + y) and torch.equal(n2, n)
-        s, n = fused_cuda.add_rms_norm(x, None, w, 1e-5)  # nothing to add
-        assert s is x
-        assert torch.allclose(n.float(), F.rms_norm(x.float(), (576,), w.float(), 1e-5), atol=3e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("T,H,dk,dv", [(200, 4, 128, 128), (64, 3, 64, 32), (1000, 2, 128, 64)])
@@ -164,9 +158,7 @@ def test_gemv_norm_prologue_matches_add_norm_then_linear(res):
     gate, up = F.linear(h, w.float()).chunk(2, dim=-1)
     assert torch.allclose(fused_linear.gemv(row, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
     assert torch.equal(row.stream, s)
-    row = fused_linear.NormedRow(x, r, nw, 1e-5)  # the separate launch (weights over the prologue's limit)
-    assert torch.allclose(row.materialize().float(), h, atol=2e-2, rtol=1e-2)
-    assert torch.equal(row.stream, s)
+    assert torch.allclose(fused_linear.NormedRow(x, r, nw, 1e-5).materialize().float(), h, atol=2e-2, rtol=1e-2)
 
 
 def test_qk_norm_partial_rope_kernel_matches_torch_forms():
