@@ -128,7 +128,7 @@ class NormedRow:
             # device copy, no PDL) the 27B-like step ran at 64.2 against 71.7 tok/s (A/B, same
             # call): each PDL kernel lets its successor launch at once, so with nothing between
             # this launch and the next GEMV, that GEMV's programs launched while the previous
-            # GEMV still ran and held SM slots it needed. The copy ends the early-launch chain.
+            # GEMV still ran and (most likely) held SM slots it needed. The copy ends that chain.
             y = self.res if self.res is not None else torch.zeros_like(self.x)
             s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
             if self.res is not None:
