@@ -37,6 +37,21 @@ def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
         assert list(session(lm, "on").generate(prompt, cfg)) == list(session(lm, "off").generate(prompt, cfg))
 
 
+def test_cpp_step_across_the_long_context_switch(tiny_dirs):
+    """The attention's two forms (loops up to cpu_step.cpp's kLoopSlots = 256 live slots, batched
+    GEMMs above): steps from 250 to 262 live slots match the torch step on both sides."""
+    lm = models.load(tiny_dirs["qwen2"][0])
+    prompt = torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = list(range(10, 23))
+
+    def logits(kernel):
+        s = session(lm, kernel, max_context=400)
+        s.prefill(prompt)
+        return torch.stack([s.step(t)[-1] for t in tokens])
+    got, want = logits("on"), logits("off")
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+
+
 def test_cpp_step_on_the_embedded_quantized_model(smollm2_q4_model):
     """The embedded model's 4-bit linears and Q8 head: the C++ step rounds activations to bf16
     before each int4 matmul as the torch step does, so the two agree to that rounding."""
