@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import fused_scan, gated_delta  # noqa: E402
@@ -23,13 +22,7 @@ def main() -> None:
     dev = "cuda"
     for H in (16, 48):
         T, dk, dv = 2048, 128, 128
-        g = torch.Generator(device=dev).manual_seed(6)
-        q = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1) * dk ** -0.5
-        k = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1)
-        v = torch.randn(T, H, dv, device=dev, generator=g)
-        gate = -torch.rand(T, H, device=dev, generator=g) * 0.3
-        beta = torch.rand(T, H, device=dev, generator=g)
-        s0 = torch.randn(H, dk, dv, device=dev, generator=g) * 0.1
+        q, k, v, gate, beta, s0 = gated_delta.example_inputs(T, H, dk, dv, dev)
         s_loop = s0.clone()
         ref = gated_delta.chunked(q, k, v, gate, beta, s_loop)
         try:

@@ -13,6 +13,19 @@ import torch.nn.functional as F
 from . import fused_scan
 
 
+def example_inputs(T: int, H: int, dk: int, dv: int, device, seed: int = 6) -> tuple[torch.Tensor, ...]:
+    """Random (q, k, v, g, beta, state) in the ranges a layer produces (unit-norm keys, queries
+    scaled by 1/sqrt(dk), decays in (0.74, 1], a non-zero state): for tests and benchmarks."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = F.normalize(torch.randn(T, H, dk, device=device, generator=gen), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(T, H, dk, device=device, generator=gen), dim=-1)
+    v = torch.randn(T, H, dv, device=device, generator=gen)
+    g = -torch.rand(T, H, device=device, generator=gen) * 0.3
+    beta = torch.rand(T, H, device=device, generator=gen)
+    state = torch.randn(H, dk, dv, device=device, generator=gen) * 0.1
+    return q, k, v, g, beta, state
+
+
 def recurrent_naive(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """The oracle: one token at a time, exactly the rule above."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))

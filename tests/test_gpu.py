@@ -99,14 +99,7 @@ def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
     from models import fused_cuda, gated_delta
     if not fused_cuda.ENABLED:
         pytest.skip("Triton is not installed here")
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(6)
-    q = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1) * dk ** -0.5
-    k = F.normalize(torch.randn(T, H, dk, device=dev, generator=g), dim=-1)
-    v = torch.randn(T, H, dv, device=dev, generator=g)
-    gate = -torch.rand(T, H, device=dev, generator=g) * 0.3
-    beta = torch.rand(T, H, device=dev, generator=g)
-    s0 = torch.randn(H, dk, dv, device=dev, generator=g) * 0.1
+    q, k, v, gate, beta, s0 = gated_delta.example_inputs(T, H, dk, dv, torch.device("cuda"))
     s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
     loop = gated_delta.chunked(q, k, v, gate, beta, s_loop)
     fused = gated_delta.chunked(q, k, v, gate, beta, s_fused, fused=True)
