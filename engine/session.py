@@ -132,7 +132,7 @@ class DecodeSession:
             return self.model
         if step is None:
             if required:
-                raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (dense Llama-family "
+                raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (the dense GQA "
                                   "models in float32 have one); use cpu_kernel: auto or off")
             return self.model
         return step

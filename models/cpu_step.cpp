@@ -1,4 +1,4 @@
-// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2) for one token, every
+// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2, Qwen3) for one token, every
 // layer in one call: the contract is in cpu_step.py, which builds and loads this file.
 //
 // Why C++: on a small model the eager torch step is bound by per-op overhead (~400 small ops a
@@ -98,14 +98,16 @@ void attend_short(const float* q, const float* kc, const float* vc, int64_t ks, 
 }
 
 // x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
-// params: per layer, in order: input norm weight, qkv linears (3 entries each), o_proj, post
-// norm weight, gate/up linears, down_proj; caches: per layer k, v [KVH, S, D] fp32;
-// meta: H, KVH, D, rotary, then per layer (qkv parts, gate/up parts). Returns the residual
-// stream after the last layer, its last branch added.
+// params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
+// the per-head q and k norm weights, o_proj, post norm weight, gate/up linears, down_proj;
+// caches: per layer k, v [KVH, S, D] fp32; meta: H, KVH, D, rotary, qk_norm (0/1), then per
+// layer (qkv parts, gate/up parts). Returns the residual stream after the last layer, its last
+// branch added.
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps) {
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
-  const int64_t layers = (static_cast<int64_t>(meta.size()) - 4) / 2;
+  const bool qk_norm = meta[4] != 0;
+  const int64_t layers = (static_cast<int64_t>(meta.size()) - 5) / 2;
   const int64_t hidden = x_in.size(1), group = H / KVH, live = pos + 1;
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0, "cpu_step: head size ", D, " / rotary ", R, " not supported");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -119,12 +121,18 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   float* hs = h.data_ptr<float>();
   int64_t at_ = 0;
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t qkv_parts = meta[4 + 2 * l], gu_parts = meta[5 + 2 * l];
+    const int64_t qkv_parts = meta[5 + 2 * l], gu_parts = meta[6 + 2 * l];
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
     Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
     float* q = qkv.data_ptr<float>();
     float* k = q + H * D;
     const float* v = k + KVH * D;
+    if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
+      const float* qw = params.get(at_++).value().data_ptr<float>();
+      const float* kw = params.get(at_++).value().data_ptr<float>();
+      for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
+      for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
+    }
     for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
     for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
     const Tensor& kc = caches[2 * l];

@@ -4,7 +4,8 @@ Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear` or fp32
 `Linear`; the same state buffers, written at the token's position), up to float summation order:
 tests/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
-Llama-family models without per-head q/k norms (SmolLM2, Llama, Qwen2); `supports(model)` says.
+the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms); `supports(model)`
+says.
 
 Why: the embedded SmolLM2's eager torch step is bound by the overhead of ~400 small ops (21-25 ms
 a step on 2 cores, of which the int4 matmuls are ~8 ms); this step runs them as loops in one call.
@@ -122,9 +123,9 @@ def _parts(module, fused: str, names: tuple[str, ...]) -> list:
 
 
 def supports(model) -> bool:
-    """A Llama-family model on the CPU in fp32 whose linears are 4-bit or fp32, without q/k norms."""
+    """A dense GQA model (Llama, Qwen2, Qwen3) in fp32 whose linears are 4-bit or fp32."""
     from .llama import LlamaForCausalLM
-    if not isinstance(model, LlamaForCausalLM) or model.config.qk_norm:
+    if not isinstance(model, LlamaForCausalLM):
         return False
     cfg = model.config
     if cfg.head_dim > 512 or model.rope.rotary_dim % 2:
@@ -135,8 +136,10 @@ def supports(model) -> bool:
                 + _parts(m, "gate_up_proj", ("gate_proj", "up_proj")) + [m.down_proj])
         if not all(_linear_ok(x) for x in mods):
             return False
-        if any(n.weight.dtype != torch.float32 or n.offset != 0.0
-               for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if cfg.qk_norm:
+            norms += [a.q_norm, a.k_norm]
+        if any(n.weight.dtype != torch.float32 or n.offset != 0.0 or n.eps != cfg.rms_eps for n in norms):
             return False
     return model.model.embed_tokens.__class__.__name__ in ("Embedding", "Q8Embedding")
 
@@ -161,7 +164,7 @@ class CpuStep:
         self.model = model
         cfg = model.config
         params: list[torch.Tensor | None] = []
-        meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim]
+        meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim, int(cfg.qk_norm)]
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = _parts(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
@@ -169,6 +172,8 @@ class CpuStep:
             params.append(layer.input_layernorm.weight.detach())
             for x in qkv:
                 params += _linear_params(x)
+            if cfg.qk_norm:
+                params += [a.q_norm.weight.detach(), a.k_norm.weight.detach()]
             params += _linear_params(a.o_proj)
             params.append(layer.post_attention_layernorm.weight.detach())
             for x in gu:

@@ -22,10 +22,11 @@ def step_logits(lm, kernel, prompt, tokens):
     return torch.stack([s.step(t)[-1] for t in tokens])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
     """fp32 weights: the same logits to float summation order, step after step (the KV the C++
-    step writes is read back by the next steps), GQA, Qwen2's q/k/v biases, a tied head."""
+    step writes is read back by the next steps), GQA, Qwen2's q/k/v biases, Qwen3's per-head q/k
+    norms and head size apart from hidden / heads, a tied head."""
     lm = models.load(tiny_dirs[kind][0])
     assert cpu_step.supports(lm.model)
     s = session(lm, "on")
@@ -82,8 +83,9 @@ def test_reused_session_equals_a_cold_one(tiny_dirs):
     assert reused == cold and reused[0] == reused[3]
 
 
-def test_models_without_a_kernel_keep_the_torch_step(tiny_dirs):
-    lm = models.load(tiny_dirs["qwen3"][0])  # per-head q/k norms: no C++ step
+def test_models_without_a_kernel_keep_the_torch_step(tmp_path):
+    from tiny import write_checkpoint
+    lm = models.load(write_checkpoint("qwen3_5", str(tmp_path / "hybrid")))  # Gated DeltaNet: no C++ step
     assert not cpu_step.supports(lm.model)
     assert session(lm, "auto")._step_fn is lm.model
     with pytest.raises(ConfigError, match="no CPU decode kernel"):
