@@ -70,24 +70,31 @@ def is_built() -> bool:
 
 
 def build(path: str | None = None) -> str:
-    """Compile the library (if not cached yet); returns its path. Raises Unavailable."""
+    """Compile the library (if not cached yet); returns its path. Raises Unavailable. A failed
+    or interrupted build leaves nothing behind."""
     path = path or library_path()
     if os.path.exists(path):
         return path
     compiler = os.environ.get("CXX", "g++")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
+    folder = os.path.dirname(path)
     try:
-        r = subprocess.run([compiler, SOURCE, "-o", tmp] + _flags(), capture_output=True, text=True)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
     except OSError as e:
-        os.unlink(tmp)
-        raise Unavailable(f"no C++ compiler ({compiler}: {e.strerror})") from None
-    if r.returncode != 0:
-        os.unlink(tmp)
-        first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
-        raise Unavailable(f"{compiler} failed: {first[:200]}")
-    os.replace(tmp, path)  # atomic: a concurrent process sees no file or a whole one
+        raise Unavailable(f"its cache folder {folder} is not writable ({e.strerror})") from None
+    try:
+        try:
+            r = subprocess.run([compiler, SOURCE, "-o", tmp] + _flags(), capture_output=True, text=True)
+        except OSError as e:
+            raise Unavailable(f"no C++ compiler ({compiler}: {e.strerror})") from None
+        if r.returncode != 0:
+            first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
+            raise Unavailable(f"{compiler} failed: {first[:200]}")
+        os.replace(tmp, path)  # atomic: a concurrent process sees no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
 
 
@@ -95,15 +102,21 @@ _loaded: str | None = None
 
 
 def load() -> None:
-    """Build if needed and load the library into this process (once). Raises Unavailable."""
+    """Build if needed and load the library into this process (once). Raises Unavailable. A
+    cached file that does not load (truncated, say) is rebuilt once."""
     global _loaded
-    if _loaded is None:
-        path = build()
+    if _loaded is not None:
+        return
+    path = build()
+    try:
+        torch.ops.load_library(path)
+    except OSError:
         try:
-            torch.ops.load_library(path)
+            os.unlink(path)
+            torch.ops.load_library(build())
         except OSError as e:
             raise Unavailable(f"could not load {path}: {str(e)[:200]}") from None
-        _loaded = path
+    _loaded = path
 
 
 def _linear_params(m: torch.nn.Module) -> list[torch.Tensor | None]:

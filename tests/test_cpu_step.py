@@ -1,4 +1,6 @@
 """The C++ CPU decode step (models/cpu_step.py) against the torch step it replaces."""
+import os
+
 import pytest
 import torch
 
@@ -110,3 +112,31 @@ def test_the_library_is_cached_by_content(tmp_path, monkeypatch):
     assert path.startswith(str(tmp_path)) and not cpu_step.is_built()
     monkeypatch.setattr(cpu_step, "_flags", lambda: ["-O1"])  # other flags: another library
     assert cpu_step.library_path() != path
+
+
+def test_a_corrupt_cached_library_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_step, "_loaded", None)
+    path = cpu_step.library_path()
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"not a library")
+    loaded = []
+
+    def load_library(p):  # the first load fails as a truncated file does; the rebuilt one is an ELF
+        with open(p, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise OSError(f"{p}: invalid ELF header")
+        loaded.append(p)  # (not loaded for real: this process has the library already)
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    cpu_step.load()
+    assert loaded == [path] and cpu_step._loaded == path
+
+
+def test_an_unwritable_cache_is_a_note(tiny_dirs, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where the folder should be
+    monkeypatch.setattr(cpu_step, "_loaded", None)
+    s = session(models.load(tiny_dirs["llama"][0]), "auto")
+    assert "not writable" in s.cpu_kernel_note
