@@ -82,6 +82,7 @@ def _show(app, arg):
              f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB; "
              f"checkpoints {len(c.session.state.checkpoints)} held, "
              f"{c.session.state.checkpoint_nbytes / 2**20:.1f} MiB reserved",
+             f"decode step: {c.session.decode_path}",
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
              f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]

@@ -137,6 +137,19 @@ class DecodeSession:
             return self.model
         return step
 
+    @property
+    def decode_path(self) -> str:
+        """What runs a decode step, in words (the REPL's /show)."""
+        if self.graph is not None:
+            live = getattr(self.model, "decode_attends_live", None)
+            triton = live is not None and live(self.device, self.dtype)
+            return "CUDA graph of the eager step" + (" (Triton kernels)" if triton else "")
+        if self._step_fn is self.model:
+            return "torch (eager)" + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
+        if type(self._step_fn).__name__ == "CpuStep":
+            return "C++ step (cpu_kernel)"
+        return "torch.compile"
+
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:

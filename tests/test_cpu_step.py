@@ -32,7 +32,8 @@ def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
     lm = models.load(tiny_dirs[kind][0])
     assert cpu_step.supports(lm.model)
     s = session(lm, "on")
-    assert isinstance(s._step_fn, cpu_step.CpuStep)
+    assert isinstance(s._step_fn, cpu_step.CpuStep) and s.decode_path == "C++ step (cpu_kernel)"
+    assert session(lm, "off").decode_path == "torch (eager)"
     prompt, tokens = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
     got, want = step_logits(lm, "on", prompt, tokens), step_logits(lm, "off", prompt, tokens)
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
@@ -101,6 +102,7 @@ def test_a_failed_build_is_a_note_in_auto_and_an_error_in_on(tiny_dirs, tmp_path
     monkeypatch.setattr(cpu_step, "_loaded", None)
     s = session(lm, "auto")
     assert s._step_fn is lm.model and "no C++ compiler" in s.cpu_kernel_note
+    assert s.decode_path.startswith("torch (eager); CPU decode kernel unavailable (no C++ compiler")
     with pytest.raises(ConfigError, match="cpu_kernel: on, but the CPU decode kernel is unavailable"):
         session(lm, "on")
     assert not any(tmp_path.joinpath("chat").iterdir())  # no half-written library left behind

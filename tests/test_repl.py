@@ -72,6 +72,7 @@ def test_multi_turn_conversation_with_commands(app_factory):
     assert t2.result.stats.prefilled_tokens < len(t2.result.prompt_ids) - len(t1.result.prompt_ids)
     assert c.session.state.length == len(c.session.cached)
     assert "temperature = 0" in out.text and "context:" in out.text and "weights: float32" in out.text
+    assert "decode step: C++ step (cpu_kernel)" in out.text
 
 
 def test_unknown_command_sends_nothing(app_factory, capsys):
