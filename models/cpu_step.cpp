@@ -37,13 +37,30 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, double eps) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
 }
 
+// torch's int4 kernel on one fp32 row: it takes and returns bf16; the casts are loops here (the
+// same round-to-nearest-even as Tensor.to), not two dispatched ops per matmul.
+Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
+  const Tensor xc = x.contiguous();
+  const int64_t K = xc.size(-1);
+  Tensor xb = at::empty({1, K}, xc.options().dtype(at::kBFloat16));
+  const float* xp = xc.data_ptr<float>();
+  at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < K; ++i) xbp[i] = at::BFloat16(xp[i]);
+  Tensor yb = at::_weight_int4pack_mm_for_cpu(xb, packed, 32, sz);
+  Tensor y = at::empty(yb.sizes(), xc.options());
+  const at::BFloat16* ybp = yb.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, n = yb.numel(); i < n; ++i) yp[i] = static_cast<float>(ybp[i]);
+  return y;
+}
+
 // One linear of the layer: (weight, int4 scale/zero or None for an fp32 weight, bias or None).
 Tensor linear(const Tensor& x, const OptList& p, int64_t at_) {
   const Tensor w = p.get(at_).value();
   const std::optional<Tensor> sz = p.get(at_ + 1);
   const std::optional<Tensor> bias = p.get(at_ + 2);
   Tensor y = sz.has_value()
-      ? at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, 32, *sz).to(at::kFloat)
+      ? int4_mm(x, w, *sz)
       : at::linear(x, w);
   if (bias.has_value()) y.add_(*bias);
   return y;
