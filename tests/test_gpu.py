@@ -259,10 +259,13 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
     prompt = list(range(3, 40))
 
     def step_logits():
-        s = DecodeSession(lm.model, max_context=64, device=torch.device("cuda"), dtype=torch.bfloat16,
+        s = DecodeSession(lm.model, max_context=96, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph="off")
         first = s.prefill(prompt)[-1]  # the prefill's kernels (RoPE + KV write, add + norm, scan)
-        return torch.stack([first] + [s.step(t)[-1] for t in (5, 6, 7, 8)])
+        steps = [s.step(t)[-1] for t in (5, 6, 7, 8)]
+        # a later turn's prefill: from position 41, masked attention over the cached slots
+        later = s.prefill(list(range(50, 62)), all_logits=True)
+        return torch.cat([torch.stack([first] + steps), later])
 
     fused = step_logits()
     monkeypatch.setattr(fused_cuda, "ENABLED", False)
