@@ -5,6 +5,7 @@ same GGUF in the same run (a child process, so the two OpenMP runtimes never mee
 thread count and prompt, and prints a table with ratios.
     python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
+                              [--context 16]  # tokens in the context when decoding starts
                               [--llama-python PYTHON]  # one that has llama_cpp
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
 --compile on the torch.compile'd decode step (the session's start, compile included, is printed).
@@ -53,14 +54,16 @@ def timed(repeats: int, n_prompt: int, prefill_case, decode_case) -> dict:
 
 
 def bench_ours(lm, ids: list[int], n_decode: int, repeats: int, compile: str = "off",
-               cpu_kernel: str = "auto") -> dict:
+               cpu_kernel: str = "auto", context: list[int] | None = None) -> dict:
     import torch
 
     from engine.config import SamplingConfig
     from engine.session import DecodeSession
 
     t0 = time.perf_counter()
-    s = DecodeSession(lm.model, max_context=2048, device=torch.device("cpu"), dtype=torch.float32,
+    context = context or ids[:16]
+    s = DecodeSession(lm.model, max_context=max(2048, len(context) + n_decode + 8), device=torch.device("cpu"),
+                      dtype=torch.float32,
                       compile=compile, cpu_kernel=cpu_kernel)
     if s.cpu_kernel_note:
         print(s.cpu_kernel_note, file=sys.stderr)
@@ -74,20 +77,23 @@ def bench_ours(lm, ids: list[int], n_decode: int, repeats: int, compile: str = "
 
     def decode_case():
         s.reset()
-        gen = s.generate(ids[:16], greedy, stop_ids=())
+        gen = s.generate(context, greedy, stop_ids=())
         next(gen)  # the prompt's prefill and first token are not decode time
         return lambda: sum(1 for _ in gen)
 
     return dict(timed(repeats, len(ids), prefill_case, decode_case), session_s=session_s)
 
 
-def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, threads: int) -> dict | None:
+def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, threads: int,
+                    context: list[int] | None = None) -> dict | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    context = context or ids[:16]
+    llm = Llama(model_path=path, n_ctx=max(2048, len(context) + n_decode + 8), n_threads=threads, n_batch=512,
+                verbose=False)
     load = time.perf_counter() - t0
 
     def prefill_case():
@@ -96,7 +102,7 @@ def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, thre
 
     def decode_case():
         llm.reset()
-        llm.eval(ids[:16])
+        llm.eval(context)
 
         def go():
             for _ in range(n_decode):
@@ -108,8 +114,9 @@ def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, thre
 
 
 def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, repeats: int,
-                       threads: int) -> dict | None:
-    args = json.dumps({"path": path, "ids": ids, "n_decode": n_decode, "repeats": repeats, "threads": threads})
+                       threads: int, context: list[int]) -> dict | None:
+    args = json.dumps({"path": path, "ids": ids, "n_decode": n_decode, "repeats": repeats, "threads": threads,
+                       "context": context})
     proc = subprocess.run([python, os.path.abspath(__file__), "--child-llama-cpp", args],
                           capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -120,7 +127,7 @@ def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, re
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child-llama-cpp":
         a = json.loads(sys.argv[2])
-        r = bench_llama_cpp(a["path"], a["ids"], a["n_decode"], a["repeats"], a["threads"])
+        r = bench_llama_cpp(a["path"], a["ids"], a["n_decode"], a["repeats"], a["threads"], a["context"])
         print(json.dumps(r) if r else "")
         return
     ap = argparse.ArgumentParser()
@@ -128,6 +135,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--prompt-tokens", type=int, default=622)
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--context", type=int, default=16,
+                    help="tokens already in the context when decoding starts (a long conversation: 2000)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantized", choices=("auto", "off"), default="auto")
     ap.add_argument("--compile", choices=("on", "off"), default="off")
@@ -147,10 +156,12 @@ def main() -> None:
     lm = models.load(path, quantized=args.quantized == "auto")
     load = time.perf_counter() - t0
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
-    ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel), load_s=load)
+    context = prompt_ids(lm.tokenizer, args.context)
+    ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context), load_s=load)
     rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads)
-    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode}, "
+    ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads, context)
+    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode} "
+          f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
           f"(session start {ours['session_s']:.1f} s)")
     print(f"{'':12}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
