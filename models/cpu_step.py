@@ -11,8 +11,9 @@ Why: the embedded SmolLM2's eager torch step is bound by the overhead of ~400 sm
 a step on 2 cores, of which the int4 matmuls are ~8 ms); this step runs them as loops in one call.
 
 The library is compiled with the system's C++ compiler on first use (~10-20 s, once) into
-$XDG_CACHE_HOME/chat (default ~/.cache/chat), named by a hash of the source, torch's version and
-the compiler flags, written atomically; later processes load it in milliseconds. `make chat` and
+$XDG_CACHE_HOME/chat (default ~/.cache/chat), named by a hash of the source, torch's and Python's
+versions, the compiler flags and the CPU's instruction-set flags (it is built for this CPU:
+-march=native), written atomically; later processes load it in milliseconds. `make chat` and
 `make test` build it during set-up. `CHAT_CPU_KERNEL=0` turns it off (the torch step runs).
 """
 from __future__ import annotations
