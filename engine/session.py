@@ -71,8 +71,6 @@ class DecodeSession:
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
-        self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
-                                  vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20)
         self.verify_reuse = verify_reuse
         self.eos_ids = tuple(eos_ids)
         self.cached: list[int] = []  # the tokens whose state is in self.state
@@ -96,6 +94,11 @@ class DecodeSession:
             raise ConfigError("cpu_kernel: 'on' is the CPU's decode step (with compile: off); use auto or off")
         if device.type == "cpu" and compile == "off" and cpu_kernel != "off":
             self._step_fn = self._cpu_kernel_step(cpu_kernel == "on")
+        # the attention caches in the step's dtype where it keeps them narrower (the C++ step over
+        # 4-bit weights: fp16, half the bytes a long context's step reads)
+        self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
+                                  vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20,
+                                  kv_dtype=getattr(self._step_fn, "kv_dtype", None))
         if compile == "on" and device.type == "cuda":
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":
@@ -288,7 +291,7 @@ class DecodeSession:
         from .reference import full_logits
         cold = full_logits(self.model, prompt, self.device, self.dtype)[-1]
         diff = float((cold.float() - logits.float()).abs().max())
-        tol = 1e-3 if self.dtype == torch.float32 else 0.25
+        tol = 1e-3 if self.state.kv_dtype == torch.float32 else 0.25
         if diff > tol:
             raise ReuseMismatch(f"reusing {reused} cached tokens changed the next-token logits by {diff:.3g} "
                                 f"(tolerance {tol:g}) versus a cold prefill of the {len(prompt)}-token prompt")

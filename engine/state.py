@@ -48,9 +48,10 @@ MAX_SLOTS = 32
 
 class StateManager:
     def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype,
-                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20):
+                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20, kv_dtype: torch.dtype | None = None):
         self.max_context = max_context
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_dtype or dtype  # the attention caches' (a decode step may keep them narrower)
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._fixed: list[dict[str, torch.Tensor] | None] = []
         # KV slots past the live length are read only on CUDA (the decode step attends over a
@@ -60,8 +61,8 @@ class StateManager:
         for layer in spec:
             if isinstance(layer, AttentionState):
                 shape = (layer.n_kv_heads, max_context, layer.head_dim)
-                self._kv.append((kv_alloc(shape, device=device, dtype=dtype),
-                                 kv_alloc(shape, device=device, dtype=dtype)))
+                self._kv.append((kv_alloc(shape, device=device, dtype=self.kv_dtype),
+                                 kv_alloc(shape, device=device, dtype=self.kv_dtype)))
                 self._fixed.append(None)
             elif isinstance(layer, FixedState):
                 self._kv.append(None)

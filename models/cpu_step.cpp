@@ -8,10 +8,13 @@
 // token's vectors (the reductions with independent accumulators, so the compiler vectorises
 // them), with a fixed summation order (deterministic).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,15 +95,47 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
 // 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs 20.5-21.6; at 6,000 59.6-65.1 against 40.8-41.7.
 constexpr int64_t kLoopSlots = 256;
 
-void attend_short(const float* q, const float* kc, const float* vc, int64_t ks, int64_t vs, int64_t live,
+// Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
+// rounding is to nearest even, as Tensor.to does).
+inline void load_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void load_row(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void store_row(const float* src, at::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
+// The KV cache holds fp32 or fp16 (cpu_step.py: fp16 with 4-bit weights, half the bytes to read).
+template <typename T>
+void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t vs, int64_t live,
                   int64_t H, int64_t group, int64_t D, float scale, float* out) {
   float sc[kLoopSlots];
+  float row[512];
   for (int64_t h = 0; h < H; ++h) {
-    const float* keys = kc + (h / group) * ks;
-    const float* values = vc + (h / group) * vs;
+    const T* keys = kc + (h / group) * ks;
+    const T* values = vc + (h / group) * vs;
     float mx = -INFINITY, sum = 0.f;
     for (int64_t s = 0; s < live; ++s) {
-      sc[s] = dot(q + h * D, keys + s * D, D) * scale;
+      const float* key;
+      if constexpr (std::is_same_v<T, float>) {
+        key = keys + s * D;
+      } else {
+        load_row(keys + s * D, row, D);
+        key = row;
+      }
+      sc[s] = dot(q + h * D, key, D) * scale;
       mx = std::max(mx, sc[s]);
     }
     for (int64_t s = 0; s < live; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
@@ -108,16 +143,115 @@ void attend_short(const float* q, const float* kc, const float* vc, int64_t ks, 
     std::fill(o, o + D, 0.f);
     for (int64_t s = 0; s < live; ++s) {
       const float p = sc[s] / sum;
-      const float* vrow = values + s * D;
+      const float* vrow;
+      if constexpr (std::is_same_v<T, float>) {
+        vrow = values + s * D;
+      } else {
+        load_row(values + s * D, row, D);
+        vrow = row;
+      }
       for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
     }
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const at::Half* p) {  // 16 fp16 -> 16 fp32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// An fp16 cache over many live slots (D a multiple of 16): slots in fixed blocks on torch's threads,
+// each key and value row read once for the `group` query heads sharing it; scores per block, one
+// softmax over all slots (torch's), then each block's weighted values into its own partial sum,
+// the partials added in block order: the same result on any thread count.
+constexpr int64_t kSlotBlock = 256;
+
+void attend_long(const float* q, const at::Half* kc, const at::Half* vc, int64_t ks, int64_t vs,
+                 int64_t live, int64_t H, int64_t group, int64_t D, float scale, const at::TensorOptions& opt,
+                 float* out) {
+  const int64_t KVH = H / group, nv = D / 16, blocks = (live + kSlotBlock - 1) / kSlotBlock;
+  Tensor scores = at::empty({H, live}, opt);
+  float* sc = scores.data_ptr<float>();
+  at::parallel_for(0, KVH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kv = t / blocks, b = t % blocks, end = std::min(live, (b + 1) * kSlotBlock);
+      for (int64_t s = b * kSlotBlock; s < end; ++s) {
+        const at::Half* key = kc + kv * ks + s * D;
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t i = 0; i < nv; ++i)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * i), load16(key + 16 * i), acc);
+          sc[h * live + s] = _mm512_reduce_add_ps(acc) * scale;
+        }
+      }
+    }
+  });
+  Tensor probs = at::_softmax(scores, 1, false);
+  const float* pr = probs.data_ptr<float>();
+  Tensor partial_t = at::empty({blocks, H, D}, opt);
+  float* partial = partial_t.data_ptr<float>();
+  at::parallel_for(0, KVH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kv = t / blocks, b = t % blocks, end = std::min(live, (b + 1) * kSlotBlock);
+      float* part = partial + (b * H + kv * group) * D;
+      std::fill(part, part + group * D, 0.f);
+      for (int64_t s = b * kSlotBlock; s < end; ++s) {
+        const at::Half* value = vc + kv * vs + s * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(pr[(kv * group + g) * live + s]);
+          float* o = part + g * D;
+          for (int64_t i = 0; i < nv; ++i)
+            _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(p, load16(value + 16 * i), _mm512_loadu_ps(o + 16 * i)));
+        }
+      }
+    }
+  });
+  std::copy(partial, partial + H * D, out);
+  for (int64_t b = 1; b < blocks; ++b)
+    for (int64_t i = 0; i < H * D; ++i) out[i] += partial[b * H * D + i];
+}
+#endif
+
+// The new token's keys and values into the caches at `pos`, and the attention over the live
+// slots as decode_attention computes it (scores, softmax, weighted values): loops over a short
+// context; over a long one torch's two batched GEMMs (fp32 cache) or attend_long (fp16 cache).
+template <typename T>
+void attention(float* q, const float* k, const float* v, const Tensor& kc, const Tensor& vc, int64_t pos,
+               int64_t H, int64_t KVH, int64_t D, float scale, const Tensor& x, Tensor& attn) {
+  T* kcp = kc.data_ptr<T>();
+  T* vcp = vc.data_ptr<T>();
+  const int64_t ks = kc.stride(0), vs = vc.stride(0), live = pos + 1, group = H / KVH;
+  for (int64_t i = 0; i < KVH; ++i) {
+    store_row(k + i * D, kcp + i * ks + pos * D, D);
+    store_row(v + i * D, vcp + i * vs + pos * D, D);
+  }
+  if (live <= kLoopSlots) {
+    attend_short(q, kcp, vcp, ks, vs, live, H, group, D, scale, attn.data_ptr<float>());
+    return;
+  }
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::Half>) {
+    if (D % 16 == 0) {
+      attend_long(q, kcp, vcp, ks, vs, live, H, group, D, scale, x.options(), attn.data_ptr<float>());
+      return;
+    }
+  }
+#endif
+  Tensor qg = at::from_blob(q, {KVH, group, D}, x.options());
+  Tensor keys = kc.narrow(1, 0, live), values = vc.narrow(1, 0, live);
+  if (!std::is_same_v<T, float>) {
+    keys = keys.to(at::kFloat);
+    values = values.to(at::kFloat);
+  }
+  Tensor sc = at::bmm(qg, keys.transpose(1, 2)).mul_(scale);
+  Tensor heads = attn.view({KVH, group, D});  // [KVH, G, D] is already head-major
+  at::bmm_out(heads, at::_softmax(sc, -1, false), values);
+}
+
 // x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
 // the per-head q and k norm weights, o_proj, post norm weight, gate/up linears, down_proj;
-// caches: per layer k, v [KVH, S, D] fp32; meta: H, KVH, D, rotary, qk_norm (0/1), then per
+// caches: per layer k, v [KVH, S, D] fp32 or fp16; meta: H, KVH, D, rotary, qk_norm (0/1), then per
 // layer (qkv parts, gate/up parts). Returns the residual stream after the last layer, its last
 // branch added.
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
@@ -154,23 +288,10 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
     const Tensor& kc = caches[2 * l];
     const Tensor& vc = caches[2 * l + 1];
-    float* kcp = kc.data_ptr<float>();
-    float* vcp = vc.data_ptr<float>();
-    const int64_t ks = kc.stride(0), vs = vc.stride(0);
-    for (int64_t i = 0; i < KVH; ++i) {
-      std::copy(k + i * D, k + (i + 1) * D, kcp + i * ks + pos * D);
-      std::copy(v + i * D, v + (i + 1) * D, vcp + i * vs + pos * D);
-    }
-    // attention over the live slots as decode_attention computes it (scores, torch's softmax,
-    // weighted values): loops over a short context, two batched GEMMs over a long one
-    if (live <= kLoopSlots) {
-      attend_short(q, kcp, vcp, ks, vs, live, H, group, D, scale, attn.data_ptr<float>());
-    } else {
-      Tensor qg = at::from_blob(q, {KVH, group, D}, x.options());
-      Tensor sc = at::bmm(qg, kc.narrow(1, 0, live).transpose(1, 2)).mul_(scale);
-      Tensor heads = attn.view({KVH, group, D});  // [KVH, G, D] is already head-major
-      at::bmm_out(heads, at::_softmax(sc, -1, false), vc.narrow(1, 0, live));
-    }
+    if (kc.scalar_type() == at::kHalf)
+      attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+    else
+      attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
     Tensor a = linear(attn, params, at_);
     at_ += 3;
     const float* ap = a.data_ptr<float>();

@@ -198,6 +198,12 @@ class CpuStep:
         self.meta = meta
         self.eps = float(cfg.rms_eps)
         self.op = torch.ops.chat_cpu.llama_step
+        # With 4-bit weights (activations already rounded to bf16 at every matmul) the KV cache
+        # is kept in fp16, as llama.cpp keeps it: a long context's step reads half the bytes.
+        # (bf16 was tried: it changed a reply tests/test_quant.py guards.) fp32 weights keep an
+        # fp32 cache, so that path stays the exact reference.
+        quantized = any(isinstance(m, Int4Linear) for m in model.model.layers.modules())
+        self.kv_dtype = torch.float16 if quantized else torch.float32
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, state, all_logits: bool = False) -> torch.Tensor:
         if tokens.shape[0] != 1:

@@ -244,6 +244,8 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of q [H, T, D] over the first kv_len cached slots (already written). [T, H*D]."""
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+    if keys.dtype != q.dtype:  # caches kept narrower than the activations (fp16 on the CPU)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     T = q.shape[1]
     if T == 1:
         return decode_attention(q, keys, values, mask)

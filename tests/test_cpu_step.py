@@ -85,6 +85,35 @@ def test_cpp_step_on_tiny_4bit_ggufs(tmp_path, kind, qtype):
     assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
+def test_4bit_models_keep_an_fp16_kv_cache_across_the_long_context_switch(tmp_path):
+    """With 4-bit weights the C++ step keeps the KV cache in fp16 (fp32 weights: fp32, the exact
+    reference; the torch step: fp32); both attention forms over it, loops up to 256 live slots and
+    the blocked fp16 form above, against the torch step over an fp32 cache."""
+    from gguf import GGMLQuantizationType
+    from tiny import hf_model
+    from tiny_gguf import write_gguf
+    hf = hf_model("qwen2")
+    with torch.no_grad():  # sharper attention, so an error in it moves the logits visibly
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    path = write_gguf("qwen2", str(tmp_path / "q.gguf"), hf, GGMLQuantizationType.Q4_1)
+    lm = models.load(path, quantized=True)
+    assert session(lm, "on").state.kv(0)[0].dtype == torch.float16
+    assert session(lm, "off").state.kv(0)[0].dtype == torch.float32
+    assert session(models.load(path), "on").state.kv(0)[0].dtype == torch.float32
+    prompt = torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = list(range(10, 23))
+
+    def logits(kernel):
+        s = session(lm, kernel, max_context=400)
+        s.prefill(prompt)
+        return torch.stack([s.step(t)[-1] for t in tokens])
+    got, want = logits("on"), logits("off")
+    # fp16 keys and values: 0.4 % of the largest logit here; an unscaled score above 256 slots: 8-16 %
+    assert float((got - want).abs().max()) <= 0.015 * float(want.abs().max())
+
+
 @pytest.fixture(scope="module")
 def smollm2_q4_model():
     return models.load("smollm2", quantized=True)
