@@ -97,7 +97,6 @@ constexpr int64_t kLoopSlots = 256;
 
 // Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
 // rounding is to nearest even, as Tensor.to does).
-inline void load_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 inline void load_row(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -117,6 +116,13 @@ inline void store_row(const float* src, at::Half* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = at::Half(src[i]);
 }
 
+// A cache row as fp32: the row itself, or widened into `buf`.
+inline const float* as_f32(const float* row, float*, int64_t) { return row; }
+inline const float* as_f32(const at::Half* row, float* buf, int64_t n) {
+  load_row(row, buf, n);
+  return buf;
+}
+
 // The KV cache holds fp32 or fp16 (cpu_step.py: fp16 with 4-bit weights, half the bytes to read).
 template <typename T>
 void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t vs, int64_t live,
@@ -128,14 +134,7 @@ void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t 
     const T* values = vc + (h / group) * vs;
     float mx = -INFINITY, sum = 0.f;
     for (int64_t s = 0; s < live; ++s) {
-      const float* key;
-      if constexpr (std::is_same_v<T, float>) {
-        key = keys + s * D;
-      } else {
-        load_row(keys + s * D, row, D);
-        key = row;
-      }
-      sc[s] = dot(q + h * D, key, D) * scale;
+      sc[s] = dot(q + h * D, as_f32(keys + s * D, row, D), D) * scale;
       mx = std::max(mx, sc[s]);
     }
     for (int64_t s = 0; s < live; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
@@ -143,13 +142,7 @@ void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t 
     std::fill(o, o + D, 0.f);
     for (int64_t s = 0; s < live; ++s) {
       const float p = sc[s] / sum;
-      const float* vrow;
-      if constexpr (std::is_same_v<T, float>) {
-        vrow = values + s * D;
-      } else {
-        load_row(values + s * D, row, D);
-        vrow = row;
-      }
+      const float* vrow = as_f32(values + s * D, row, D);
       for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
     }
   }

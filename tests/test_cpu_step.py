@@ -24,6 +24,13 @@ def step_logits(lm, kernel, prompt, tokens):
     return torch.stack([s.step(t)[-1] for t in tokens])
 
 
+def across_the_switch(lm, kernel):
+    """Logits of 13 steps from 250 to 262 live slots (cpu_step.cpp's kLoopSlots is 256)."""
+    s = session(lm, kernel, max_context=400)
+    s.prefill(torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist())
+    return torch.stack([s.step(t)[-1] for t in range(10, 23)])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
     """fp32 weights: the same logits to float summation order, step after step (the KV the C++
@@ -45,14 +52,7 @@ def test_cpp_step_across_the_long_context_switch(tiny_dirs):
     """The attention's two forms (loops up to cpu_step.cpp's kLoopSlots = 256 live slots, batched
     GEMMs above): steps from 250 to 262 live slots match the torch step on both sides."""
     lm = models.load(tiny_dirs["qwen2"][0])
-    prompt = torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist()
-    tokens = list(range(10, 23))
-
-    def logits(kernel):
-        s = session(lm, kernel, max_context=400)
-        s.prefill(prompt)
-        return torch.stack([s.step(t)[-1] for t in tokens])
-    got, want = logits("on"), logits("off")
+    got, want = across_the_switch(lm, "on"), across_the_switch(lm, "off")
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
 
 
@@ -102,14 +102,7 @@ def test_4bit_models_keep_an_fp16_kv_cache_across_the_long_context_switch(tmp_pa
     assert session(lm, "on").state.kv(0)[0].dtype == torch.float16
     assert session(lm, "off").state.kv(0)[0].dtype == torch.float32
     assert session(models.load(path), "on").state.kv(0)[0].dtype == torch.float32
-    prompt = torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist()
-    tokens = list(range(10, 23))
-
-    def logits(kernel):
-        s = session(lm, kernel, max_context=400)
-        s.prefill(prompt)
-        return torch.stack([s.step(t)[-1] for t in tokens])
-    got, want = logits("on"), logits("off")
+    got, want = across_the_switch(lm, "on"), across_the_switch(lm, "off")
     # fp16 keys and values: 0.4 % of the largest logit here; an unscaled score above 256 slots: 8-16 %
     assert float((got - want).abs().max()) <= 0.015 * float(want.abs().max())
 
