@@ -45,7 +45,8 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
-    if device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off" and not cpu_step.is_built():
+    if (device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off"
+            and cpu_step.serves(loaded.model, dtype) and not cpu_step.is_built()):
         report("building the CPU decode kernel (once: ~10-20 s; cached for later runs)")
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,

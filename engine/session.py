@@ -82,7 +82,9 @@ class DecodeSession:
         # and for a compiled step (each bucket would be a recompile).
         self._bucketed_decode = device.type == "cuda"
         live = getattr(model, "decode_attends_live", None)
-        single = compile == "on" or (live is not None and live(device, dtype))
+        self._attends_live = live is not None and live(device, dtype)
+        self._compiled = compile == "on"
+        single = self._compiled or self._attends_live
         self._kv_buckets = kv_buckets(self.max_context, single=single)
         if cuda_graph == "on" and device.type != "cuda":
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
@@ -144,14 +146,10 @@ class DecodeSession:
     def decode_path(self) -> str:
         """What runs a decode step, in words (the REPL's /show)."""
         if self.graph is not None:
-            live = getattr(self.model, "decode_attends_live", None)
-            triton = live is not None and live(self.device, self.dtype)
-            return "CUDA graph of the eager step" + (" (Triton kernels)" if triton else "")
+            return "CUDA graph of the eager step" + (" (Triton kernels)" if self._attends_live else "")
         if self._step_fn is self.model:
             return "torch (eager)" + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
-        if type(self._step_fn).__name__ == "CpuStep":
-            return "C++ step (cpu_kernel)"
-        return "torch.compile"
+        return "torch.compile" if self._compiled else "C++ step (cpu_kernel)"
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()

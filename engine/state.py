@@ -55,8 +55,9 @@ class StateManager:
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._fixed: list[dict[str, torch.Tensor] | None] = []
         # KV slots past the live length are read only on CUDA (the decode step attends over a
-        # bucket of slots, masked past the position), where they must hold finite values; elsewhere attention reads only
-        # written slots, so untouched pages cost no memory until the context grows into them.
+        # bucket of slots, masked past the position), where they must hold finite values;
+        # elsewhere attention reads only written slots, so untouched pages cost no memory until
+        # the context grows into them.
         kv_alloc = torch.zeros if device.type == "cuda" else torch.empty
         for layer in spec:
             if isinstance(layer, AttentionState):

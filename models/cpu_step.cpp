@@ -3,14 +3,16 @@
 //
 // Why C++: on a small model the eager torch step is bound by per-op overhead (~400 small ops a
 // step on SmolLM2, 21-25 ms against 8 ms of matmul). Here the matmuls stay torch's kernels (the
-// int4 GEMM of quant.Int4Linear, or at::linear for fp32 weights) and so do the attention's two
-// batched GEMMs; the norms, RoPE, KV write, SwiGLU and residual adds are plain loops over the
-// token's vectors (the reductions with independent accumulators, so the compiler vectorises
-// them), with a fixed summation order (deterministic).
+// int4 GEMM of quant.Int4Linear, or at::linear for fp32 weights); the norms, RoPE, KV write,
+// SwiGLU and residual adds are plain loops over the token's vectors (the reductions with
+// independent accumulators, so the compiler vectorises them), and so is the attention (over an
+// fp32 cache past 256 slots: torch's two batched GEMMs); every sum in a fixed order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -57,27 +59,23 @@ Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
   return y;
 }
 
-// One linear of the layer: (weight, int4 scale/zero or None for an fp32 weight, bias or None).
-Tensor linear(const Tensor& x, const OptList& p, int64_t at_) {
+// The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None);
+// moves at_ past its three entries.
+Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   const Tensor w = p.get(at_).value();
   const std::optional<Tensor> sz = p.get(at_ + 1);
   const std::optional<Tensor> bias = p.get(at_ + 2);
-  Tensor y = sz.has_value()
-      ? int4_mm(x, w, *sz)
-      : at::linear(x, w);
+  at_ += 3;
+  Tensor y = sz.has_value() ? int4_mm(x, w, *sz) : at::linear(x, w);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
 // Several linears reading the same input (q/k/v or gate/up kept apart), outputs side by side.
 Tensor linears(const Tensor& x, const OptList& p, int64_t& at_, int64_t parts) {
-  if (parts == 1) {
-    Tensor y = linear(x, p, at_);
-    at_ += 3;
-    return y;
-  }
+  if (parts == 1) return linear(x, p, at_);
   std::vector<Tensor> ys;
-  for (int64_t i = 0; i < parts; ++i, at_ += 3) ys.push_back(linear(x, p, at_));
+  for (int64_t i = 0; i < parts; ++i) ys.push_back(linear(x, p, at_));
   return at::cat(ys, 1);
 }
 
@@ -90,19 +88,25 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
   for (int64_t d = h; d < r; ++d) x[d] = tmp[d] * cos[d] + tmp[d - h] * sin[d];
 }
 
-// Up to this many live slots the attention runs as loops, above it as torch's batched GEMMs.
-// Measured on the embedded model, 2 cores (ms a step): at 16-144 slots loops 8.4-9.8, GEMMs
-// 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs 20.5-21.6; at 6,000 59.6-65.1 against 40.8-41.7.
+// Up to this many live slots the attention runs as per-head loops; above it, over an fp32 cache,
+// as torch's batched GEMMs, which read it faster (measured on the embedded model, 2 cores, ms a
+// step: at 16-144 slots loops 8.4-9.8, GEMMs 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs
+// 20.5-21.6; at 6,000 59.6-65.1 against 40.8-41.7), and over an fp16 cache as attend_long.
 constexpr int64_t kLoopSlots = 256;
 
 // Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
 // rounding is to nearest even, as Tensor.to does).
+#if defined(__AVX512F__)
+inline __m512 load16(const at::Half* p) {  // 16 fp16 -> 16 fp32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 inline void load_row(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -149,10 +153,6 @@ void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t 
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const at::Half* p) {  // 16 fp16 -> 16 fp32
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // An fp16 cache over many live slots (D a multiple of 16): slots in fixed blocks on torch's threads,
 // each key and value row read once for the `group` query heads sharing it; scores per block, one
 // softmax over all slots (torch's), then each block's weighted values into its own partial sum,
@@ -252,7 +252,7 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
   const bool qk_norm = meta[4] != 0;
   const int64_t layers = (static_cast<int64_t>(meta.size()) - 5) / 2;
-  const int64_t hidden = x_in.size(1), group = H / KVH, live = pos + 1;
+  const int64_t hidden = x_in.size(1);
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0, "cpu_step: head size ", D, " / rotary ", R, " not supported");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float* cos = cos_t.data_ptr<float>();
@@ -286,7 +286,6 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     else
       attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
     Tensor a = linear(attn, params, at_);
-    at_ += 3;
     const float* ap = a.data_ptr<float>();
     for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
@@ -295,7 +294,6 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     Tensor act = at::silu(gu.narrow(1, 0, ffn));
     act.mul_(gu.narrow(1, ffn, ffn));
     Tensor m = linear(act, params, at_);
-    at_ += 3;
     const float* mp = m.data_ptr<float>();
     for (int64_t i = 0; i < hidden; ++i) xs[i] += mp[i];
   }

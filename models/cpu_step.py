@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 from .layers import FusedLinear, Linear
-from .quant import Int4Linear
+from .quant import Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_step.cpp")
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
@@ -39,12 +39,13 @@ class Unavailable(RuntimeError):
 
 
 def _flags() -> list[str]:
-    from torch.utils import cpp_extension
+    # ATen's and torch/library.h's headers are all under torch/include (torch.utils.cpp_extension
+    # would say the same, but importing it costs ~0.1 s of every chat start)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-            + [f"-I{p}" for p in cpp_extension.include_paths()]
-            + [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
+    root = os.path.dirname(torch.__file__)
+    lib = os.path.join(root, "lib")
+    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
 
 def _cpu_signature() -> str:
@@ -68,6 +69,11 @@ def library_path() -> str:
 
 def is_built() -> bool:
     return os.path.exists(library_path())
+
+
+def serves(model, dtype: torch.dtype) -> bool:
+    """Whether the C++ step serves this model's decode: switched on, fp32, and `supports`."""
+    return ENABLED and dtype == torch.float32 and supports(model)
 
 
 def build(path: str | None = None) -> str:
@@ -136,6 +142,12 @@ def _parts(module, fused: str, names: tuple[str, ...]) -> list:
     return [getattr(module, fused)] if hasattr(module, fused) else [getattr(module, n) for n in names]
 
 
+def _projections(layer) -> tuple[list, list]:
+    """A layer's q/k/v linears (one fused or three) and its gate/up linears (one fused or two)."""
+    return (_parts(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            _parts(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj")))
+
+
 def supports(model) -> bool:
     """A dense GQA model (Llama, Qwen2, Qwen3) in fp32 whose linears are 4-bit or fp32."""
     from .llama import LlamaForCausalLM
@@ -146,23 +158,23 @@ def supports(model) -> bool:
         return False
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        mods = (_parts(a, "qkv_proj", ("q_proj", "k_proj", "v_proj")) + [a.o_proj]
-                + _parts(m, "gate_up_proj", ("gate_proj", "up_proj")) + [m.down_proj])
-        if not all(_linear_ok(x) for x in mods):
+        qkv, gu = _projections(layer)
+        if not all(_linear_ok(x) for x in qkv + [a.o_proj] + gu + [m.down_proj]):
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if cfg.qk_norm:
             norms += [a.q_norm, a.k_norm]
         if any(n.weight.dtype != torch.float32 or n.offset != 0.0 or n.eps != cfg.rms_eps for n in norms):
             return False
-    return model.model.embed_tokens.__class__.__name__ in ("Embedding", "Q8Embedding")
+    return isinstance(model.model.embed_tokens, (torch.nn.Embedding, Q8Embedding))
 
 
 def main() -> int:
     """`python -m models.cpu_step`: build (or find) the library; prints its path or why not."""
     try:
-        cached = is_built()
-        path = build()
+        path = library_path()
+        cached = os.path.exists(path)
+        build(path)
     except Unavailable as e:
         print(f"CPU decode kernel not built: {e}; chat will decode with the torch step", file=sys.stderr)
         return 1
@@ -181,15 +193,14 @@ class CpuStep:
         meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim, int(cfg.qk_norm)]
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = _parts(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-            gu = _parts(m, "gate_up_proj", ("gate_proj", "up_proj"))
-            params.append(layer.input_layernorm.weight.detach())
+            qkv, gu = _projections(layer)
+            params.append(layer.input_layernorm.weight)
             for x in qkv:
                 params += _linear_params(x)
             if cfg.qk_norm:
-                params += [a.q_norm.weight.detach(), a.k_norm.weight.detach()]
+                params += [a.q_norm.weight, a.k_norm.weight]
             params += _linear_params(a.o_proj)
-            params.append(layer.post_attention_layernorm.weight.detach())
+            params.append(layer.post_attention_layernorm.weight)
             for x in gu:
                 params += _linear_params(x)
             params += _linear_params(m.down_proj)
@@ -204,6 +215,7 @@ class CpuStep:
         # fp32 cache, so that path stays the exact reference.
         quantized = any(isinstance(m, Int4Linear) for m in model.model.layers.modules())
         self.kv_dtype = torch.float16 if quantized else torch.float32
+        self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, state, all_logits: bool = False) -> torch.Tensor:
         if tokens.shape[0] != 1:
@@ -211,8 +223,9 @@ class CpuStep:
         model = self.model
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
-        caches = [t for i in range(len(model.model.layers)) for t in state.kv(i)]
-        x = self.op(x, cos, sin, self.params, caches, self.meta, state.length, self.eps)
+        if self._caches[0] is not state:  # the state's buffers never move: list them once
+            self._caches = (state, [t for i in range(len(model.model.layers)) for t in state.kv(i)])
+        x = self.op(x, cos, sin, self.params, self._caches[1], self.meta, state.length, self.eps)
         return model.lm_head(model.model.norm(x)).float()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from . import fused_attention, fused_cuda
@@ -117,9 +116,7 @@ class LlamaForCausalLM(CausalLM):
         """The C++ one-token step (models/cpu_step.py) where it serves this model, else None.
         Raises cpu_step.Unavailable where it would serve but cannot be built or loaded here."""
         from . import cpu_step
-        if not (cpu_step.ENABLED and dtype == torch.float32 and cpu_step.supports(self)):
-            return None
-        return cpu_step.CpuStep(self)
+        return cpu_step.CpuStep(self) if cpu_step.serves(self, dtype) else None
 
     def state_spec(self) -> list[AttentionState]:
         return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
