@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from engine import graphs  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from shapes import random_model  # noqa: E402
@@ -95,12 +96,18 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
 
 
 def startup(name: str, device: str, graph: str, compile: str = "off") -> tuple[float, str]:
+    """Seconds from starting a child process to its READY line (not to its exit: tearing down a
+    CUDA context is not start-up), and that line."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ready", name, "--device", device,
-                           "--graph", graph, "--compile", compile], capture_output=True, text=True)
-    if "READY" not in proc.stdout:
-        raise SystemExit(f"startup child failed: {proc.stderr[-2000:]}")
-    return time.perf_counter() - t, proc.stdout.strip()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ready", name, "--device", device,
+                             "--graph", graph, "--compile", compile], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            ready = time.perf_counter() - t
+            proc.communicate()
+            return ready, line.strip()
+    raise SystemExit(f"startup child failed: {proc.communicate()[1][-2000:]}")
 
 
 def main() -> None:
@@ -132,13 +139,27 @@ def main() -> None:
         model = random_model(a.ready, device, dtype)
         sync(device)
         t_model = time.perf_counter() - T_PROCESS
+        spent = {}
+
+        def timed(fn, key):  # the session's kernel compiles and graph capture, timed apart
+            def run(*args, **kwargs):
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                spent[key] = time.perf_counter() - t
+                return out
+            return run
+
+        DecodeSession._precompile = timed(DecodeSession._precompile, "compile")
+        graphs.GraphedDecodeStep.capture = timed(graphs.GraphedDecodeStep.capture, "capture")
         s = DecodeSession(model, max_context=4096, device=device, dtype=dtype, cuda_graph=a.graph,
                           compile=a.compile)
         s.prefill([1])
         s.step(2)  # the first decode step: where a compiled step compiles (and the graph replays)
         sync(device)
         print("READY", f"imports {t_import:.2f}s, model {t_model:.2f}s, session+capture "
-              f"{time.perf_counter() - T_PROCESS:.2f}s (times since interpreter start)", flush=True)
+              f"{time.perf_counter() - T_PROCESS:.2f}s (times since interpreter start; of the session: "
+              f"kernel compiles {spent.get('compile', 0):.2f}s, graph capture {spent.get('capture', 0):.2f}s)",
+              flush=True)
         return
     rows = []
     for name in a.names:

@@ -33,8 +33,13 @@ SHAPES = {
 @torch.no_grad()
 def random_model(name: str, device, dtype, seed: int = 0):
     model, _ = models.build_model(dict(SHAPES[name]))
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
+    # one device tensor per weight, assigned as models.materialize assigns a checkpoint's (Module.to_empty
+    # took 2.1 s for the 0.8B-like model's 321 weights on an H200 host, this 0.01 s)
+    for module in model.modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                              requires_grad=False)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, p in model.named_parameters():
         if "norm" in pname:

@@ -118,9 +118,37 @@ class DecodeSession:
 
             self._step_fn = step_fn
             self._compile_now()
+        if device.type == "cuda" and compile == "off":
+            self._precompile()
         self.graph = None
         if cuda_graph in ("on", "auto") and device.type == "cuda":
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
+
+    # The prompt length of the throwaway prefill in _precompile: any length > 1 runs the kernels
+    # every prompt runs (none of them specializes on the length).
+    PRECOMPILE_PROMPT = 2
+
+    @torch.inference_mode()
+    def _precompile(self) -> None:
+        """Compile the kernels of a prefill and of a decode step side by side, before the graph's
+        warm-up (or the first prompt) would compile them one after another: a throwaway prefill
+        and step inside the model's kernel_precompile context (where kernels compile rather than
+        run), on the state at position 0, restored afterwards, so nothing of them stays."""
+        ctx = getattr(self.model, "kernel_precompile", lambda *_: None)(self.device, self.dtype)
+        if ctx is None:
+            return
+        saved = self.state.snapshot()
+        try:
+            with ctx:
+                for n in (self.PRECOMPILE_PROMPT, 1):
+                    start = self.state.length
+                    self.state.begin_forward(n, decode_kv_len(start, self._kv_buckets) if n == 1 else None)
+                    tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+                    positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
+                    self.model(tokens, positions, self.state)
+                    self.state.advance(n)
+        finally:
+            self.state.restore(saved)
 
     def _cpu_kernel_step(self, required: bool):
         """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where

@@ -41,6 +41,14 @@ class CausalLM(nn.Module):
         which reads the live length from `positions` (so `state.kv_len` buckets change nothing)."""
         return fused_cuda.serves(device, dtype) and fused_cuda.attention_fits(self.config.head_dim)
 
+    def kernel_precompile(self, device: torch.device, dtype: torch.dtype):
+        """A context inside which forwards on `device` in `dtype` compile their Triton kernels in
+        parallel instead of running them (fused_cuda.precompiling), or None where no kernels
+        serve them or this Triton cannot (then they compile one by one at their first launch)."""
+        if fused_cuda.serves(device, dtype) and fused_cuda.can_precompile():
+            return fused_cuda.precompiling()
+        return None
+
     @property
     def max_position(self) -> int:
         return self.config.max_position

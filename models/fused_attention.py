@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_cuda
-from .fused_cuda import triton
+from .fused_cuda import launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -93,10 +93,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     m = torch.empty(H, ns, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(H, ns, D, dtype=torch.float32, device=q.device)
-    _split_kernel[(kvh, ns)](q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
-                             D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64,
-                             **fused_cuda.pdl(q))
+    launch(_split_kernel, (kvh, ns),
+           q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
+           D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **fused_cuda.pdl(q))
     out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
-    _merge_kernel[(H,)](m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
-                        HAS_GATE=gate is not None, D=D, NSPLIT=ns, **fused_cuda.pdl(q))
+    launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
+           HAS_GATE=gate is not None, D=D, NSPLIT=ns, **fused_cuda.pdl(q))
     return out

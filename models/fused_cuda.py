@@ -14,6 +14,7 @@ fused_linear.py (GEMVs, SwiGLU), fused_attention.py, fused_delta.py and fused_sc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -48,6 +49,51 @@ def prefill_usable(x: torch.Tensor) -> bool:
     """Whether the multi-token kernels (fused_scan, the T-row forms here) serve this forward:
     `serves`, and not inside torch.compile."""
     return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
+
+
+PRECOMPILE_ENABLED = os.environ.get("CHAT_PRECOMPILE", "1").lower() not in ("0", "false", "off", "no")
+_submitted: list | None = None  # inside precompiling(): what each launch submitted
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs): every kernel here launches through this, so that inside
+    `precompiling()` a launch submits the kernel's compile instead (nothing runs)."""
+    if _submitted is not None:
+        _submitted.append(kernel.warmup(*args, grid=grid, **kwargs))
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def can_precompile() -> bool:
+    """Whether `precompiling()` compiles in parallel here (Triton >= 3.4 has AsyncCompileMode)."""
+    return ENABLED and PRECOMPILE_ENABLED and hasattr(triton, "AsyncCompileMode")
+
+
+@contextlib.contextmanager
+def precompiling(workers: int | None = None):
+    """Inside: every launch() submits its kernel's compile to a thread pool and returns (nothing
+    runs); on leaving, waits for them (a failed compile raises here), then readies each kernel's
+    first launch side by side too: the launcher Triton builds for it (a C compile per kernel in
+    Triton 3.6) and its module loaded on the device. Torch ops inside still run, on whatever the
+    skipped kernels left in their outputs: callers run a throwaway forward on scratch state.
+    Triton releases the GIL in its compiler passes, and ptxas and the C compiler are processes,
+    so the work overlaps. Why: a cold start compiled ~13 kernels one at a time at their first
+    launch (the 0.8B-like model: 6.1 s of graph capture on an H200 host); later launches find
+    them in Triton's caches (in memory, and on disk for later processes)."""
+    global _submitted
+    from concurrent.futures import ThreadPoolExecutor
+    workers = workers or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        pending: list = []
+        with triton.AsyncCompileMode(pool):
+            _submitted = pending
+            try:
+                yield
+            finally:
+                _submitted = None
+        # (a warmup answers a FutureKernel, or the kernel itself where it was compiled before)
+        kernels = {id(k): k for k in (p.result() if hasattr(p, "future") else p for p in pending) if k is not None}
+        list(pool.map(lambda k: k.run, kernels.values()))  # CompiledKernel.run: launcher + module load
 
 
 PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
@@ -174,7 +220,7 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     q_stride = q_stride or D
     q = torch.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     q_w, k_w = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
-    _qk_rope_kv_kernel[(n_heads + 2 * n_kv, T)](
+    launch(_qk_rope_kv_kernel, (n_heads + 2 * n_kv, T),
         qkv, cos, sin, positions, q_w, k_w, q, k_cache, v_cache, k_cache.stride(0), v_cache.stride(0), eps,
         qkv.stride(0),
         Q_STRIDE=q_stride, K_OFF=n_heads * q_stride, V_OFF=n_heads * q_stride + n_kv * D, H=n_heads, KVH=n_kv,
@@ -187,5 +233,6 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows."""
     n = x.shape[-1]
     s, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(x.shape[0],)](x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
+    launch(_add_rms_norm_kernel, (x.shape[0],),
+           x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
     return s, out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_cuda
-from .fused_cuda import triton
+from .fused_cuda import launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -84,12 +84,10 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     k = conv_weight.shape[-1]
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
-    _conv_step_kernel[(triton.cdiv(conv_dim, block),)](proj, conv_state, conv_weight, act, conv_dim,
-                                                       KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block,
-                                                       **fused_cuda.pdl(proj))
+    launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, act, conv_dim,
+           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **fused_cuda.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
-    _delta_step_kernel[(nv,)](act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
-                              conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
-                              KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8,
-                              **fused_cuda.pdl(proj))
+    launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
+           conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
+           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **fused_cuda.pdl(proj))
     return out

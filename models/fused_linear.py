@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_cuda
-from .fused_cuda import triton
+from .fused_cuda import launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -150,7 +150,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(1, n_out, dtype=src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
-    _gemv_kernel[(triton.cdiv(n_out, bn),)](
+    launch(_gemv_kernel, (triton.cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
         EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))

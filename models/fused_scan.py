@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from .fused_cuda import fits, triton
+from .fused_cuda import fits, launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # one compile for every prompt length (n: its chunks)
     def _chunk_scan_kernel(u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
                            C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                            PREC: tl.constexpr):
@@ -62,9 +62,8 @@ def chunk_scan(u: torch.Tensor, w: torch.Tensor, q_dec: torch.Tensor, k_dec: tor
     chunk_decay = chunk_decay.reshape(H, n).contiguous()
     out = torch.empty_like(u)
     BV, warps, stages = min(DV, CONFIG["BV"]), CONFIG["num_warps"], CONFIG["num_stages"]
-    _chunk_scan_kernel[(H, DV // BV)](u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
-                                      C=C, DK=DK, DV=DV, BV=BV, PREC=CONFIG["precision"], num_warps=warps,
-                                      num_stages=stages)
+    launch(_chunk_scan_kernel, (H, DV // BV), u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
+           C=C, DK=DK, DV=DV, BV=BV, PREC=CONFIG["precision"], num_warps=warps, num_stages=stages)
     return out
 
 

@@ -312,3 +312,43 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 
         on, off = run("on"), run("off")
         assert on == off and on[0] == on[1]
+
+
+def _compiled_kernels() -> int:
+    """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
+    from models import fused_attention, fused_cuda, fused_delta, fused_linear, fused_scan
+    kernels = [fused_linear._gemv_kernel, fused_cuda._qk_rope_kv_kernel, fused_cuda._add_rms_norm_kernel,
+               fused_delta._conv_step_kernel, fused_delta._delta_step_kernel, fused_attention._split_kernel,
+               fused_attention._merge_kernel, fused_scan._chunk_scan_kernel]
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monkeypatch, kind):
+    """The session compiles (side by side) the kernels of prefill and decode when it starts: no
+    prompt length, later turn or decode step compiles another; and the throwaway forwards that
+    compile them leave no trace (the same tokens as a session started without them). Shapes
+    no other test uses, so no earlier test compiled these kernels."""
+    from models import fused_cuda
+    from tiny import write_checkpoint
+    if not fused_cuda.ENABLED or not hasattr(fused_cuda.triton, "AsyncCompileMode"):
+        pytest.skip("needs Triton >= 3.4")
+    over = dict(hidden_size=96, intermediate_size=160, head_dim=32)
+    if kind == "qwen3_5":
+        over.update(linear_key_head_dim=16, linear_value_head_dim=16)  # the scan kernel's sizes
+    lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", torch.bfloat16)
+    before = _compiled_kernels()
+    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = _compiled_kernels()
+    assert started > before
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    tokens = [list(s.generate(p, cfg)) for p in prompts]
+    later = list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))  # a later turn: masked prefill
+    assert _compiled_kernels() == started
+    monkeypatch.setattr(fused_cuda, "PRECOMPILE_ENABLED", False)  # a session started without them
+    fresh = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="on")
+    assert [list(fresh.generate(p, cfg)) for p in prompts] == tokens
+    assert list(fresh.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg)) == later
