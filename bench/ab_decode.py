@@ -7,8 +7,10 @@ For each shape: one model; each round builds a fresh graphed session per variant
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
 whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
 dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
-GEMVs of weights up to 32 MB), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights
-up to 0 / 32 MB read in one prefetched K step), and wholek32 with the prologue variants.
+GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
+wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), wholek32
+with the prologue variants, and normcopy (a standalone add + norm lets the next kernel launch
+early and a copy writes the stream after it).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from models import fused_cuda, fused_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 DEFAULTS = dict(pdl=fused_cuda.PDL_ENABLED, prologue=fused_linear.PROLOGUE_MAX_BYTES, triton=fused_cuda.ENABLED,
-                wholek=fused_linear.WHOLE_K_MAX_BYTES)
+                wholek=fused_linear.WHOLE_K_MAX_BYTES, normstream=fused_linear.NORM_WRITES_STREAM)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -38,6 +40,8 @@ VARIANTS = {
     "wholek0": dict(wholek=0),
     "wholek32": dict(wholek=32 << 20),
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
+    "normcopy": dict(normstream=False),
+    "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
 }
 
@@ -45,7 +49,7 @@ VARIANTS = {
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     fused_cuda.PDL_ENABLED, fused_linear.PROLOGUE_MAX_BYTES, fused_cuda.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    fused_linear.WHOLE_K_MAX_BYTES = v["wholek"]
+    fused_linear.WHOLE_K_MAX_BYTES, fused_linear.NORM_WRITES_STREAM = v["wholek"], v["normstream"]
 
 
 def main() -> None:

@@ -193,8 +193,11 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
-        _pdl_enter(PDL)
+                             PDL: tl.constexpr, EARLY: tl.constexpr):
+        if PDL:  # EARLY: the next kernel may launch now; otherwise when this one ends
+            if EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         offs = tl.program_id(0) * N + tl.arange(0, BLOCK)  # one program per row
         mask = tl.arange(0, BLOCK) < N
         s = (tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -228,11 +231,12 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     return q.transpose(0, 1)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+                 sum_out: torch.Tensor | None = None, early: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows; x + y written into `sum_out`
+    where given. `early=False`: under PDL the next kernel launches only when this one ends."""
     n = x.shape[-1]
-    s, out = torch.empty_like(x), torch.empty_like(x)
+    s, out = sum_out if sum_out is not None else torch.empty_like(x), torch.empty_like(x)
     launch(_add_rms_norm_kernel, (x.shape[0],),
-           x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), **pdl(x))
+           x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), EARLY=early, **pdl(x))
     return s, out

@@ -4,7 +4,8 @@ Contract: `gemv(x, w, bias)` equals F.linear(x, w, bias) for one row, accumulate
 rounded once; `gemv(x, w, swiglu=True)` with w = [gate; up] ([2F, K]) returns silu(x W_g^T) *
 (x W_u^T), [1, F], in one launch (the torch form: a GEMM and a silu-mul kernel). x may be a
 NormedRow: the pending residual add and RMSNorm are then computed in the kernel's prologue (and
-the stream written once), as add_norm + F.linear would, rounding included. Each program owns
+the stream written once), as add_norm + F.linear would but for one rounding: the normed row is
+not rounded to the input dtype, 1/rms scales the fp32 sums at the end. Each program owns
 BLOCK_N output rows and walks K in BLOCK_K steps: no split-K, so no atomics and the same bits
 every run. With PDL, a program loads its first weight tile (all of it, for the small weights
 read in one K step) before it waits on the previous kernel. Why not cuBLAS: on the one-row
@@ -22,17 +23,21 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _input_chunk(x, res, norm_w, r, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
-        """x[kk] in fp32; with NORM, the normed (x + res)[kk], rounded as the norm's output is."""
+    def _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     EVEN: tl.constexpr):
+        """(x[kk] in fp32, and with NORM: (x + res)[kk] * norm_w[kk] (the norm's 1/rms applied to
+        the sum at the end) and (x + res)[kk]^2 for the norm's mean square). With HAS_RES the
+        sum is rounded as the residual stream is, and written into sum_out where `write`."""
         km = None if EVEN else kk < K
         zero = None if EVEN else 0.0  # (a load without a mask takes no fill value)
         xr = tl.load(x + kk, mask=km, other=zero)
         if NORM:
             if HAS_RES:
                 xr = (xr.to(tl.float32) + tl.load(res + kk, mask=km, other=zero).to(tl.float32)).to(xr.dtype)
-            nw = tl.load(norm_w + kk, mask=km, other=zero).to(tl.float32)
-            return (xr.to(tl.float32) * r * nw).to(xr.dtype).to(tl.float32)
-        return xr.to(tl.float32)
+                tl.store(sum_out + kk, xr, mask=kk < write)  # one program writes the stream
+            sf = xr.to(tl.float32)
+            return sf * tl.load(norm_w + kk, mask=km, other=zero).to(tl.float32), sf * sf
+        return xr.to(tl.float32), xr.to(tl.float32)
 
     @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, HAS_BIAS: tl.constexpr,
@@ -54,32 +59,32 @@ if triton is not None:
             uv = tl.load(w_rows + N * stride_w + kk[None, :], mask=m2, other=zero)
         if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
-        r = 1.0
-        if NORM:  # the prologue: s = x + res (rounded, as the residual stream is), 1/rms(s)
-            ss = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                s = tl.load(x + kc, mask=kc < K, other=0.0)
-                if HAS_RES:
-                    s = (s.to(tl.float32) + tl.load(res + kc, mask=kc < K, other=0.0).to(tl.float32)).to(s.dtype)
-                    tl.store(sum_out + kc, s, mask=kc < tl.where(pid == 0, K, 0))  # one program writes the stream
-                ss += s.to(tl.float32) * s.to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        xv = _input_chunk(x, res, norm_w, r, kk, K, NORM, HAS_RES, EVEN)
+        # NORM (the prologue): one pass over the input, the mean square summed alongside the
+        # products, 1/rms applied to the sums at the end (a first pass for it cost every program
+        # a round of dependent loads before its first product)
+        write = tl.where(pid == 0, K, 0)
+        xv, sq = _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM, HAS_RES, EVEN)
+        ss = sq
         acc = wv.to(tl.float32) * xv[None, :]
         acc_up = uv.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kc = k0 + tl.arange(0, BLOCK_K)
-            xv = _input_chunk(x, res, norm_w, r, kc, K, NORM, HAS_RES, EVEN)
+            xv, sq = _input_chunk(x, res, norm_w, sum_out, write, kc, K, NORM, HAS_RES, EVEN)
+            ss += sq
             mc = None if EVEN else nm[:, None] & (kc[None, :] < K)
             acc += tl.load(w_rows + kc[None, :], mask=mc, other=zero).to(tl.float32) * xv[None, :]
             if SWIGLU:
                 acc_up += tl.load(w_rows + N * stride_w + kc[None, :], mask=mc, other=zero).to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
+        y_up = tl.sum(acc_up, axis=1)
+        if NORM:
+            r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            y = y * r
+            y_up = y_up * r
         if HAS_BIAS:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
         if SWIGLU:
-            y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+            y = y / (1.0 + tl.exp(-y)) * y_up
         tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
 
 
@@ -105,8 +110,16 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
-# a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate.
+# a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate
+# (the prologue in every GEMV, even one pass of it: 0.73x on the 27B-like step, 0.93x on the
+# 0.8B-like one, whose LM head is the only weight over this size; A/B, fifth session).
 PROLOGUE_MAX_BYTES = 32 << 20
+
+
+# The standalone add + norm (weights over PROLOGUE_MAX_BYTES) writes the stream itself and lets
+# the next kernel launch only when it ends. False: it lets the next launch early, and a plain copy
+# writes the stream after it (the A/B variant normcopy of bench/ab_decode.py; see materialize).
+NORM_WRITES_STREAM = True
 
 
 class NormedRow:
@@ -124,15 +137,20 @@ class NormedRow:
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
         if self._h is None:
-            # The stream is copied after the launch, not written by it: without the copy (a plain
-            # device copy, no PDL) the 27B-like step ran at 64.2 against 71.7 tok/s (A/B, same
-            # call): each PDL kernel lets its successor launch at once, so with nothing between
-            # this launch and the next GEMV, that GEMV's programs launched while the previous
-            # GEMV still ran and (most likely) held SM slots it needed. The copy ends that chain.
+            # The next GEMV must not launch early here: with the stream written in this launch
+            # and the next kernel let in at its start (PDL), the 27B-like step ran at 64.2
+            # against 71.7 tok/s (A/B, same call): that GEMV's programs launched while the
+            # previous GEMV still ran and (most likely) held SM slots it needed. A plain copy of
+            # the stream after this launch ended the chain too, at one launch more: 70.0-70.9
+            # against 70.6-71.4 tok/s with early=False (two A/B calls).
             y = self.res if self.res is not None else torch.zeros_like(self.x)
-            s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
-            if self.res is not None:
-                self.stream.copy_(s)
+            if NORM_WRITES_STREAM:
+                _, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
+                                                     sum_out=self.stream if self.res is not None else None)
+            else:
+                s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
+                if self.res is not None:
+                    self.stream.copy_(s)
         return self._h
 
 
