@@ -10,7 +10,8 @@ dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (nor
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
 wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), wholek32
 with the prologue variants, and normcopy (a standalone add + norm lets the next kernel launch
-early and a copy writes the stream after it).
+early and a copy writes the stream after it), late (the Gated DeltaNet step kernels read their
+state after waiting on the previous kernel).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from models import fused_cuda, fused_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 DEFAULTS = dict(pdl=fused_cuda.PDL_ENABLED, prologue=fused_linear.PROLOGUE_MAX_BYTES, triton=fused_cuda.ENABLED,
-                wholek=fused_linear.WHOLE_K_MAX_BYTES, normstream=fused_linear.NORM_WRITES_STREAM)
+                wholek=fused_linear.WHOLE_K_MAX_BYTES, normstream=fused_linear.NORM_WRITES_STREAM,
+                early=fused_cuda.EARLY_STATE)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -41,6 +43,7 @@ VARIANTS = {
     "wholek32": dict(wholek=32 << 20),
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
     "normcopy": dict(normstream=False),
+    "late": dict(early=False),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
 }
@@ -50,6 +53,7 @@ def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     fused_cuda.PDL_ENABLED, fused_linear.PROLOGUE_MAX_BYTES, fused_cuda.ENABLED = v["pdl"], v["prologue"], v["triton"]
     fused_linear.WHOLE_K_MAX_BYTES, fused_linear.NORM_WRITES_STREAM = v["wholek"], v["normstream"]
+    fused_cuda.EARLY_STATE = v["early"]
 
 
 def main() -> None:

@@ -51,6 +51,10 @@ def prefill_usable(x: torch.Tensor) -> bool:
     return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
 
 
+# The Gated DeltaNet step kernels read their layer's state before waiting on the previous kernel
+# (fused_delta.py says why that is safe). False: after it (the A/B variant late of ab_decode.py).
+EARLY_STATE = True
+
 PRECOMPILE_ENABLED = os.environ.get("CHAT_PRECOMPILE", "1").lower() not in ("0", "false", "off", "no")
 _submitted: list | None = None  # inside precompiling(): what each launch submitted
 
@@ -194,6 +198,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                              PDL: tl.constexpr, EARLY: tl.constexpr):
+        nw = tl.load(w + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < N, other=0.0)  # a weight: before the wait
         if PDL:  # EARLY: the next kernel may launch now; otherwise when this one ends
             if EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -206,7 +211,7 @@ if triton is not None:
         tl.store(sum_out + offs, s, mask=mask)
         sf = s.to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        out = sf * r * tl.load(w + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
+        out = sf * r * nw.to(tl.float32)
         tl.store(norm_out + offs, out.to(norm_out.dtype.element_ty), mask=mask)
 
 

@@ -23,17 +23,25 @@ if triton is not None:
 
     from .fused_cuda import _pdl_enter
 
+    # EARLY (PDL): the layer's own state is read before waiting on the previous kernel, as the
+    # weights are. Safe because no kernel of a step writes a layer's conv or recurrent state but
+    # that layer's own step kernels, and every step starts with torch ops (the embedding), which
+    # are launched without PDL and so wait until every earlier kernel has ended.
+
     @triton.jit
     def _conv_step_kernel(x, state, weight, out, C, KM1: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
-        _pdl_enter(PDL)
+                          PDL: tl.constexpr, EARLY: tl.constexpr):
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cm = c < C
         j = tl.arange(0, KP)  # window column: 0..K-2 the stored window, K-1 the new input
-        old = tl.load(state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
+        w = tl.load(weight + c[:, None] * (KM1 + 1) + j[None, :], mask=cm[:, None] & (j[None, :] <= KM1), other=0.0)
+        if EARLY:
+            old = tl.load(state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
+        _pdl_enter(PDL)
+        if not EARLY:
+            old = tl.load(state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
         new = tl.load(x + c, mask=cm, other=0.0)
         win = tl.where(j[None, :] == KM1, new[:, None].to(tl.float32), old.to(tl.float32))
-        w = tl.load(weight + c[:, None] * (KM1 + 1) + j[None, :], mask=cm[:, None] & (j[None, :] <= KM1), other=0.0)
         y = tl.sum(win * w.to(tl.float32), axis=1)
         tl.store(out + c, y / (1.0 + tl.exp(-y)), mask=cm)
         # the window moves by one: column j takes column j + 1 (the state row keeps its dtype)
@@ -45,31 +53,37 @@ if triton is not None:
     @triton.jit
     def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, z_off, b_off, a_off, eps, q_scale,
                            KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           PDL: tl.constexpr):
-        _pdl_enter(PDL)
+                           PDL: tl.constexpr, EARLY: tl.constexpr):
         h = tl.program_id(0)
         kh = h // R
         dk = tl.arange(0, DK)
         dv = tl.arange(0, DV)
+        s_ptr = rec + h * DK * DV + dk[:, None] * DV + dv[None, :]
+        nw = tl.load(norm_w + dv).to(tl.float32)
+        neg_a, dtb = tl.load(neg_A + h), tl.load(dt_bias + h)
+        if EARLY:
+            S = tl.load(s_ptr)
+        _pdl_enter(PDL)
+        if not EARLY:
+            S = tl.load(s_ptr)
         q = tl.load(act + kh * DK + dk)
         k = tl.load(act + KEY_DIM + kh * DK + dk)
         v = tl.load(act + 2 * KEY_DIM + h * DV + dv)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         b = tl.load(proj + b_off + h).to(tl.float32)
-        a = tl.load(proj + a_off + h).to(tl.float32) + tl.load(dt_bias + h)
+        a = tl.load(proj + a_off + h).to(tl.float32) + dtb
         beta = 1.0 / (1.0 + tl.exp(-b))
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's threshold
-        decay = tl.exp(tl.load(neg_A + h) * softplus)
-        s_ptr = rec + h * DK * DV + dk[:, None] * DV + dv[None, :]
-        S = tl.load(s_ptr) * decay
+        decay = tl.exp(neg_a * softplus)
+        S = S * decay
         kv_mem = tl.sum(k[:, None] * S, axis=0)                   # k^T S, [DV]
         delta = (v - kv_mem) * beta
         S = S + k[:, None] * delta[None, :]
         tl.store(s_ptr, S)
         o = tl.sum(q[:, None] * S, axis=0)                        # q^T S, [DV]
         z = tl.load(proj + z_off + h * DV + dv).to(tl.float32)
-        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(norm_w + dv).to(tl.float32)
+        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * nw
         tl.store(out + h * DV + dv, (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty))
 
 
@@ -85,9 +99,11 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
     launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, act, conv_dim,
-           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **fused_cuda.pdl(proj))
+           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, EARLY=fused_cuda.EARLY_STATE,
+           **fused_cuda.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
            conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
-           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **fused_cuda.pdl(proj))
+           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, EARLY=fused_cuda.EARLY_STATE,
+           **fused_cuda.pdl(proj))
     return out
