@@ -88,10 +88,11 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
   for (int64_t d = h; d < r; ++d) x[d] = tmp[d] * cos[d] + tmp[d - h] * sin[d];
 }
 
-// Up to this many live slots the attention runs as per-head loops; above it, over an fp32 cache,
-// as torch's batched GEMMs, which read it faster (measured on the embedded model, 2 cores, ms a
-// step: at 16-144 slots loops 8.4-9.8, GEMMs 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs
-// 20.5-21.6; at 6,000 59.6-65.1 against 40.8-41.7), and over an fp16 cache as attend_long.
+// Over an fp32 cache: up to this many live slots the attention runs as per-head loops, above it as
+// torch's batched GEMMs, which read it faster (measured on the embedded model, 2 cores, ms a step:
+// at 16-144 slots loops 8.4-9.8, GEMMs 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs 20.5-21.6;
+// at 6,000 59.6-65.1 against 40.8-41.7). An fp16 cache (head sizes a multiple of 16, up to 256) takes
+// attend_long at any length (at 16-250 slots 7.5-9.2 ms a step against 7.5-9.7 for the loops).
 constexpr int64_t kLoopSlots = 256;
 
 // Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
@@ -153,84 +154,153 @@ void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t 
 }
 
 #if defined(__AVX512F__)
-// An fp16 cache over many live slots (D a multiple of 16): slots in fixed blocks on torch's threads,
-// each key and value row read once for the `group` query heads sharing it; scores per block, one
-// softmax over all slots (torch's), then each block's weighted values into its own partial sum,
-// the partials added in block order: the same result on any thread count.
+// exp over 16 lanes (Cephes' expf: 2^n e^r with |r| <= ln2/2 and a degree-7 polynomial, within
+// ~1 ulp), for the long attention's softmax, where the per-score call of std::exp would cost more
+// than reading the cache.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: a zero weight either way
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 lanes_left(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// An fp16 cache (flash decoding): the live slots split in fixed blocks, one block of one KV head per
+// work item on torch's threads; a work item reads each key row once for the `group` query heads
+// sharing it and leaves, per head, its block's softmax pieces: the max score m, the sum l of
+// exp(score - m) and the exp-weighted values. The blocks merge after, in block order: the same
+// result on any thread count. One parallel region a layer and no scores through memory; the cache
+// comes from DRAM each step (the weights stream through the caches in between), so the rows are
+// prefetched: the keys kAhead rows ahead, the block's values while its scores are computed. On the
+// embedded model at 2,000 slots (2 cores) the attention takes 4.0 ms a step (6.2 ms without the
+// prefetches; the first form, scores then torch's softmax then the values in two regions, ~9 ms).
 constexpr int64_t kSlotBlock = 256;
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kAhead = 16;
+
+template <int NV>  // D = 16 NV
+void attend_block(const float* q, const at::Half* keys, const at::Half* values, int64_t n, int64_t group,
+                  float scale, float* part) {
+  constexpr int D = NV * 16;
+  alignas(64) float sc[kMaxGroup][kSlotBlock];
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
+    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+  for (int64_t j = 0; j < n; ++j) {  // scores: each key row widened once, for all the group's queries
+    for (int l = 0; l < D * 2; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
+    }
+    __m512 k[NV];
+    for (int i = 0; i < NV; ++i) k[i] = load16(keys + j * D + 16 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), k[0]);
+      for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * i), k[i], a);
+      sc[g][j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; c += 16) {
+      const __mmask16 mk = lanes_left(n - c);
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sc[g] + c));
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 lv = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {  // exp(score - m) in place, and their sum
+      const __mmask16 mk = lanes_left(n - c);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc[g] + c), _mm512_set1_ps(m)));
+      _mm512_mask_storeu_ps(sc[g] + c, mk, e);
+      lv = _mm512_mask_add_ps(lv, mk, lv, e);
+    }
+    __m512 acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {  // the block's value rows (L1-resident by the next head)
+      const __m512 e = _mm512_set1_ps(sc[g][j]);
+      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(e, load16(values + j * D + 16 * i), acc[i]);
+    }
+    float* o = part + g * (D + 2);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+    o[D] = m;
+    o[D + 1] = _mm512_reduce_add_ps(lv);
+  }
+}
+
+// Whether attend_long takes these sizes.
+bool long_fits(int64_t D, int64_t group) { return D % 16 == 0 && D <= 256 && group <= kMaxGroup; }
+
+// attend_block for D = 16 nv, nv = 1..16
+template <int NV = 1>
+void attend_block_nv(int64_t nv, const float* q, const at::Half* keys, const at::Half* values, int64_t n,
+                     int64_t group, float scale, float* part) {
+  if constexpr (NV <= 16) {
+    if (nv == NV) return attend_block<NV>(q, keys, values, n, group, scale, part);
+    attend_block_nv<NV + 1>(nv, q, keys, values, n, group, scale, part);
+  }
+}
 
 void attend_long(const float* q, const at::Half* kc, const at::Half* vc, int64_t ks, int64_t vs,
                  int64_t live, int64_t H, int64_t group, int64_t D, float scale, const at::TensorOptions& opt,
                  float* out) {
-  const int64_t KVH = H / group, nv = D / 16, blocks = (live + kSlotBlock - 1) / kSlotBlock;
-  Tensor scores = at::empty({H, live}, opt);
-  float* sc = scores.data_ptr<float>();
+  const int64_t KVH = H / group, blocks = (live + kSlotBlock - 1) / kSlotBlock;
+  Tensor part_t = at::empty({blocks, H, D + 2}, opt);  // per block and head: weighted values, m, l
+  float* part = part_t.data_ptr<float>();
   at::parallel_for(0, KVH * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kv = t / blocks, b = t % blocks, end = std::min(live, (b + 1) * kSlotBlock);
-      for (int64_t s = b * kSlotBlock; s < end; ++s) {
-        const at::Half* key = kc + kv * ks + s * D;
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t i = 0; i < nv; ++i)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * i), load16(key + 16 * i), acc);
-          sc[h * live + s] = _mm512_reduce_add_ps(acc) * scale;
-        }
-      }
+      const int64_t kv = t / blocks, b = t % blocks, s0 = b * kSlotBlock, n = std::min(live - s0, kSlotBlock);
+      const float* qg = q + kv * group * D;
+      const at::Half* keys = kc + kv * ks + s0 * D;
+      const at::Half* values = vc + kv * vs + s0 * D;
+      attend_block_nv(D / 16, qg, keys, values, n, group, scale, part + (b * H + kv * group) * (D + 2));
     }
   });
-  Tensor probs = at::_softmax(scores, 1, false);
-  const float* pr = probs.data_ptr<float>();
-  Tensor partial_t = at::empty({blocks, H, D}, opt);
-  float* partial = partial_t.data_ptr<float>();
-  at::parallel_for(0, KVH * blocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kv = t / blocks, b = t % blocks, end = std::min(live, (b + 1) * kSlotBlock);
-      float* part = partial + (b * H + kv * group) * D;
-      std::fill(part, part + group * D, 0.f);
-      for (int64_t s = b * kSlotBlock; s < end; ++s) {
-        const at::Half* value = vc + kv * vs + s * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(pr[(kv * group + g) * live + s]);
-          float* o = part + g * D;
-          for (int64_t i = 0; i < nv; ++i)
-            _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(p, load16(value + 16 * i), _mm512_loadu_ps(o + 16 * i)));
-        }
-      }
+  for (int64_t h = 0; h < H; ++h) {  // the merge: blocks rescaled to the largest max, in block order
+    float mx = -INFINITY, den = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) mx = std::max(mx, part[(b * H + h) * (D + 2) + D]);
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* pb = part + (b * H + h) * (D + 2);
+      const float w = std::exp(pb[D] - mx);
+      den += w * pb[D + 1];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * pb[d];
     }
-  });
-  std::copy(partial, partial + H * D, out);
-  for (int64_t b = 1; b < blocks; ++b)
-    for (int64_t i = 0; i < H * D; ++i) out[i] += partial[b * H * D + i];
+    for (int64_t d = 0; d < D; ++d) o[d] /= den;
+  }
 }
 #endif
 
-// The new token's keys and values into the caches at `pos`, and the attention over the live
-// slots as decode_attention computes it (scores, softmax, weighted values): loops over a short
-// context; over a long one torch's two batched GEMMs (fp32 cache) or attend_long (fp16 cache).
+// The attention over the first `live` slots as decode_attention computes it (scores, softmax,
+// weighted values): attend_long over an fp16 cache; over an fp32 one loops for a short context,
+// torch's two batched GEMMs for a long one. q: [H, D] fp32; attn: [1, H D] fp32, written.
 template <typename T>
-void attention(float* q, const float* k, const float* v, const Tensor& kc, const Tensor& vc, int64_t pos,
-               int64_t H, int64_t KVH, int64_t D, float scale, const Tensor& x, Tensor& attn) {
-  T* kcp = kc.data_ptr<T>();
-  T* vcp = vc.data_ptr<T>();
-  const int64_t ks = kc.stride(0), vs = vc.stride(0), live = pos + 1, group = H / KVH;
-  for (int64_t i = 0; i < KVH; ++i) {
-    store_row(k + i * D, kcp + i * ks + pos * D, D);
-    store_row(v + i * D, vcp + i * vs + pos * D, D);
-  }
-  if (live <= kLoopSlots) {
-    attend_short(q, kcp, vcp, ks, vs, live, H, group, D, scale, attn.data_ptr<float>());
-    return;
-  }
+void attend(const float* q, const Tensor& kc, const Tensor& vc, int64_t live, int64_t H, int64_t KVH, int64_t D,
+            float scale, const at::TensorOptions& opt, Tensor& attn) {
+  const T* kcp = kc.data_ptr<T>();
+  const T* vcp = vc.data_ptr<T>();
+  const int64_t ks = kc.stride(0), vs = vc.stride(0), group = H / KVH;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::Half>) {
-    if (D % 16 == 0) {
-      attend_long(q, kcp, vcp, ks, vs, live, H, group, D, scale, x.options(), attn.data_ptr<float>());
+    if (long_fits(D, group)) {
+      attend_long(q, kcp, vcp, ks, vs, live, H, group, D, scale, opt, attn.data_ptr<float>());
       return;
     }
   }
 #endif
-  Tensor qg = at::from_blob(q, {KVH, group, D}, x.options());
+  if (live <= kLoopSlots) {
+    attend_short(q, kcp, vcp, ks, vs, live, H, group, D, scale, attn.data_ptr<float>());
+    return;
+  }
+  Tensor qg = at::from_blob(const_cast<float*>(q), {KVH, group, D}, opt);
   Tensor keys = kc.narrow(1, 0, live), values = vc.narrow(1, 0, live);
   if (!std::is_same_v<T, float>) {
     keys = keys.to(at::kFloat);
@@ -239,6 +309,36 @@ void attention(float* q, const float* k, const float* v, const Tensor& kc, const
   Tensor sc = at::bmm(qg, keys.transpose(1, 2)).mul_(scale);
   Tensor heads = attn.view({KVH, group, D});  // [KVH, G, D] is already head-major
   at::bmm_out(heads, at::_softmax(sc, -1, false), values);
+}
+
+// The new token's keys and values into the caches at `pos`, then the attention over slots 0..pos.
+template <typename T>
+void attention(float* q, const float* k, const float* v, const Tensor& kc, const Tensor& vc, int64_t pos,
+               int64_t H, int64_t KVH, int64_t D, float scale, const Tensor& x, Tensor& attn) {
+  T* kcp = kc.data_ptr<T>();
+  T* vcp = vc.data_ptr<T>();
+  for (int64_t i = 0; i < KVH; ++i) {
+    store_row(k + i * D, kcp + i * kc.stride(0) + pos * D, D);
+    store_row(v + i * D, vcp + i * vc.stride(0) + pos * D, D);
+  }
+  attend<T>(q, kc, vc, pos + 1, H, KVH, D, scale, x.options(), attn);
+}
+
+// The step's attention alone, for tests against an exact reference: q [H, D] fp32, caches
+// [KVH, S, D] (fp32 or fp16, contiguous rows) of which the first `live` slots are read.
+Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, int64_t live, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [H, D] contiguous fp32");
+  TORCH_CHECK(kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type() &&
+                  kc.stride(2) == 1 && kc.stride(1) == kc.size(2) && vc.stride(2) == 1 && vc.stride(1) == vc.size(2),
+              "caches: [KVH, S, D] of one dtype, contiguous rows");
+  const int64_t H = q.size(0), D = q.size(1), KVH = kc.size(0);
+  TORCH_CHECK(kc.size(2) == D && H % KVH == 0 && 0 < live && live <= kc.size(1), "shapes do not match");
+  Tensor attn = at::empty({1, H * D}, q.options());
+  if (kc.scalar_type() == at::kHalf)
+    attend<at::Half>(q.data_ptr<float>(), kc, vc, live, H, KVH, D, static_cast<float>(scale), q.options(), attn);
+  else
+    attend<float>(q.data_ptr<float>(), kc, vc, live, H, KVH, D, static_cast<float>(scale), q.options(), attn);
+  return attn.view({H, D});
 }
 
 // x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
@@ -305,4 +405,6 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
 TORCH_LIBRARY(chat_cpu, m) {
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",
+        &decode_attention);
 }

@@ -85,19 +85,25 @@ def test_cpp_step_on_tiny_4bit_ggufs(tmp_path, kind, qtype):
     assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
-def test_4bit_models_keep_an_fp16_kv_cache_across_the_long_context_switch(tmp_path):
-    """With 4-bit weights the C++ step keeps the KV cache in fp16 (fp32 weights: fp32, the exact
-    reference; the torch step: fp32); both attention forms over it, loops up to 256 live slots and
-    the blocked fp16 form above, against the torch step over an fp32 cache."""
+def sharp_qwen2_gguf(tmp_path, **over) -> str:
+    """A tiny Qwen2 as Q4_1 GGUF with q and k scaled up: sharper attention, so an error in it
+    moves the logits visibly."""
     from gguf import GGMLQuantizationType
     from tiny import hf_model
     from tiny_gguf import write_gguf
-    hf = hf_model("qwen2")
-    with torch.no_grad():  # sharper attention, so an error in it moves the logits visibly
+    hf = hf_model("qwen2", **over)
+    with torch.no_grad():
         for layer in hf.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
-    path = write_gguf("qwen2", str(tmp_path / "q.gguf"), hf, GGMLQuantizationType.Q4_1)
+    return write_gguf("qwen2", str(tmp_path / "q.gguf"), hf, GGMLQuantizationType.Q4_1)
+
+
+def test_4bit_models_keep_an_fp16_kv_cache_across_the_long_context_switch(tmp_path):
+    """With 4-bit weights the C++ step keeps the KV cache in fp16 (fp32 weights: fp32, the exact
+    reference; the torch step: fp32); the attention over it (attend_long: blocks of 256 slots)
+    on both sides of the first block boundary, against the torch step over an fp32 cache."""
+    path = sharp_qwen2_gguf(tmp_path)
     lm = models.load(path, quantized=True)
     assert session(lm, "on").state.kv(0)[0].dtype == torch.float16
     assert session(lm, "off").state.kv(0)[0].dtype == torch.float32
@@ -105,6 +111,43 @@ def test_4bit_models_keep_an_fp16_kv_cache_across_the_long_context_switch(tmp_pa
     got, want = across_the_switch(lm, "on"), across_the_switch(lm, "off")
     # fp16 keys and values: 0.4 % of the largest logit here; an unscaled score above 256 slots: 8-16 %
     assert float((got - want).abs().max()) <= 0.015 * float(want.abs().max())
+
+
+def test_fp16_attention_merges_blocks_with_different_maxima(tmp_path):
+    """Four blocks of slots (900 live): each block's softmax is taken against its own max and the
+    blocks rescaled to the largest when they merge; an unrescaled merge misses by far more."""
+    lm = models.load(sharp_qwen2_gguf(tmp_path, max_position_embeddings=1024), quantized=True)
+    prompt = torch.randint(3, 300, (900,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def logits(kernel):
+        s = session(lm, kernel, max_context=1024)
+        s.prefill(prompt)
+        return torch.stack([s.step(t)[-1] for t in (11, 12, 13, 14)])
+
+    got, want = logits("on"), logits("off")
+    assert float((got - want).abs().max()) <= 0.015 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("D,H,KVH,live", [(64, 9, 3, 1000), (16, 4, 2, 300), (128, 8, 2, 777), (64, 14, 2, 40)])
+def test_cpu_attention_matches_an_exact_reference(D, H, KVH, live):
+    """The step's attention alone (the op decode_attention runs the code the step runs), over fp16
+    and fp32 caches of several 256-slot blocks whose keys differ in scale block to block (so each
+    block's max differs, and a merge that did not rescale to the largest would be far off),
+    against float64 softmax(q k^T / sqrt(D)) v over the same cached values."""
+    cpu_step.load()
+    g = torch.Generator().manual_seed(D + live)
+    k = torch.randn(KVH, live + 7, D, generator=g)
+    for b in range(0, live, 256):
+        k[:, b:b + 256] *= 0.5 + b / 256
+    v = torch.randn(KVH, live + 7, D, generator=g)
+    q = torch.randn(H, D, generator=g) * 2
+    for dtype in (torch.float16, torch.float32):
+        kc, vc = k.to(dtype), v.to(dtype)
+        got = torch.ops.chat_cpu.decode_attention(q, kc, vc, live, D ** -0.5)
+        kk, vv = kc[:, :live].double(), vc[:, :live].double()
+        scores = q.double().view(KVH, H // KVH, D) @ kk.transpose(1, 2) * D ** -0.5
+        want = (torch.softmax(scores, -1) @ vv).view(H, D)
+        assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), float((got.double() - want).abs().max())
 
 
 @pytest.fixture(scope="module")
