@@ -135,7 +135,7 @@ class DecodeSession:
         and step inside the model's kernel_precompile context (where kernels compile rather than
         run), on the state at position 0, restored afterwards, so nothing of them stays."""
         ctx = getattr(self.model, "kernel_precompile", lambda *_: None)(self.device, self.dtype)
-        if ctx is None:
+        if ctx is None or self.max_context <= self.PRECOMPILE_PROMPT:  # (no room: they compile when first run)
             return
         saved = self.state.snapshot()
         try:
