@@ -8,10 +8,9 @@ times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to t
 whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
 dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
-wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), wholek32
-with the prologue variants, and normcopy (a standalone add + norm lets the next kernel launch
-early and a copy writes the stream after it), late (the Gated DeltaNet step kernels read their
-state after waiting on the previous kernel).
+wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
+with the prologue variants. (The fifth session's normcopy and late variants, the forms before
+its commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ from models import fused_cuda, fused_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 DEFAULTS = dict(pdl=fused_cuda.PDL_ENABLED, prologue=fused_linear.PROLOGUE_MAX_BYTES, triton=fused_cuda.ENABLED,
-                wholek=fused_linear.WHOLE_K_MAX_BYTES, normstream=fused_linear.NORM_WRITES_STREAM,
-                early=fused_cuda.EARLY_STATE)
+                wholek=fused_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -42,8 +40,6 @@ VARIANTS = {
     "wholek0": dict(wholek=0),
     "wholek32": dict(wholek=32 << 20),
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
-    "normcopy": dict(normstream=False),
-    "late": dict(early=False),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
 }
@@ -52,8 +48,7 @@ VARIANTS = {
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     fused_cuda.PDL_ENABLED, fused_linear.PROLOGUE_MAX_BYTES, fused_cuda.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    fused_linear.WHOLE_K_MAX_BYTES, fused_linear.NORM_WRITES_STREAM = v["wholek"], v["normstream"]
-    fused_cuda.EARLY_STATE = v["early"]
+    fused_linear.WHOLE_K_MAX_BYTES = v["wholek"]
 
 
 def main() -> None:

@@ -124,31 +124,26 @@ class DecodeSession:
         if cuda_graph in ("on", "auto") and device.type == "cuda":
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
 
-    # The prompt length of the throwaway prefill in _precompile: any length > 1 runs the kernels
-    # every prompt runs (none of them specializes on the length).
-    PRECOMPILE_PROMPT = 2
+    def _throwaway_forwards(self, steps: int) -> None:
+        """A 2-token prefill (any length > 1 runs the kernels every prompt runs: none specializes
+        on it; torch.compile's specializations stop at 1) and `steps` decode steps, then a reset,
+        which leaves the state as construction did: the compiles at start need them."""
+        try:
+            self.prefill([0, 0])
+            for _ in range(steps):
+                self.step(0)
+        finally:
+            self.reset()
 
-    @torch.inference_mode()
     def _precompile(self) -> None:
         """Compile the kernels of a prefill and of a decode step side by side, before the graph's
-        warm-up (or the first prompt) would compile them one after another: a throwaway prefill
-        and step inside the model's kernel_precompile context (where kernels compile rather than
-        run), on the state at position 0, restored afterwards, so nothing of them stays."""
+        warm-up (or the first prompt) would compile them one after another: throwaway forwards
+        inside the model's kernel_precompile context, where kernels compile rather than run."""
         ctx = getattr(self.model, "kernel_precompile", lambda *_: None)(self.device, self.dtype)
-        if ctx is None or self.max_context <= self.PRECOMPILE_PROMPT:  # (no room: they compile when first run)
+        if ctx is None or self.max_context < 3:  # (no room: they compile when first run)
             return
-        saved = self.state.snapshot()
-        try:
-            with ctx:
-                for n in (self.PRECOMPILE_PROMPT, 1):
-                    start = self.state.length
-                    self.state.begin_forward(n, decode_kv_len(start, self._kv_buckets) if n == 1 else None)
-                    tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-                    positions = torch.arange(start, start + n, dtype=torch.long, device=self.device)
-                    self.model(tokens, positions, self.state)
-                    self.state.advance(n)
-        finally:
-            self.state.restore(saved)
+        with ctx:
+            self._throwaway_forwards(1)
 
     def _cpu_kernel_step(self, required: bool):
         """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where
@@ -221,15 +216,11 @@ class DecodeSession:
         steps (past the sizes 0 and 1, which torch.compile specializes), then a reset, which leaves
         the state as construction did. A failed compile (no C++ compiler, say) is a ConfigError."""
         try:
-            self.prefill([0, 0])
-            self.step(0)
-            self.step(0)
+            self._throwaway_forwards(2)
         except Exception as e:  # Inductor's errors have no common base; the message names the cause
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"compile: on could not compile the decode step ({first[:200]}); "
                               "use compile: off") from None
-        finally:
-            self.reset()
 
     # --- state --------------------------------------------------------------------------------
     def reset(self) -> None:

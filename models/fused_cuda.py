@@ -51,10 +51,6 @@ def prefill_usable(x: torch.Tensor) -> bool:
     return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
 
 
-# The Gated DeltaNet step kernels read their layer's state before waiting on the previous kernel
-# (fused_delta.py says why that is safe). False: after it (the A/B variant late of ab_decode.py).
-EARLY_STATE = True
-
 PRECOMPILE_ENABLED = os.environ.get("CHAT_PRECOMPILE", "1").lower() not in ("0", "false", "off", "no")
 _submitted: list | None = None  # inside precompiling(): what each launch submitted
 

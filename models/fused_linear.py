@@ -116,12 +116,6 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
-# The standalone add + norm (weights over PROLOGUE_MAX_BYTES) writes the stream itself and lets
-# the next kernel launch only when it ends. False: it lets the next launch early, and a plain copy
-# writes the stream after it (the A/B variant normcopy of bench/ab_decode.py; see materialize).
-NORM_WRITES_STREAM = True
-
-
 class NormedRow:
     """A one-token RMSNorm input not computed yet: rms_norm(x + res) * weight, with x + res (the
     residual stream) still to be written into `stream`. The first GEMV that reads it computes
@@ -144,13 +138,8 @@ class NormedRow:
             # the stream after this launch ended the chain too, at one launch more: 70.0-70.9
             # against 70.6-71.4 tok/s with early=False (two A/B calls).
             y = self.res if self.res is not None else torch.zeros_like(self.x)
-            if NORM_WRITES_STREAM:
-                _, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
-                                                     sum_out=self.stream if self.res is not None else None)
-            else:
-                s, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps)
-                if self.res is not None:
-                    self.stream.copy_(s)
+            _, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
+                                                 sum_out=self.stream if self.res is not None else None)
         return self._h
 
 
