@@ -138,12 +138,15 @@ class DecodeSession:
     def _precompile(self) -> None:
         """Compile the kernels of a prefill and of a decode step side by side, before the graph's
         warm-up (or the first prompt) would compile them one after another: throwaway forwards
-        inside the model's kernel_precompile context, where kernels compile rather than run."""
+        inside the model's kernel_precompile context, where kernels compile rather than run. The
+        torch ops among them ran on what the skipped kernels left in their outputs: the KV slots
+        they may have written are zeroed (the reset zeroes the fixed state)."""
         ctx = getattr(self.model, "kernel_precompile", lambda *_: None)(self.device, self.dtype)
         if ctx is None or self.max_context < 3:  # (no room: they compile when first run)
             return
         with ctx:
             self._throwaway_forwards(1)
+        self.state.scrub_kv(3)
 
     def _cpu_kernel_step(self, required: bool):
         """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where

@@ -122,6 +122,15 @@ class StateManager:
     def can_rewind(self, n: int) -> bool:
         return n == 0 or n == self.length or (0 <= n <= self.length and not self.has_fixed_state)
 
+    def scrub_kv(self, n: int) -> None:
+        """Zero the first n slots of every KV cache (not the length). For slots that forwards over
+        scratch values wrote (the session's kernel precompile), which need not be finite: on CUDA
+        the slots past the live length are read, masked, and a masked NaN still poisons a softmax."""
+        for kv in self._kv:
+            if kv is not None:
+                for t in kv:
+                    t[:, :n].zero_()
+
     def rewind(self, n: int) -> None:
         if not 0 <= n <= self.length:
             raise RewindError(f"cannot rewind to {n}: only {self.length} tokens are cached")

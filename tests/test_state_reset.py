@@ -79,3 +79,19 @@ def test_pure_kv_models_have_no_fixed_state(tiny_dirs):
     lm = models.load(tiny_dirs["llama"][0])
     s = DecodeSession(lm.model, max_context=32, device=torch.device("cpu"), dtype=torch.float32)
     assert s.state.fixed_tensors() == [] and not s.state.has_fixed_state
+
+
+def test_scrub_kv_zeroes_the_first_slots_only(tiny_dirs):
+    """What the CUDA kernel precompile leaves in the slots its throwaway forwards wrote (maybe not
+    finite) is zeroed; the slots after them and the length are untouched."""
+    import models
+    lm = models.load(tiny_dirs["llama"][0])
+    s = DecodeSession(lm.model, max_context=32, device=torch.device("cpu"), dtype=torch.float32)
+    for i in range(len(lm.model.model.layers)):
+        for t in s.state.kv(i):
+            t.fill_(float("nan"))
+    s.state.scrub_kv(3)
+    for i in range(len(lm.model.model.layers)):
+        for t in s.state.kv(i):
+            assert int(t[:, :3].count_nonzero()) == 0 and bool(t[:, 3:].isnan().all())
+    assert s.state.length == 0
