@@ -52,6 +52,13 @@ class GenerationStats:
         return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
 
+def on_cuda(device: torch.device) -> bool:
+    """Whether the CUDA-only pieces of a session apply (bucketed decode, the kernel precompile, the
+    graph): the one predicate, so that a CPU test can run the CUDA construction order with only
+    the device-specific pieces stubbed (tests/test_session_cuda_order.py)."""
+    return device.type == "cuda"
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -80,13 +87,14 @@ class DecodeSession:
         # eager or graphed, so a graph is a recording of the very same eager step. On the CPU: over
         # the live slots only. One bucket where the Triton attention reads the live length itself,
         # and for a compiled step (each bucket would be a recompile).
-        self._bucketed_decode = device.type == "cuda"
+        cuda = on_cuda(device)
+        self._bucketed_decode = cuda
         live = getattr(model, "decode_attends_live", None)
         self._attends_live = live is not None and live(device, dtype)
         self._compiled = compile == "on"
         single = self._compiled or self._attends_live
         self._kv_buckets = kv_buckets(self.max_context, single=single)
-        if cuda_graph == "on" and device.type != "cuda":
+        if cuda_graph == "on" and not cuda:
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
         # The decode step: the model itself, its torch.compile'd form, or on the CPU the model's
         # C++ step (same call, same state buffers; see _cpu_kernel_step).
@@ -101,7 +109,7 @@ class DecodeSession:
         self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
                                   vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20,
                                   kv_dtype=getattr(self._step_fn, "kv_dtype", None))
-        if compile == "on" and device.type == "cuda":
+        if compile == "on" and cuda:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":
             # The CPU step attends over the live slots, one more each step: dynamic shapes, one
@@ -118,10 +126,11 @@ class DecodeSession:
 
             self._step_fn = step_fn
             self._compile_now()
-        if device.type == "cuda" and compile == "off":
-            self._precompile()
+        # Before any forward: _forward reads it (the throwaway forwards below run eager steps).
         self.graph = None
-        if cuda_graph in ("on", "auto") and device.type == "cuda":
+        if cuda and compile == "off":
+            self._precompile()
+        if cuda_graph in ("on", "auto") and cuda:
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
 
     def _throwaway_forwards(self, steps: int) -> None:
