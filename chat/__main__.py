@@ -184,7 +184,11 @@ def run_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     settings = load_settings(args.config, overrides=overrides(args))
     if args.prompt is not None:
-        return one_shot(open_runtime(settings), args.prompt)
+        from .input_text import NOTICE, clean
+        prompt, replaced = clean(args.prompt)
+        if replaced:
+            print(f"chat: note: --prompt {NOTICE}", file=sys.stderr)
+        return one_shot(open_runtime(settings), prompt)
     from .repl import run_repl
     return run_repl(settings)
 

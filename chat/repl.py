@@ -21,6 +21,7 @@ from engine.session import ContextOverflow, ReuseMismatch
 
 from .commands import COMMANDS, CommandError, ExitRepl, run_command
 from .controller import ChatController
+from .input_text import stdin_lines
 from .render import Renderer
 from .runtime import open_runtime
 from .settings import Settings
@@ -127,10 +128,11 @@ class ReplApp:
         self.renderer.stats(result.stats, c.context_used, c.session.max_context)
 
 
-def _read_piped(stream):
-    """Plain lines from a pipe, with \"\"\" blocks joined into one message."""
+def _read_piped(stream, notice=lambda text: None):
+    """Plain lines from a pipe (bytes that are not UTF-8 replaced, with a notice), with \"\"\"
+    blocks joined into one message."""
     block: list[str] | None = None
-    for raw in stream:
+    for raw in stdin_lines(stream, notice):
         line = raw.rstrip("\n")
         if block is not None:
             if line.strip() == BLOCK:
@@ -149,7 +151,7 @@ def _read_piped(stream):
 def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
     if session is None:
         try:
-            for line in _read_piped(stdin or sys.stdin):
+            for line in _read_piped(stdin or sys.stdin, app.renderer.notice):
                 app.handle(line)
         except ExitRepl:
             pass

@@ -155,3 +155,41 @@ def test_piped_embedded_model_is_byte_identical():
                            env=dict(os.environ, CHAT_HISTORY_FILE=os.devnull)) for _ in range(2)]
     assert runs[0].returncode == 0, runs[0].stderr
     assert runs[0].stdout and runs[0].stdout == runs[1].stdout
+
+
+class PipedBytes:
+    """A piped stdin: text lines over raw bytes (`.buffer`), as sys.stdin is."""
+
+    def __init__(self, raw: bytes):
+        import io
+        self.buffer = io.BytesIO(raw)
+
+
+def test_piped_bytes_that_are_not_utf8_are_replaced_with_a_notice(app_factory, capsys):
+    app, out, _ = app_factory(max_new_tokens="4")
+    assert run_loop(app, None, stdin=PipedBytes(b"caf\xe9 \xff\nplain\n/exit\n")) == 0
+    assert [m["content"] for m in app.controller.conv.messages[::2]] == ["caf\ufffd \ufffd", "plain"]
+    err = capsys.readouterr().err
+    assert "input line 1 is not valid UTF-8" in err and "line 2" not in err
+
+
+@pytest.mark.parametrize("text, replaced", [("café", False), ("caf\udce9", True), ("a\ud800b", True)])
+def test_clean_replaces_lone_surrogates(text, replaced):
+    from chat.input_text import clean
+    out, flag = clean(text)
+    assert flag == replaced and out.encode("utf-8") and len(out) == len(text)
+
+
+def test_fuzz_random_bytes_on_stdin(app_factory):
+    """Random bytes piped in: every line reaches the conversation or a command as text; no
+    exception leaves the loop."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    app, _, _ = app_factory(max_new_tokens="2")
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.binary(max_size=120))
+    def feed(raw):
+        app.controller.reset()  # (a context that fills would only refuse further lines)
+        assert run_loop(app, None, stdin=PipedBytes(raw)) == 0
+
+    feed()
