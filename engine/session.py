@@ -108,7 +108,8 @@ class DecodeSession:
         # 4-bit weights: fp16, half the bytes a long context's step reads)
         self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
                                   vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20,
-                                  kv_dtype=getattr(self._step_fn, "kv_dtype", None))
+                                  kv_dtype=getattr(self._step_fn, "kv_dtype", None),
+                                  masked_reads=self._bucketed_decode)
         if compile == "on" and cuda:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":

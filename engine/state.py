@@ -48,17 +48,20 @@ MAX_SLOTS = 32
 
 class StateManager:
     def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype,
-                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20, kv_dtype: torch.dtype | None = None):
+                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20, kv_dtype: torch.dtype | None = None,
+                 masked_reads: bool | None = None):
         self.max_context = max_context
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_dtype or dtype  # the attention caches' (a decode step may keep them narrower)
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._fixed: list[dict[str, torch.Tensor] | None] = []
-        # KV slots past the live length are read only on CUDA (the decode step attends over a
-        # bucket of slots, masked past the position), where they must hold finite values;
-        # elsewhere attention reads only written slots, so untouched pages cost no memory until
-        # the context grows into them.
-        kv_alloc = torch.zeros if device.type == "cuda" else torch.empty
+        # KV slots past the live length are read where the decode step attends over a bucket of
+        # slots, masked past the position (`masked_reads`; by default on CUDA): there they must
+        # hold finite values. Elsewhere attention reads only written slots, so untouched pages
+        # cost no memory until the context grows into them.
+        if masked_reads is None:
+            masked_reads = device.type == "cuda"
+        kv_alloc = torch.zeros if masked_reads else torch.empty
         for layer in spec:
             if isinstance(layer, AttentionState):
                 shape = (layer.n_kv_heads, max_context, layer.head_dim)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import fused_cuda
-from .layers import Linear, Residual, Rope, add_norm, causal_mask
+from .layers import Linear, Residual, Rope, add_norm, causal_mask, head_logits
 from .state_spec import StateView
 
 
@@ -69,4 +69,10 @@ class CausalLM(nn.Module):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
         if not all_logits:
             x = x.last_row() if isinstance(x, Residual) else x[-1:]
-        return self.lm_head(add_norm(x, self.model.norm, defer=True)[1]).float()
+        return self.logits(x)
+
+    def logits(self, x: "torch.Tensor | Residual") -> torch.Tensor:
+        """The final norm and the LM head over the residual stream's rows: fp32 logits [T, vocab],
+        the norm's output and the head's sums kept in fp32 whatever the model's dtype (a bf16
+        rounding of logits near 25 is 0.125: near ties would flip)."""
+        return head_logits(self.lm_head, add_norm(x, self.model.norm, defer=True, out_dtype=torch.float32)[1])

@@ -226,7 +226,7 @@ class CpuStep:
         if self._caches[0] is not state:  # the state's buffers never move: list them once
             self._caches = (state, [t for i in range(len(model.model.layers)) for t in state.kv(i)])
         x = self.op(x, cos, sin, self.params, self._caches[1], self.meta, state.length, self.eps)
-        return model.lm_head(model.model.norm(x)).float()
+        return model.logits(x)
 
 
 if __name__ == "__main__":

@@ -233,11 +233,13 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
-                 sum_out: torch.Tensor | None = None, early: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 sum_out: torch.Tensor | None = None, early: bool = True,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows; x + y written into `sum_out`
-    where given. `early=False`: under PDL the next kernel launches only when this one ends."""
+    where given; the normed rows in out_dtype (x's by default). `early=False`: under PDL the next
+    kernel launches only when this one ends."""
     n = x.shape[-1]
-    s, out = sum_out if sum_out is not None else torch.empty_like(x), torch.empty_like(x)
+    s, out = sum_out if sum_out is not None else torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
     launch(_add_rms_norm_kernel, (x.shape[0],),
            x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), EARLY=early, **pdl(x))
     return s, out

@@ -122,8 +122,10 @@ class NormedRow:
     both in its prologue (or `materialize()` does, in one add_rms_norm launch). res may be None
     (nothing pending: the stream is x). Linear layers take it in place of a tensor."""
 
-    def __init__(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    def __init__(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None):
         self.x, self.res, self.weight, self.eps = x, res, weight, eps
+        self.out_dtype = out_dtype  # the normed row's dtype where materialized (x's by default)
         self.stream = x if res is None else torch.empty_like(x)
         self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
         self._h: torch.Tensor | None = None
@@ -139,14 +141,15 @@ class NormedRow:
             # against 70.6-71.4 tok/s with early=False (two A/B calls).
             y = self.res if self.res is not None else torch.zeros_like(self.x)
             _, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
-                                                 sum_out=self.stream if self.res is not None else None)
+                                                 sum_out=self.stream if self.res is not None else None,
+                                                 out_dtype=self.out_dtype)
         return self._h
 
 
 def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] contiguous (or a NormedRow of one); w [N, K] with contiguous rows. Returns [1, N]
-    (swiglu: [1, N/2])."""
+         config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] contiguous (or a NormedRow of one), any float dtype; w [N, K] with contiguous
+    rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32)."""
     N, K = w.shape
     if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
@@ -154,7 +157,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     src = pre.x if pre is not None else x
     n_out = N // 2 if swiglu else N
     bn, bk, warps = config or pick_config(K, n_out)
-    out = torch.empty(1, n_out, dtype=src.dtype, device=src.device)
+    out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
     launch(_gemv_kernel, (triton.cdiv(n_out, bn),),

@@ -31,14 +31,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel where input and weight share a dtype (it accumulates in fp32): the
-        # decode step is op-count bound on the CPU and launch bound on CUDA. A zero-centred weight
-        # (offset 1) is applied in fp32 as HF does, which costs two casts.
-        if self.offset == 0.0 and x.dtype == self.weight.dtype:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: the output's dtype (x's by default; the final norm hands the LM head fp32)."""
+        # One fused kernel where input, weight and output share a dtype (it accumulates in fp32):
+        # the decode step is op-count bound on the CPU and launch bound on CUDA. A zero-centred
+        # weight (offset 1) is applied in fp32 as HF does, which costs two casts.
+        out_dtype = out_dtype or x.dtype
+        if self.offset == 0.0 and x.dtype == self.weight.dtype == out_dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         w = self.offset_weight if hasattr(self, "offset_weight") else self.offset + self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(out_dtype)
 
     def fused_weight(self) -> torch.Tensor:
         """The weight the fused kernels apply in fp32: offset + weight (set by reset_buffers)."""
@@ -60,22 +62,23 @@ class Residual(NamedTuple):
         return Residual(self.x[-1:], self.branch[-1:])
 
 
-def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm,
-             defer: bool = False) -> "tuple[torch.Tensor, torch.Tensor | fused_linear.NormedRow]":
+def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
+             out_dtype: torch.dtype | None = None) -> "tuple[torch.Tensor, torch.Tensor | fused_linear.NormedRow]":
     """(the residual stream, norm(stream)), adding a pending branch first. `defer` (for callers
     whose normed row goes only into Linear layers): on the fused CUDA path the norm is returned
     as a NormedRow, computed in the prologue of the GEMV that reads it (one launch fewer), and
-    the stream tensor is written by that GEMV."""
+    the stream tensor is written by that GEMV. `out_dtype`: the normed rows' dtype (the
+    stream's by default); the stream itself always keeps its dtype."""
     s, b = x if isinstance(x, Residual) else (x, None)
     if (fused_cuda.prefill_usable(s) and (b is None or s.dtype == b.dtype)
             and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
         if defer and s.shape[0] == 1:
-            row = fused_linear.NormedRow(s, b, norm.fused_weight(), norm.eps)
+            row = fused_linear.NormedRow(s, b, norm.fused_weight(), norm.eps, out_dtype)
             return row.stream, row
         if b is not None and s.is_contiguous() and b.is_contiguous():  # any number of rows
-            return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps)
+            return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps, out_dtype=out_dtype)
     x = s if b is None else s + b
-    return x, norm(x)
+    return x, norm(x, out_dtype)
 
 
 class Rope(nn.Module):
@@ -206,6 +209,34 @@ class FusedLinear(Linear):
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)
+
+
+# Rows of a half-precision LM head widened to fp32 at a time where no fp32-output kernel serves
+# (the CPU in bf16/fp16, CUDA without Triton): bounds the transient copy (~64 MiB in fp32).
+HEAD_CHUNK_ELEMENTS = 16 << 20
+
+
+def head_logits(head: nn.Module, h: "torch.Tensor | fused_linear.NormedRow") -> torch.Tensor:
+    """The LM head's logits in fp32: h (the final norm's rows, fp32, or a NormedRow of one that
+    yields fp32) times the head's weight, accumulated in fp32 and never rounded to a half dtype,
+    so that greedy decoding compares fp32 values. Half weights are read as they are stored: the
+    Triton GEMV writes fp32 (one row on CUDA); elsewhere row chunks of the weight are widened.
+    The CPU's 4-bit heads (quant.Q8Linear) return their kernel's sums (see quant.py)."""
+    w = getattr(head, "weight", None)
+    if not isinstance(head, Linear) or w is None:
+        return head(h.materialize() if isinstance(h, fused_linear.NormedRow) else h).float()
+    if isinstance(h, fused_linear.NormedRow) or (
+            h.shape[0] == 1 and fused_cuda.serves(h.device, w.dtype) and not torch.compiler.is_compiling()):
+        return fused_linear.gemv(h if isinstance(h, fused_linear.NormedRow) else h.contiguous(), w, head.bias,
+                                 out_dtype=torch.float32)
+    h = h.float()
+    if w.dtype == torch.float32:
+        return F.linear(h, w, head.bias)
+    rows = max(1, HEAD_CHUNK_ELEMENTS // w.shape[1])
+    out = torch.empty(h.shape[0], w.shape[0], dtype=torch.float32, device=h.device)
+    for i in range(0, w.shape[0], rows):
+        torch.mm(h, w[i:i + rows].float().t(), out=out[:, i:i + rows])
+    return out if head.bias is None else out + head.bias.float()
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:

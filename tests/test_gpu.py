@@ -351,3 +351,35 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
                           cuda_graph="on")
     assert [list(fresh.generate(p, cfg)) for p in prompts] == tokens
     assert list(fresh.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg)) == later
+
+
+@pytest.mark.parametrize("N", [1000, 40000])  # the norm in the GEMV's prologue; a separate launch (> 32 MB)
+def test_lm_head_hands_fp32_logits_on_cuda(N):
+    """The final norm + LM head on the Triton path: fp32 out, sums never rounded to bf16."""
+    from models.fused_linear import NormedRow
+    from models.layers import Linear, head_logits
+    K = 1024
+    g = torch.Generator(device="cuda").manual_seed(N)
+    head = Linear(K, N, bias=False).cuda().to(torch.bfloat16)
+    head.weight.data.normal_(0, 0.05, generator=g)
+    x, res = (torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
+    stream = (x.float() + res.float()).to(torch.bfloat16).double()
+    h = F.rms_norm(stream, (K,), norm_w.double(), 1e-6)
+    ref = h @ head.weight.double().t()
+    row = NormedRow(x, res, norm_w, 1e-6, torch.float32)
+    out = head_logits(head, row)
+    assert out.dtype == torch.float32
+    rel = float((out.double() - ref).norm() / ref.norm())
+    assert rel < 1e-5, rel
+    assert torch.equal(row.stream, stream.to(torch.bfloat16))
+    plain = head_logits(head, h.float())  # an fp32 tensor row: the GEMV reads it as it is
+    assert plain.dtype == torch.float32 and float((plain.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_model_logits_are_fp32_on_cuda(gpu_models):
+    for lm in gpu_models.values():
+        s = DecodeSession(lm.model, max_context=64, device=torch.device("cuda"), dtype=torch.bfloat16)
+        for logits in (s.prefill(list(range(3, 20))), s.step(5)):
+            assert logits.dtype == torch.float32
+            assert bool((logits.to(torch.bfloat16).float() != logits).any())
