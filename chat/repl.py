@@ -194,7 +194,8 @@ def run_repl(settings: Settings) -> int:
             rt = open_runtime(settings, lambda text: status.update(text + "…"))
         lm = rt.loaded
         renderer.notice(f"{os.path.basename(lm.source)} · {lm.n_params / 1e6:.0f}M params · "
-                        f"{lm.weight_format} · {rt.device} · "
+                        f"{lm.weight_format} · {str(rt.dtype).replace('torch.', '')} on {rt.device} "
+                        f"({rt.dtype_reason}) · "
                         f"loaded in {rt.load_seconds:.1f}s · /help for commands, Ctrl-D to exit")
     else:
         rt = open_runtime(settings)

@@ -25,6 +25,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    dtype_reason: str = ""
 
     def conversation(self) -> Conversation:
         return Conversation(self.template, self.loaded.tokenizer, self.settings.ui.system_prompt)
@@ -36,12 +37,42 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     t0 = time.perf_counter()
     eng = settings.engine
     device = resolve_device(eng)
-    dtype = resolve_dtype(eng, device)
+    dtype, why = resolve_dtype(eng, device, models.native_dtype(models.resolve(eng.model)))
     if device.type == "cpu":
         configure_threads(eng)
+    loaded, session = _open(settings, device, dtype, report)
+    if eng.dtype == "auto" and dtype == torch.float16 and not session.finite_on(_calibration_ids(loaded)):
+        # fp16's range is 6.5e4: a model whose activations exceed it gives inf/nan; bf16 has fp32's range
+        del loaded, session
+        _free(device)
+        dtype, why = torch.bfloat16, "auto: float16 overflowed on a calibration prompt, so bfloat16"
+        report(why)
+        loaded, session = _open(settings, device, dtype, report)
+    template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
+    return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0, why)
+
+
+# A calibration text for the fp16 range check: prose, code and digits, so that common paths
+# through the weights are exercised.
+CALIBRATION = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers; "
+               "def mean(xs): return sum(xs) / len(xs)  # 3.14159, 2.71828, 1e-9. ¿Qué tal? 東京は日本の首都です。")
+
+
+def _calibration_ids(loaded: models.LoadedModel) -> list[int]:
+    return loaded.tokenizer.encode(CALIBRATION, add_special_tokens=False).ids
+
+
+def _free(device: torch.device) -> None:
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
+    eng = settings.engine
     report(f"loading {eng.model}")
     loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto")
-    template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
@@ -54,4 +85,4 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
                             verify_reuse=eng.verify_reuse)
     if session.cpu_kernel_note:
         report(session.cpu_kernel_note)
-    return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0)
+    return loaded, session

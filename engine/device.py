@@ -18,10 +18,20 @@ def resolve_device(cfg: EngineConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[cfg.dtype]
+def resolve_dtype(cfg: EngineConfig, device: torch.device, native: tuple[str | None, str] = (None, "")
+                  ) -> tuple[torch.dtype, str]:
+    """(the compute dtype, why, in words for the load line and /show). `native`: the checkpoint's
+    own dtype and what says so (models.native_dtype). `auto`: float32 on the CPU (its kernels
+    compute in fp32; the 4-bit ones round inside); on CUDA the checkpoint's own dtype, where it
+    names a float type, else bfloat16."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype], "set by dtype"
+    if device.type != "cuda":
+        return torch.float32, "auto: the CPU computes in float32"
+    name, source = native
+    if name in _DTYPES:
+        return _DTYPES[name], f"auto: {source}"
+    return torch.bfloat16, "auto: the checkpoint names no dtype"
 
 
 def physical_cores() -> int:

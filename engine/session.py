@@ -235,6 +235,15 @@ class DecodeSession:
             raise ConfigError(f"compile: on could not compile the decode step ({first[:200]}); "
                               "use compile: off") from None
 
+    def finite_on(self, ids: list[int]) -> bool:
+        """Whether a prefill of `ids` (cut to the context) gives finite logits: the check that a
+        half dtype's range holds the model's activations. Leaves the state reset."""
+        try:
+            self.reset()
+            return bool(torch.isfinite(self.prefill(ids[: self.max_context - 1] or [0])).all())
+        finally:
+            self.reset()
+
     # --- state --------------------------------------------------------------------------------
     def reset(self) -> None:
         self.state.reset()

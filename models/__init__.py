@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -75,6 +76,22 @@ def resolve(path_or_alias: str) -> str:
         known = ", ".join(ALIASES)
         raise CheckpointError(f"model {path_or_alias!r}: no such file or directory (aliases: {known})")
     return path
+
+
+def native_dtype(path: str) -> tuple[str | None, str]:
+    """The dtype a checkpoint computes in as its makers meant, and what says so, without reading
+    weights: an HF directory's config (`torch_dtype`, or `dtype` since transformers 5); for a GGUF
+    file float16: its blocks are fp16-scaled and llama.cpp computes in fp16, and on the embedded
+    model it kept the fp32 reference's greedy replies where bf16 did not (bench/numerics.py,
+    bench/RESULTS.md). A session checks that fp16 stays finite on the model (chat/runtime.py)."""
+    if os.path.isdir(path):
+        try:
+            config = text_config(json.load(open(os.path.join(path, "config.json"), encoding="utf-8")))
+        except (OSError, ValueError):
+            return None, ""  # the loader reports what is wrong with it
+        name = config.get("torch_dtype") or config.get("dtype")
+        return (name, f"the checkpoint's config says {name}") if isinstance(name, str) else (None, "")
+    return "float16", "a GGUF file (fp16-scaled blocks, llama.cpp's compute type)"
 
 
 def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
