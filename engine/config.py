@@ -61,6 +61,8 @@ def coerce(cls, key: str, raw: Any) -> Any:
     if not isinstance(raw, str):
         if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
             return float(raw)
+        if isinstance(raw, bool) and kind is str and ("on" if raw else "off") in f.metadata["allowed"].split(" | "):
+            return "on" if raw else "off"  # YAML 1.1 reads an unquoted on/off as a boolean
         return raw
     text = raw.strip()
     try:

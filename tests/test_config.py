@@ -43,3 +43,14 @@ def test_with_value_validates():
     assert s.sampling.greedy
     with pytest.raises(ConfigError):
         s.with_value("nonsense", "1")
+
+
+def test_unquoted_yaml_on_off_reads_as_the_choice(tmp_path):
+    """YAML 1.1 parses `cuda_graph: off` as False: a choice of on | off takes it as 'off'."""
+    f = tmp_path / "c.yaml"
+    f.write_text("engine:\n  cuda_graph: off\n  compile: on\n  quantized: off\n")
+    s = load_settings(str(f), env={})
+    assert (s.engine.cuda_graph, s.engine.compile, s.engine.quantized) == ("off", "on", "off")
+    f.write_text("engine:\n  dtype: off\n")
+    with pytest.raises(ConfigError, match="dtype: False is not valid"):
+        load_settings(str(f), env={})
