@@ -23,8 +23,8 @@ $(VENV)/.setup-test: $(VENV)/.setup
 
 # The C++ CPU decode step, compiled once into ~/.cache/chat (chat builds it itself when missing,
 # and decodes with the torch step where no C++ compiler exists: a failure here is not fatal).
-$(VENV)/.cpu_step: models/cpu_step.cpp $(VENV)/.setup
-	-$(BIN)/python -m models.cpu_step
+$(VENV)/.cpu_step: models/kernels/cpu/step.cpp $(VENV)/.setup
+	-$(BIN)/python -m models.kernels.cpu.step
 	touch $@
 
 setup: $(VENV)/.setup $(VENV)/.cpu_step

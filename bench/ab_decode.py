@@ -26,11 +26,11 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models import fused_cuda, fused_linear  # noqa: E402
+from models.kernels.cuda import base as cuda_base, cuda_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-DEFAULTS = dict(pdl=fused_cuda.PDL_ENABLED, prologue=fused_linear.PROLOGUE_MAX_BYTES, triton=fused_cuda.ENABLED,
-                wholek=fused_linear.WHOLE_K_MAX_BYTES)
+DEFAULTS = dict(pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
+                wholek=cuda_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -47,8 +47,8 @@ VARIANTS = {
 
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
-    fused_cuda.PDL_ENABLED, fused_linear.PROLOGUE_MAX_BYTES, fused_cuda.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    fused_linear.WHOLE_K_MAX_BYTES = v["wholek"]
+    cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
+    cuda_linear.WHOLE_K_MAX_BYTES = v["wholek"]
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import triton.compiler  # noqa: E402
 
 from engine.session import DecodeSession  # noqa: E402
-from models import fused_cuda  # noqa: E402
+from models.kernels.cuda import base as cuda_base  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 
@@ -42,8 +42,8 @@ def main() -> None:
         return out
 
     triton.compiler.compile = timed
-    precompiling = fused_cuda.precompiling
-    fused_cuda.precompiling = lambda workers=None: precompiling(a.workers or workers)
+    precompiling = cuda_base.precompiling
+    cuda_base.precompiling = lambda workers=None: precompiling(a.workers or workers)
     dev = torch.device("cuda")
     model = random_model(a.name, dev, torch.bfloat16)
     torch.cuda.synchronize()

@@ -2,10 +2,10 @@
 
     python bench/gemv_sweep.py [--shapes smollm2-135m,...] [--quick]
 For each matrix shape of the PERFORMANCE.md models, times F.linear (cuBLAS) and the Triton kernel
-of models/fused_linear.py under a set of (BLOCK_N, BLOCK_K, warps) configs, each inside a CUDA graph of
+of models/kernels/cuda/linear.py under a set of (BLOCK_N, BLOCK_K, warps) configs, each inside a CUDA graph of
 many calls over rotating weight copies (>= 256 MB, so the weights come from HBM, as in a decode
 step, not from L2). Prints microseconds per call and the achieved GB/s; the best config per shape
-is what fused_linear.pick_config encodes.
+is what cuda_linear.pick_config encodes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from models import fused_linear  # noqa: E402
+from models.kernels.cuda import linear as cuda_linear  # noqa: E402
 
 SHAPES = {  # (K, N) of each linear in one decoder layer, and the LM head
     "smollm2-135m": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
@@ -70,13 +70,13 @@ def main() -> None:
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
             row = {"cublas": time_calls(lambda x, w: F.linear(x, w), weights, x)}
-            cands = [fused_linear.pick_config(K, N)] if a.quick else configs
+            cands = [cuda_linear.pick_config(K, N)] if a.quick else configs
             for bn, bk, nw in cands:
-                out = fused_linear.gemv(x, weights[0], config=(bn, bk, nw))
+                out = cuda_linear.gemv(x, weights[0], config=(bn, bk, nw))
                 assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2), (K, N, bn, bk, nw)
-                row[(bn, bk, nw)] = time_calls(lambda x, w: fused_linear.gemv(x, w, config=(bn, bk, nw)), weights, x)
+                row[(bn, bk, nw)] = time_calls(lambda x, w: cuda_linear.gemv(x, w, config=(bn, bk, nw)), weights, x)
             best = min((k for k in row if k != "cublas"), key=row.get)
-            picked = fused_linear.pick_config(K, N)
+            picked = cuda_linear.pick_config(K, N)
             print(f"{name:13} K={K:5} N={N:6} {size / 1e6:7.1f} MB  cuBLAS {row['cublas']:7.2f} us "
                   f"({size / row['cublas'] / 1e3:5.0f} GB/s)  best {best} {row[best]:7.2f} us "
                   f"({size / row[best] / 1e3:5.0f} GB/s)  picked {picked} {row.get(picked, float('nan')):7.2f} us",

@@ -13,12 +13,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import fused_scan, gated_delta  # noqa: E402
+from models.kernels.cuda import scan as cuda_scan, gated_delta  # noqa: E402
 
 
 def main() -> None:
     prec, BV, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    fused_scan.CONFIG.update(BV=BV, num_warps=warps, num_stages=stages, precision=prec)
+    cuda_scan.CONFIG.update(BV=BV, num_warps=warps, num_stages=stages, precision=prec)
     dev = "cuda"
     for H in (16, 48):
         T, dk, dv = 2048, 128, 128

@@ -80,7 +80,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from engine.config import ConfigError
     from engine.session import ContextOverflow, ReuseMismatch
     from engine.state import RewindError
-    from models.checkpoints import CheckpointError
+    from models import CheckpointError
 
     from .template import TemplateError
     from .transcript import TranscriptError

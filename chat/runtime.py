@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 import models
-from models import cpu_step
 from engine.device import configure_threads, resolve_device, resolve_dtype
 from engine.session import DecodeSession
 
@@ -77,7 +76,7 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
     if (device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off"
-            and cpu_step.serves(loaded.model, dtype) and not cpu_step.is_built()):
+            and models.cpu_step_pending(loaded.model, dtype)):
         report("building the CPU decode kernel (once: ~10-20 s; cached for later runs)")
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,

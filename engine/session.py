@@ -165,7 +165,7 @@ class DecodeSession:
         hook = getattr(self.model, "cpu_decode_step", None)
         try:
             step = hook(self.dtype) if hook is not None else None
-        except RuntimeError as e:  # models.cpu_step.Unavailable: no compiler, a failed build
+        except RuntimeError as e:  # models.kernels.CpuStepUnavailable: no compiler, a failed build
             if required:
                 raise ConfigError(f"cpu_kernel: on, but the CPU decode kernel is unavailable ({e}); "
                                   "use cpu_kernel: auto or off") from None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.state_spec import AttentionState, FixedState
+from models.architectures.state_spec import AttentionState, FixedState
 
 
 class RewindError(RuntimeError):

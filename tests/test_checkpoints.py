@@ -123,7 +123,7 @@ def test_hybrid_interrupt_rolls_back_to_a_checkpoint_not_a_reset(ckpts):
 
 
 def test_forward_broken_midway_falls_back_to_a_checkpoint(ckpts, monkeypatch):
-    from models import gated_delta
+    from models.architectures import gated_delta
     c = controller(ckpts["qwen3_5"], temperature="0")
     list(c.send("alpha", TurnResult([])))
     after_turn1 = c.session.state.length

@@ -1,4 +1,4 @@
-"""The C++ CPU decode step (models/cpu_step.py) against the torch step it replaces."""
+"""The C++ CPU decode step (models/kernels/cpu/step.py) against the torch step it replaces."""
 import os
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import models
 from engine.config import ConfigError, SamplingConfig
 from engine.session import DecodeSession
-from models import cpu_step
+from models.kernels.cpu import step as cpu_step
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=40)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=77, max_new_tokens=40)
@@ -25,7 +25,7 @@ def step_logits(lm, kernel, prompt, tokens):
 
 
 def across_the_switch(lm, kernel):
-    """Logits of 13 steps from 250 to 262 live slots (cpu_step.cpp's kLoopSlots is 256)."""
+    """Logits of 13 steps from 250 to 262 live slots (step.cpp's kLoopSlots is 256)."""
     s = session(lm, kernel, max_context=400)
     s.prefill(torch.randint(3, 300, (249,), generator=torch.Generator().manual_seed(3)).tolist())
     return torch.stack([s.step(t)[-1] for t in range(10, 23)])
@@ -49,7 +49,7 @@ def test_cpp_step_matches_the_torch_step(tiny_dirs, kind):
 
 
 def test_cpp_step_across_the_long_context_switch(tiny_dirs):
-    """The attention's two forms (loops up to cpu_step.cpp's kLoopSlots = 256 live slots, batched
+    """The attention's two forms (loops up to step.cpp's kLoopSlots = 256 live slots, batched
     GEMMs above): steps from 250 to 262 live slots match the torch step on both sides."""
     lm = models.load(tiny_dirs["qwen2"][0])
     got, want = across_the_switch(lm, "on"), across_the_switch(lm, "off")
@@ -170,7 +170,7 @@ def test_reused_session_equals_a_cold_one(tiny_dirs):
 def test_models_without_a_kernel_keep_the_torch_step(tmp_path):
     from tiny import write_checkpoint
     lm = models.load(write_checkpoint("qwen3_5", str(tmp_path / "hybrid")))  # Gated DeltaNet: no C++ step
-    assert not cpu_step.supports(lm.model)
+    assert not hasattr(lm.model, "cpu_decode_step")  # the hybrid architecture offers no C++ step
     assert session(lm, "auto")._step_fn is lm.model
     with pytest.raises(ConfigError, match="no CPU decode kernel"):
         session(lm, "on")

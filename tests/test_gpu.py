@@ -53,13 +53,13 @@ def test_capture_leaves_no_trace_in_live_state(gpu_models):
     assert all(torch.equal(a, b) for a, b in zip(before[0], s.state.fixed_tensors()))
 
 
-# --- the Triton decode kernels (models/fused_cuda.py) against their torch forms ----------------
+# --- the Triton decode kernels (models/kernels/cuda/base.py) against their torch forms ----------------
 
 def test_fused_kernels_match_torch_forms():
     """RoPE + KV write and add + RMSNorm, for one token (decode) and for several (prefill)."""
-    from models import fused_cuda
-    from models.layers import Rope
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base
+    from models.architectures.layers import Rope
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, KVH, D, S = 9, 3, 64, 32
@@ -71,7 +71,7 @@ def test_fused_kernels_match_torch_forms():
         cos, sin = rope.cos_sin(pos, bf)
         kc, vc = torch.randn(KVH, S, D, device=dev, dtype=bf), torch.randn(KVH, S, D, device=dev, dtype=bf)
         kc0, vc0 = kc.clone(), vc.clone()
-        q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
+        q = cuda_base.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH)
         assert q.shape == (H, T, D)
         heads = qkv.view(T, H + 2 * KVH, D).transpose(0, 1).float()
         ref = rope.apply(heads[:H + KVH], cos.float(), sin.float())
@@ -86,18 +86,18 @@ def test_fused_kernels_match_torch_forms():
     for T in (1, 7):
         x, y = (torch.randn(T, 576, device=dev, dtype=bf) for _ in range(2))
         w = torch.randn(576, device=dev, dtype=bf)
-        s, n = fused_cuda.add_rms_norm(x, y, w, 1e-5)
+        s, n = cuda_base.add_rms_norm(x, y, w, 1e-5)
         assert torch.equal(s, x + y)
         assert torch.allclose(n.float(), F.rms_norm((x + y).float(), (576,), w.float(), 1e-5), atol=3e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("T,H,dk,dv", [(200, 4, 128, 128), (64, 3, 64, 32), (1000, 2, 128, 64)])
 def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
-    """The chunked gated delta rule with its scan in one Triton kernel (fused_scan) against the
+    """The chunked gated delta rule with its scan in one Triton kernel (cuda_scan) against the
     torch loop and the naive recurrence: outputs and the final state, from a non-zero state,
     over a partial last chunk."""
-    from models import fused_cuda, gated_delta
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base, gated_delta
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     q, k, v, gate, beta, s0 = gated_delta.example_inputs(T, H, dk, dv, torch.device("cuda"))
     s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
@@ -114,8 +114,8 @@ def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
 def test_gemv_kernel_matches_linear(K, N):
     """The one-token Triton GEMV (one whole prefetched K step, streamed K steps, uneven steps and
     rows) and its SwiGLU form."""
-    from models import fused_cuda, fused_linear
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base, cuda_linear
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(2)
@@ -123,17 +123,17 @@ def test_gemv_kernel_matches_linear(K, N):
     w = torch.randn(N, K, device=dev, dtype=bf, generator=g) * 0.05
     b = torch.randn(N, device=dev, dtype=bf, generator=g)
     ref = F.linear(x.float(), w.float(), b.float())
-    assert torch.allclose(fused_linear.gemv(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(cuda_linear.gemv(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
     gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
-    assert torch.allclose(fused_linear.gemv(x, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(cuda_linear.gemv(x, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("res,K,N", [(True, 576, 1536), (False, 576, 1536), (True, 5120, 2048)])
 def test_gemv_norm_prologue_matches_add_norm_then_linear(res, K, N):
     """A deferred add + RMSNorm (NormedRow) computed in the GEMV's prologue: the stream written
     equals x + res bit for bit, the output matches norm-then-linear, plain and SwiGLU."""
-    from models import fused_cuda, fused_linear
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base, cuda_linear
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(4)
@@ -143,22 +143,22 @@ def test_gemv_norm_prologue_matches_add_norm_then_linear(res, K, N):
     w = torch.randn(N, K, device=dev, dtype=bf, generator=g) * (1.2 / K ** 0.5)  # outputs ~1 at any K
     s = x + r if res else x
     h = F.rms_norm(s.float(), (K,), nw, 1e-5).to(bf).float()
-    row = fused_linear.NormedRow(x, r, nw, 1e-5)
-    assert torch.allclose(fused_linear.gemv(row, w).float(), F.linear(h, w.float()), atol=2e-2, rtol=1e-2)
+    row = cuda_linear.NormedRow(x, r, nw, 1e-5)
+    assert torch.allclose(cuda_linear.gemv(row, w).float(), F.linear(h, w.float()), atol=2e-2, rtol=1e-2)
     assert torch.equal(row.stream, s)
-    row = fused_linear.NormedRow(x, r, nw, 1e-5)
+    row = cuda_linear.NormedRow(x, r, nw, 1e-5)
     gate, up = F.linear(h, w.float()).chunk(2, dim=-1)
-    assert torch.allclose(fused_linear.gemv(row, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(cuda_linear.gemv(row, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
     assert torch.equal(row.stream, s)
-    assert torch.allclose(fused_linear.NormedRow(x, r, nw, 1e-5).materialize().float(), h, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(cuda_linear.NormedRow(x, r, nw, 1e-5).materialize().float(), h, atol=2e-2, rtol=1e-2)
 
 
 def test_qk_norm_partial_rope_kernel_matches_torch_forms():
     """Qwen3.5's gated attention: q heads 2D apart (each followed by its gate), zero-centred q/k
     norms, RoPE over the first quarter of each head; three tokens (a prefill's form)."""
-    from models import fused_cuda
-    from models.layers import Rope
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base
+    from models.architectures.layers import Rope
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, KVH, D, R, S, T = 8, 2, 256, 64, 32, 3
@@ -169,7 +169,7 @@ def test_qk_norm_partial_rope_kernel_matches_torch_forms():
     cos, sin = rope.cos_sin(pos, bf)
     kc, vc = torch.zeros(KVH, S, D, device=dev, dtype=bf), torch.zeros(KVH, S, D, device=dev, dtype=bf)
     qw, kw = torch.rand(D, device=dev) + 0.5, torch.rand(D, device=dev) + 0.5
-    q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, q_stride=2 * D, norm_weights=(qw, kw), eps=1e-6)
+    q = cuda_base.qk_rope_kv_write(qkv, cos, sin, pos, kc, vc, H, KVH, q_stride=2 * D, norm_weights=(qw, kw), eps=1e-6)
     x = qkv.float()
     qh = F.rms_norm(x[:, :H * 2 * D].view(T, H, 2 * D)[..., :D], (D,), qw, 1e-6)
     kh = F.rms_norm(x[:, H * 2 * D:H * 2 * D + KVH * D].view(T, KVH, D), (D,), kw, 1e-6)
@@ -187,9 +187,9 @@ def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
     positions that leave slices empty, fill one block exactly, and span many slices. Compared
     with the torch form in fp32: its bf16 form rounds the scores before the softmax (the kernel
     keeps them fp32), so on sharp softmaxes it is the less exact of the two."""
-    from models import fused_attention, fused_cuda
-    from models.layers import decode_attention
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import attention as cuda_attention, cuda_base
+    from models.architectures.layers import decode_attention
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(3)
@@ -200,10 +200,10 @@ def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
     for pos in sorted({0, 1, 63, 64, 200, S // 2 + 7, S - 1}):
         p = torch.tensor([pos], device=dev)
         ref = decode_attention(q.float(), kc[:, :pos + 1].float(), vc[:, :pos + 1].float(), None)
-        out = fused_attention.decode(q, kc, vc, p)
+        out = cuda_attention.decode(q, kc, vc, p)
         assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (pos, float((out.float() - ref).abs().max()))
-        assert torch.equal(out, fused_attention.decode(q, kc, vc, p))  # the same bits every run
-        gated = fused_attention.decode(q, kc, vc, p, gate[:, D:], 2 * D)
+        assert torch.equal(out, cuda_attention.decode(q, kc, vc, p))  # the same bits every run
+        gated = cuda_attention.decode(q, kc, vc, p, gate[:, D:], 2 * D)
         want = ref * torch.sigmoid(gate.view(H, 2 * D)[:, D:].reshape(1, -1).float())
         assert torch.allclose(gated.float(), want, atol=2e-2, rtol=2e-2)
 
@@ -212,9 +212,9 @@ def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
 def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
     """The two-kernel DeltaNet step against GatedDeltaNet's torch form, over several tokens from
     the same states: outputs, the conv window and the fp32 recurrent state."""
-    from models import fused_cuda
-    from models.qwen3_5 import GatedDeltaNet, HybridConfig
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base
+    from models.architectures.qwen3_5 import GatedDeltaNet, HybridConfig
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
     cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),
@@ -241,7 +241,7 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
             return [layer(x, st).float() for x in xs], st
 
     fused, st_f = run()
-    monkeypatch.setattr(fused_cuda, "ENABLED", False)
+    monkeypatch.setattr(cuda_base, "ENABLED", False)
     plain, st_p = run()
     for a, b in zip(fused, plain):
         assert torch.allclose(a, b, atol=2e-2, rtol=3e-2), float((a - b).abs().max())
@@ -251,8 +251,8 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
 def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch, kind):
-    from models import fused_cuda
-    if not fused_cuda.ENABLED:
+    from models.kernels.cuda import base as cuda_base
+    if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     lm = gpu_models[kind]
     prompt = list(range(3, 40))
@@ -267,7 +267,7 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
         return torch.cat([torch.stack([first] + steps), later])
 
     fused = step_logits()
-    monkeypatch.setattr(fused_cuda, "ENABLED", False)
+    monkeypatch.setattr(cuda_base, "ENABLED", False)
     plain = step_logits()
     assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
 
@@ -294,9 +294,9 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
     """Without Triton (CHAT_TRITON=0) the decode step reads a bucket of key slots that grows with
     the position; crossing from one bucket's graph to the next keeps graphs on = off."""
     import engine.graphs
-    from models import fused_cuda
+    from models.kernels.cuda import base as cuda_base
     monkeypatch.setattr(engine.graphs, "SMALLEST_BUCKET", 64)
-    monkeypatch.setattr(fused_cuda, "ENABLED", False)
+    monkeypatch.setattr(cuda_base, "ENABLED", False)
     for kind in ("llama", "qwen3_5"):
         lm = gpu_models[kind]
         prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -315,10 +315,10 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 
 def _compiled_kernels() -> int:
     """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
-    from models import fused_attention, fused_cuda, fused_delta, fused_linear, fused_scan
-    kernels = [fused_linear._gemv_kernel, fused_cuda._qk_rope_kv_kernel, fused_cuda._add_rms_norm_kernel,
-               fused_delta._conv_step_kernel, fused_delta._delta_step_kernel, fused_attention._split_kernel,
-               fused_attention._merge_kernel, fused_scan._chunk_scan_kernel]
+    from models.kernels.cuda import attention as cuda_attention, cuda_base, cuda_delta, cuda_linear, cuda_scan
+    kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
+               cuda_delta._conv_step_kernel, cuda_delta._delta_step_kernel, cuda_attention._split_kernel,
+               cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -328,9 +328,9 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
     prompt length, later turn or decode step compiles another; and the throwaway forwards that
     compile them leave no trace (the same tokens as a session started without them). Shapes
     no other test uses, so no earlier test compiled these kernels."""
-    from models import fused_cuda
+    from models.kernels.cuda import base as cuda_base
     from tiny import write_checkpoint
-    if not fused_cuda.ENABLED or not hasattr(fused_cuda.triton, "AsyncCompileMode"):
+    if not cuda_base.ENABLED or not hasattr(cuda_base.triton, "AsyncCompileMode"):
         pytest.skip("needs Triton >= 3.4")
     over = dict(hidden_size=96, intermediate_size=160, head_dim=32)
     if kind == "qwen3_5":
@@ -346,7 +346,7 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
     tokens = [list(s.generate(p, cfg)) for p in prompts]
     later = list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))  # a later turn: masked prefill
     assert _compiled_kernels() == started
-    monkeypatch.setattr(fused_cuda, "PRECOMPILE_ENABLED", False)  # a session started without them
+    monkeypatch.setattr(cuda_base, "PRECOMPILE_ENABLED", False)  # a session started without them
     fresh = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph="on")
     assert [list(fresh.generate(p, cfg)) for p in prompts] == tokens
@@ -356,8 +356,8 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
 @pytest.mark.parametrize("N", [1000, 40000])  # the norm in the GEMV's prologue; a separate launch (> 32 MB)
 def test_lm_head_hands_fp32_logits_on_cuda(N):
     """The final norm + LM head on the Triton path: fp32 out, sums never rounded to bf16."""
-    from models.fused_linear import NormedRow
-    from models.layers import Linear, head_logits
+    from models.kernels.cuda.linear import NormedRow
+    from models.architectures.layers import Linear, head_logits
     K = 1024
     g = torch.Generator(device="cuda").manual_seed(N)
     head = Linear(K, N, bias=False).cuda().to(torch.bfloat16)

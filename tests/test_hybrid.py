@@ -9,7 +9,7 @@ import models
 from engine import reference
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
-from models import gated_delta, qwen3_5
+from models.architectures import gated_delta, qwen3_5
 
 TOL = 1e-4
 KINDS = ["qwen3_5", "qwen3_next"]
@@ -197,7 +197,7 @@ def test_qwen3_next_per_expert_checkpoint_layout(hybrids, tmp_path):
 
 
 def test_fused_l2norm_equals_the_reference_form():
-    from models.qwen3_5 import l2norm, l2norm_scaled
+    from models.architectures.qwen3_5 import l2norm, l2norm_scaled
     x = torch.randn(3, 4, 64, dtype=torch.float64)
     for scale in (1.0 / 64, 64 ** -0.5):
         w = torch.full((64,), scale, dtype=torch.float64)

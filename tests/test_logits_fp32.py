@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import models
-from models.layers import head_logits
+from models.architectures.layers import head_logits
 
 
 def _reference(model, stream):
@@ -35,7 +35,7 @@ def test_half_model_hands_the_sampler_fp32_logits(tiny_dirs, dtype):
 def test_chunked_head_equals_one_matmul(tiny_dirs, monkeypatch):
     """The row chunks of a widened half head (any chunk size) give the whole matmul's values (up
     to the matmul's own blocking of the sums)."""
-    import models.layers as layers
+    import models.architectures.layers as layers
     lm = models.load(tiny_dirs["llama"][0], "cpu", torch.bfloat16)
     h = torch.randn(3, lm.model.config.hidden_size)
     whole = head_logits(lm.model.lm_head, h)

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from models import quant
+from models.formats import quant
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 

@@ -15,7 +15,7 @@ from torch import nn
 from engine import state as state_mod
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
-from models.state_spec import FixedState
+from models.architectures.state_spec import FixedState
 
 WINDOW, VOCAB, STEPS = 16, 32, 7
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import fused_attention, fused_cuda
+from .. import kernels
+from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention)
@@ -65,14 +66,14 @@ class Attention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if fused_cuda.rope_usable(x, D):
+        if cuda_base.rope_usable(x, D):
             # one kernel for the q/k norms, RoPE and the KV write; two for a one-token attention
             qkv = self.project_joint(x)
             norms = (self.q_norm.fused_weight(), self.k_norm.fused_weight()) if hasattr(self, "q_norm") else None
-            q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
+            q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)
-            if fused_cuda.attention_usable(x, D):
-                return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions))
+            if cuda_base.attention_usable(x, D):
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions))
             return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
@@ -113,10 +114,13 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
 
     def cpu_decode_step(self, dtype):
-        """The C++ one-token step (models/cpu_step.py) where it serves this model, else None.
-        Raises cpu_step.Unavailable where it would serve but cannot be built or loaded here."""
-        from . import cpu_step
-        return cpu_step.CpuStep(self) if cpu_step.serves(self, dtype) else None
+        """The C++ one-token step (models/kernels/cpu/) where it serves this model, else None.
+        Raises kernels.CpuStepUnavailable where it would serve but cannot be built or loaded here."""
+        return kernels.cpu_decode_step(self, dtype)
+
+    def cpu_step_serves(self, dtype) -> bool:
+        """Whether decode in `dtype` would run the C++ step (built or not yet)."""
+        return kernels.cpu_step_serves(self, dtype)
 
     def state_spec(self) -> list[AttentionState]:
         return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers

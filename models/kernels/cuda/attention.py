@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_cuda
-from .fused_cuda import launch, triton
+from . import base as cuda_base
+from .base import launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .fused_cuda import _pdl_enter
+    from .base import _pdl_enter
 
     @triton.jit
     def _split_kernel(q, k_cache, v_cache, pos_ptr, m_out, l_out, acc_out, stride_kh, stride_vh, scale,
@@ -95,8 +95,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     acc = torch.empty(H, ns, D, dtype=torch.float32, device=q.device)
     launch(_split_kernel, (kvh, ns),
            q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
-           D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **fused_cuda.pdl(q))
+           D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **cuda_base.pdl(q))
     out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
     launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
-           HAS_GATE=gate is not None, D=D, NSPLIT=ns, **fused_cuda.pdl(q))
+           HAS_GATE=gate is not None, D=D, NSPLIT=ns, **cuda_base.pdl(q))
     return out

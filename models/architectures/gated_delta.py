@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fused_scan
+from ..kernels.cuda import scan as cuda_scan
 
 
 def example_inputs(T: int, H: int, dk: int, dv: int, device, seed: int = 6) -> tuple[torch.Tensor, ...]:
@@ -53,7 +53,7 @@ def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
     """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
-    `fused`: the scan as one Triton kernel (fused_scan.chunk_scan, CUDA) instead of the loop."""
+    `fused`: the scan as one Triton kernel (cuda_scan.chunk_scan, CUDA) instead of the loop."""
     T = q.shape[0]
     q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # [H, T, ...]
     pad = (chunk - T % chunk) % chunk
@@ -83,8 +83,8 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]                   # [H, n, 1, 1]
 
-    if fused and fused_scan.scan_fits(chunk, k.shape[-1], v.shape[-1]):
-        out = fused_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
+    if fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1]):
+        out = cuda_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
         return out.reshape(H, L, -1)[:, :T].transpose(0, 1)
     S = state.clone()
     out = torch.empty_like(v)

@@ -1,4 +1,4 @@
-"""The CPU decode step of dense GQA models in C++ (cpu_step.cpp), built once and cached.
+"""The CPU decode step of dense GQA models in C++ (step.cpp), built once and cached.
 
 Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear` or fp32
@@ -27,10 +27,9 @@ import tempfile
 
 import torch
 
-from .layers import FusedLinear, Linear
-from .quant import Int4Linear, Q8Embedding
+from ...formats.quant import Int4Linear, Q8Embedding
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_step.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
 
@@ -134,7 +133,7 @@ def _linear_params(m: torch.nn.Module) -> list[torch.Tensor | None]:
 
 def _linear_ok(m) -> bool:
     return (isinstance(m, Int4Linear) or
-            (type(m) in (Linear, FusedLinear) and m.weight.dtype == torch.float32)) and \
+            (isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32)) and \
         (m.bias is None or m.bias.dtype == torch.float32)
 
 
@@ -149,10 +148,8 @@ def _projections(layer) -> tuple[list, list]:
 
 
 def supports(model) -> bool:
-    """A dense GQA model (Llama, Qwen2, Qwen3) in fp32 whose linears are 4-bit or fp32."""
-    from .llama import LlamaForCausalLM
-    if not isinstance(model, LlamaForCausalLM):
-        return False
+    """Whether a dense GQA model (Llama, Qwen2, Qwen3: the architectures that offer this step
+    ask) has the weights the step reads: 4-bit or fp32 linears, fp32 norms."""
     cfg = model.config
     if cfg.head_dim > 512 or model.rope.rotary_dim % 2:
         return False
@@ -170,7 +167,7 @@ def supports(model) -> bool:
 
 
 def main() -> int:
-    """`python -m models.cpu_step`: build (or find) the library; prints its path or why not."""
+    """`python -m models.kernels.cpu.step`: build (or find) the library; prints its path or why not."""
     try:
         path = library_path()
         cached = os.path.exists(path)

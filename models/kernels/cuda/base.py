@@ -10,7 +10,7 @@ forms. `CHAT_TRITON=0` turns them off.
   into the caches at the positions read from the device (5 to 20 kernels -> 1), for one token
   (decode) or many (prefill: the queries come out in the [T, H, D] memory flash attention reads);
 - add_rms_norm: the residual add and the next RMSNorm over any number of rows (2 -> 1).
-fused_linear.py (GEMVs, SwiGLU), fused_attention.py, fused_delta.py and fused_scan.py hold the others.
+cuda_linear.py (GEMVs, SwiGLU), cuda_attention.py, cuda_delta.py and cuda_scan.py hold the others.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def prefill_usable(x: torch.Tensor) -> bool:
-    """Whether the multi-token kernels (fused_scan, the T-row forms here) serve this forward:
+    """Whether the multi-token kernels (cuda_scan, the T-row forms here) serve this forward:
     `serves`, and not inside torch.compile."""
     return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fused_cuda
+from ..kernels.cuda import base as cuda_base
 from .layers import Linear, Residual, Rope, add_norm, causal_mask, head_logits
 from .state_spec import StateView
 
@@ -39,14 +39,14 @@ class CausalLM(nn.Module):
     def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether an eager one-token forward on `device` in `dtype` runs the Triton attention,
         which reads the live length from `positions` (so `state.kv_len` buckets change nothing)."""
-        return fused_cuda.serves(device, dtype) and fused_cuda.attention_fits(self.config.head_dim)
+        return cuda_base.serves(device, dtype) and cuda_base.attention_fits(self.config.head_dim)
 
     def kernel_precompile(self, device: torch.device, dtype: torch.dtype):
         """A context inside which forwards on `device` in `dtype` compile their Triton kernels in
-        parallel instead of running them (fused_cuda.precompiling), or None where no kernels
+        parallel instead of running them (cuda_base.precompiling), or None where no kernels
         serve them or this Triton cannot (then they compile one by one at their first launch)."""
-        if fused_cuda.serves(device, dtype) and fused_cuda.can_precompile():
-            return fused_cuda.precompiling()
+        if cuda_base.serves(device, dtype) and cuda_base.can_precompile():
+            return cuda_base.precompiling()
         return None
 
     @property
@@ -61,7 +61,7 @@ class CausalLM(nn.Module):
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
         # the live length from `positions`): no mask
         live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1
-                                              or fused_cuda.attention_usable(x, self.config.head_dim))
+                                              or cuda_base.attention_usable(x, self.config.head_dim))
         # a prompt from position 0 attends with is_causal (attend_cached): no mask either
         from_zero = state.length == 0 and state.kv_len == tokens.shape[0]
         mask = None if live_only or from_zero else causal_mask(positions, state.kv_len, x.dtype)

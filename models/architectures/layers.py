@@ -4,8 +4,8 @@ All ops take one sequence (batch 1): activations are [T, hidden]. Attention writ
 keys/values into the engine's preallocated buffers at `positions` and attends over the first
 `kv_len` slots with a causal mask built from `positions`, so the same code runs a prefill, an
 eager decode step and a CUDA-graph decode step (which passes a fixed bucket of slots: see
-engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of fused_cuda.py and
-fused_attention.py where Triton is installed (the attention then reads only the live slots and
+engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of cuda_base.py and
+cuda_attention.py where Triton is installed (the attention then reads only the live slots and
 needs no mask); everywhere else the torch forms here run.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import fused_cuda, fused_linear
-from .quant import Int4Linear
+from ..formats.quant import Int4Linear
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear
 
 
 class RMSNorm(nn.Module):
@@ -63,20 +63,20 @@ class Residual(NamedTuple):
 
 
 def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
-             out_dtype: torch.dtype | None = None) -> "tuple[torch.Tensor, torch.Tensor | fused_linear.NormedRow]":
+             out_dtype: torch.dtype | None = None) -> "tuple[torch.Tensor, torch.Tensor | cuda_linear.NormedRow]":
     """(the residual stream, norm(stream)), adding a pending branch first. `defer` (for callers
     whose normed row goes only into Linear layers): on the fused CUDA path the norm is returned
     as a NormedRow, computed in the prologue of the GEMV that reads it (one launch fewer), and
     the stream tensor is written by that GEMV. `out_dtype`: the normed rows' dtype (the
     stream's by default); the stream itself always keeps its dtype."""
     s, b = x if isinstance(x, Residual) else (x, None)
-    if (fused_cuda.prefill_usable(s) and (b is None or s.dtype == b.dtype)
+    if (cuda_base.prefill_usable(s) and (b is None or s.dtype == b.dtype)
             and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
         if defer and s.shape[0] == 1:
-            row = fused_linear.NormedRow(s, b, norm.fused_weight(), norm.eps, out_dtype)
+            row = cuda_linear.NormedRow(s, b, norm.fused_weight(), norm.eps, out_dtype)
             return row.stream, row
         if b is not None and s.is_contiguous() and b.is_contiguous():  # any number of rows
-            return fused_cuda.add_rms_norm(s, b, norm.fused_weight(), norm.eps, out_dtype=out_dtype)
+            return cuda_base.add_rms_norm(s, b, norm.fused_weight(), norm.eps, out_dtype=out_dtype)
     x = s if b is None else s + b
     return x, norm(x, out_dtype)
 
@@ -151,11 +151,11 @@ class SwiGLU(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(getattr(self, "gate_up_proj", None), FusedLinear) and fused_cuda.usable(x):
+        if isinstance(getattr(self, "gate_up_proj", None), FusedLinear) and cuda_base.usable(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
-            x = x if isinstance(x, fused_linear.NormedRow) else x.contiguous()
-            return self.down_proj(fused_linear.gemv(x, self.gate_up_proj.weight, swiglu=True))
-        if isinstance(x, fused_linear.NormedRow):
+            x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
+            return self.down_proj(cuda_linear.gemv(x, self.gate_up_proj.weight, swiglu=True))
+        if isinstance(x, cuda_linear.NormedRow):
             x = x.materialize()
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -185,15 +185,15 @@ class QKVProjections(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose one-token CUDA forward is the
-    Triton GEMV of fused_linear.py: cuBLAS's one-row kernels leave much of the bandwidth unused."""
+    Triton GEMV of cuda_linear.py: cuBLAS's one-row kernels leave much of the bandwidth unused."""
 
-    def forward(self, x: "torch.Tensor | fused_linear.NormedRow") -> torch.Tensor:
-        if isinstance(x, fused_linear.NormedRow):
+    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
+        if isinstance(x, cuda_linear.NormedRow):
             if x.dtype != self.weight.dtype:
                 return F.linear(x.materialize(), self.weight, self.bias)
-            return fused_linear.gemv(x, self.weight, self.bias)
-        if fused_cuda.usable(x) and x.dtype == self.weight.dtype and x.is_contiguous():
-            return fused_linear.gemv(x, self.weight, self.bias)
+            return cuda_linear.gemv(x, self.weight, self.bias)
+        if cuda_base.usable(x) and x.dtype == self.weight.dtype and x.is_contiguous():
+            return cuda_linear.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -216,7 +216,7 @@ class FusedLinear(Linear):
 HEAD_CHUNK_ELEMENTS = 16 << 20
 
 
-def head_logits(head: nn.Module, h: "torch.Tensor | fused_linear.NormedRow") -> torch.Tensor:
+def head_logits(head: nn.Module, h: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
     """The LM head's logits in fp32: h (the final norm's rows, fp32, or a NormedRow of one that
     yields fp32) times the head's weight, accumulated in fp32 and never rounded to a half dtype,
     so that greedy decoding compares fp32 values. Half weights are read as they are stored: the
@@ -224,10 +224,10 @@ def head_logits(head: nn.Module, h: "torch.Tensor | fused_linear.NormedRow") -> 
     The CPU's 4-bit heads (quant.Q8Linear) return their kernel's sums (see quant.py)."""
     w = getattr(head, "weight", None)
     if not isinstance(head, Linear) or w is None:
-        return head(h.materialize() if isinstance(h, fused_linear.NormedRow) else h).float()
-    if isinstance(h, fused_linear.NormedRow) or (
-            h.shape[0] == 1 and fused_cuda.serves(h.device, w.dtype) and not torch.compiler.is_compiling()):
-        return fused_linear.gemv(h if isinstance(h, fused_linear.NormedRow) else h.contiguous(), w, head.bias,
+        return head(h.materialize() if isinstance(h, cuda_linear.NormedRow) else h).float()
+    if isinstance(h, cuda_linear.NormedRow) or (
+            h.shape[0] == 1 and cuda_base.serves(h.device, w.dtype) and not torch.compiler.is_compiling()):
+        return cuda_linear.gemv(h if isinstance(h, cuda_linear.NormedRow) else h.contiguous(), w, head.bias,
                                  out_dtype=torch.float32)
     h = h.float()
     if w.dtype == torch.float32:

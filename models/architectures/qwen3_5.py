@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_attention, fused_cuda, fused_delta, gated_delta
+from . import gated_delta
+from ..kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta
 from .causal_lm import Body, CausalLM
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
@@ -149,9 +150,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        if hasattr(self, "in_proj") and fused_cuda.usable(x) and fused_cuda.fits(self.dk, self.dv):
+        if hasattr(self, "in_proj") and cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
             # the conv, the delta rule and the gated norm in two kernels
-            out = fused_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
+            out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
                                      self.dv)
             return self.out_proj(out)
@@ -178,7 +179,7 @@ class GatedDeltaNet(nn.Module):
         if T == 1:
             out = gated_delta.step(q, k, v, g, beta, rec)
         elif PREFILL_FORM == "chunked":
-            out = gated_delta.chunked(q, k, v, g, beta, rec, fused=fused_cuda.prefill_usable(x))
+            out = gated_delta.chunked(q, k, v, g, beta, rec, fused=cuda_base.prefill_usable(x))
         else:
             out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
         z = z.reshape(T, self.nv, self.dv)
@@ -200,14 +201,14 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if fused_cuda.rope_usable(x, self.d):
+        if cuda_base.rope_usable(x, self.d):
             # q/k norms, partial RoPE and the KV write in one kernel; a one-token attention applies the gate
             qkv = self.project_joint(x)
-            q = fused_cuda.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
+            q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
-            if fused_cuda.attention_usable(x, self.d):
-                return self.o_proj(fused_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
+            if cuda_base.attention_usable(x, self.d):
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
             gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
             out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
             return self.o_proj(out.view(T, -1))

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_cuda
-from .fused_cuda import launch, triton
+from . import base as cuda_base
+from .base import launch, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .fused_cuda import _pdl_enter
+    from .base import _pdl_enter
 
     # Both kernels read their layer's own state before waiting on the previous kernel (PDL), as
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
@@ -94,9 +94,9 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
     launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, act, conv_dim,
-           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **fused_cuda.pdl(proj))
+           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **cuda_base.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
            conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
-           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **fused_cuda.pdl(proj))
+           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **cuda_base.pdl(proj))
     return out

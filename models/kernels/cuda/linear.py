@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_cuda
-from .fused_cuda import launch, triton
+from . import base as cuda_base
+from .base import launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -140,7 +140,7 @@ class NormedRow:
             # the stream after this launch ended the chain too, at one launch more: 70.0-70.9
             # against 70.6-71.4 tok/s with early=False (two A/B calls).
             y = self.res if self.res is not None else torch.zeros_like(self.x)
-            _, self._h = fused_cuda.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
+            _, self._h = cuda_base.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
                                                  sum_out=self.stream if self.res is not None else None,
                                                  out_dtype=self.out_dtype)
         return self._h
@@ -163,5 +163,5 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     launch(_gemv_kernel, (triton.cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
-        EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **fused_cuda.pdl(src))
+        EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
     return out

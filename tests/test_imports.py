@@ -1,0 +1,112 @@
+"""The layout's one direction, checked on the source: chat → engine → models, never back; inside
+models, no kernel imports an architecture; and no import cycle among our modules. Every import
+counts, those inside functions too (a cycle through a function-level import is still a cycle)."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("chat", "engine", "models")
+# (importer prefix, imported prefix): edges that must not exist
+FORBIDDEN = [("engine", "chat"), ("models", "chat"), ("models", "engine"),
+             ("models.kernels", "models.architectures"), ("models.formats", "models.kernels")]
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
+    return out
+
+
+def imports(name: str, path: str, known: set[str]) -> set[str]:
+    """The modules of ours that `name` imports (`from a import b` counts a.b where that is a module)."""
+    is_pkg = path.endswith("__init__.py")
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # a.b.c where only a.b is ours: count a.b
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports(m, p, known) for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def back_edges(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in g.items() for b in targets
+                  for src, dst in FORBIDDEN if _under(a, src) and _under(b, dst))
+
+
+def test_no_back_edges():
+    assert back_edges(graph()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_can_fail():
+    """The same checks on graphs with a planted cycle and a planted back-edge."""
+    g = graph()
+    assert g["models.architectures.llama"] and "models.kernels" in g["models.architectures.llama"]
+    planted = {k: set(v) for k, v in g.items()}
+    planted["models.kernels.cpu.step"].add("models.architectures.llama")  # the old llama ↔ cpu_step pair
+    planted["models.architectures.llama"].add("models.kernels.cpu.step")
+    assert ("models.kernels.cpu.step", "models.architectures.llama") in back_edges(planted)
+    assert any("models.kernels.cpu.step" in c and "models.architectures.llama" in c for c in cycles(planted))
+    planted["engine.session"].add("chat.repl")
+    assert ("engine.session", "chat.repl") in back_edges(planted)
