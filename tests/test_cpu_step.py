@@ -223,3 +223,24 @@ def test_an_unwritable_cache_is_a_note(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_step, "_loaded", None)
     s = session(models.load(tiny_dirs["llama"][0]), "auto")
     assert "not writable" in s.cpu_kernel_note
+
+
+def test_the_q8_head_sums_in_fp32_under_the_cpp_step(smollm2_q4_model):
+    """The embedded model's Q8_0 LM head: once a session decodes with the C++ step, the head's
+    product runs in fp32 (q8_linear), equal to the dequantized product to fp32 rounding; torch's
+    int4 kernel over its two 4-bit planes rounds the sums to bf16, 10^4 times further off."""
+    lm = smollm2_q4_model
+    s = session(lm, "on", 512)
+    head = lm.model.lm_head
+    assert head.fp32_kernel is not None
+    x = torch.randn(2, head.in_features, generator=torch.Generator().manual_seed(3))
+    n, k = head.codes.shape
+    w = (head.codes.double().view(n, k // 32, 32) * head.scale.double()[..., None]).view(n, k)
+    ref = x.double() @ w.t()
+
+    def rel(y):
+        return float((y.double() - ref).norm() / ref.norm())
+    assert rel(head(x)) < 1e-6
+    assert rel(head.hi(x).float() + head.lo(x).float()) > 1e-4
+    logits = s.prefill(lm.tokenizer.encode("The capital of France is", add_special_tokens=False).ids)
+    assert logits.dtype == torch.float32 and bool((logits.to(torch.bfloat16).float() != logits).any())

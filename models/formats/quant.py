@@ -146,6 +146,11 @@ class Q8Linear(nn.Module):
         hi, lo = self.planes(qt)
         self.hi, self.lo = Int4Linear.from_quant(hi), Int4Linear.from_quant(lo)
         self.in_features, self.out_features = self.hi.in_features, self.hi.out_features
+        # the blocks as stored, for the C++ step's fp32 form (models.kernels.cpu: q8_linear); a
+        # head tied to a Q8Embedding shares its arrays (from_numpy over .numpy() copies nothing)
+        self.register_buffer("codes", torch.from_numpy(qt.codes), persistent=False)
+        self.register_buffer("scale", torch.from_numpy(np.ascontiguousarray(qt.scale, dtype=np.float32)),
+                             persistent=False)
 
     @staticmethod
     def planes(qt: QuantTensor) -> tuple[QuantTensor, QuantTensor]:
@@ -153,5 +158,11 @@ class Q8Linear(nn.Module):
         return (QuantTensor("q4", u >> 4, 16.0 * qt.scale, -128.0 * qt.scale),
                 QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
 
+    # An fp32 form of this product, `fn(x, codes, scale)`, set by a kernel that provides one (the
+    # C++ CPU step, when a session decodes with it: its prefill and its steps then share it).
+    fp32_kernel = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hi(x) + self.lo(x)
+        if self.fp32_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self.fp32_kernel(x.contiguous(), self.codes, self.scale)
+        return self.hi(x) + self.lo(x)  # (each plane's sums rounded to bf16 by the int4 kernel)

@@ -89,10 +89,9 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
 }
 
 // Over an fp32 cache: up to this many live slots the attention runs as per-head loops, above it as
-// torch's batched GEMMs, which read it faster (measured on the embedded model, 2 cores, ms a step:
-// at 16-144 slots loops 8.4-9.8, GEMMs 9.2-10.8; at 2,000 slots loops 27.0-28.9, GEMMs 20.5-21.6;
-// at 6,000 59.6-65.1 against 40.8-41.7). An fp16 cache (head sizes a multiple of 16, up to 256) takes
-// attend_long at any length (at 16-250 slots 7.5-9.2 ms a step against 7.5-9.7 for the loops).
+// torch's batched GEMMs, which read a long cache faster. An fp16 cache (head sizes a multiple of 16,
+// up to 256) takes attend_long at any length, as fast as the loops on short ones (bench/RESULTS.md,
+// "Measurements behind the kernels' design").
 constexpr int64_t kLoopSlots = 256;
 
 // Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
@@ -181,9 +180,9 @@ inline __mmask16 lanes_left(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<_
 // exp(score - m) and the exp-weighted values. The blocks merge after, in block order: the same
 // result on any thread count. One parallel region a layer and no scores through memory; the cache
 // comes from DRAM each step (the weights stream through the caches in between), so the rows are
-// prefetched: the keys kAhead rows ahead, the block's values while its scores are computed. On the
-// embedded model at 2,000 slots (2 cores) the attention takes 4.0 ms a step (6.2 ms without the
-// prefetches; the first form, scores then torch's softmax then the values in two regions, ~9 ms).
+// prefetched: the keys kAhead rows ahead, the block's values while its scores are computed (the
+// prefetches and the single region each cut the step's attention time: bench/RESULTS.md,
+// "Measurements behind the kernels' design").
 constexpr int64_t kSlotBlock = 256;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kAhead = 16;
@@ -400,9 +399,59 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   return x;
 }
 
+// y = x W^T for W [N, K] in Q8_0 blocks (int8 codes, one fp32 scale per 32 of a row) and fp32 rows
+// x [T, K], in fp32 throughout: each block's 32 products summed, then scaled and added, in a fixed
+// order per output (the same bits on any thread count). The LM head of a GGUF with a Q8_0 table:
+// torch's int4 kernel (two 4-bit planes) rounds its sums to bf16, enough to flip a near tie.
+Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [T, K] fp32");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes [N, K] int8");
+  const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
+  TORCH_CHECK(codes.size(1) == K && K % 32 == 0, "q8_linear: K must match and be a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * nb,
+              "q8_linear: scale [N, K/32] fp32");
+  Tensor y = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* c = cp + n * K;
+      const float* s = sp + n * nb;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xr = xp + t * K;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = b * 32;
+          __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o))));
+          __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o + 16))));
+          __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + o + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xr + o)));
+          acc = _mm512_fmadd_ps(p, _mm512_set1_ps(s[b]), acc);
+        }
+        yp[t * N + n] = _mm512_reduce_add_ps(acc);
+#else
+        float acc[kLanes] = {0};
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = b * 32;
+          for (int j = 0; j < kLanes; ++j)
+            acc[j] += (float(c[o + j]) * xr[o + j] + float(c[o + 16 + j]) * xr[o + 16 + j]) * s[b];
+        }
+        float total = 0.f;
+        for (int j = 0; j < kLanes; ++j) total += acc[j];
+        yp[t * N + n] = total;
+#endif
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chat_cpu, m) {
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &q8_linear);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",

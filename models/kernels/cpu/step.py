@@ -184,6 +184,9 @@ class CpuStep:
 
     def __init__(self, model):
         load()
+        head = model.lm_head
+        if hasattr(head, "fp32_kernel") and hasattr(head, "codes"):  # a Q8_0 head: sums in fp32, not bf16
+            head.fp32_kernel = torch.ops.chat_cpu.q8_linear
         self.model = model
         cfg = model.config
         params: list[torch.Tensor | None] = []
