@@ -1,4 +1,4 @@
-"""`chat` entry point: the REPL by default, `--prompt` for one reply, `run`, `replay`, `bench`.
+"""`chat` entry point: the REPL by default, `--prompt` for one reply, `run`, `replay`.
 
 Every setting is a flag (`--max-context 4096`, `--temperature 0`), generated from the settings
 dataclasses so flags, config.yaml keys and CHAT_* variables stay one to one. Expected failures

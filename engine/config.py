@@ -78,8 +78,11 @@ def coerce(cls, key: str, raw: Any) -> Any:
             return float(text)
         if kind is list:
             return [s for s in text.split(",") if s] if text else []
-        if key == "cuda_graph" and text.lower() in _TRUE | _FALSE:
-            return "on" if text.lower() in _TRUE else "off"
+        choices = f.metadata["allowed"].split(" | ")
+        if text.lower() in _TRUE and "on" in choices:  # CHAT_CPU_KERNEL=0, CHAT_CUDA_GRAPH=1, ...
+            return "on"
+        if text.lower() in _FALSE and "off" in choices:
+            return "off"
         return text
     except ValueError:
         raise ConfigError(f"{key}: {raw!r} is not valid; allowed: {f.metadata['allowed']}") from None
