@@ -114,9 +114,9 @@ class DecodeSession:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":
             # The CPU step attends over the live slots, one more each step: dynamic shapes, one
-            # compile. The C++ wrapper calls the generated kernels without Python between them
-            # (SmolLM2 Q4_1 on 2 cores: 12.2-12.8 ms a step against 14.6 with the Python wrapper
-            # and 21-25 eager; the session starts in ~105 s cold, 10-12 s from Inductor's cache).
+            # compile. The C++ wrapper calls the generated kernels without Python between them,
+            # faster than the Python wrapper (bench/RESULTS.md, "Measurements behind the kernels'
+            # design").
             compiled = torch.compile(model, dynamic=True, fullgraph=False, options={"cpp_wrapper": True})
 
             def step_fn(*args, **kwargs):

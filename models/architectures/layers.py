@@ -284,7 +284,7 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     with sdpa_kernel(_PREFILL_BACKENDS):
         if kv_len == T:
             # a prefill from position 0: plain causal attention, the KV heads read grouped by
-            # flash (measured 58 vs 75 us a layer against expanding them, 2k-token Qwen2.5, H200)
+            # flash (faster than expanding them: bench/RESULTS.md, "Measurements behind the kernels' design")
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, enable_gqa=gqa)[0]
         else:
             if gqa:  # masked: expand the KV heads, which keeps the memory-efficient kernel eligible

@@ -26,8 +26,8 @@ if triton is not None:
     # Both kernels read their layer's own state before waiting on the previous kernel (PDL), as
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
     # layer's own step kernels, and every step starts with torch ops (the embedding), launched
-    # without PDL, which wait until every earlier kernel has ended. (Reading it after the wait:
-    # 0.8B-like 1,152.7 against 1,201.5 tok/s, 27B-like 72.6 against 73.0; A/B, fifth session.)
+    # without PDL, which wait until every earlier kernel has ended. Reading it after the wait was
+    # slower on both hybrid shapes (bench/RESULTS.md, "Measurements behind the kernels' design").
 
     @triton.jit
     def _conv_step_kernel(x, state, weight, out, C, KM1: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,

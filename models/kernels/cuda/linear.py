@@ -111,8 +111,7 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
 # a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate
-# (the prologue in every GEMV, even one pass of it: 0.73x on the 27B-like step, 0.93x on the
-# 0.8B-like one, whose LM head is the only weight over this size; A/B, fifth session).
+# (the prologue in every GEMV slowed both hybrid shapes: bench/RESULTS.md, "Measurements behind the kernels' design").
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
@@ -133,12 +132,9 @@ class NormedRow:
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
         if self._h is None:
-            # The next GEMV must not launch early here: with the stream written in this launch
-            # and the next kernel let in at its start (PDL), the 27B-like step ran at 64.2
-            # against 71.7 tok/s (A/B, same call): that GEMV's programs launched while the
-            # previous GEMV still ran and (most likely) held SM slots it needed. A plain copy of
-            # the stream after this launch ended the chain too, at one launch more: 70.0-70.9
-            # against 70.6-71.4 tok/s with early=False (two A/B calls).
+            # The next GEMV must not launch early here (PDL): its programs would launch while
+            # the previous GEMV still runs and hold SM slots it needs; a copy of the stream
+            # after this launch was one launch more for the same effect (bench/RESULTS.md, "Measurements behind the kernels' design").
             y = self.res if self.res is not None else torch.zeros_like(self.x)
             _, self._h = cuda_base.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
                                                  sum_out=self.stream if self.res is not None else None,

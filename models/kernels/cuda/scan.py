@@ -67,9 +67,8 @@ def chunk_scan(u: torch.Tensor, w: torch.Tensor, q_dec: torch.Tensor, k_dec: tor
     return out
 
 
-# Swept on an H200 (2k tokens, dk = dv = 128; one layer's chunked form, 16 / 48 heads): tf32x3
-# BV 32, 4 warps, 1 stage 1.09 / 2.10 ms, the fp32-exact "ieee" dots at best 1.35 / 3.23 ms
-# (7.82 / 14.45 ms at these block sizes: spilled registers), the torch loop 6.93 ms at 16 heads.
-# tf32x3 (three TF32 products, the rounding of each corrected) matched the loop to 2.4e-7. Plain
-# TF32 and more stages overflow shared memory; 8 warps at BV 16 faulted (a Triton miscompile).
+# The fastest of a sweep on an H200 (bench/scan_sweep.py; bench/RESULTS.md, "Measurements behind the kernels' design"). tf32x3 (three TF32
+# products, the rounding of each corrected) matched the torch loop to 2.4e-7 and beat the
+# fp32-exact "ieee" dots; plain TF32 and more stages overflow shared memory; 8 warps at BV 16
+# faulted (a Triton miscompile).
 CONFIG = {"BV": 32, "num_warps": 4, "num_stages": 1, "precision": "tf32x3"}
