@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, cuda_linear  # noqa: E402
+from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 DEFAULTS = dict(pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,

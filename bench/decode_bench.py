@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from models import qwen3_5
+    from models.architectures import qwen3_5
     qwen3_5.PREFILL_FORM = a.prefill_form
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -13,7 +13,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.kernels.cuda import scan as cuda_scan, gated_delta  # noqa: E402
+from models.architectures import gated_delta  # noqa: E402
+from models.kernels.cuda import scan as cuda_scan  # noqa: E402
 
 
 def main() -> None:

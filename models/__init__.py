@@ -6,11 +6,11 @@ to be compiled, for a start-up notice)."""
 from __future__ import annotations
 
 from .formats.checkpoints import CheckpointError
-from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, load, materialize,
+from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, fuse, load, materialize,
                              native_dtype, read_checkpoint, resolve, text_config)
 from .kernels import cpu_step_built
 
-__all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "load",
+__all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending"]
 
 

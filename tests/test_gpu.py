@@ -96,7 +96,8 @@ def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
     """The chunked gated delta rule with its scan in one Triton kernel (cuda_scan) against the
     torch loop and the naive recurrence: outputs and the final state, from a non-zero state,
     over a partial last chunk."""
-    from models.kernels.cuda import base as cuda_base, gated_delta
+    from models.architectures import gated_delta
+    from models.kernels.cuda import base as cuda_base
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     q, k, v, gate, beta, s0 = gated_delta.example_inputs(T, H, dk, dv, torch.device("cuda"))
@@ -114,7 +115,7 @@ def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
 def test_gemv_kernel_matches_linear(K, N):
     """The one-token Triton GEMV (one whole prefetched K step, streamed K steps, uneven steps and
     rows) and its SwiGLU form."""
-    from models.kernels.cuda import base as cuda_base, cuda_linear
+    from models.kernels.cuda import base as cuda_base, linear as cuda_linear
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -132,7 +133,7 @@ def test_gemv_kernel_matches_linear(K, N):
 def test_gemv_norm_prologue_matches_add_norm_then_linear(res, K, N):
     """A deferred add + RMSNorm (NormedRow) computed in the GEMV's prologue: the stream written
     equals x + res bit for bit, the output matches norm-then-linear, plain and SwiGLU."""
-    from models.kernels.cuda import base as cuda_base, cuda_linear
+    from models.kernels.cuda import base as cuda_base, linear as cuda_linear
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -187,7 +188,7 @@ def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
     positions that leave slices empty, fill one block exactly, and span many slices. Compared
     with the torch form in fp32: its bf16 form rounds the scores before the softmax (the kernel
     keeps them fp32), so on sharp softmaxes it is the less exact of the two."""
-    from models.kernels.cuda import attention as cuda_attention, cuda_base
+    from models.kernels.cuda import attention as cuda_attention, base as cuda_base
     from models.architectures.layers import decode_attention
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
@@ -315,7 +316,8 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 
 def _compiled_kernels() -> int:
     """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
-    from models.kernels.cuda import attention as cuda_attention, cuda_base, cuda_delta, cuda_linear, cuda_scan
+    from models.kernels.cuda import (attention as cuda_attention, base as cuda_base, delta as cuda_delta,
+                                     linear as cuda_linear, scan as cuda_scan)
     kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
                cuda_delta._conv_step_kernel, cuda_delta._delta_step_kernel, cuda_attention._split_kernel,
                cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel]
