@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml [--runs N]` "
                "(each takes --help)")
     parser.add_argument("--prompt", help="answer one prompt, print the reply and exit")
+    parser.add_argument("--resume", nargs="?", const="", metavar="FILE",
+                        help="continue a saved conversation (default: the latest; /history lists them)")
+    parser.add_argument("--version", action="store_true", help="print the versions and the device chat would use")
     add_setting_flags(parser)
     return parser
 
@@ -101,8 +104,9 @@ def one_shot(rt, text: str) -> int:
     return 0
 
 
-def settings_for(args, transcript=None):
-    """Config and flags; a transcript's engine section fills what no flag set."""
+def settings_for(args, transcript=None, sections=("engine",)):
+    """Config and flags; a transcript's engine section (and with `sections`, its sampling
+    section) fills what no flag set."""
     from .settings import KEY_SECTION, load_settings
 
     given = overrides(args)
@@ -114,8 +118,10 @@ def settings_for(args, transcript=None):
             recorded["cpu_kernel"] = "off"  # recorded before the C++ CPU step existed: the torch step ran
         if transcript.model.get("source"):
             recorded["model"] = transcript.model["source"]
+        if "sampling" in sections:
+            recorded.update(transcript.sampling)
         for key, value in recorded.items():
-            if KEY_SECTION.get(key) == "engine" and key not in given:
+            if KEY_SECTION.get(key) in sections and key not in given:
                 given[key] = value
     return load_settings(args.config, overrides=given)
 
@@ -173,6 +179,44 @@ def cmd_replay(argv: list[str]) -> int:
     return 0
 
 
+def print_version(args) -> int:
+    from importlib import metadata
+
+    import torch
+
+    from engine.device import resolve_device
+    from .settings import load_settings
+    try:
+        version = metadata.version("chat-engine")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    device = resolve_device(load_settings(args.config, overrides=overrides(args)).engine)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"chat {version} · torch {torch.__version__} · device {device} ({name})")
+    return 0
+
+
+def resume(args) -> int:
+    """`chat --resume [FILE]`: the conversation's model and engine settings (flags still win), its
+    sampling settings, its messages; the REPL goes on saving into the same file."""
+    from . import transcript as tr
+    from .conversations import ConversationStore, default_directory
+    from .repl import run_repl
+    from .settings import load_settings
+
+    path = args.resume
+    if not path:
+        ui = load_settings(args.config, overrides=overrides(args)).ui
+        path = ConversationStore(default_directory(ui.conversations_dir), ui.keep_conversations).latest()
+        if path is None:
+            return fail(f"no saved conversation in {default_directory(ui.conversations_dir)}; "
+                        "start one with `chat` (the REPL saves each turn)")
+    rec = tr.load(path)
+    if not rec.is_recording:
+        return fail(f"{path}: not a recording (no turn has results); run a script with `chat run`")
+    return run_repl(settings_for(args, rec, sections=("engine", "sampling")), resume=path)
+
+
 def run_main(argv: list[str]) -> int:
     from .runtime import open_runtime
     from .settings import load_settings
@@ -182,6 +226,12 @@ def run_main(argv: list[str]) -> int:
     if argv and argv[0] == "replay":
         return cmd_replay(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.version:
+        return print_version(args)
+    if args.resume is not None:
+        if args.prompt is not None:
+            return fail("--resume continues a conversation in the REPL; it does not take --prompt")
+        return resume(args)
     settings = load_settings(args.config, overrides=overrides(args))
     if args.prompt is not None:
         from .input_text import NOTICE, clean

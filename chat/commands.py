@@ -6,6 +6,7 @@ A handler returns nothing, or a user message to send as a turn (/retry). Bad arg
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +45,8 @@ def _help(app, arg):
 
 def _reset(app, arg):
     app.controller.reset()
+    if getattr(app, "store", None) is not None:
+        app.store.begin_new()  # the finished conversation stays saved as it was
     app.renderer.info("new conversation")
 
 
@@ -136,6 +139,33 @@ def _load(app, arg):
     app.renderer.info(f"loaded {n} turns from {arg}")
 
 
+def _history(app, arg):
+    store = getattr(app, "store", None)
+    if store is None:
+        raise CommandError("conversations are saved only in the interactive REPL")
+    entries = store.entries()
+    if not entries:
+        app.renderer.info(f"no saved conversations in {store.directory}")
+        return
+    import time
+    lines = []
+    for e in entries[:20]:
+        first = " ".join(e.first.split())
+        mark = "*" if store.path and os.path.samefile(e.path, store.path) else " "
+        lines.append(f"{mark} {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.mtime))}  {e.turns:3d} turns  "
+                     f"{e.model}  {first[:48] + ('…' if len(first) > 48 else '')}\n    {e.path}")
+    more = f"\n({len(entries) - 20} older)" if len(entries) > 20 else ""
+    app.renderer.info("\n".join(lines) + more + "\n`chat --resume FILE` continues one (`chat --resume`: the latest)")
+
+
+def _model(app, arg):
+    if not arg:
+        rt = app.controller.rt
+        app.renderer.info(f"model: {rt.settings.engine.model} ({rt.loaded.source}); /model PATH|ALIAS switches")
+        return
+    app.switch_model(arg)
+
+
 def _exit(app, arg):
     raise ExitRepl
 
@@ -151,6 +181,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("retry", "", "regenerate the last reply", _retry),
     Command("save", "FILE", "save the conversation as a transcript (YAML)", _save),
     Command("load", "FILE", "resume a conversation from a transcript", _load),
+    Command("history", "", "list saved conversations (newest first)", _history),
+    Command("model", "[PATH|ALIAS]", "show the model, or continue the conversation on another", _model),
     Command("exit", "", "leave (also Ctrl-D)", _exit),
 ]}
 ALIASES = {"quit": "exit", "q": "exit", "clear": "reset", "?": "help"}

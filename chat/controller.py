@@ -108,6 +108,14 @@ class ChatController:
         if not keep_cache:
             self.session.reset()
 
+    def replace_runtime(self, runtime: Runtime, settings: Settings) -> None:
+        """Continue the conversation on another runtime (model): its own template renders the
+        same messages, and the next turn prefills them on the new session."""
+        messages, system = self.conv.messages, self.conv.system_prompt
+        self.rt, self.settings = runtime, settings
+        self.conv = runtime.conversation()
+        self.conv.system_prompt, self.conv.messages = system, messages
+
     @property
     def context_used(self) -> int:
         return self.session.state.length

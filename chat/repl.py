@@ -3,29 +3,37 @@
 On a terminal: line editing, persistent history ($XDG_STATE_HOME/chat/history), multi-line input
 (Alt+Enter inserts a newline; a block between \"\"\" lines is one message), bracketed paste,
 completion of slash commands and /set keys. Piped stdin: plain lines, byte-stable output.
-Ctrl-C during a reply stops that turn only (the conversation and state are as before it);
-Ctrl-C on an empty prompt, or Ctrl-D, exits.
+Ctrl-C during a reply stops that turn only (the conversation and state are as before it); at the
+prompt it clears the line, and on an empty line it says how to leave (Ctrl-D or /exit) and stays:
+a Ctrl-C meant for a reply that has just ended must not end the chat. On a terminal the
+conversation is saved after every line that changed it (chat/conversations.py), so a killed
+process loses at most the reply in progress; `chat --resume` continues it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application import get_app_or_none
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
+from engine.config import ConfigError
 from engine.session import ContextOverflow, ReuseMismatch
 
 from .commands import COMMANDS, CommandError, ExitRepl, run_command
 from .controller import ChatController
+from .conversations import ConversationStore, default_directory
 from .input_text import stdin_lines
 from .render import Renderer
 from .runtime import open_runtime
 from .settings import Settings
 from .template import TemplateError
+from .transcript import TranscriptError, load_into_controller
 from .turn import TurnResult
 
 BLOCK = '"""'
@@ -75,7 +83,7 @@ def key_bindings() -> KeyBindings:
 
     @kb.add("c-c")
     def _(event):
-        # Ctrl-C clears a line being typed; on an empty line it exits
+        # Ctrl-C clears a line being typed; on an empty line the loop prints how to leave
         buf = event.current_buffer
         if buf.text:
             buf.reset()
@@ -92,13 +100,97 @@ def unwrap_block(text: str) -> str:
     return text
 
 
+LEAVE_HINT = "(Ctrl-D or /exit to leave)"
+
+
 class ReplApp:
-    def __init__(self, controller: ChatController, renderer: Renderer):
+    def __init__(self, controller: ChatController, renderer: Renderer, store: ConversationStore | None = None):
         self.controller = controller
         self.renderer = renderer
+        self.store = store  # None: nothing is saved (piped input is its own record)
+        self._save_failed = False
+        self.own_sigint = False  # run_repl on a terminal: SIGINT interrupts replies only
+        self.late_interrupt = False
+
+    def note_interrupt(self, signum, frame) -> None:
+        """SIGINT outside a reply: answered with the hint at the next prompt. One that lands as a
+        prompt starts (before prompt-toolkit takes the terminal) ends that prompt as an empty
+        line's Ctrl-C does."""
+        self.late_interrupt = True
+        app = get_app_or_none()
+        if app is not None and app.future is not None and not app.future.done():
+            self.answer_late_interrupt()
+
+    def answer_late_interrupt(self) -> None:
+        """(prompt-toolkit's pre_run, and the SIGINT handler while a prompt runs) A Ctrl-C that
+        came between prompts ends the prompt on its empty line: the loop prints the hint."""
+        app = get_app_or_none()
+        if self.late_interrupt and app is not None and not app.current_buffer.text:
+            self.late_interrupt = False
+            app.exit(exception=KeyboardInterrupt)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Inside: Ctrl-C (SIGINT) raises KeyboardInterrupt, which stops the reply. Outside, on a
+        terminal, SIGINT does nothing: at the prompt prompt-toolkit reads Ctrl-C as a key, and one
+        that lands between a reply and the prompt (a late Ctrl-C meant for the reply) must not
+        escape the loop halfway through printing or saving: it is noted (note_interrupt)."""
+        if not self.own_sigint:
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def autosave(self) -> None:
+        """Save the conversation if it changed; a failure is reported once, the chat goes on."""
+        if self.store is None:
+            return
+        try:
+            self.store.save(self.controller)
+            self._save_failed = False
+        except (OSError, TranscriptError) as e:
+            if not self._save_failed:
+                self.renderer.error(f"cannot save the conversation in {self.store.directory}: {e}")
+            self._save_failed = True
+
+    def switch_model(self, target: str) -> None:
+        """/model: the conversation's messages on another model. The old model's memory is freed
+        first; if the new one fails to load, the old one is loaded again (the same settings) and
+        the error is one line."""
+        c = self.controller
+        try:
+            settings = c.settings.with_value("model", target)
+        except ConfigError as e:
+            raise CommandError(str(e)) from None
+        old_settings = c.settings
+        c.rt = None  # the only reference to the runtime: free it before the new one loads
+        _free_memory()
+        try:
+            rt = open_runtime(settings)
+        except Exception as e:  # any load failure: the current model comes back
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            c.replace_runtime(open_runtime(old_settings), old_settings)
+            raise CommandError(f"could not load {target}: {first}; still on {old_settings.engine.model}") from None
+        c.replace_runtime(rt, settings)
+        if self.store is not None:
+            self.store.begin_new()  # the recording so far belongs to the old model
+        lm = rt.loaded
+        self.renderer.info(f"now on {os.path.basename(lm.source)} ({lm.model_type}, {lm.n_params / 1e6:.0f}M params, "
+                           f"{str(rt.dtype).replace('torch.', '')} on {rt.device}); "
+                           f"{len(c.conv.messages) // 2} exchanges kept")
 
     def handle(self, line: str) -> None:
-        """One input line: a command, or a message to the model. Errors are reported, not raised."""
+        """One input line: a command, or a message to the model. Errors are reported, not raised;
+        the conversation is saved afterwards where it changed."""
+        try:
+            self._handle(line)
+        finally:
+            self.autosave()
+
+    def _handle(self, line: str) -> None:
         text = unwrap_block(line)
         if not text.strip():
             return
@@ -121,7 +213,8 @@ class ReplApp:
         c = self.controller
         result = TurnResult([])
         try:
-            self.renderer.stream(c.send(text, result))
+            with self.interruptible():
+                self.renderer.stream(c.send(text, result))
         except KeyboardInterrupt:
             self.renderer.notice("(interrupted: the reply was discarded)")
             return
@@ -158,15 +251,17 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
         return 0
     while True:
         try:
-            line = session.prompt()
-        except KeyboardInterrupt:  # only raised on an empty line (see key_bindings)
-            return 0
-        except EOFError:
-            return 0
-        try:
+            try:
+                line = session.prompt(pre_run=app.answer_late_interrupt)
+            except EOFError:
+                return 0
             app.handle(line)
         except ExitRepl:
             return 0
+        except KeyboardInterrupt:
+            # at an empty prompt (see key_bindings), or one that came just after a reply ended,
+            # between the reply and the prompt: the conversation is as it was; stay
+            app.renderer.notice(LEAVE_HINT)
 
 
 def make_prompt_session(settings: Settings, input=None, output=None) -> PromptSession:
@@ -182,11 +277,22 @@ def make_prompt_session(settings: Settings, input=None, output=None) -> PromptSe
                          input=input, output=output)
 
 
-def run_repl(settings: Settings) -> int:
+def _free_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_repl(settings: Settings, resume: str | None = None) -> int:
+    """The REPL; `resume`: a saved conversation (a recording) to continue, and save into."""
     interactive = sys.stdin.isatty()
     if interactive:
         # Ctrl-C must stop a reply even when a launcher started us with SIGINT ignored (shells do
-        # that to background jobs, and the setting is inherited).
+        # that to background jobs, and the setting is inherited): loading can be interrupted
+        # (KeyboardInterrupt: exit 130), replies can (ReplApp.interruptible), the rest cannot.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     renderer = Renderer(color=settings.ui.color, markdown=settings.ui.markdown, show_stats=settings.ui.show_stats)
     if renderer.rich:
@@ -199,5 +305,15 @@ def run_repl(settings: Settings) -> int:
                         f"loaded in {rt.load_seconds:.1f}s · /help for commands, Ctrl-D to exit")
     else:
         rt = open_runtime(settings)
-    app = ReplApp(ChatController(rt, settings), renderer)
+    store = ConversationStore(default_directory(settings.ui.conversations_dir), settings.ui.keep_conversations)
+    app = ReplApp(ChatController(rt, settings), renderer, store if interactive or resume else None)
+    if interactive:
+        app.own_sigint = True
+        signal.signal(signal.SIGINT, app.note_interrupt)
+    if resume:
+        n = load_into_controller(app.controller, resume)
+        app.controller.set("system_prompt", app.controller.conv.system_prompt)
+        if app.store is not None:
+            app.store.continue_file(resume)
+        renderer.notice(f"resumed {n} turns from {resume}")
     return run_loop(app, make_prompt_session(settings) if interactive else None)

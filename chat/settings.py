@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from engine.config import ConfigError, EngineConfig, SamplingConfig, _Validated, _bool, _choice, _str, build, setting
+from engine.config import (ConfigError, EngineConfig, SamplingConfig, _Validated, _bool, _choice, _int, _str, build,
+                           setting)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class UIConfig(_Validated):
     show_stats: bool = setting(True, _bool())
     color: str = setting("auto", _choice("auto", "always", "never"))
     history_file: str = setting("", _str())
+    conversations_dir: str = setting("", _str())
+    keep_conversations: int = setting(100, _int(0, allowed="0 (save none) or how many to keep"))
 
 
 SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig, "ui": UIConfig}

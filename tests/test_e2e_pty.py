@@ -1,7 +1,9 @@
-"""End to end in a pseudo-terminal: the embedded model, two turns, Ctrl-C in the middle of a reply."""
+"""End to end in a pseudo-terminal: the embedded model; Ctrl-C in the middle of a reply, at an empty
+prompt and at random moments; a process killed mid-reply, then `chat --resume`."""
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -57,3 +59,96 @@ def test_two_turns_with_ctrl_c_then_same_reply_as_fresh(tmp_path):
     # the whole reply after the interruption equals the fresh session's reply
     for line in expected2.splitlines()[1:]:
         assert line.strip() in streamed
+
+
+# --- the REPL never loses a conversation: Ctrl-C that comes late, a killed process ------------
+
+HINT = "Ctrl-D or /exit to leave"
+QA, QB, QC = "What is the capital of France?", "And of Germany?", "Write a long poem about the sea."
+
+
+def spawn(tmp_path, *args):
+    # PROMPT_TOOLKIT_NO_CPR: a pty answers no cursor-position request, and prompt-toolkit would
+    # wait ~1 s for one after each Enter, in raw mode, where a Ctrl-C is a key press, not SIGINT
+    env = dict(os.environ, CHAT_HISTORY_FILE=str(tmp_path / "history"), TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1",
+               CHAT_CONVERSATIONS_DIR=str(tmp_path / "conversations"))
+    return pexpect.spawn(sys.executable, ["-m", "chat", "--color", "never", *args], env=env,
+                         encoding="utf-8", timeout=120, dimensions=(50, 200))
+
+
+def replies(questions: list[str], new: str) -> list[str]:
+    """A fresh in-process conversation's replies (same settings as the spawned chat)."""
+    from chat.controller import ChatController
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+    from chat.turn import TurnResult
+    settings = load_settings(None, env={}, overrides={"temperature": "0", "max_new_tokens": new})
+    c = ChatController(open_runtime(settings), settings)
+    return ["".join(c.send(q, TurnResult([]))) for q in questions]
+
+
+def first_words(text: str, n: int = 4) -> str:
+    return " ".join(text.split()[:n])
+
+
+def read_reply(child, reply: str) -> str:
+    """The reply as the terminal showed it, from its first words to the next prompt, with its
+    whitespace normalised (plain mode streams the text as it is)."""
+    child.expect_exact(first_words(reply))
+    seen = child.after
+    child.expect_exact(PROMPT)
+    return " ".join(clean(seen + child.before).split())
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_an_empty_prompt_stays_and_many_ctrl_c_during_replies_change_nothing(tmp_path):
+    import random
+    (answer,) = replies([QA], "400")
+    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "400")
+    try:
+        child.expect_exact(PROMPT)
+        for _ in range(3):
+            child.sendcontrol("c")
+            child.expect_exact(HINT)
+        assert child.isalive()
+        rng = random.Random(7)
+        for _ in range(20):  # 400 tokens take seconds: each Ctrl-C lands in the prefill or the reply
+            child.send(QC + "\r")
+            time.sleep(rng.uniform(0.05, 0.6))
+            child.sendcontrol("c")
+            child.expect_exact("interrupted")
+        child.send(QA + "\r")
+        assert read_reply(child, answer) == " ".join(answer.split())
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_path):
+    a, b, c = replies([QA, QB, QC], "200")
+    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "200")
+    try:
+        child.expect_exact(PROMPT)
+        for q, reply in ((QA, a), (QB, b)):
+            child.send(q + "\r")
+            assert read_reply(child, reply) == " ".join(reply.split())
+        child.send(QC + "\r")
+        child.expect_exact(first_words(c, 2))  # streaming
+        child.kill(9)
+    finally:
+        child.close(force=True)
+    saved = list((tmp_path / "conversations").iterdir())
+    assert len(saved) == 1
+    child = spawn(tmp_path, "--resume")
+    try:
+        child.expect_exact("resumed 2 turns")
+        child.send("/show\r")
+        child.expect_exact("turns: 2")
+        child.send(QC + "\r")
+        assert read_reply(child, c) == " ".join(c.split())
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

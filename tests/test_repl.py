@@ -193,3 +193,70 @@ def test_fuzz_random_bytes_on_stdin(app_factory):
         assert run_loop(app, None, stdin=PipedBytes(raw)) == 0
 
     feed()
+
+
+# --- saved conversations, /history, /model ----------------------------------------------------
+
+def test_conversations_are_saved_after_each_change_and_pruned(app_factory, tmp_path):
+    from chat import transcript as tr
+    from chat.conversations import ConversationStore
+    store = ConversationStore(str(tmp_path / "convs"), keep=2)
+    app, out, settings = app_factory(max_new_tokens="4")
+    app.store = store
+    app.handle("/system be brief")  # no turn yet: nothing to save
+    assert store.path is None
+    app.handle("first")
+    first = store.path
+    assert [e.user for e in tr.load(first).events] == ["first"]
+    app.handle("second")
+    app.handle("/undo")
+    t = tr.load(first)
+    assert [e.user for e in t.events] == ["first"] and t.system_prompt == "be brief"
+    app.handle("/reset")
+    app.handle("third")
+    assert store.path != first and len(store.entries()) == 2
+    app.handle("/reset")
+    app.handle("fourth")  # keep=2: the oldest goes
+    assert [os.path.exists(p) for p in (first,)] == [False] and len(store.entries()) == 2
+    assert store.latest() == store.path
+    app.handle("/history")
+    assert "fourth" in out.text and "turns" in out.text
+
+
+def test_an_unwritable_conversations_dir_is_one_error_and_the_chat_goes_on(app_factory, tmp_path, capsys):
+    from chat.conversations import ConversationStore
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    app, out, _ = app_factory(max_new_tokens="3")
+    app.store = ConversationStore(str(blocker / "convs"), keep=5)
+    app.handle("one")
+    app.handle("two")
+    assert len(app.controller.turns) == 2
+    assert capsys.readouterr().err.count("cannot save the conversation") == 1
+
+
+def test_model_switch_keeps_the_messages_and_a_failed_one_keeps_the_model(app_factory, tiny_dirs, capsys):
+    app, out, _ = app_factory(max_new_tokens="4")
+    app.handle("hello there")
+    messages = list(app.controller.conv.messages)
+    app.handle(f"/model {tiny_dirs['qwen3'][0]}")
+    c = app.controller
+    assert c.rt.loaded.model_type == "qwen3" and c.conv.messages == messages
+    app.handle("and now?")  # the whole conversation prefilled on the new model
+    assert c.session.last_stats.reused_tokens == 0 and len(c.conv.messages) == 4
+    app.handle("/model /no/such/model")
+    assert "could not load /no/such/model" in capsys.readouterr().err and c.rt.loaded.model_type == "qwen3"
+    app.handle(f"/model {tiny_dirs['llama'][0]}")
+    assert c.rt.loaded.model_type == "llama" and c.conv.messages[:2] == messages
+
+
+def test_version_names_torch_and_the_device():
+    proc = subprocess.run([sys.executable, "-m", "chat", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "torch" in proc.stdout and "device cpu" in proc.stdout
+
+
+def test_resume_without_saved_conversations_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "chat", "--resume"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, CHAT_CONVERSATIONS_DIR=str(tmp_path / "none")),
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no saved conversation" in proc.stderr

@@ -1,0 +1,125 @@
+"""Saved conversations: the REPL's conversation kept on disk as it goes, so nothing is lost.
+
+Contract: `ConversationStore.save(controller)` writes the conversation as a recording (the format
+of /save and `chat run -o`, so a saved conversation replays) into `directory`, atomically: a
+process killed at any moment leaves the previous complete file or the new one, never a torn one.
+One file per conversation, named by when it started; /reset and /model begin a new file. Files
+beyond `keep` are pruned, oldest first (never the current one). `latest()` and `entries()` read
+back what is there for `chat --resume` and /history; unreadable files are skipped, not fatal.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from . import transcript as tr
+
+SUFFIX = ".yaml"
+
+
+def default_directory(configured: str = "") -> str:
+    if configured:
+        return os.path.expanduser(configured)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "chat", "conversations")
+
+
+@dataclass
+class Entry:
+    path: str
+    mtime: float
+    turns: int
+    model: str
+    first: str  # the first user message, for the listing
+
+
+class ConversationStore:
+    def __init__(self, directory: str, keep: int):
+        self.directory = directory
+        self.keep = keep
+        self.path: str | None = None  # the current conversation's file, once it has a turn
+        self._saved: tuple | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep > 0
+
+    def continue_file(self, path: str) -> None:
+        """Go on saving into an existing file (`chat --resume`)."""
+        self.path = os.path.abspath(path)
+        self._saved = None
+
+    def begin_new(self) -> None:
+        """The next save starts a new file (after /reset, or a model switch)."""
+        self.path = None
+        self._saved = None
+
+    def _new_path(self) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H-%M-%S")
+        base = os.path.join(self.directory, f"{stamp}-{os.getpid()}")
+        path, n = base + SUFFIX, 1
+        while os.path.exists(path):
+            path, n = f"{base}-{n}{SUFFIX}", n + 1
+        return path
+
+    @staticmethod
+    def _signature(controller) -> tuple:
+        """What a save would write, cheaply: the turns, the system prompt and the settings."""
+        return (tuple(id(t.result) for t in controller.turns), controller.conv.system_prompt,
+                tuple(sorted(controller.sampling_dict().items())), id(controller.rt))
+
+    def save(self, controller) -> str | None:
+        """Write the conversation if it has a turn and changed since the last save; returns the
+        path written, or None. OSError propagates (the caller reports it in one line)."""
+        if not self.enabled or not controller.turns:
+            return None
+        sig = self._signature(controller)
+        if sig == self._saved and self.path is not None:
+            return None
+        if self.path is None:
+            os.makedirs(self.directory, exist_ok=True)
+            self.path = self._new_path()
+        tr.save_controller(controller, self.path)
+        self._saved = sig
+        self.prune()
+        return self.path
+
+    def _files(self) -> list[tuple[float, str]]:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if name.endswith(SUFFIX) and not name.startswith(".") and os.path.isfile(path):
+                try:
+                    out.append((os.path.getmtime(path), path))
+                except OSError:
+                    continue
+        return sorted(out, reverse=True)  # newest first
+
+    def prune(self) -> None:
+        files = [p for _, p in self._files() if p != self.path]
+        for path in files[max(self.keep - 1, 0):]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def latest(self) -> str | None:
+        files = self._files()
+        return files[0][1] if files else None
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for mtime, path in self._files():
+            try:
+                t = tr.load(path)
+            except tr.TranscriptError:
+                continue
+            users = [e.user for e in t.events if e.user is not None]
+            n = sum(e.result is not None for e in t.events)
+            out.append(Entry(path, mtime, n, str(t.model.get("source", "?")), users[0] if users else ""))
+        return out
