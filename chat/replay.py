@@ -3,9 +3,9 @@
 `play(controller, transcript, ...)` executes a transcript's events on the controller's one
 session, exactly as the REPL would (turns, /undo, /retry, /reset, /system, /set, per-event `set`),
 and returns the events with their results attached: a recording. With `expect` (a recording),
-each turn uses the recorded seed and sampling and is compared token by token; the first
-difference stops the run with a `Divergence` naming the turn, the token index, the expected and
-actual ids and text, and the top-5 candidates at that step (from the no-cache oracle).
+each turn uses the recorded seed, sampling and sampler version and is compared token by token; the
+first difference stops the run with a `Divergence` naming the turn, the token index, the expected
+and actual ids and text, and the top-5 candidates at that step (from the no-cache oracle).
 """
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def _divergence(controller, run: str, turn: int, ev: Event, what: str, index: in
 def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False, run: str = "run") -> list[Event]:
     """Execute the events; returns them with results. `expect`: compare with the recorded results."""
     path = transcript.path or "<transcript>"
+    controller.sampler_version = transcript.sampler_to_replay if expect else transcript.sampler_to_run
     controller.conv.system_prompt = transcript.system_prompt or controller.settings.ui.system_prompt
     _apply_settings(controller, transcript.sampling, f"{path}: sampling")
     out: list[Event] = []
