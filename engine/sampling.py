@@ -12,7 +12,9 @@ The distribution is computed on the host in float64 from the fp32 logits, in thi
 context), temperature, top-k (ties at the k-th value kept), then over the candidates in the draw's
 order (probability descending, token id ascending) top-p (a token stays while the mass before it is
 below top_p of the pool's mass, summed in id order) and min-p (relative to the most likely), then
-the inverse CDF at the uniform. Temperature 0 is argmax after the penalties, the lowest id on ties.
+the inverse CDF at the uniform over the candidates' running sums in that order (their mass: the
+last running sum where a filter dropped tokens, else the pool's mass in id order; `draw`).
+Temperature 0 is argmax after the penalties, the lowest id on ties.
 Every step is one fixed sequence of float64 operations on the host: only a last-bit difference in
 `exp` between host CPUs could move a draw, at a uniform within ~1e-16 of a boundary.
 Version 1 (`engine/sampling_v1.py`) is the torch.Generator sampler, for the recordings it made.
@@ -120,8 +122,7 @@ class Sampler:
         x = self.processed(logits)
         if self.cfg.greedy:
             return int(x.argmax())
-        ids, _, running = candidates(x, self.cfg)
-        return int(ids[inverse_cdf(running, uniform(self.seed, self.turn, index))])
+        return draw(x, self.cfg, uniform(self.seed, self.turn, index))
 
     def log_probs(self, logits: torch.Tensor, ids: list[int]) -> list[float]:
         """Log-probabilities of `ids` after the penalties and temperature (1 when greedy), over the
@@ -150,44 +151,74 @@ def _sorted_top(x: torch.Tensor, m: int) -> torch.Tensor:
     return sel[torch.sort(x[sel], descending=True, stable=True).indices]
 
 
+def _prefixes(x: torch.Tensor):
+    """Growing prefixes of the draw's order (64, 512, ... entries, then all): sorting only what a
+    draw needs (a 150k-entry float64 sort costs ~15 ms); a prefix's running sums are the full
+    sort's."""
+    m = min(64, x.numel())
+    while True:
+        order = _sorted_top(x, m)
+        yield order, order.numel() == x.numel()
+        m *= 8
+
+
+def _cut(e: torch.Tensor, running: torch.Tensor, cfg: SamplingConfig, mass: float) -> int:
+    """How many of a prefix of the draw's order top-p and min-p keep (a prefix: the mass before a
+    token only grows, its probability only falls); the first always stays."""
+    keep = e >= cfg.min_p  # e is relative to the most likely (e = 1): min-p's own rule
+    if cfg.top_p < 1.0:
+        before = torch.cat([running.new_zeros(1), running[:-1]])
+        keep &= before < cfg.top_p * mass
+    return max(1, int(keep.logical_not().nonzero()[0, 0]) if not bool(keep.all()) else e.numel())
+
+
+def _pool(x: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float]:
+    """After top-k: (the ids in play, ascending, or None for all; their x; exp(x - max); the
+    pool's mass, summed in id order)."""
+    pool = _top_positions(x, cfg.top_k) if 0 < cfg.top_k < x.numel() else None
+    x = x if pool is None else x[pool]
+    e = torch.exp(x - x.max())
+    return pool, x, e, float(torch.cumsum(e, 0)[-1])
+
+
 def candidates(x: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [vocab] float64 after penalties and temperature. Returns the tokens still in play after
     top-k, top-p and min-p, in the draw's order (probability descending, id ascending), with their
     unnormalized probabilities exp(x - max) and the running sums of those (summed in that order)."""
-    vocab = x.numel()
-    pool = None  # where top-k ran: the ids in play, ascending
-    if 0 < cfg.top_k < vocab:
-        pool = _top_positions(x, cfg.top_k)
-        x = x[pool]
-    e_pool = torch.exp(x - x.max())
-    truncating = cfg.top_p < 1.0 or cfg.min_p > 0.0
-    threshold = cfg.top_p * float(torch.cumsum(e_pool, 0)[-1]) if cfg.top_p < 1.0 else None
-    # Sort only a prefix of the draw's order, growing it until the filters cut inside it: the
-    # running sums of a prefix are those of the full sort (a 150k-entry float64 sort costs ~15 ms).
-    m = min(64, x.numel()) if truncating else x.numel()
-    while True:
-        order = _sorted_top(x, m)
+    pool, x, e_pool, mass = _pool(x, cfg)
+    for order, full in _prefixes(x):
         e = e_pool[order]
         running = torch.cumsum(e, 0)
-        keep = e >= cfg.min_p
-        if threshold is not None:
-            before = torch.cat([running.new_zeros(1), running[:-1]])
-            keep &= before < threshold
-        cut = int(keep.logical_not().nonzero()[0, 0]) if not bool(keep.all()) else order.numel()
-        if cut < order.numel() or order.numel() == x.numel():
-            break
-        m *= 8
-    cut = max(cut, 1)  # the most likely token always stays (e = 1, nothing before it)
-    order = order[:cut]
-    ids = order if pool is None else pool[order]
-    return ids, e[:cut], running[:cut]
+        cut = _cut(e, running, cfg, mass)
+        if cut < order.numel() or full:
+            order = order[:cut]
+            return (order if pool is None else pool[order]), e[:cut], running[:cut]
 
 
-def inverse_cdf(running: torch.Tensor, u: float) -> int:
-    """The first position whose running sum exceeds u times the total (a token of zero mass is
-    never chosen)."""
-    total = running[-1]
-    j = int(torch.searchsorted(running, (total * u).reshape(1), right=True)[0])
-    if j >= running.numel():  # u * total rounded up to the total
-        j = int(torch.searchsorted(running, total.reshape(1), right=False)[0])
+def draw(x: torch.Tensor, cfg: SamplingConfig, u: float) -> int:
+    """x: [vocab] float64 after penalties and temperature; u in [0, 1). The candidate at u times
+    their mass in the inverse CDF: that mass is their running sum in the draw's order where top-p
+    or min-p dropped tokens, the pool's mass summed in id order where none were dropped (so that
+    a draw without those filters sorts only as far as u reaches)."""
+    pool, x, e_pool, mass = _pool(x, cfg)
+    filtered = cfg.top_p < 1.0 or cfg.min_p > 0.0
+    for order, full in _prefixes(x):
+        e = e_pool[order]
+        running = torch.cumsum(e, 0)
+        cut = _cut(e, running, cfg, mass) if filtered else order.numel()
+        if cut < order.numel():  # the filters cut inside this prefix: the candidates are known
+            j = pick(running[:cut], u * float(running[cut - 1]))
+        elif full or (not filtered and float(running[-1]) > u * mass):
+            j = pick(running, u * mass)
+        else:
+            continue
+        return int(order[j] if pool is None else pool[order[j]])
+
+
+def pick(running: torch.Tensor, target: float) -> int:
+    """The first position whose running sum exceeds the target; past the end (a target rounded up
+    to the total), the last token with mass (a token of zero mass is never chosen)."""
+    j = int(torch.searchsorted(running, torch.tensor([target], dtype=running.dtype), right=True)[0])
+    if j >= running.numel():
+        j = int(torch.searchsorted(running, running[-1:], right=False)[0])
     return j

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import SamplingConfig
-from engine.sampling import Sampler, _sorted_top, candidates, inverse_cdf, make_sampler, splitmix64, uniform
+from engine.sampling import Sampler, _sorted_top, candidates, draw, make_sampler, pick, splitmix64, uniform
 from engine.sampling_v1 import SamplerV1, apply_penalties, filter_logits
 
 CPU = torch.device("cpu")
@@ -159,10 +159,25 @@ def test_draw_order_is_probability_then_id_and_the_prefix_sort_is_the_full_sort(
     assert torch.equal(ids, order[: int((before < 0.9 * float(torch.cumsum(torch.exp(x - x.max()), 0)[-1])).sum())])
 
 
-def test_inverse_cdf_picks_the_interval_of_the_uniform():
-    running = torch.tensor([0.5, 0.5, 0.8, 1.0], dtype=torch.float64)  # the second has zero mass
-    assert [inverse_cdf(running, u) for u in (0.0, 0.49, 0.5, 0.79, 0.8, 0.999)] == [0, 0, 2, 2, 3, 3]
-    assert inverse_cdf(running, 1.0 - 2 ** -53) == 3
+def test_the_inverse_cdf_picks_the_interval_of_the_uniform():
+    running = torch.tensor([0.5, 0.5, 0.8, 1.0, 1.0], dtype=torch.float64)  # ids 1 and 4 have zero mass
+    assert [pick(running, u) for u in (0.0, 0.49, 0.5, 0.79, 0.8, 0.999)] == [0, 0, 2, 2, 3, 3]
+    assert pick(running, 1.0) == pick(running, 1.0 + 2 ** -52) == 3  # a target rounded up: the last with mass
+
+
+def test_a_draw_sorts_only_as_far_as_it_needs_and_agrees_with_the_full_order():
+    """Top-p over the whole vocabulary, and no filter at all: the draw equals the inverse CDF over
+    the full sort, wherever the uniform falls."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20000, generator=g, dtype=torch.float64) * 3
+    x[:200] += 12  # a peaked head, a long flat tail: small and large uniforms reach different depths
+    order = torch.sort(x, descending=True, stable=True).indices
+    running = torch.cumsum(torch.exp(x[order] - x.max()), 0)
+    mass = float(torch.cumsum(torch.exp(x - x.max()), 0)[-1])  # id order
+    for u in (0.0, 0.3, 0.9, 0.999, 0.99999, 1 - 2 ** -53):
+        assert draw(x, cfg(), u) == int(order[pick(running, u * mass)]), u
+        ids, _, r = candidates(x, cfg(top_p=0.9))
+        assert draw(x, cfg(top_p=0.9), u) == int(ids[pick(r, u * float(r[-1]))]), u
 
 
 def test_draw_frequencies_follow_the_filtered_distribution():
