@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import sys
 
+from .errors import user_errors
 from .settings import SECTIONS
 
 EXIT_USAGE = 2
@@ -80,19 +81,6 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean bad input, reported as one line (anything else is a bug)."""
-    from engine.config import ConfigError
-    from engine.session import ContextOverflow, ReuseMismatch
-    from engine.state import RewindError
-    from models import CheckpointError
-
-    from .template import TemplateError
-    from .transcript import TranscriptError
-    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError, TranscriptError,
-            ReuseMismatch)
-
-
 def one_shot(rt, text: str) -> int:
     from .turn import TurnResult, run_turn
 
@@ -154,7 +142,7 @@ def cmd_replay(argv: list[str]) -> int:
     import math
     import os
 
-    from .suite import replay_command
+    from .suite import print_report, run_suite, show_problem
 
     args = build_replay_parser().parse_args(argv)
     if args.runs < 0:
@@ -163,7 +151,13 @@ def cmd_replay(argv: list[str]) -> int:
         return fail(f"--tolerance {args.tolerance:g}: the margin must be a finite log-probability difference >= 0")
     if args.junit and not os.path.isdir(os.path.dirname(os.path.abspath(args.junit))):
         return fail(f"--junit {args.junit}: no such directory")
-    return replay_command(args)
+    single = len(args.recordings) == 1 and not os.path.isdir(args.recordings[0])  # reported as before suites
+    result = run_suite(args.recordings, lambda rec: settings_for(args, rec), args.runs, args.tolerance,
+                       args.allow_model_change, on_outcome=None if single else show_problem)
+    if args.junit:
+        from .junit import write_junit
+        write_junit(args.junit, result)
+    return print_report(result, single, args.runs)
 
 
 def run_main(argv: list[str]) -> int:

@@ -73,12 +73,14 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     paths = config.getoption("chat_recordings")
     if not paths:
         return
+    from .__main__ import settings_for
     from .suite import expand, grouped, load_entry
 
     runs, tolerance = config.getoption("chat_runs"), config.getoption("chat_tolerance")
     if runs < 0 or (tolerance is not None and not tolerance >= 0):
         raise pytest.UsageError("--chat-runs must be 0 or more and --chat-tolerance a margin >= 0")
-    entries = [load_entry(p, argparse.Namespace(config=None)) for p in expand(paths)]
+    no_flags = argparse.Namespace(config=None)  # the config file and CHAT_* variables, as `chat replay` reads them
+    entries = [load_entry(p, lambda rec: settings_for(no_flags, rec)) for p in expand(paths)]
     for i in grouped(entries):  # one engine setting's recordings together: one model load each
         path = entries[i].path  # the node id as given: pytest's own is "::NAME" outside the rootdir
         file = RecordingFile.from_parent(session, path=Path(path).resolve(), entry=entries[i],

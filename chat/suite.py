@@ -5,9 +5,8 @@ replays them grouped by the engine settings each one resolves to (model, device,
 path), so a group loads its model once (`RuntimeCache`), and returns one `Outcome` per recording in
 the order given: identical, near ties (teacher-forced, within the tolerance), a divergence, or
 invalid (unreadable, a script, a model that does not load or has another fingerprint). `table()`
-renders them; `exit_code()` is 2 if any is invalid, else 1 if any diverged, else 0.
-`replay_command` is `chat replay`: one file prints as it always has, several (or a directory) print
-the table.
+renders them; `exit_code()` is 2 if any is invalid, else 1 if any diverged, else 0; `print_report`
+prints what `chat replay` prints (one file as it always has, several the table).
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from . import transcript as tr
+from .errors import user_errors
 
 IDENTICAL, NEAR_TIES, DIVERGENCE, INVALID = "identical", "near ties", "divergence", "invalid"
 
@@ -68,18 +68,16 @@ def expand(paths: list[str]) -> list[str]:
     return out
 
 
-def load_entry(path: str, args) -> Entry:
-    """Read a recording and resolve its settings (config and flags from `args`, the recorded engine
-    section filling the rest, as `chat replay` does)."""
-    from .__main__ import settings_for, user_errors
-
+def load_entry(path: str, settings_of) -> Entry:
+    """Read a recording and resolve its settings with `settings_of(transcript)` (`chat replay`'s:
+    config and flags, the recorded engine section filling the rest)."""
     if os.path.isdir(path):
         return Entry(path, error=f"{path}: no recordings (*.yaml) in this directory")
     try:
         rec = tr.load(path)
         if not rec.is_recording:
             raise tr.TranscriptError(f"{path}: not a recording (no turn has results); record it with `chat run -o`")
-        return Entry(path, rec, settings_for(args, rec))
+        return Entry(path, rec, settings_of(rec))
     except user_errors() as e:
         return Entry(path, error=str(e))
 
@@ -96,8 +94,6 @@ class RuntimeCache:
         self.load_seconds = 0.0
 
     def get(self, settings):
-        from .__main__ import user_errors
-
         if self._key is None or settings.engine != self._key:
             self.close()
             if self._opener is None:
@@ -132,7 +128,6 @@ def _recorded_size(rec: tr.Transcript | None) -> tuple[int, int]:
 def replay_one(entry: Entry, cache: RuntimeCache, runs: int = 1, tolerance: float | None = None,
                allow_model_change: bool = False) -> Outcome:
     """Replay one recording on its group's runtime: a fresh run and `runs` on the reused session."""
-    from .__main__ import user_errors
     from .controller import ChatController
     from .replay import Divergence, replay
 
@@ -176,10 +171,10 @@ def grouped(entries: list[Entry]) -> list[int]:
     return sorted(range(len(entries)), key=lambda i: first[entries[i].key])
 
 
-def run_suite(paths: list[str], args, runs: int = 1, tolerance: float | None = None,
+def run_suite(paths: list[str], settings_of, runs: int = 1, tolerance: float | None = None,
               allow_model_change: bool = False, opener=None, on_outcome=None) -> SuiteResult:
     """Replay every recording under `paths`; outcomes in the order the paths list them."""
-    entries = [load_entry(p, args) for p in expand(paths)]
+    entries = [load_entry(p, settings_of) for p in expand(paths)]
     cache = RuntimeCache(opener)
     outcomes: list[Outcome | None] = [None] * len(entries)
     try:
@@ -215,42 +210,32 @@ def summary(suite: SuiteResult) -> str:
             f"load{'s' * (suite.loads != 1)} ({suite.load_seconds:.1f} s)")
 
 
-def replay_command(args) -> int:
-    """`chat replay RECORDING|DIR ... [--runs N] [--tolerance MARGIN] [--junit FILE]` (flags checked)."""
-    single = len(args.recordings) == 1 and not os.path.isdir(args.recordings[0])
-    result = run_suite(args.recordings, args, args.runs, args.tolerance, args.allow_model_change,
-                       on_outcome=None if single else _show_problem)
-    if args.junit:
-        from .junit import write_junit
-        write_junit(args.junit, result)
+def print_report(suite: SuiteResult, single: bool, runs: int) -> int:
+    """Print what `chat replay` prints; returns its exit status. One recording, as it always was: a
+    line, or the divergence or the error (on stderr). Several: the table, the near ties of each
+    file, a summary (their divergences and errors went to stderr as they happened)."""
     if single:
-        return _show_single(result.outcomes[0], args.runs)
-    print(table(result.outcomes))
-    for o in result.outcomes:
+        o = suite.outcomes[0]
+        show_problem(o)
+        if o.status in (DIVERGENCE, INVALID):
+            return exit_code([o])
+        done = f"{o.turns} turns, {runs + 1} runs (1 fresh, {runs} on the reused session)"
+        print(f"replay within tolerance: {o.result} (teacher-forced): {done}\n{o.report}" if o.status == NEAR_TIES
+              else f"replay identical: {done}")
+        return 0
+    print(table(suite.outcomes))
+    for o in suite.outcomes:
         if o.status == NEAR_TIES:
             lines = o.report.splitlines()
             more = [f"  ({len(lines) - 10} more)"] if len(lines) > 10 else []
             print("\n".join([f"{o.path}: {o.result}:", *lines[:10], *more]))
-    print(summary(result))
-    return exit_code(result.outcomes)
+    print(summary(suite))
+    return exit_code(suite.outcomes)
 
 
-def _show_problem(outcome: Outcome) -> None:
-    """A suite's divergence or invalid file, on stderr as it happens (the table follows on stdout)."""
+def show_problem(outcome: Outcome) -> None:
+    """A divergence's report or an invalid recording's error, on stderr."""
     if outcome.status == DIVERGENCE:
         print(outcome.report, file=sys.stderr)
     elif outcome.status == INVALID:
         print(f"chat: error: {outcome.report}", file=sys.stderr)
-
-
-def _show_single(o: Outcome, runs: int) -> int:
-    """One recording, as `chat replay` always reported it: a line, the divergence, or the error."""
-    _show_problem(o)
-    if o.status in (DIVERGENCE, INVALID):
-        return exit_code([o])
-    done = f"{o.turns} turns, {runs + 1} runs (1 fresh, {runs} on the reused session)"
-    if o.status == NEAR_TIES:
-        print(f"replay within tolerance: {o.result} (teacher-forced): {done}\n{o.report}")
-    else:
-        print(f"replay identical: {done}")
-    return 0

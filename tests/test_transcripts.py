@@ -179,7 +179,8 @@ def test_suite_loads_each_model_once_and_keeps_the_order_given():
     paths = [os.path.join(GOLDEN, n) for n in ("kv-greedy.yaml", "hybrid-greedy.yaml", "kv-seeded.yaml",
                                                "hybrid-seeded.yaml")]
     opened = []
-    result = run_suite(paths, argparse.Namespace(config=None), runs=0,
+    from chat.__main__ import settings_for
+    result = run_suite(paths, lambda rec: settings_for(argparse.Namespace(config=None), rec), runs=0,
                        opener=lambda s: opened.append(s.engine.model) or open_runtime(s))
     assert [o.path for o in result.outcomes] == paths and all(o.status == "identical" for o in result.outcomes)
     assert opened == ["tests/golden/tiny-llama", "tests/golden/tiny-qwen3_5"] and result.loads == 2
