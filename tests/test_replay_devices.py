@@ -61,7 +61,8 @@ def device_bound(rec) -> bool:
 def record_all(directory, *flags) -> None:
     os.makedirs(directory, exist_ok=True)
     for script in scripts():
-        proc = chat("run", os.path.relpath(script, ROOT), "-o", os.path.join(directory, os.path.basename(script)), *flags)
+        target = os.path.join(directory, os.path.basename(script))
+        proc = chat("run", os.path.relpath(script, ROOT), "-o", target, *flags)
         assert proc.returncode == 0, (script, proc.stderr)
 
 
@@ -82,7 +83,8 @@ CONFIGS = [SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, see
 
 
 @pytest.mark.parametrize("vocab", [300, 151936])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"t{c.temperature}k{c.top_k}p{c.top_p}m{c.min_p}r{c.repetition_penalty}")
+@pytest.mark.parametrize("cfg", CONFIGS,
+                         ids=lambda c: f"t{c.temperature}k{c.top_k}p{c.top_p}m{c.min_p}r{c.repetition_penalty}")
 def test_the_same_logits_give_the_same_tokens_on_cuda_and_cpu(cfg, vocab):
     g = torch.Generator().manual_seed(vocab)
     steps = [torch.randn(vocab, generator=g) * 4 for _ in range(64)]

@@ -70,7 +70,8 @@ def test_golden_set_covers_kv_hybrid_greedy_and_seeded_with_both_samplers():
     assert sampler["kv-seeded-v2.yaml"] == sampler["hybrid-seeded-v2.yaml"] == sampler["smollm2-seeded.yaml"] == 2
 
 
-def test_cpu_fp32_recordings_replay_in_bf16_within_tolerance_and_strictly_stop_at_the_first_near_tie(tmp_path, chat_here):
+def test_cpu_fp32_recordings_replay_in_bf16_within_tolerance_and_strictly_stop_at_the_first_near_tie(
+        tmp_path, chat_here):
     """Acceptance: recordings made on the CPU in fp32 (greedy and seeded, tiny models and the
     embedded one) replay in bf16 with --tolerance 1.0 and no divergence; without --tolerance the
     same replay exits 1, at the first near tie the tolerant replay listed."""
