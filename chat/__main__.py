@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import sys
 
+from .errors import user_errors
 from .settings import SECTIONS
 
 EXIT_USAGE = 2
@@ -45,8 +46,8 @@ def overrides(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="chat", description="Chat with a local LLM in the terminal.",
-        epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml [--runs N]` "
-               "(each takes --help)")
+        epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml|DIR ... [--runs N] "
+               "[--tolerance MARGIN] [--junit FILE]` (each takes --help)")
     parser.add_argument("--prompt", help="answer one prompt, print the reply and exit")
     parser.add_argument("--resume", nargs="?", const="", metavar="FILE",
                         help="continue a saved conversation (default: the latest; /history lists them)")
@@ -64,10 +65,15 @@ def build_run_parser() -> argparse.ArgumentParser:
 
 
 def build_replay_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="chat replay", description="Replay a recording and compare token by token. "
-                                "Exit 0: identical; 1: a divergence; 2: an invalid file or a different model.")
-    p.add_argument("recording")
+    p = Parser(prog="chat replay", description="Replay recordings and compare token by token; several files "
+                                "or a directory run as a suite with a table. Exit 0: identical (or near ties "
+                                "within --tolerance); 1: a divergence; 2: an invalid file or a different model.")
+    p.add_argument("recordings", nargs="+", metavar="RECORDING", help="a recording, or a directory of them (*.yaml)")
     p.add_argument("--runs", type=int, default=1, help="extra runs on the same reused session (default 1)")
+    p.add_argument("--tolerance", type=float, metavar="MARGIN",
+                   help="teacher-forced: feed the recorded tokens; a different choice whose log-prob is within "
+                        "MARGIN of the recorded token's is a near tie, not a divergence")
+    p.add_argument("--junit", metavar="FILE", help="also write the results as JUnit XML")
     p.add_argument("--allow-model-change", action="store_true", help="compare even if the fingerprint differs")
     add_setting_flags(p)
     return p
@@ -76,19 +82,6 @@ def build_replay_parser() -> argparse.ArgumentParser:
 def fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"chat: error: {message}", file=sys.stderr)
     return code
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean bad input, reported as one line (anything else is a bug)."""
-    from engine.config import ConfigError
-    from engine.session import ContextOverflow, ReuseMismatch
-    from engine.state import RewindError
-    from models import CheckpointError
-
-    from .template import TemplateError
-    from .transcript import TranscriptError
-    return (ConfigError, CheckpointError, TemplateError, ContextOverflow, RewindError, TranscriptError,
-            ReuseMismatch)
 
 
 def one_shot(rt, text: str) -> int:
@@ -152,31 +145,25 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def cmd_replay(argv: list[str]) -> int:
-    from . import transcript as tr
-    from .controller import ChatController
-    from .replay import Divergence, replay
-    from .runtime import open_runtime
+    import math
+    import os
+
+    from .suite import print_report, run_suite, show_problem
 
     args = build_replay_parser().parse_args(argv)
     if args.runs < 0:
         return fail("--runs must be 0 or more")
-    rec = tr.load(args.recording)
-    if not rec.is_recording:
-        return fail(f"{args.recording}: not a recording (no turn has results); record it with `chat run -o`")
-    settings = settings_for(args, rec)
-    rt = open_runtime(settings)
-    actual = tr.model_info(rt)["fingerprint"]
-    expected = rec.model.get("fingerprint")
-    if expected != actual and not args.allow_model_change:
-        return fail(f"{args.recording}: recorded with model fingerprint {expected}, this model is {actual} "
-                    "(use --allow-model-change to compare anyway)")
-    try:
-        turns = replay(ChatController(rt, settings), rec, args.runs)
-    except Divergence as d:
-        print(str(d), file=sys.stderr)
-        return 1
-    print(f"replay identical: {turns} turns, {args.runs + 1} runs (1 fresh, {args.runs} on the reused session)")
-    return 0
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        return fail(f"--tolerance {args.tolerance:g}: the margin must be a finite log-probability difference >= 0")
+    if args.junit and not os.path.isdir(os.path.dirname(os.path.abspath(args.junit))):
+        return fail(f"--junit {args.junit}: no such directory")
+    single = len(args.recordings) == 1 and not os.path.isdir(args.recordings[0])  # reported as before suites
+    result = run_suite(args.recordings, lambda rec: settings_for(args, rec), args.runs, args.tolerance,
+                       args.allow_model_change, on_outcome=None if single else show_problem)
+    if args.junit:
+        from .junit import write_junit
+        write_junit(args.junit, result)
+    return print_report(result, single, args.runs)
 
 
 def print_version(args) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from engine.sampling import resolve_seed
+from engine.sampling import SAMPLER_VERSION, resolve_seed
 from engine.session import ReuseMismatch, common_prefix
 
 from .conversation import Conversation
@@ -36,6 +36,7 @@ class ChatController:
         self.conv.system_prompt = self.settings.ui.system_prompt
         self.turns: list[TurnRecord] = []
         self.last: TurnResult | None = None
+        self.sampler_version = SAMPLER_VERSION  # recordings carry it; replaying one sets its own
 
     @property
     def session(self):
@@ -53,8 +54,11 @@ class ChatController:
     def prompt_ids(self, user_text: str) -> list[int]:
         return self.conv.prompt_ids(user_text)
 
-    def send(self, user_text: str, result: TurnResult, seed: int | None = None) -> Iterator[str]:
-        """Stream one reply. The exchange joins the conversation only when the reply completes."""
+    def send(self, user_text: str, result: TurnResult, seed: int | None = None,
+             forced: list[int] | None = None) -> Iterator[str]:
+        """Stream one reply. The exchange joins the conversation only when the reply completes.
+        The draws are keyed by the number of exchanges before this one (engine/sampling.py);
+        `forced`: a teacher-forced replay's recorded ids (chat/replay.py)."""
         ids = self.prompt_ids(user_text)
         result.prompt_ids = ids
         sampling = self.settings.sampling
@@ -63,7 +67,8 @@ class ChatController:
         before = list(self.session.cached)
         completed = False
         try:
-            yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result)
+            yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result,
+                                turn=len(self.turns), sampler=self.sampler_version, forced=forced)
             completed = True
         except ReuseMismatch as e:
             raise ReuseMismatch(f"turn {len(self.turns) + 1}: {e}") from None

@@ -1,16 +1,20 @@
-"""Scripted runs and token-exact replay of recordings.
+"""Scripted runs, token-exact replay of recordings, and teacher-forced replay with a tolerance.
 
 `play(controller, transcript, ...)` executes a transcript's events on the controller's one
 session, exactly as the REPL would (turns, /undo, /retry, /reset, /system, /set, per-event `set`),
 and returns the events with their results attached: a recording. With `expect` (a recording),
-each turn uses the recorded seed and sampling and is compared token by token; the first
-difference stops the run with a `Divergence` naming the turn, the token index, the expected and
-actual ids and text, and the top-5 candidates at that step (from the no-cache oracle).
+each turn uses the recorded seed, sampling and sampler version and is compared token by token; the
+first difference stops the run with a `Divergence` naming the turn, the token index, the expected
+and actual ids and text, and the top-5 candidates at that step (from the no-cache oracle).
+With a `tolerance` (a log-probability margin) the replay is teacher-forced: the recorded tokens are
+fed whatever the sampler chose, and a step where it chose otherwise is a `NearTie` when the two
+tokens' log-probabilities differ by at most the margin, a `Divergence` beyond it.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +41,38 @@ class Divergence(Exception):
         return self.report
 
 
+@dataclass
+class NearTie:
+    """A teacher-forced step where the replay chose another token within the tolerance. `recorded`
+    and `chosen` are "ID 'TEXT'"; log-probabilities after penalties and temperature."""
+    run: str
+    turn: int
+    index: int
+    recorded: str
+    chosen: str
+    logp_recorded: float
+    logp_chosen: float
+
+    def describe(self) -> str:
+        return (f"turn {self.turn}, token {self.index}: recorded {self.recorded} {self.logp_recorded:.3f}, "
+                f"replayed {self.chosen} {self.logp_chosen:.3f}")
+
+
+@dataclass
+class ReplayResult:
+    turns: int
+    tokens: int  # the recording's generated tokens (each run compares them all)
+    near_ties: list[NearTie] = field(default_factory=list)
+
+    def distinct_near_ties(self) -> list[tuple[NearTie, list[str]]]:
+        """Each near tie once (the same step often ties in every run), with the runs it came up in."""
+        seen: dict[tuple, tuple[NearTie, list[str]]] = {}
+        for t in self.near_ties:
+            key = (t.turn, t.index, t.recorded, t.chosen)
+            seen.setdefault(key, (t, []))[1].append(t.run.split(" ")[1])
+        return list(seen.values())
+
+
 def _apply_settings(controller, values: dict, where: str) -> None:
     for key, value in values.items():
         if key not in SETTABLE:
@@ -59,12 +95,12 @@ def _tok(tokenizer, token: int | None) -> str:
 
 
 def _divergence(controller, run: str, turn: int, ev: Event, what: str, index: int,
-                expected: list[int], actual: list[int], context: list[int]) -> Divergence:
+                expected: list[int], actual: list[int], context: list[int], notes: tuple[str, ...] = ()) -> Divergence:
     tok = controller.tokenizer
     exp = expected[index] if index < len(expected) else None
     act = actual[index] if index < len(actual) else None
     lines = [f"divergence in {run}: turn {turn} (line {ev.line}), {what} token {index}:",
-             f"  expected {_tok(tok, exp)}", f"  actual   {_tok(tok, act)}"]
+             f"  expected {_tok(tok, exp)}", f"  actual   {_tok(tok, act)}", *notes]
     if what == "generated":
         s = controller.session
         logits = reference.full_logits(s.model, context + actual[:index], s.device, s.dtype)[-1]
@@ -76,9 +112,35 @@ def _divergence(controller, run: str, turn: int, ev: Event, what: str, index: in
     return Divergence(run, turn, ev.line, index, what, exp, act, "\n".join(lines))
 
 
-def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False, run: str = "run") -> list[Event]:
-    """Execute the events; returns them with results. `expect`: compare with the recorded results."""
+def _forced_departures(controller, run: str, turn: int, ev: Event, result: TurnResult, tolerance: float,
+                       near_ties: list[NearTie]) -> None:
+    """Classify a teacher-forced turn's departures: near ties are appended, the first one beyond
+    the tolerance raises."""
+    tok = controller.tokenizer
+    recorded = ev.result["generated_ids"]
+    for d in sorted(result.stats.departures, key=lambda d: d.index):
+        gap = math.inf if d.logp_forced is None else abs(d.logp_forced - d.logp_chosen)
+        if math.isfinite(gap) and gap <= tolerance:
+            near_ties.append(NearTie(run, turn, d.index, _tok(tok, d.forced), _tok(tok, d.chosen),
+                                     d.logp_forced, d.logp_chosen))
+            continue
+        if d.logp_forced is None:
+            notes = ("  the recording ends here; the replay goes on (teacher-forced: the recorded tokens were fed)",)
+        else:
+            notes = (f"  log-probs: expected {d.logp_forced:.3f}, actual {d.logp_chosen:.3f}; difference {gap:.3f} > "
+                     f"tolerance {tolerance:g} (teacher-forced: the recorded tokens were fed)",)
+        raise _divergence(controller, run, turn, ev, "generated", d.index, recorded,
+                          recorded[:d.index] + [d.chosen], result.prompt_ids, notes)
+
+
+def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False, run: str = "run",
+         tolerance: float | None = None, near_ties: list[NearTie] | None = None) -> list[Event]:
+    """Execute the events; returns them with results. `expect`: compare with the recorded results;
+    with `tolerance` too, teacher-forced, the near ties appended to `near_ties`."""
     path = transcript.path or "<transcript>"
+    controller.sampler_version = transcript.sampler_to_replay if expect else transcript.sampler_to_run
+    forcing = expect and tolerance is not None
+    near_ties = [] if near_ties is None else near_ties
     controller.conv.system_prompt = transcript.system_prompt or controller.settings.ui.system_prompt
     _apply_settings(controller, transcript.sampling, f"{path}: sampling")
     out: list[Event] = []
@@ -118,7 +180,8 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
                 raise TranscriptError(f"{where}: {e}") from None
             seed = ev.result["seed"]
         result = TurnResult([])
-        for chunk in controller.send(user, result, seed=seed):
+        forced = ev.result["generated_ids"] if forcing else None
+        for chunk in controller.send(user, result, seed=seed, forced=forced):
             if on_chunk:
                 on_chunk(chunk)
         if on_chunk:
@@ -128,7 +191,9 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
             i = _first_difference(rec["prompt_ids"], result.prompt_ids)
             if i is not None:
                 raise _divergence(controller, run, turn, ev, "prompt", i, rec["prompt_ids"], result.prompt_ids, [])
-            i = _first_difference(rec["generated_ids"], result.ids)
+            if forcing:
+                _forced_departures(controller, run, turn, ev, result, tolerance, near_ties)
+            i = _first_difference(rec["generated_ids"], result.ids)  # forced: where a stop rule cut it short
             if i is not None:
                 raise _divergence(controller, run, turn, ev, "generated", i, rec["generated_ids"], result.ids,
                                   result.prompt_ids)
@@ -136,13 +201,18 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
     return out
 
 
-def replay(controller, recording: Transcript, runs: int, on_chunk=None) -> int:
-    """A cold run on a fresh session, then `runs` more on the same reused session. Returns turns."""
+def replay(controller, recording: Transcript, runs: int, on_chunk=None, tolerance: float | None = None) -> ReplayResult:
+    """A cold run on a fresh session, then `runs` more on the same reused session; teacher-forced
+    with a tolerance. Raises the first Divergence."""
     controller.reset()
     initial = controller.settings
-    events = play(controller, recording, on_chunk, expect=True, run="run 1 (fresh session)")
+    near: list[NearTie] = []
+    events = play(controller, recording, on_chunk, expect=True, run="run 1 (fresh session)",
+                  tolerance=tolerance, near_ties=near)
     for r in range(runs):
         controller.reset_conversation(keep_cache=True)
         controller.settings = initial
-        play(controller, recording, None, expect=True, run=f"run {r + 2} (reused session)")
-    return sum(1 for e in events if e.result is not None)
+        play(controller, recording, None, expect=True, run=f"run {r + 2} (reused session)",
+             tolerance=tolerance, near_ties=near)
+    turns = [e.result for e in events if e.result is not None]
+    return ReplayResult(len(turns), sum(len(t["generated_ids"]) for t in turns), near)

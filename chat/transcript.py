@@ -6,6 +6,7 @@ generated ids, the text, the finish reason, the seed and the sampling settings i
 
     format: chat-transcript
     version: 1
+    sampler: 2                                            # the sampler's version (recordings)
     model: {source: smollm2, fingerprint: sha256:…}      # recordings only
     engine: {device: cpu, dtype: float32, cuda_graph: off, max_context: 8192}
     sampling: {temperature: 0, …}                         # starting settings (any subset)
@@ -14,8 +15,9 @@ generated ids, the text, the finish reason, the seed and the sampling settings i
       - user: "Hello"                                      # a turn
         set: {temperature: 0.5}                            # optional: applied before this turn
       - command: /undo                                     # /undo /retry /reset /system /set
-Files are read with safe_load and written atomically; every problem is a `TranscriptError`
-naming the file and line.
+A recording without `sampler` predates the field and replays with version 1, the sampler that
+made it. Files are read with safe_load and written atomically; every problem is a
+`TranscriptError` naming the file and line.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 import yaml
+
+from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
 from .settings import YAML_ERRORS, yaml_error_message
 
@@ -89,10 +93,21 @@ class Transcript:
     sampling: dict = field(default_factory=dict)
     system_prompt: str = ""
     path: str = ""
+    sampler: int | None = None  # the sampler's version; None: not given
 
     @property
     def is_recording(self) -> bool:
         return any(e.result is not None for e in self.events)
+
+    @property
+    def sampler_to_run(self) -> int:
+        """The version `chat run` records with: the script's, or the current one."""
+        return SAMPLER_VERSION if self.sampler is None else self.sampler
+
+    @property
+    def sampler_to_replay(self) -> int:
+        """The version that made the recording: one without the field predates it (version 1)."""
+        return 1 if self.sampler is None else self.sampler
 
 
 def _err(path: str, line: int, message: str) -> TranscriptError:
@@ -166,10 +181,14 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
         raise _err(path, line, f"not a transcript: 'format' must be {FORMAT!r}")
     if data.get("version") != VERSION:
         raise _err(path, line, f"transcript version {data.get('version')!r} is not supported (supported: {VERSION})")
-    known = {"format", "version", "model", "engine", "sampling", "system_prompt", "events"}
+    known = {"format", "version", "sampler", "model", "engine", "sampling", "system_prompt", "events"}
     for key in data:
         if key not in known:
             raise _err(path, line, f"unknown key {key!r} (known: {', '.join(sorted(known))})")
+    sampler = data.get("sampler")
+    if sampler is not None and (isinstance(sampler, bool) or sampler not in SAMPLER_VERSIONS):
+        raise _err(path, line, f"sampler version {sampler!r} is not supported "
+                               f"(supported: {', '.join(map(str, SAMPLER_VERSIONS))})")
     for key in ("model", "engine", "sampling"):
         if not isinstance(data.get(key, {}), dict):
             raise _err(path, getattr(data.get(key), "line", line), f"'{key}' must be a mapping")
@@ -180,7 +199,7 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
     if not isinstance(events, list) or not events:
         raise _err(path, line, "'events' must be a non-empty list")
     return Transcript([_check_event(path, e, i) for i, e in enumerate(events)], dict(data.get("model", {})),
-                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path)
+                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path, sampler)
 
 
 def load(path: str) -> Transcript:
@@ -205,8 +224,9 @@ def to_yaml(t: Transcript) -> str:
         if e.result is not None:
             d.update({k: e.result[k] for k in RESULT_KEYS})
         events.append(d)
-    doc = {"format": FORMAT, "version": VERSION, "model": t.model, "engine": t.engine, "sampling": t.sampling,
-           "system_prompt": t.system_prompt, "events": events}
+    doc = {"format": FORMAT, "version": VERSION, **({"sampler": t.sampler} if t.sampler is not None else {}),
+           "model": t.model, "engine": t.engine, "sampling": t.sampling, "system_prompt": t.system_prompt,
+           "events": events}
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=120, default_flow_style=None)
 
 
@@ -243,7 +263,7 @@ def recording_from(controller, events: list[Event] | None = None) -> Transcript:
     if events is None:
         events = [Event(0, user=t.user, result=result_dict(t)) for t in controller.turns]
     return Transcript(events, model_info(rt), engine_info(rt), dataclasses.asdict(controller.settings.sampling),
-                      controller.conv.system_prompt)
+                      controller.conv.system_prompt, sampler=controller.sampler_version)
 
 
 def result_dict(turn) -> dict:
@@ -298,6 +318,7 @@ def load_into_controller(controller, path: str) -> int:
         turns.append(TurnRecord(user, TurnResult(r["prompt_ids"], r["generated_ids"], r["text"],
                                                    r["finish_reason"], stats), r["sampling"]))
     controller.reset_conversation(keep_cache=True)
+    controller.sampler_version = t.sampler_to_replay  # its turns' sampler: a later /save stays replayable
     controller.conv.system_prompt = t.system_prompt
     for turn in turns:
         controller.conv.add_exchange(turn.user, turn.result.text)

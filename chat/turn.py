@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.config import SamplingConfig
+from engine.sampling import SAMPLER_VERSION
 from engine.session import DecodeSession, GenerationStats
 
 from .detok import IncrementalDecoder
@@ -37,9 +38,12 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling: SamplingConfig,
-             seed: int | None, result: TurnResult) -> Iterator[str]:
-    """Yields text chunks; fills `result` as it goes (also when interrupted)."""
-    tokens = session.generate(prompt_ids, sampling, seed=seed)  # raises before touching state
+             seed: int | None, result: TurnResult, *, turn: int = 0, sampler: int = SAMPLER_VERSION,
+             forced: list[int] | None = None) -> Iterator[str]:
+    """Yields text chunks; fills `result` as it goes (also when interrupted). `turn`, `sampler`
+    and `forced` go to `DecodeSession.generate`."""
+    # raises before touching state
+    tokens = session.generate(prompt_ids, sampling, seed=seed, turn=turn, sampler=sampler, forced=forced)
     decoder = IncrementalDecoder(tokenizer)
     stops = list(sampling.stop)
     emitted = 0

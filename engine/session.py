@@ -4,19 +4,21 @@
 (through the StateManager: a KV rewind, or a reset where fixed recurrent state cannot rewind),
 prefills the rest, then decodes, yielding token ids. Each forward commits its tokens only when
 it completes, so interrupting a generation (Ctrl-C, closing the generator) leaves the state
-consistent with `cached`. The engine knows token ids only, never text.
+consistent with `cached`. With `forced` ids (a teacher-forced replay) it feeds and yields those
+instead of its choices, and lists in `last_stats.departures` each step where its sampler chose
+otherwise. The engine knows token ids only, never text.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from .config import ConfigError, SamplingConfig
 from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
-from .sampling import Sampler, resolve_seed
+from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from .state import StateManager
 
 
@@ -28,6 +30,18 @@ class ReuseMismatch(RuntimeError):
     """verify_reuse: the logits after a cache reuse differ from a cold prefill's."""
 
 
+@dataclass(frozen=True)
+class Departure:
+    """A teacher-forced step where the sampler chose `chosen` but `forced` was fed; `forced` None:
+    the forced ids ended where the generation would have gone on. Log-probabilities are the
+    sampler's (`log_probs`: after penalties and temperature, before truncation)."""
+    index: int
+    chosen: int
+    forced: int | None
+    logp_chosen: float
+    logp_forced: float | None
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -35,8 +49,9 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    finish_reason: str = ""  # stop | length | context | interrupted
+    finish_reason: str = ""  # stop | length | context | interrupted | forced (the forced ids ran out)
     seed: int = 0
+    departures: list[Departure] = field(default_factory=list)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -287,14 +302,21 @@ class DecodeSession:
                                   f"{self.max_context} (shorten the conversation or raise max_context)")
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None = None,
-                 stop_ids: tuple[int, ...] | None = None) -> Iterator[int]:
-        """Validate now (raising before any state changes), then return the token iterator."""
+                 stop_ids: tuple[int, ...] | None = None, *, turn: int = 0, sampler: int = SAMPLER_VERSION,
+                 forced: list[int] | None = None) -> Iterator[int]:
+        """Validate now (raising before any state changes), then return the token iterator.
+
+        `turn` and `sampler` (the version) key the draws (engine/sampling.py). `forced`: feed and
+        yield these ids instead of the sampler's choices; the stop rules still apply to them."""
         self.check_fits(prompt_ids)
         seed = resolve_seed(sampling.seed if seed is None else seed)
         stops = self.eos_ids if stop_ids is None else tuple(stop_ids)
-        return self._generate(list(prompt_ids), sampling, seed, stops)
+        draw = make_sampler(sampler, sampling, self.vocab_size, self.device, list(prompt_ids), seed, turn)
+        return self._generate(list(prompt_ids), sampling, seed, stops, draw,
+                              None if forced is None else list(forced))
 
-    def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops) -> Iterator[int]:
+    def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops, sampler,
+                  forced: list[int] | None) -> Iterator[int]:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()
@@ -304,11 +326,10 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1])  # a turn boundary: after the prompt
-        sampler = Sampler(cfg, self.vocab_size, self.device, prompt, seed)
-        token = int(sampler(logits[-1]))
+        token = self._choose(sampler, logits[-1], forced, 0, stats)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
-        while True:
+        while token is not None:
             stats.generated_tokens += 1
             stats.decode_seconds = time.perf_counter() - t1
             yield token
@@ -322,9 +343,26 @@ class DecodeSession:
                 stats.finish_reason = "context"
                 break
             sampler.accept(token)
-            token = int(sampler(self.step(token)[-1]))
+            token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats)
+        else:  # no break: the forced ids ran out where the generation would have gone on
+            stats.finish_reason = "forced"
         stats.decode_seconds = time.perf_counter() - t1
         self.state.checkpoint()  # a turn boundary: after the reply
+
+    @staticmethod
+    def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,
+                stats: GenerationStats) -> int | None:
+        """The sampler's choice, or where forced, the forced id (None past its end), noting a
+        departure. The sampler draws at every step either way, so its counter or stream advances
+        as it did when the forced ids were recorded."""
+        chosen = int(sampler(logits))
+        if forced is None:
+            return chosen
+        token = forced[index] if index < len(forced) else None
+        if token != chosen:
+            lp = sampler.log_probs(logits, [chosen] if token is None else [chosen, token])
+            stats.departures.append(Departure(index, chosen, token, lp[0], lp[1] if token is not None else None))
+        return token
 
     def _verify(self, prompt: list[int], logits: torch.Tensor, reused: int) -> None:
         from .reference import full_logits

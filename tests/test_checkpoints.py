@@ -25,10 +25,11 @@ def controller(path, **over):
 
 
 def cold_tokens(c: ChatController, prompt_ids, sampling, seed):
-    """A brand-new session over the same prompt: the ground truth for a warm generation."""
+    """A brand-new session over the same prompt, drawing as the controller's last turn did (keyed
+    by the exchanges before it): the ground truth for a warm generation."""
     s = DecodeSession(c.session.model, max_context=c.session.max_context, device=c.session.device,
                       dtype=c.session.dtype, eos_ids=c.session.eos_ids)
-    return list(s.generate(prompt_ids, sampling, seed=seed))
+    return list(s.generate(prompt_ids, sampling, seed=seed, turn=len(c.turns) - 1))
 
 
 OPS = st.lists(st.one_of(st.tuples(st.just("send"), st.sampled_from(WORDS)), st.just(("undo",)),

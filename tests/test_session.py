@@ -109,3 +109,58 @@ def test_compiled_cpu_step_matches_eager_and_repeats_itself(lm):
     s.reset()
     runs = [list(s.generate(ids(20, seed=3), GREEDY)) for _ in range(2)]
     assert runs[0] == runs[1] == list(eager.generate(ids(20, seed=3), GREEDY))
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED])
+def test_teacher_forced_on_its_own_tokens_departs_nowhere(lm, cfg):
+    free = list(new(lm).generate(ids(20), cfg, turn=2))
+    s = new(lm)
+    assert list(s.generate(ids(20), cfg, turn=2, forced=free)) == free
+    assert s.last_stats.departures == [] and s.last_stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED])
+def test_teacher_forced_feeds_the_forced_tokens_and_notes_each_departure(lm, cfg):
+    """The forced ids are fed whatever the sampler chose; the first departure is the changed token
+    (with the sampler's choice and both log-probs), and what follows is what a free run from the
+    forced prefix would choose."""
+    prompt = ids(20)
+    free = list(new(lm).generate(prompt, cfg))
+    forced = free[:3] + [(free[3] + 1) % 300] + free[4:]
+    s = new(lm)
+    assert list(s.generate(prompt, cfg, forced=forced)) == forced
+    first = s.last_stats.departures[0]
+    assert (first.index, first.chosen, first.forced) == (3, free[3], forced[3])
+    probe = new(lm)
+    from engine.sampling import make_sampler
+    sampler = make_sampler(2, cfg, lm.model.config.vocab_size, torch.device("cpu"), prompt, cfg.seed, 0)
+    logits = probe.prefill(prompt)[-1]
+    for t in free[:3]:
+        sampler(logits)
+        sampler.accept(t)
+        logits = probe.step(t)[-1]
+    assert sampler(logits) == free[3]
+    assert [first.logp_chosen, first.logp_forced] == pytest.approx(sampler.log_probs(logits, [free[3], forced[3]]))
+    # after the change the context differs: later departures compare with a run forced the same way
+    again = new(lm)
+    list(again.generate(prompt, cfg, forced=forced))
+    assert again.last_stats.departures == s.last_stats.departures
+
+
+def test_teacher_forced_ids_that_end_early_are_a_departure_and_stop_rules_apply(lm):
+    free = list(new(lm).generate(ids(20), GREEDY))
+    s = new(lm)
+    assert list(s.generate(ids(20), GREEDY, forced=free[:4])) == free[:4]
+    assert s.last_stats.finish_reason == "forced"
+    d = s.last_stats.departures
+    assert len(d) == 1 and (d[0].index, d[0].chosen, d[0].forced, d[0].logp_forced) == (4, free[4], None, None)
+    # a stop id among the forced ones ends the generation there
+    out = list(s.generate(ids(20), GREEDY, stop_ids=(free[2],), forced=free))
+    assert out == free[:3] and s.last_stats.finish_reason == "stop"
+
+
+def test_the_turn_keys_sampled_draws(lm):
+    a = list(new(lm).generate(ids(20), SAMPLED, turn=0))
+    assert list(new(lm).generate(ids(20), SAMPLED, turn=0)) == a
+    assert list(new(lm).generate(ids(20), SAMPLED, turn=1)) != a
+    assert list(new(lm).generate(ids(20), GREEDY, turn=1)) == list(new(lm).generate(ids(20), GREEDY, turn=0))

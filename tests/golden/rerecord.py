@@ -1,9 +1,11 @@
-"""Re-record the golden recordings from their scripts and report what changed.
+"""Re-record the golden recordings from their scripts, report what changed, and replay them.
 
     python tests/golden/rerecord.py            # from the repository root (or `make golden`)
-Each scripts/NAME.yaml is run with `chat run` and written to recordings/NAME.yaml; for every
-recording that existed before, the report names the turns whose prompt or generated ids changed
-and whether the model fingerprint changed.
+Each scripts/NAME.yaml is run with `chat run` and written to recordings/NAME.yaml (with the current
+sampler, version 2, unless the script names another); for every recording that existed before, the
+report names the turns whose prompt or generated ids changed, and whether the model fingerprint or
+the sampler version changed. Then `chat replay recordings/` replays them all as a suite (its table;
+the exit status is the suite's).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ def compare(old, new) -> list[str]:
     notes = []
     if old.model.get("fingerprint") != new.model.get("fingerprint"):
         notes.append("model fingerprint changed")
+    if old.sampler_to_replay != new.sampler_to_replay:
+        notes.append(f"sampler version {old.sampler_to_replay} -> {new.sampler_to_replay}")
     a, b = turns(old), turns(new)
     if len(a) != len(b):
         notes.append(f"{len(a)} turns before, {len(b)} now")
@@ -65,8 +69,9 @@ def main() -> int:
                 print(f"{name}: new recording")
                 changed += 1
             tr.write_atomic(target, open(out, encoding="utf-8").read())
-    print(f"{changed} recording(s) changed")
-    return 0
+    print(f"{changed} recording(s) changed; replaying them:")
+    sys.stdout.flush()
+    return chat_main(["replay", os.path.relpath(os.path.join(HERE, "recordings"), ROOT)])
 
 
 if __name__ == "__main__":
