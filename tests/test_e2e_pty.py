@@ -152,3 +152,28 @@ def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_p
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+@pytest.mark.slow
+def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path, tiny_dirs):
+    (a,) = replies([QA], "24")
+    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "24")
+    try:
+        child.expect_exact(PROMPT)
+        child.send(QA + "\r")
+        assert read_reply(child, a) == " ".join(a.split())
+        child.send(f"/model {tiny_dirs['llama'][0]}\r")
+        child.expect_exact("1 exchanges kept")
+        child.send("/model smollm2\r")
+        child.expect_exact("1 exchanges kept")
+        saved = tmp_path / "after.yaml"
+        child.send(f"/save {saved}\r")
+        child.expect_exact("saved 1 turns")
+        child.expect_exact(PROMPT)
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    from chat import transcript as tr
+    t = tr.load(str(saved))
+    assert [e.user for e in t.events] == [QA] and t.events[0].result["text"] == a
