@@ -101,8 +101,10 @@ class Sampler:
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] → float64 on the logits' device, after the penalties and the temperature
-        (1 when greedy). Widening, the penalties and the division are single IEEE operations, one
-        kernel each: the same bits on every device (no fused multiply-add can form across them)."""
+        (1 when greedy). Widening, the penalties and the divisions are single IEEE operations, one
+        kernel each: the same bits on every device (no fused multiply-add can form across them).
+        Divisors are tensors on the logits' device: a Python-scalar divisor lets CUDA multiply by
+        its reciprocal, one rounding more (log-probs off in the last bit, seen on an H200)."""
         x = logits.detach().to(torch.float64, copy=True).reshape(-1)
         if self._penalized and self._counts:
             cfg = self.cfg
@@ -110,9 +112,9 @@ class Sampler:
             n = torch.tensor([self._counts[i] for i in ids.tolist()], dtype=torch.float64, device=x.device)
             v = x[ids]
             if cfg.repetition_penalty != 1.0:
-                v = torch.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
+                v = torch.where(v > 0, v / _divisor(cfg.repetition_penalty, v), v * cfg.repetition_penalty)
             x[ids] = v - n * cfg.frequency_penalty - cfg.presence_penalty
-        return x if self.cfg.greedy else x / self.cfg.temperature
+        return x if self.cfg.greedy else x / _divisor(self.cfg.temperature, x)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] fp32 on any device. Returns the chosen token id."""
@@ -133,6 +135,11 @@ class Sampler:
         top = x.max()
         lse = top + torch.log(torch.cumsum(torch.exp(x - top), 0)[-1])
         return [float(x[i] - lse) for i in ids]
+
+
+def _divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-d float64 tensor on `like`'s device: elementwise true division everywhere."""
+    return torch.tensor(value, dtype=torch.float64, device=like.device)
 
 
 def _top_positions(x: torch.Tensor, k: int) -> torch.Tensor:
