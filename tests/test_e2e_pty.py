@@ -91,6 +91,17 @@ def first_words(text: str, n: int = 4) -> str:
     return " ".join(text.split()[:n])
 
 
+def ask(child, question: str, reply: str) -> None:
+    """Send a question; the terminal shows exactly `reply`, then the prompt."""
+    child.send(question + "\r")
+    assert read_reply(child, reply) == " ".join(reply.split())
+
+
+def leave(child) -> None:
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+
+
 def read_reply(child, reply: str) -> str:
     """The reply as the terminal showed it, from its first words to the next prompt, with its
     whitespace normalised (plain mode streams the text as it is)."""
@@ -117,10 +128,8 @@ def test_ctrl_c_at_an_empty_prompt_stays_and_many_ctrl_c_during_replies_change_n
             time.sleep(rng.uniform(0.05, 0.6))
             child.sendcontrol("c")
             child.expect_exact("interrupted")
-        child.send(QA + "\r")
-        assert read_reply(child, answer) == " ".join(answer.split())
-        child.sendcontrol("d")
-        child.expect(pexpect.EOF)
+        ask(child, QA, answer)
+        leave(child)
     finally:
         child.close(force=True)
 
@@ -132,8 +141,7 @@ def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_p
     try:
         child.expect_exact(PROMPT)
         for q, reply in ((QA, a), (QB, b)):
-            child.send(q + "\r")
-            assert read_reply(child, reply) == " ".join(reply.split())
+            ask(child, q, reply)
         child.send(QC + "\r")
         child.expect_exact(first_words(c, 2))  # streaming
         child.kill(9)
@@ -146,10 +154,8 @@ def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_p
         child.expect_exact("resumed 2 turns")
         child.send("/show\r")
         child.expect_exact("turns: 2")
-        child.send(QC + "\r")
-        assert read_reply(child, c) == " ".join(c.split())
-        child.sendcontrol("d")
-        child.expect(pexpect.EOF)
+        ask(child, QC, c)
+        leave(child)
     finally:
         child.close(force=True)
 
@@ -160,8 +166,7 @@ def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path,
     child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "24")
     try:
         child.expect_exact(PROMPT)
-        child.send(QA + "\r")
-        assert read_reply(child, a) == " ".join(a.split())
+        ask(child, QA, a)
         child.send(f"/model {tiny_dirs['llama'][0]}\r")
         child.expect_exact("1 exchanges kept")
         child.send("/model smollm2\r")
@@ -170,8 +175,7 @@ def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path,
         child.send(f"/save {saved}\r")
         child.expect_exact("saved 1 turns")
         child.expect_exact(PROMPT)
-        child.sendcontrol("d")
-        child.expect(pexpect.EOF)
+        leave(child)
     finally:
         child.close(force=True)
     from chat import transcript as tr
