@@ -83,9 +83,8 @@ def _show(app, arg):
              f"{str(rt.dtype).replace('torch.', '')} on {rt.device} ({rt.dtype_reason}), "
              f"weights: {rt.loaded.weight_format})",
              f"context: {c.context_used}/{c.session.max_context} tokens used; "
-             f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB; "
-             f"checkpoints {len(c.session.state.checkpoints)} held, "
-             f"{c.session.state.checkpoint_nbytes / 2**20:.1f} MiB reserved",
+             f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
+             f"checkpoints: {c.session.state.describe()}",
              f"decode step: {c.session.decode_path}",
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),

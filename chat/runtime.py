@@ -81,6 +81,7 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
     session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
                             eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
                             compile=eng.compile, cpu_kernel=eng.cpu_kernel, checkpoint_mib=eng.checkpoint_mib,
+                            checkpoint_host_mib=eng.checkpoint_host_mib,
                             verify_reuse=eng.verify_reuse)
     if session.cpu_kernel_note:
         report(session.cpu_kernel_note)

@@ -25,6 +25,12 @@ def _int(lo: int, hi: int | None = None, allowed: str | None = None):
     return dict(check=ok, allowed=text, kind=int)
 
 
+def _int_or_auto(lo: int, hi: int, allowed: str):
+    """"auto" or an integer in [lo, hi] (the engine sizes what auto leaves to it)."""
+    return dict(check=lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi),
+                allowed=allowed, kind=(int, str))
+
+
 def _float(lo: float, hi: float | None = None, lo_open: bool = False, allowed: str | None = None):
     def ok(v):
         above = v > lo if lo_open else v >= lo
@@ -66,6 +72,8 @@ def coerce(cls, key: str, raw: Any) -> Any:
         return raw
     text = raw.strip()
     try:
+        if kind == (int, str):
+            return "auto" if text.lower() == "auto" else int(text)
         if kind is bool:
             if text.lower() in _TRUE:
                 return True
@@ -116,7 +124,9 @@ class EngineConfig(_Validated):
     compile: str = setting("off", _choice("off", "on"))
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
     quantized: str = setting("auto", _choice("auto", "off"))
-    checkpoint_mib: int = setting(256, _int(0, 1 << 20, "0 (no checkpoints) or a size in MiB"))
+    # turn-boundary checkpoints of hybrid state: on the device, then spilled to (pinned) host memory
+    checkpoint_mib: Any = setting("auto", _int_or_auto(0, 1 << 20, "auto, 0 (no checkpoints) or a size in MiB"))
+    checkpoint_host_mib: Any = setting("auto", _int_or_auto(0, 1 << 20, "auto, 0 (no spilling) or a size in MiB"))
     verify_reuse: bool = setting(False, _bool())
     threads: int = setting(0, _int(0, 1024, "0 (auto) or a number of threads"))
 

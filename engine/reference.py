@@ -13,7 +13,7 @@ from .state import StateManager
 @torch.inference_mode()
 def full_logits(model, tokens: list[int], device="cpu", dtype=torch.float32) -> torch.Tensor:
     """Logits [T, vocab] for every position of `tokens`, computed from scratch."""
-    state = StateManager(model.state_spec(), len(tokens), torch.device(device), dtype)
+    state = StateManager(model.state_spec(), len(tokens), torch.device(device), dtype, checkpoint_budget=0)
     state.begin_forward(len(tokens))
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     return model(ids, torch.arange(len(tokens), device=device), state, all_logits=True)

@@ -19,7 +19,7 @@ import torch
 from .config import ConfigError, SamplingConfig
 from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
-from .state import StateManager
+from .state import BASE, PROMPT, StateManager
 
 
 class ContextOverflow(ValueError):
@@ -89,13 +89,14 @@ class DecodeSession:
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
-                 cpu_kernel: str = "auto", checkpoint_mib: int = 256, verify_reuse: bool = False):
+                 cpu_kernel: str = "auto", checkpoint_mib: int | str = "auto", checkpoint_host_mib: int | str = "auto",
+                 verify_reuse: bool = False):
         self.model = model
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
         self.verify_reuse = verify_reuse
         self.eos_ids = tuple(eos_ids)
-        self.cached: list[int] = []  # the tokens whose state is in self.state
+        self._ids: list[int] = []  # the tokens in the written KV slots (state.written of them)
         self.last_stats = GenerationStats()
         self.vocab_size = model.config.vocab_size
         # On CUDA the decode step attends over a fixed bucket of slots (masked past the position),
@@ -121,8 +122,10 @@ class DecodeSession:
             self._step_fn = self._cpu_kernel_step(cpu_kernel == "on")
         # the attention caches in the step's dtype where it keeps them narrower (the C++ step over
         # 4-bit weights: fp16, half the bytes a long context's step reads)
+        mib = lambda v: v if v == "auto" else v << 20  # noqa: E731
         self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
-                                  vocab_size=model.config.vocab_size, checkpoint_budget=checkpoint_mib << 20,
+                                  vocab_size=model.config.vocab_size, checkpoint_budget=mib(checkpoint_mib),
+                                  host_budget=mib(checkpoint_host_mib),
                                   kv_dtype=getattr(self._step_fn, "kv_dtype", None),
                                   masked_reads=self._bucketed_decode)
         if compile == "on" and cuda:
@@ -202,6 +205,11 @@ class DecodeSession:
             return "torch (eager)" + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
         return "torch.compile" if self._compiled else "C++ step (cpu_kernel)"
 
+    @property
+    def cached(self) -> list[int]:
+        """The tokens whose state is live (a copy)."""
+        return self._ids[:self.state.length]
+
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -209,6 +217,7 @@ class DecodeSession:
         one = len(ids) == 1
         decode = one and self._bucketed_decode
         self.state.begin_forward(len(ids), decode_kv_len(start, self._kv_buckets) if decode else None)
+        del self._ids[start:]
         try:
             if decode and self.graph is not None:
                 logits = self.graph(ids[0], start)
@@ -219,10 +228,9 @@ class DecodeSession:
                 logits = fn(tokens, positions, self.state, all_logits=all_logits)
         except BaseException:
             self.state.invalidate()
-            del self.cached[self.state.length:]
             raise
         self.state.advance(len(ids))
-        self.cached.extend(ids)
+        self._ids.extend(ids)
         return logits
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -262,35 +270,34 @@ class DecodeSession:
     # --- state --------------------------------------------------------------------------------
     def reset(self) -> None:
         self.state.reset()
-        self.cached.clear()
+        self._ids.clear()
 
     def rewind(self, n: int) -> None:
         self.state.rewind(n)
-        del self.cached[n:]
 
     def rollback_to(self, n: int) -> int:
         """Bring the state back to at most n cached tokens, exactly (a KV rewind, or the newest
         checkpoint at or before n on recurrent state, or a reset). Returns the length reached."""
-        n = self.state.restore_nearest(min(n, self.state.length))
-        del self.cached[n:]
-        return n
+        return self.state.restore_nearest(min(n, self.state.length))
 
     def reuse_prefix(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None]:
         """Bring the state to the longest reusable prefix of `prompt_ids`.
 
-        Returns (reused length, next-token logits or None). The whole prompt counts as reused only
-        when a checkpoint at exactly its length saved the logits (a /retry); otherwise at least one
-        token is left to prefill. Where recurrent state cannot rewind, the newest checkpoint at or
-        before the prefix is restored (or the state reset) and the caller prefills the gap.
+        Returns (reused length, next-token logits or None). The prefix is matched against every
+        written KV slot, not only the live ones: after a rewind (Ctrl-C, /retry, /undo) the slots
+        above still hold their tokens until a forward overwrites them. The whole prompt counts as
+        reused only when a checkpoint at exactly its length saved the logits (a /retry, or the same
+        message again after Ctrl-C); otherwise at least one token is left to prefill. Where
+        recurrent state cannot rewind, the longest checkpoint at or before the prefix is restored
+        (or the state reset) and the caller prefills the gap.
         """
-        lcp = common_prefix(self.cached, prompt_ids)
+        lcp = common_prefix(self._ids[:self.state.written], prompt_ids)
         if lcp == len(prompt_ids):
             logits = self.state.checkpoint_logits(lcp)
-            if logits is not None and self.state.restore_nearest(lcp) == lcp:
-                del self.cached[lcp:]
+            if logits is not None and self.state.best_at_most(lcp) == lcp:
+                self.state.goto(lcp)
                 return lcp, logits[None].clone()
         n = self.state.restore_nearest(min(lcp, len(prompt_ids) - 1))
-        del self.cached[n:]
         return n, None
 
     # --- generation ---------------------------------------------------------------------------
@@ -322,10 +329,14 @@ class DecodeSession:
         t0 = time.perf_counter()
         stats.reused_tokens, logits = self.reuse_prefix(prompt)
         if logits is None:
+            # where this turn's new tokens begin (the end of the previous turn): what /undo and a
+            # new message come back to, taken before the prefill moves the state past it
+            if stats.reused_tokens > 0:
+                self.state.checkpoint(role=BASE)
             logits = self.prefill(prompt[stats.reused_tokens:])
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
-        self.state.checkpoint(logits[-1])  # a turn boundary: after the prompt
+        self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
         token = self._choose(sampler, logits[-1], forced, 0, stats)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
@@ -347,7 +358,6 @@ class DecodeSession:
         else:  # no break: the forced ids ran out where the generation would have gone on
             stats.finish_reason = "forced"
         stats.decode_seconds = time.perf_counter() - t1
-        self.state.checkpoint()  # a turn boundary: after the reply
 
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,

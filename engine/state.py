@@ -2,19 +2,49 @@
 
 Every tensor is allocated once, up front, for `max_context`, and afterwards only mutated in place
 (`zero_`, `copy_`, index writes) so a captured CUDA graph's raw pointers stay valid.
-- Attention KV is growable and masked: `rewind(n)` moves the logical length; stale slots are inert.
+- Attention KV is growable and masked: `length` is the live length; stale slots are inert. KV
+  slots stay written past a rewind: `written` (>= length) counts the slots that still hold the
+  tokens they were computed for, until the next forward overwrites them from `length` on.
 - Fixed conv/recurrent state is an unmasked rolling cache: `rewind(0)` (= `reset()`) re-zeroes it
-  exactly as construction did. A non-zero rewind of such state is exact only from a checkpoint:
-  `rewind(n)` raises `RewindError`; `restore_nearest(n)` restores the newest checkpoint at or
-  before n (or resets) and the caller re-prefills the gap.
-- Checkpoints: a bounded ring of preallocated slots (fixed-state copies + the next-token logits)
-  taken at turn boundaries. A checkpoint stays valid while the KV below its length is untouched,
-  so every rewind below a checkpoint's length drops it.
-- Pure-KV models have an empty fixed-state set: reset is a length change and nothing else.
+  exactly as construction did. Any other length is reached exactly only from a checkpoint:
+  `best_at_most(n)` names the longest reachable length <= n (any written length on pure-KV
+  state; on fixed state the live length, 0, or a checkpoint's) and `goto(m)` makes it live; the
+  caller prefills the gap. `rewind(n)` raises `RewindError` where it cannot be exact.
+- Checkpoints: copies of the fixed state (and the next-token logits, if given) taken at turn
+  boundaries, in preallocated device slots, spilled to host memory when those are full. One stays
+  valid while the KV below its length is untouched: a forward writes from `length` on, so every
+  forward drops the checkpoints above `length` (a rewind alone drops none: after an interrupted
+  or retried turn the checkpoint at the end of its prompt still serves the same prompt).
+- Pure-KV models have an empty fixed-state set: reset is a length change, and a checkpoint holds
+  only the logits of a prompt's end (a /retry draws from them without a forward).
+
+Retention by need, then recency. Each checkpoint has a role: "prompt" (at the end of a turn's
+prompt, with its logits: what /retry and the recovery from Ctrl-C restore) or "base" (where a
+turn's new tokens began, i.e. the end of the previous turn: what /undo followed by a new message
+restores). When a slot must be freed, the newest "prompt" checkpoint is evicted last, the newest
+"base" one next to last, and among the others the oldest goes first. A checkpoint that would
+itself be the first to go is not taken. With a one-slot budget the ring therefore always holds
+the newest prompt's checkpoint (/retry never re-prefills) and /undo re-prefills from the newest
+checkpoint below it (or from zero).
+
+Spilling: with a host budget (`host_budget`; on CUDA pinned memory), a checkpoint evicted from
+the device moves to a host slot instead of being dropped, if it is more needed than the least
+needed host checkpoint (or a host slot is free). Device-to-host copies run on a side stream
+ordered after the work that wrote the checkpoint; a device slot being spilled is reused only
+after its copy's event (the wait is on the GPU, never the host), and one slot is spilled ahead
+whenever the device ring is full and holds a checkpoint of neither newest role, so the next
+checkpoint finds a free slot. Restoring a host checkpoint copies it back on the current stream.
+
+Budgets ("auto"): on CUDA the device ring takes up to 4% of the GPU's memory, from what is free
+after the weights and the state, keeping a reserve for workspace (activations, graphs); the host
+ring up to 10% of the available RAM (16 GiB at most). On the CPU the ring is host memory already:
+up to 5% of the RAM (a quarter of what is available at most), and no spilling.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +59,9 @@ class RewindError(RuntimeError):
 # reset() leaves fixed state as it was (the original bug). Never set outside tests.
 _REZERO_FIXED_STATE = True
 
+MAX_SLOTS = 32  # per tier: 16 turns of /undo on the device, as many more on the host
+PROMPT, BASE = "prompt", "base"
+
 
 @dataclass
 class Snapshot:
@@ -41,15 +74,47 @@ class Checkpoint:
     length: int
     slot: int
     has_logits: bool
+    role: str = BASE
+    seq: int = 0
+    on_host: bool = False
+    ready: Any = None  # on a host slot: the event after which its copy is complete (CUDA)
 
 
-MAX_SLOTS = 32
+@dataclass
+class _Slot:
+    fixed: list
+    logits: torch.Tensor
+    spilling: Any = None  # a device slot whose copy to the host is in flight: reusable after this event
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_ram() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_budgets(device: torch.device) -> tuple[int, int]:
+    """(device bytes, host bytes) for checkpoints when the settings say auto (see the docstring)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = max(4 << 30, int(0.08 * total))
+        return max(0, min(int(0.04 * total), free - reserve)), min(16 << 30, int(0.10 * available_ram()))
+    return min(int(0.05 * total_ram()), available_ram() // 4), 0
 
 
 class StateManager:
     def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype,
-                 vocab_size: int = 0, checkpoint_budget: int = 256 << 20, kv_dtype: torch.dtype | None = None,
-                 masked_reads: bool | None = None):
+                 vocab_size: int = 0, checkpoint_budget: int | str = 256 << 20, kv_dtype: torch.dtype | None = None,
+                 masked_reads: bool | None = None, host_budget: int | str = 0):
         self.max_context = max_context
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_dtype or dtype  # the attention caches' (a decode step may keep them narrower)
@@ -75,17 +140,39 @@ class StateManager:
             else:
                 raise TypeError(f"unknown layer state declaration {layer!r}")
         self.length = 0
+        self.written = 0  # KV slots [0, written) hold the tokens they were computed for
         self.kv_len = 0  # slots the next forward attends over; set by begin_forward()
-        self._slots = self._allocate_slots(vocab_size, checkpoint_budget)
+        self.vocab_size = vocab_size
+        auto_dev, auto_host = auto_budgets(device) if "auto" in (checkpoint_budget, host_budget) else (0, 0)
+        self.budget_auto = checkpoint_budget == "auto"
+        self.host_budget_auto = host_budget == "auto"
+        self.budget = auto_dev if self.budget_auto else int(checkpoint_budget)
+        self.host_budget = auto_host if self.host_budget_auto else int(host_budget)
+        self._slots = self._allocate_slots(self.budget)
+        n_host = 0 if not self._slots else min(MAX_SLOTS, self.host_budget // self.slot_nbytes)
+        if self.has_fixed_state and self._slots and n_host < 1 and self.host_budget > 0:
+            n_host = 1
+        self._host: list[_Slot | None] = [None] * n_host  # allocated on first use
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" and n_host else None
         self.checkpoints: list[Checkpoint] = []  # oldest first
+        self._seq = 0
 
-    def _allocate_slots(self, vocab_size: int, budget: int) -> list:
-        per_slot = sum(t.numel() * t.element_size() for t in self.fixed_tensors()) + 4 * vocab_size
+    @property
+    def slot_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fixed_tensors()) + 4 * self.vocab_size
+
+    def _allocate_slots(self, budget: int) -> list[_Slot]:
+        per_slot = self.slot_nbytes
         n = 0 if per_slot == 0 else min(MAX_SLOTS, budget // per_slot)
         if self.has_fixed_state and n < 1 and budget > 0:
             n = 1  # one slot at least: a budget too small for it is still better spent than refused
-        return [([None if f is None else {k: torch.empty_like(t) for k, t in f.items()} for f in self._fixed],
-                 torch.empty(vocab_size, dtype=torch.float32, device=self.device)) for _ in range(n)]
+        return [self._new_slot(self.device) for _ in range(n)]
+
+    def _new_slot(self, device: torch.device, pin: bool = False) -> _Slot:
+        kw = dict(device=device, pin_memory=True) if pin else dict(device=device)
+        return _Slot([None if f is None else {k: torch.empty(t.shape, dtype=t.dtype, **kw) for k, t in f.items()}
+                      for f in self._fixed], torch.empty(self.vocab_size, dtype=torch.float32, **kw))
+
     # --- the view a model's forward receives -------------------------------------------------
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv[layer]
@@ -107,34 +194,61 @@ class StateManager:
 
     @property
     def checkpoint_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for fixed, logits in self._slots
-                   for f in fixed if f is not None for t in f.values()) + \
-            sum(logits.numel() * 4 for _, logits in self._slots)
+        """Device memory reserved for checkpoints."""
+        return len(self._slots) * self.slot_nbytes
+
+    @property
+    def host_slots(self) -> int:
+        return len(self._host)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory the spilled checkpoints hold now (their slots are allocated on first use)."""
+        return sum(s is not None for s in self._host) * self.slot_nbytes
+
+    def describe(self) -> str:
+        """The checkpoint ring in words (the REPL's /show)."""
+        on_host = sum(c.on_host for c in self.checkpoints)
+        dev = f"{len(self._slots)} slots, {self.checkpoint_nbytes / 2**20:.1f} MiB" + (" (auto)" if self.budget_auto else "")
+        out = f"{len(self.checkpoints)} held ({len(self.checkpoints) - on_host} on the device, {on_host} spilled); " \
+              f"device ring {dev}"
+        if self._host:
+            out += f"; host ring {len(self._host)} slots, {self.host_nbytes / 2**20:.1f} of " \
+                   f"{len(self._host) * self.slot_nbytes / 2**20:.1f} MiB in use" + (" (auto)" if self.host_budget_auto else "")
+        return out
 
     # --- lengths ------------------------------------------------------------------------------
     def begin_forward(self, n_new: int, kv_len: int | None = None) -> None:
-        """Prepare a forward over `n_new` tokens at positions length..length+n_new-1."""
+        """Prepare a forward over `n_new` tokens at positions length..length+n_new-1. It writes KV
+        from `length` on: what the slots there held, and the checkpoints above, are gone."""
         if self.length + n_new > self.max_context:
             raise RewindError(f"context full: {self.length} + {n_new} tokens > max_context {self.max_context}")
+        self.written = self.length
+        self._drop(lambda c: c.length > self.length)
         self.kv_len = self.length + n_new if kv_len is None else kv_len
 
     def advance(self, n: int) -> None:
         """Commit `n` tokens whose state a completed forward wrote."""
         self.length += n
+        self.written = self.length
 
     def can_rewind(self, n: int) -> bool:
         return n == 0 or n == self.length or (0 <= n <= self.length and not self.has_fixed_state)
 
     def scrub_kv(self, n: int) -> None:
-        """Zero the first n slots of every KV cache (not the length). For slots that forwards over
+        """Zero the first n slots of every KV cache, at length 0. For slots that forwards over
         scratch values wrote (the session's kernel precompile), which need not be finite: on CUDA
         the slots past the live length are read, masked, and a masked NaN still poisons a softmax."""
         for kv in self._kv:
             if kv is not None:
                 for t in kv:
                     t[:, :n].zero_()
+        self.written = self.length
+        self._drop(lambda c: True)
 
     def rewind(self, n: int) -> None:
+        """Make n the live length, n <= length; exact for n == 0 and n == length, and for any n on
+        pure-KV state (RewindError otherwise). The KV slots above stay written."""
         if not 0 <= n <= self.length:
             raise RewindError(f"cannot rewind to {n}: only {self.length} tokens are cached")
         if n == 0:
@@ -146,63 +260,207 @@ class StateManager:
             return
         elif self.has_fixed_state:
             raise RewindError(f"cannot rewind recurrent state from {self.length} to {n} tokens "
-                              "without a snapshot; reset and re-prefill instead")
+                              "without a checkpoint; reset and re-prefill instead")
         self.length = n
-        self._drop_checkpoints_above(n)
 
     def reset(self) -> None:
         """Back to the construction state: length 0, zeroed fixed state, no checkpoints."""
         self.rewind(0)
-        self.checkpoints = []
+        self.written = 0
+        self._drop(lambda c: True)
 
-    # --- checkpoints at turn boundaries --------------------------------------------------------
-    def checkpoint(self, logits: torch.Tensor | None = None) -> None:
-        """Save the fixed state (and the next-token logits, if given) at the current length."""
-        if not self._slots or (logits is None and not self.has_fixed_state):
-            return  # a KV-only checkpoint without logits holds nothing a rewind cannot redo
-        self.checkpoints = [c for c in self.checkpoints if c.length != self.length]
-        used = {c.slot for c in self.checkpoints}
-        if len(used) == len(self._slots):
-            used.discard(self.checkpoints.pop(0).slot)  # the ring is full: forget the oldest
-        slot = next(i for i in range(len(self._slots)) if i not in used)
-        fixed, buf = self._slots[slot]
-        _copy_fixed(fixed, self._fixed)
-        if logits is not None:
-            buf.copy_(logits.reshape(-1))
-        self.checkpoints.append(Checkpoint(self.length, slot, logits is not None))
+    def best_at_most(self, n: int) -> int:
+        """The longest length <= n that `goto` reaches exactly (see the module docstring)."""
+        n = min(n, self.written)
+        if not self.has_fixed_state:
+            return max(n, 0)
+        best = self.length if self.length <= n else 0
+        return max([best] + [c.length for c in self.checkpoints if c.length <= n])
 
-    def checkpoint_logits(self, n: int) -> torch.Tensor | None:
-        """The saved next-token logits of a checkpoint at exactly length n, if any."""
-        c = next((c for c in self.checkpoints if c.length == n and c.has_logits), None)
-        return None if c is None else self._slots[c.slot][1]
+    def goto(self, m: int) -> None:
+        """Make m the live length: a length `best_at_most` named (RewindError for any other)."""
+        if m == self.length:
+            return
+        if not 0 <= m <= self.written:
+            raise RewindError(f"cannot go to {m} tokens: {self.written} are written")
+        if m == 0:
+            self.rewind(0)
+            return
+        if not self.has_fixed_state:
+            self.length = m
+            return
+        c = next((c for c in self.checkpoints if c.length == m), None)
+        if c is None:
+            raise RewindError(f"no checkpoint at {m} tokens to restore recurrent state from")
+        self._copy_from(c)
+        self.length = m
 
     def restore_nearest(self, n: int) -> int:
-        """Bring the state to the newest checkpoint at or before n (or reset); returns its length."""
-        if self.can_rewind(n):
-            self.rewind(n)
-            return n
-        return self._restore_checkpoint(min(n, self.length))
-
-    def _restore_checkpoint(self, limit: int) -> int:
-        """The newest checkpoint at or below `limit` becomes the live state (or reset)."""
-        best = max((c for c in self.checkpoints if c.length <= limit), key=lambda c: c.length, default=None)
-        if best is None:
-            self.reset()
-            return 0
-        _copy_fixed(self._fixed, self._slots[best.slot][0])
-        self.length = best.length
-        self._drop_checkpoints_above(best.length)
-        return best.length
-
-    def _drop_checkpoints_above(self, n: int) -> None:
-        self.checkpoints = [c for c in self.checkpoints if c.length <= n]
+        """Bring the state to the longest exactly reachable length at or before n; returns it."""
+        m = self.best_at_most(n)
+        self.goto(m)
+        return m
 
     def invalidate(self) -> None:
         """A forward broke off midway (Ctrl-C, error). KV slots past `length` are inert, so a
         pure-KV state is still exact; fixed state may be half-written: back to the newest
-        checkpoint (whose KV prefix is untouched), or to zero."""
+        checkpoint at or below the length (whose KV prefix is untouched), or to zero."""
         if self.has_fixed_state:
-            self._restore_checkpoint(self.length)
+            m = max([0] + [c.length for c in self.checkpoints if c.length <= self.length])
+            if m == 0:
+                self.rewind(0)
+            else:
+                self._copy_from(next(c for c in self.checkpoints if c.length == m))
+                self.length = m
+
+    # --- checkpoints at turn boundaries --------------------------------------------------------
+    def checkpoint(self, logits: torch.Tensor | None = None, role: str = BASE) -> None:
+        """Save the fixed state (and the next-token logits, if given) at the current length."""
+        if not self._slots or (logits is None and not self.has_fixed_state):
+            return  # a KV-only checkpoint without logits holds nothing a rewind cannot redo
+        self._seq += 1
+        same = next((c for c in self.checkpoints if c.length == self.length), None)
+        if same is not None and (same.has_logits or logits is None):
+            same.seq, same.role = self._seq, role  # it holds this very state: it takes the newer role
+            return
+        if same is not None:
+            self._drop(lambda c: c is same)
+        cand = Checkpoint(self.length, -1, logits is not None, role, self._seq)
+        self.checkpoints.append(cand)
+        slot = self._free_device_slot(cand)
+        if slot is None:
+            if not self._to_host(cand, self._fixed, logits, from_live=True):
+                self.checkpoints.remove(cand)
+            return
+        cand.slot = slot
+        dst = self._slots[slot]
+        _copy_fixed(dst.fixed, self._fixed)
+        if logits is not None:
+            dst.logits.copy_(logits.reshape(-1))
+        self._spill_ahead()
+
+    def checkpoint_logits(self, n: int) -> torch.Tensor | None:
+        """The saved next-token logits of a checkpoint at exactly length n, if any (on the device)."""
+        c = next((c for c in self.checkpoints if c.length == n and c.has_logits), None)
+        if c is None or n > self.written:
+            return None
+        if c.on_host:
+            self._wait_host(c)
+            return self._host[c.slot].logits.to(self.device)
+        return self._slots[c.slot].logits
+
+    def _need(self) -> dict[int, int]:
+        """id(checkpoint) -> 0 for the newest "prompt" one, 1 for the newest "base" one."""
+        newest: dict[str, Checkpoint] = {}
+        for c in self.checkpoints:
+            if c.role not in newest or c.seq > newest[c.role].seq:
+                newest[c.role] = c
+        return {id(newest[r]): rank for r, rank in ((PROMPT, 0), (BASE, 1)) if r in newest}
+
+    def _eviction_order(self, cands: list[Checkpoint]) -> list[Checkpoint]:
+        """`cands` sorted first-to-go first: by need (see the module docstring), then age."""
+        need = self._need()
+        return sorted(cands, key=lambda c: (-need.get(id(c), 2), c.seq))
+
+    def _free_device_slot(self, cand: Checkpoint) -> int | None:
+        """A device slot for `cand`: a free one, or the least needed checkpoint's (spilled or
+        dropped); None where `cand` itself is the least needed."""
+        used = {c.slot for c in self.checkpoints if not c.on_host and c is not cand}
+        free = [i for i in range(len(self._slots)) if i not in used]
+        if not free:
+            on_dev = [c for c in self.checkpoints if not c.on_host]
+            victim = self._eviction_order(on_dev)[0]
+            if victim is cand:
+                return None
+            self._evict_to_host(victim)
+            free = [victim.slot]
+        # prefer a slot whose spill has completed; a pending one makes the stream wait, not the host
+        free.sort(key=lambda i: self._slots[i].spilling is not None and not self._slots[i].spilling.query())
+        slot = free[0]
+        if self._slots[slot].spilling is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._slots[slot].spilling)
+            self._slots[slot].spilling = None
+        return slot
+
+    def _spill_ahead(self) -> None:
+        """With the device ring full, move one checkpoint of neither newest role to the host now,
+        so that the next checkpoint finds its slot free."""
+        on_dev = [c for c in self.checkpoints if not c.on_host]
+        if not self._host or len(self._slots) < 2 or len(on_dev) < len(self._slots):
+            return
+        victim = self._eviction_order(on_dev)[0]
+        if id(victim) not in self._need():
+            self._evict_to_host(victim)
+
+    def _evict_to_host(self, victim: Checkpoint) -> None:
+        """Move a device checkpoint to a host slot (its device slot is free once the copy is done),
+        or drop it where the host ring has no room for it."""
+        src = self._slots[victim.slot]
+        if self._to_host(victim, src.fixed, src.logits if victim.has_logits else None, from_live=False):
+            if self._side is not None:
+                src.spilling = victim.ready
+        else:
+            self.checkpoints.remove(victim)
+
+    def _to_host(self, c: Checkpoint, fixed: list, logits: torch.Tensor | None, from_live: bool) -> bool:
+        """Copy a checkpoint's tensors into a host slot; False where no host slot may take it."""
+        slot = self._host_slot_for(c)
+        if slot is None:
+            return False
+        if self._host[slot] is None:
+            self._host[slot] = self._new_slot(torch.device("cpu"), pin=self.device.type == "cuda")
+        dst = self._host[slot]
+        if self._side is not None and not from_live:
+            # after the work that wrote the source; the device slot is reused after `ready`
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                _copy_fixed(dst.fixed, fixed, non_blocking=True)
+                if logits is not None:
+                    dst.logits.copy_(logits.reshape(-1), non_blocking=True)
+                c.ready = torch.cuda.Event()
+                c.ready.record(self._side)
+        else:
+            # from the live state (which the next forward overwrites) on the current stream:
+            # ordered before that forward without the host waiting
+            _copy_fixed(dst.fixed, fixed, non_blocking=self.device.type == "cuda")
+            if logits is not None:
+                dst.logits.copy_(logits.reshape(-1), non_blocking=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                c.ready = torch.cuda.Event()
+                c.ready.record(torch.cuda.current_stream(self.device))
+        c.slot, c.on_host = slot, True
+        return True
+
+    def _host_slot_for(self, c: Checkpoint) -> int | None:
+        if not self._host:
+            return None
+        used = {x.slot for x in self.checkpoints if x.on_host and x is not c}
+        free = [i for i in range(len(self._host)) if i not in used]
+        if free:
+            return free[0]
+        on_host = [x for x in self.checkpoints if x.on_host and x is not c]
+        victim = self._eviction_order(on_host + [c])[0]
+        if victim is c:
+            return None
+        self.checkpoints.remove(victim)
+        if victim.ready is not None:  # its copy may still be landing: later writes queue behind it
+            torch.cuda.current_stream(self.device).wait_event(victim.ready)
+        return victim.slot
+
+    def _wait_host(self, c: Checkpoint) -> None:
+        if c.ready is not None:
+            c.ready.synchronize()  # long done in practice: it was copied a turn or more ago
+            c.ready = None
+
+    def _copy_from(self, c: Checkpoint) -> None:
+        if c.on_host:
+            self._wait_host(c)
+            _copy_fixed(self._fixed, self._host[c.slot].fixed, non_blocking=self.device.type == "cuda")
+        else:
+            _copy_fixed(self._fixed, self._slots[c.slot].fixed)
+
+    def _drop(self, which) -> None:
+        self.checkpoints = [c for c in self.checkpoints if not which(c)]
 
     # --- snapshots ----------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -216,9 +474,9 @@ class StateManager:
         self.length = snap.length
 
 
-def _copy_fixed(dst: list, src: list) -> None:
+def _copy_fixed(dst: list, src: list, non_blocking: bool = False) -> None:
     """In-place copy of per-layer fixed state (dicts of tensors; None for attention layers)."""
     for d, s in zip(dst, src):
         if d is not None:
             for k, t in d.items():
-                t.copy_(s[k])
+                t.copy_(s[k], non_blocking=non_blocking)

@@ -133,7 +133,7 @@ def test_non_extension_prompt_falls_back_to_reset(hybrids):
     other = rand_ids(30, 1)[:10] + rand_ids(5, 2)
     assert list(s.generate(other, greedy)) == list(session(lm).generate(other, greedy))
     assert s.last_stats.reused_tokens == 0
-    with pytest.raises(Exception, match="without a snapshot"):
+    with pytest.raises(Exception, match="without a checkpoint"):
         s.state.rewind(5)
 
 
