@@ -59,7 +59,8 @@ class RewindError(RuntimeError):
 # reset() leaves fixed state as it was (the original bug). Never set outside tests.
 _REZERO_FIXED_STATE = True
 
-MAX_SLOTS = 32  # per tier: 16 turns of /undo on the device, as many more on the host
+MAX_SLOTS = 32  # on the device: 16 turns of /undo
+MAX_HOST_SLOTS = 32  # as many more in host memory
 PROMPT, BASE = "prompt", "base"
 
 
@@ -149,7 +150,7 @@ class StateManager:
         self.budget = auto_dev if self.budget_auto else int(checkpoint_budget)
         self.host_budget = auto_host if self.host_budget_auto else int(host_budget)
         self._slots = self._allocate_slots(self.budget)
-        n_host = 0 if not self._slots else min(MAX_SLOTS, self.host_budget // self.slot_nbytes)
+        n_host = 0 if not self._slots else min(MAX_HOST_SLOTS, self.host_budget // self.slot_nbytes)
         if self.has_fixed_state and self._slots and n_host < 1 and self.host_budget > 0:
             n_host = 1
         self._host: list[_Slot | None] = [None] * n_host  # allocated on first use
@@ -372,8 +373,8 @@ class StateManager:
             victim = self._eviction_order(on_dev)[0]
             if victim is cand:
                 return None
+            free = [victim.slot]  # (the victim's slot becomes a host slot's number below)
             self._evict_to_host(victim)
-            free = [victim.slot]
         # prefer a slot whose spill has completed; a pending one makes the stream wait, not the host
         free.sort(key=lambda i: self._slots[i].spilling is not None and not self._slots[i].spilling.query())
         slot = free[0]
