@@ -1,10 +1,19 @@
-"""Time to first token of a later turn vs a first turn with the same number of new tokens.
+"""What a later turn, /retry, /undo and Ctrl-C cost, against a fresh turn with the same new tokens.
 
-    python bench/turns_bench.py [NAME] [--turns 4] [--first 1500] [--new 200] [--reply 64]
-A conversation of random token ids on one session: turn 1 prefills `--first` tokens, every turn
-generates `--reply` tokens, and each later turn appends `--new` tokens (the previous reply plus a
-new message, as a chat template would). Turn N's prefill must cost its new tokens only (prefix
-reuse, and checkpoints on hybrid models). Compared with a fresh session prefilling `--new` tokens.
+    python bench/turns_bench.py [NAME ...] [--context 2000 16000] [--new 200] [--reply 64]
+                                [--budgets auto 256] [--profile]
+For each shape, checkpoint budget (`checkpoint_mib`) and conversation length, one session holds a
+conversation of random token ids: a first prompt that fills it to the length, then turns of `--new`
+new tokens each (a message after the previous reply, as a chat template appends one), each
+generating `--reply` tokens. At the end, each action's time to first token (median of 3):
+- turn N: the next message (its new tokens: the previous reply's last token and the message)
+- /retry: the same prompt again (the REPL's /retry sends the last message anew)
+- Ctrl-C, same message: a reply interrupted after 4 tokens, the session rolled back as the
+  controller does, then the same prompt again; Ctrl-C, new message: another message instead
+- /undo + message: the last exchange dropped, another message in its place
+and a fresh session's first turn over the same number of new tokens (`--new` + 1), the ratio's
+denominator. `--profile`: the top kernels of turn N's prefill and of the fresh one (where the
+growth with the context goes).
 """
 from __future__ import annotations
 
@@ -19,66 +28,130 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
-from engine.session import DecodeSession  # noqa: E402
+from engine.session import DecodeSession, common_prefix  # noqa: E402
 from shapes import random_model  # noqa: E402
+
+REPEAT = 3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("name", nargs="?", default="qwen3.5-0.8b")
+    ap.add_argument("names", nargs="*", default=["qwen3.5-0.8b"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first", type=int, default=1500)
+    ap.add_argument("--context", type=int, nargs="+", default=[2000, 16000])
     ap.add_argument("--new", type=int, default=200)
     ap.add_argument("--reply", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=3, help="regular turns before the measured actions")
+    ap.add_argument("--budgets", nargs="+", default=["auto", "256"])
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(a.name, device, dtype)
+    for name in a.names:
+        model = random_model(name, device, dtype)
+        for budget in a.budgets:
+            for context in a.context:
+                bench(model, name, device, dtype, context, budget if budget == "auto" else int(budget), a)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench(model, name, device, dtype, context, budget, a) -> None:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
-    ctx = a.first + a.turns * (a.new + a.reply) + 16
+    max_ctx = context + (a.turns + 8) * (a.new + a.reply) + 64
     cfg = SamplingConfig(temperature=0, max_new_tokens=a.reply)
-
-    def first_turn_ttft(n: int) -> float:
-        times = []
-        for _ in range(3):
-            s = DecodeSession(model, max_context=ctx, device=device, dtype=dtype)
-            gen = s.generate(rand(n), cfg, stop_ids=())
-            next(gen)
-            times.append(s.last_stats.prefill_seconds)
-            gen.close()
-        return statistics.median(times[1:])
-
-    s = DecodeSession(model, max_context=ctx, device=device, dtype=dtype)
+    s = DecodeSession(model, max_context=max_ctx, device=device, dtype=dtype, checkpoint_mib=budget)
     list(s.generate(rand(64), SamplingConfig(temperature=0, max_new_tokens=4), stop_ids=()))  # warm-up
     s.reset()
-    convo = rand(a.first)
-    rows = []
-    for turn in range(1, a.turns + 1):
-        last = convo
-        reply = list(s.generate(convo, cfg, stop_ids=()))
-        st = s.last_stats
-        rows.append((turn, st.prompt_tokens, st.reused_tokens, st.prefilled_tokens, st.prefill_seconds * 1e3))
-        convo = convo + reply + rand(a.new - len(reply)) if a.new > len(reply) else convo + reply
-    # the last turn again, its first new token changed so that everything after the previous reply
-    # is prefilled anew (from the checkpoint there): the same work on shapes already seen, which
-    # separates first-use costs (kernel selection for new shapes) from the steady state
-    p = rows[-1][2]
-    repeat = []
-    for k in range(3):
-        list(s.generate(last[:p] + [(last[p] + 1 + k) % vocab] + last[p + 1:], cfg, stop_ids=()))
-        repeat.append(s.last_stats.prefill_seconds * 1e3)
-    base = first_turn_ttft(rows[-1][3]) * 1e3
-    print(f"{a.name} on {a.device}: hybrid={s.state.has_fixed_state}")
-    print(f"{'turn':>4}{'prompt':>8}{'reused':>8}{'new':>6}{'TTFT ms':>9}")
-    for r in rows:
-        print(f"{r[0]:>4}{r[1]:>8}{r[2]:>8}{r[3]:>6}{r[4]:>9.2f}")
-    print(f"turn {a.turns} repeated (same shapes): " + ", ".join(f"{t:.2f} ms" for t in repeat)
-          + f" (reused {s.last_stats.reused_tokens}, new {s.last_stats.prefilled_tokens})")
-    print(f"first turn with {rows[-1][3]} new tokens on a fresh session: {base:.2f} ms; "
-          f"turn {a.turns} / that = {rows[-1][4] / base:.2f}x; repeated turn / that = {min(repeat) / base:.2f}x")
+
+    def turn(prompt: list[int]) -> tuple[list[int], float, int]:
+        reply = list(s.generate(prompt, cfg, stop_ids=()))
+        return reply, s.last_stats.prefill_seconds * 1e3, s.last_stats.prefilled_tokens
+
+    convo = rand(context - a.turns * (a.new + a.reply))
+    before = convo
+    for _ in range(a.turns):  # the conversation, each turn appending its reply and a message
+        reply, _, _ = turn(convo)
+        before, convo = convo, convo + reply + rand(a.new)
+    rows = {}
+    # turn N: the next message; three times from the same base (the two repeats after an /undo)
+    times, prefilled = [], []
+    base_prompt = convo
+    for k in range(REPEAT):
+        prompt = base_prompt if k == 0 else base_prompt[:-a.new] + rand(a.new)
+        if k:
+            s.rollback_to(common_prefix(s.cached, base_prompt[:-a.new]))  # the controller's /undo path
+        reply, ms, n = turn(prompt)
+        times.append(ms)
+        prefilled.append(n)
+    rows["turn N"] = (times[0], prefilled[0])
+    rows["/undo + message"] = (statistics.median(times[1:]), prefilled[-1])
+    last_prompt = prompt
+    # /retry: the same prompt again
+    times = [turn(last_prompt)[1] for _ in range(REPEAT)]
+    rows["/retry"] = (statistics.median(times), s.last_stats.prefilled_tokens)
+    # Ctrl-C after 4 tokens of the next turn, then the same message again, or another
+    nxt = last_prompt + turn(last_prompt)[0] + rand(a.new)
+    for label, again in (("Ctrl-C, same message", lambda: nxt), ("Ctrl-C, new message", lambda: nxt[:-a.new] + rand(a.new))):
+        times = []
+        for _ in range(REPEAT):
+            kept = s.cached
+            gen = s.generate(nxt, cfg, stop_ids=())
+            for _ in range(4):
+                next(gen)
+            gen.close()
+            s.rollback_to(common_prefix(s.cached, kept))
+            times.append(turn(again())[1])
+        rows[label] = (statistics.median(times), s.last_stats.prefilled_tokens)
+    profile_turn = None
+    if a.profile and device.type == "cuda":
+        profile_turn = True
+
+        def turn_n():
+            s.rollback_to(common_prefix(s.cached, nxt[:-a.new]))  # back to the base: the same new tokens
+            turn(nxt[:-a.new] + rand(a.new))
+        profiled(f"turn N at {len(nxt)} tokens", turn_n)
+    held = s.state.describe()
+    del s
+    fresh = DecodeSession(model, max_context=max_ctx, device=device, dtype=dtype, checkpoint_mib=budget)
+    n_new = rows["turn N"][1]
+    times = []
+    for _ in range(REPEAT + 1):
+        fresh.reset()
+        gen = fresh.generate(rand(n_new), cfg, stop_ids=())
+        next(gen)
+        gen.close()
+        times.append(fresh.last_stats.prefill_seconds * 1e3)
+    base = statistics.median(times[1:])
+    if profile_turn is not None:
+        def fresh_turn():
+            fresh.reset()
+            g2 = fresh.generate(rand(n_new), cfg, stop_ids=())
+            next(g2)
+            g2.close()
+        profiled(f"fresh {n_new}-token turn", fresh_turn)
+    del fresh
+    print(f"\n{name} on {device}, {dtype}, checkpoint_mib {budget}, conversation of {len(last_prompt)} tokens; "
+          f"checkpoints: {held}")
+    print(f"fresh first turn of {n_new} new tokens: {base:.2f} ms")
+    print(f"| action | new tokens prefilled | TTFT ms | / fresh |\n|---|---|---|---|")
+    for label, (ms, n) in rows.items():
+        print(f"| {label} | {n} | {ms:.2f} | {ms / base:.2f}x |")
+
+
+def profiled(label: str, fn) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    from profile_step import top_kernels
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"profile, {label}:")
+    top_kernels(prof, 1, n=10)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,48 @@ def test_property_one_slot_and_spilling_equal_a_cold_session_and_retry_never_pre
                 assert r.stats.prefilled_tokens == 0
             just_sent = True
     run()
+
+
+@pytest.mark.gpu
+def test_spilling_on_cuda_goes_through_pinned_memory_on_a_side_stream_and_restores_exactly():
+    m = StateManager(SPEC, 64, torch.device("cuda"), torch.float32, vocab_size=8,
+                     checkpoint_budget=2 * SLOT, host_budget=4 * SLOT)
+    assert len(m._slots) == 2 and m.host_slots == 4 and m._side is not None
+    for i in range(1, 7):
+        m.begin_forward(10)
+        m.fixed(0)["h"].fill_(float(i))
+        m.advance(10)
+        m.checkpoint(torch.full((8,), float(i), device="cuda"), role=PROMPT if i % 2 else BASE)
+    spilled = [c for c in m.checkpoints if c.on_host]
+    assert spilled and all(m._host[c.slot].fixed[0]["h"].is_pinned() for c in spilled)
+    for c in sorted(m.checkpoints, key=lambda c: -c.length):
+        m.goto(c.length)
+        assert m.fixed(0)["h"].tolist() == [c.length / 10] * 4
+        if c.has_logits:
+            assert m.checkpoint_logits(c.length).tolist() == [c.length / 10] * 8
+
+
+@pytest.mark.gpu
+def test_one_device_slot_and_a_host_ring_on_cuda_equal_a_cold_session(hybrid, monkeypatch):
+    import engine.state
+    monkeypatch.setattr(engine.state, "MAX_SLOTS", 1)
+    c = controller(hybrid, temperature="0", device="cuda", dtype="float32", checkpoint_host_mib="1")
+    assert len(c.session.state._slots) == 1 and c.session.state.host_slots > 1
+    for op in ["alpha", "beta", "retry", "undo", "gamma", "delta", "interrupt", "delta", "undo", "undo", "why?"]:
+        if op == "undo":
+            c.undo()
+            continue
+        if op == "interrupt":
+            gen = c.send("more please", TurnResult([]), seed=3)
+            try:
+                next(gen)
+                gen.throw(KeyboardInterrupt)
+            except (KeyboardInterrupt, StopIteration):
+                pass
+            continue
+        r = TurnResult([])
+        list(c.send(c.pop_for_retry() if op == "retry" else op, r, seed=3))
+        assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, 3)
+        if op == "retry":
+            assert r.stats.prefilled_tokens == 0
+    assert any(x.on_host for x in c.session.state.checkpoints)
