@@ -110,9 +110,11 @@ def bench(model, name, device, dtype, context, budget, a) -> None:
     if a.profile and device.type == "cuda":
         profile_turn = True
 
-        def turn_n():
+        def turn_n():  # up to the first token
             s.rollback_to(common_prefix(s.cached, nxt[:-a.new]))  # back to the base: the same new tokens
-            turn(nxt[:-a.new] + rand(a.new))
+            g2 = s.generate(nxt[:-a.new] + rand(a.new), cfg, stop_ids=())
+            next(g2)
+            g2.close()
         profiled(f"turn N at {len(nxt)} tokens", turn_n)
     held = s.state.describe()
     del s

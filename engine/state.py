@@ -43,6 +43,7 @@ up to 5% of the RAM (a quarter of what is available at most), and no spilling.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,11 +151,12 @@ class StateManager:
         self.budget = auto_dev if self.budget_auto else int(checkpoint_budget)
         self.host_budget = auto_host if self.host_budget_auto else int(host_budget)
         self._slots = self._allocate_slots(self.budget)
-        n_host = 0 if not self._slots else min(MAX_HOST_SLOTS, self.host_budget // self.slot_nbytes)
+        n_host = 0 if not self._slots else min(MAX_HOST_SLOTS, self.host_budget // self.host_slot_nbytes)
         if self.has_fixed_state and self._slots and n_host < 1 and self.host_budget > 0:
             n_host = 1
         self._host: list[_Slot | None] = [None] * n_host  # allocated on first use
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n_host else None
+        self._spare, self._spare_lock, self._pinning = None, threading.Lock(), None
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self._seq = 0
 
@@ -169,10 +171,52 @@ class StateManager:
             n = 1  # one slot at least: a budget too small for it is still better spent than refused
         return [self._new_slot(self.device) for _ in range(n)]
 
-    def _new_slot(self, device: torch.device, pin: bool = False) -> _Slot:
-        kw = dict(device=device, pin_memory=True) if pin else dict(device=device)
-        return _Slot([None if f is None else {k: torch.empty(t.shape, dtype=t.dtype, **kw) for k, t in f.items()}
-                      for f in self._fixed], torch.empty(self.vocab_size, dtype=torch.float32, **kw))
+    def _new_slot(self, device: torch.device) -> _Slot:
+        return _Slot([None if f is None else {k: torch.empty(t.shape, dtype=t.dtype, device=device)
+                                              for k, t in f.items()} for f in self._fixed],
+                     torch.empty(self.vocab_size, dtype=torch.float32, device=device))
+
+    def _new_pinned_slot(self) -> _Slot:
+        """A host slot in one pinned buffer (one page-locking call; the views keep it alive)."""
+        parts = [t for f in self._fixed if f is not None for t in f.values()]
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in parts] + [4 * self.vocab_size]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        views, at = [], 0
+        for t, n in zip(parts + [None], sizes):
+            views.append(buf[at:at + n])
+            at += n
+        it = iter(views)
+        fixed = [None if f is None else {k: next(it)[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                                         for k, t in f.items()} for f in self._fixed]
+        return _Slot(fixed, next(it).view(torch.float32))
+
+    def _host_slot_storage(self) -> _Slot:
+        """A host slot's tensors: on CUDA pinned, taken from the one pinned in the background
+        ahead of need where it is ready (pinning ~150 MB took ~0.2 s on the H200 host, a stall in
+        the turn that first spills), then the next one is pinned ahead."""
+        if self.device.type != "cuda":
+            return self._new_slot(torch.device("cpu"))
+        with self._spare_lock:
+            slot, self._spare = self._spare, None
+        slot = slot or self._new_pinned_slot()
+        self._pin_ahead()
+        return slot
+
+    def _pin_ahead(self) -> None:
+        """Pin one host slot in a background thread, if the host ring may still need one. Started
+        from checkpoint(), never at construction: page-locking beside a CUDA graph capture is refused."""
+        allocated = sum(h is not None for h in self._host)
+        if (self.device.type != "cuda" or allocated >= len(self._host) or self._spare is not None
+                or self._pinning is not None and self._pinning.is_alive()):
+            return
+
+        def pin():
+            slot = self._new_pinned_slot()
+            with self._spare_lock:
+                self._spare = slot
+
+        self._pinning = threading.Thread(target=pin, daemon=True, name="checkpoint-pin")
+        self._pinning.start()
 
     # --- the view a model's forward receives -------------------------------------------------
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,13 +243,22 @@ class StateManager:
         return len(self._slots) * self.slot_nbytes
 
     @property
+    def host_slot_nbytes(self) -> int:
+        """Host bytes a slot takes: on CUDA one pinned buffer, which torch's pinned-memory
+        allocator rounds up to a power of two."""
+        if self.device.type != "cuda":
+            return self.slot_nbytes
+        n = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in self.fixed_tensors()) + 4 * self.vocab_size
+        return 1 << max(n - 1, 1).bit_length()
+
+    @property
     def host_slots(self) -> int:
         return len(self._host)
 
     @property
     def host_nbytes(self) -> int:
         """Host memory the spilled checkpoints hold now (their slots are allocated on first use)."""
-        return sum(s is not None for s in self._host) * self.slot_nbytes
+        return sum(s is not None for s in self._host) * self.host_slot_nbytes
 
     def describe(self) -> str:
         """The checkpoint ring in words (the REPL's /show)."""
@@ -215,7 +268,7 @@ class StateManager:
               f"device ring {dev}"
         if self._host:
             out += f"; host ring {len(self._host)} slots, {self.host_nbytes / 2**20:.1f} of " \
-                   f"{len(self._host) * self.slot_nbytes / 2**20:.1f} MiB in use" + (" (auto)" if self.host_budget_auto else "")
+                   f"{len(self._host) * self.host_slot_nbytes / 2**20:.1f} MiB in use" + (" (auto)" if self.host_budget_auto else "")
         return out
 
     # --- lengths ------------------------------------------------------------------------------
@@ -320,6 +373,8 @@ class StateManager:
         if not self._slots or (logits is None and not self.has_fixed_state):
             return  # a KV-only checkpoint without logits holds nothing a rewind cannot redo
         self._seq += 1
+        if self._host and self._spare is None:
+            self._pin_ahead()
         same = next((c for c in self.checkpoints if c.length == self.length), None)
         if same is not None and (same.has_logits or logits is None):
             same.seq, same.role = self._seq, role  # it holds this very state: it takes the newer role
@@ -409,7 +464,7 @@ class StateManager:
         if slot is None:
             return False
         if self._host[slot] is None:
-            self._host[slot] = self._new_slot(torch.device("cpu"), pin=self.device.type == "cuda")
+            self._host[slot] = self._host_slot_storage()
         dst = self._host[slot]
         if self._side is not None and not from_live:
             # after the work that wrote the source; the device slot is reused after `ready`

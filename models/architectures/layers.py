@@ -11,6 +11,7 @@ needs no mask); everywhere else the torch forms here run.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -286,6 +287,8 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             # a prefill from position 0: plain causal attention, the KV heads read grouped by
             # flash (faster than expanding them: bench/RESULTS.md, "Measurements behind the kernels' design")
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, enable_gqa=gqa)[0]
+        elif _split_prefix_serves(q, kv_len - T):
+            out = prefix_and_causal_attention(q, keys, values, kv_len - T)
         else:
             if gqa:  # masked: expand the KV heads, which keeps the memory-efficient kernel eligible
                 rep = q.shape[0] // keys.shape[0]
@@ -293,6 +296,45 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
     # a q in [T, H, D] memory (qk_rope_kv_write's) comes back the same way: the reshape is a view
     return out.transpose(0, 1).reshape(T, -1)
+
+
+def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
+    """Where a continued prefill attends in two flash parts (prefix_and_causal_attention): CUDA,
+    half dtypes and head sizes flash takes. Elsewhere the masked form (the CPU keeps it: its
+    recordings replay to the last bit)."""
+    return (q.is_cuda and start > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _SPLIT_PREFIX)
+
+
+_SPLIT_PREFIX = os.environ.get("CHAT_SPLIT_PREFIX", "1") != "0"
+
+
+def prefix_and_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                start: int) -> torch.Tensor:
+    """Attention of T new queries (positions start..start+T-1) over start cached keys and their
+    own T keys, without a mask: the queries over the prefix (every key visible) and over their
+    own block (square causal) are two flash calls over the KV heads as stored (grouped queries
+    read them in the kernel), merged by their log-sum-exps in fp32. The masked form expands the
+    KV heads and runs the memory-efficient kernel over a [T, start+T] mask: at a 16k-token
+    conversation most of a 27B-like turn's growth over a fresh one (bench/RESULTS.md).
+    q: [H, T, D]; keys, values: [KVH, start+T, D]. Returns [1, H, T, D] as SDPA would."""
+    T = q.shape[1]
+    qb = q[None]
+    o1, l1 = _flash_lse(qb, keys[None, :, :start], values[None, :, :start], causal=False)
+    o2, l2 = _flash_lse(qb, keys[None, :, start:start + T], values[None, :, start:start + T], causal=True)
+    l1, l2 = l1[..., :T, None], l2[..., :T, None]
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_(), (l2 - m).exp_()
+    return ((o1.float() * w1).add_(o2.float() * w2)).div_(w1 + w2).to(q.dtype)[0]
+
+
+def _flash_lse(q, k, v, causal: bool):
+    """Flash attention's output and log-sum-exp ([B, H, L] fp32) over [B, H(KV), L, D] inputs."""
+    if q.is_cuda:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    else:  # (the CPU form: the equivalence test runs it)
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out[0], out[1]
 
 
 # Not cuDNN attention: it plans per new shape (tens of ms each time a turn's key length is new).
