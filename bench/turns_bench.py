@@ -6,11 +6,12 @@ For each shape, checkpoint budget (`checkpoint_mib`) and conversation length, on
 conversation of random token ids: a first prompt that fills it to the length, then turns of `--new`
 new tokens each (a message after the previous reply, as a chat template appends one), each
 generating `--reply` tokens. At the end, each action's time to first token (median of 3):
-- turn N: the next message (its new tokens: the previous reply's last token and the message)
+- turn N: the next message (its new tokens: the previous reply's last token and the message), once
 - /retry: the same prompt again (the REPL's /retry sends the last message anew)
 - Ctrl-C, same message: a reply interrupted after 4 tokens, the session rolled back as the
   controller does, then the same prompt again; Ctrl-C, new message: another message instead
-- /undo + message: the last exchange dropped, another message in its place
+- /undo + message: the last exchange dropped, another message in its place (the same work as
+  turn N from the checkpoint at its base)
 and a fresh session's first turn over the same number of new tokens (`--new` + 1), the ratio's
 denominator. `--profile`: the top kernels of turn N's prefill and of the fresh one (where the
 growth with the context goes).
@@ -31,7 +32,7 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession, common_prefix  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-REPEAT = 3
+REPEAT = 5
 
 
 def main() -> None:

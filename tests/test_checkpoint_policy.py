@@ -186,7 +186,7 @@ def test_property_one_slot_and_spilling_equal_a_cold_session_and_retry_never_pre
 @pytest.mark.gpu
 def test_spilling_on_cuda_goes_through_pinned_memory_on_a_side_stream_and_restores_exactly():
     m = StateManager(SPEC, 64, torch.device("cuda"), torch.float32, vocab_size=8,
-                     checkpoint_budget=2 * SLOT, host_budget=4 * SLOT)
+                     checkpoint_budget=2 * SLOT, host_budget=4 * 128)  # a pinned slot: a power of two
     assert len(m._slots) == 2 and m.host_slots == 4 and m._side is not None
     for i in range(1, 7):
         m.begin_forward(10)
