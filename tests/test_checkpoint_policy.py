@@ -12,7 +12,7 @@ from chat.turn import TurnResult
 from engine.config import ConfigError, EngineConfig, coerce
 from engine.state import BASE, PROMPT, StateManager
 from models.architectures.state_spec import AttentionState, FixedState
-from test_checkpoints import WORDS, cold_tokens, controller
+from test_checkpoints import WORDS, cold_tokens, controller, send_checked
 
 SPEC = [FixedState([("h", (4,), None)]), AttentionState(n_kv_heads=1, head_dim=2)]
 SLOT = 4 * 4 + 4 * 8  # the fixed state's bytes + the logits' (vocab 8, fp32)
@@ -169,15 +169,10 @@ def test_property_one_slot_and_spilling_equal_a_cold_session_and_retry_never_pre
                     pass
                 just_sent = False
                 continue
-            retry = op[0] == "retry"
-            text = c.pop_for_retry() if retry else op[1]
-            if text is None:
+            r = send_checked(c, op)
+            if r is None:
                 continue
-            r = TurnResult([])
-            list(c.send(text, r, seed=3))
-            assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, 3)
-            assert c.session.state.length == len(c.session.cached)
-            if retry and just_sent:
+            if op[0] == "retry" and just_sent:
                 assert r.stats.prefilled_tokens == 0
             just_sent = True
     run()

@@ -32,6 +32,19 @@ def cold_tokens(c: ChatController, prompt_ids, sampling, seed):
     return list(s.generate(prompt_ids, sampling, seed=seed, turn=len(c.turns) - 1))
 
 
+def send_checked(c: ChatController, op: tuple) -> TurnResult | None:
+    """("send", text) or ("retry",): the reply checked against a cold session's (seed 3); None
+    where there was nothing to retry."""
+    text = c.pop_for_retry() if op[0] == "retry" else op[1]
+    if text is None:
+        return None
+    r = TurnResult([])
+    list(c.send(text, r, seed=3))
+    assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, 3)
+    assert c.session.state.length == len(c.session.cached)
+    return r
+
+
 OPS = st.lists(st.one_of(st.tuples(st.just("send"), st.sampled_from(WORDS)), st.just(("undo",)),
                          st.just(("retry",)), st.just(("reset",))), min_size=3, max_size=9)
 
@@ -53,13 +66,7 @@ def test_property_every_generation_equals_a_cold_session(ckpts, kind, temperatur
             if op[0] == "reset":
                 c.reset_conversation(keep_cache=True)
                 continue
-            text = c.pop_for_retry() if op[0] == "retry" else op[1]
-            if text is None:
-                continue
-            r = TurnResult([])
-            list(c.send(text, r, seed=3))
-            assert r.ids == cold_tokens(c, r.prompt_ids, c.settings.sampling, 3)
-            assert c.session.state.length == len(c.session.cached)
+            send_checked(c, op)
     run()
 
 
