@@ -19,6 +19,9 @@ import llguidance as llg
 
 KINDS = ("json", "json_schema", "regex", "grammar")
 ANY_OBJECT = {"type": "object"}  # `/format json`: any JSON object
+# Whitespace between JSON tokens: at most 16 characters a gap (pretty-printing to depth 7), so
+# that a model cannot loop on newlines inside a value. A schema's "x-guidance" overrides it.
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 
 
 class ConstraintError(ValueError):
@@ -48,9 +51,9 @@ class Format:
 
     def grammar(self) -> str:
         if self.kind == "json":
-            return llg.LLMatcher.grammar_from_json_schema(ANY_OBJECT)
+            return llg.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(self.source)
+            return llg.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(self.source)
         return llg.LLMatcher.grammar_from_lark(self.source)
