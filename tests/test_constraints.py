@@ -280,3 +280,37 @@ def test_run_then_replay_constrained_recording(tiny_dirs, tmp_path, capsys):
     rec.write_text(rec.read_text(encoding="utf-8").replace("[a-c]{2,5}", "[d-f]{2,5}"), encoding="utf-8")
     code, out = run_main(capsys, "replay", str(rec))
     assert code == 1
+
+
+# --- the embedded model (slow) -------------------------------------------------------------------
+
+CITY = '{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}'
+QUESTION = "Which city is the capital of France? Answer in JSON."
+
+
+def chat_cli(*args):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "chat", *args], capture_output=True, text=True, timeout=600,
+                          cwd=root, env=dict(os.environ, CHAT_HISTORY_FILE=os.devnull), stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_in_json(tmp_path):
+    proc = chat_cli("--prompt", QUESTION, "--json-schema", CITY, "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert isinstance(answer["city"], str)
+    script, rec = tmp_path / "s.yaml", tmp_path / "r.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0}\n"
+                      f"output_format: {{json_schema: {CITY}}}\n"
+                      f"events:\n  - user: \"{QUESTION}\"\n  - user: \"And of Italy?\"\n"
+                      "    set: {temperature: 0.8, seed: 7}\n", encoding="utf-8")
+    proc = chat_cli("run", str(script), "-o", str(rec))
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()
+    assert json.loads(first) == answer and isinstance(json.loads(second)["city"], str)
+    proc = chat_cli("replay", str(rec), "--runs", "3")
+    assert proc.returncode == 0 and "replay identical" in proc.stdout, proc.stdout + proc.stderr
