@@ -314,3 +314,16 @@ def test_embedded_model_answers_in_json(tmp_path):
     assert json.loads(first) == answer and isinstance(json.loads(second)["city"], str)
     proc = chat_cli("replay", str(rec), "--runs", "3")
     assert proc.returncode == 0 and "replay identical" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_repl_starts_with_the_flag_format(tiny_dirs, monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/format\nagain\n"))
+    code, out = run_main(capsys, "--model", tiny_dirs["llama"][0], "--regex", "[xyz]{3}", "--temperature", "0.9",
+                         "--seed", "1")
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    assert re.fullmatch("[xyz]{3}", lines[0]) and lines[1] == "format: regex [xyz]{3}" and re.fullmatch("[xyz]{3}", lines[2])
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    code, out = run_main(capsys, "--model", tiny_dirs["llama"][0], "--regex", "(?<=a)b")
+    assert code == 2 and "--regex (?<=a)b: invalid regex" in out.err
