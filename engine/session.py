@@ -350,7 +350,7 @@ class DecodeSession:
                 break
             sampler.accept(token)
             if mask is not None:
-                mask.advance(token)  # the next mask, on a worker thread while this forward runs
+                mask.advance(token)  # the next mask (on CUDA on a worker thread, while this forward runs)
             token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats, mask)
         else:  # no break: the forced ids ran out where the generation would have gone on
             stats.finish_reason = "forced"
