@@ -128,6 +128,9 @@ class ConstraintMask:
             event = self._uploaded[self._slot] = self._uploaded[self._slot] or torch.cuda.Event()
             event.record()
             blocked = ((self._dev.unsqueeze(1) >> self._shifts) & 1).reshape(-1)[: self.vocab] == 0
-        else:
-            blocked = self._blocked[self._slot][: self.vocab]
-        return logits.masked_fill(blocked, float("-inf"))
+            return logits.masked_fill(blocked, float("-inf"))
+        # numpy, one thread: torch's masked_fill wakes its thread pool for a vocabulary row, which
+        # on a loaded machine waited up to a scheduler slice (p90 32 ms against 0.04 ms)
+        x = logits.detach().reshape(-1).numpy().copy()
+        np.putmask(x, self._blocked[self._slot].numpy()[: self.vocab], -np.inf)
+        return torch.from_numpy(x).view(logits.shape)
