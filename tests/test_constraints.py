@@ -276,6 +276,8 @@ def test_run_then_replay_constrained_recording(tiny_dirs, tmp_path, capsys):
         ["json_schema", "regex", "regex", None, "json"]
     code, out = run_main(capsys, "replay", str(rec), "--runs", "3")
     assert code == 0 and "replay identical" in out.out, out.out + out.err
+    code, out = run_main(capsys, "replay", str(rec), "--tolerance", "0.5")  # teacher-forced, masked
+    assert code == 0, out.out + out.err
     # a changed format is a divergence
     rec.write_text(rec.read_text(encoding="utf-8").replace("[a-c]{2,5}", "[d-f]{2,5}"), encoding="utf-8")
     code, out = run_main(capsys, "replay", str(rec))
