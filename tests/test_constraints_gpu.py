@@ -110,5 +110,5 @@ def test_constrained_decode_speed_on_the_smollm2_shape():
     proc = subprocess.run([sys.executable, "bench/constrained_bench.py", "--device", "cuda", "--runs", "3"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    ratio = float(proc.stdout.strip().rsplit("ratio", 1)[1])
+    ratio = float(proc.stdout.strip().rsplit("ratio", 1)[1])  # the last line
     assert ratio >= 0.9, proc.stdout
