@@ -52,8 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", nargs="?", const="", metavar="FILE",
                         help="continue a saved conversation (default: the latest; /history lists them)")
     parser.add_argument("--version", action="store_true", help="print the versions and the device chat would use")
+    add_format_flags(parser)
     add_setting_flags(parser)
     return parser
+
+
+FORMAT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}
+
+
+def add_format_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output format (the REPL's /format)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE|JSON", help="replies are JSON valid under this schema")
+    group.add_argument("--regex", metavar="RE", help="replies match this regular expression in full")
+    group.add_argument("--grammar", metavar="FILE", help="replies follow this Lark grammar (llguidance's dialect)")
+
+
+def format_arg(args):
+    """(Format, the flag naming it in errors) from --json-schema/--regex/--grammar, or (None, "").
+    A file that cannot be read or JSON that does not parse fails here, before the model loads."""
+    from .constraints import parse_arg
+    for kind, flag in FORMAT_FLAGS.items():
+        value = getattr(args, kind)
+        if value is not None:
+            where = f"{flag} {value}" if kind == "grammar" or not value.lstrip().startswith("{") else flag
+            return parse_arg(kind, value, flag), where
+    return None, ""
 
 
 def build_run_parser() -> argparse.ArgumentParser:
@@ -84,13 +107,16 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def one_shot(rt, text: str) -> int:
+def one_shot(rt, text: str, fmt=None, where: str = "") -> int:
     from .turn import TurnResult, run_turn
 
+    s = rt.session
+    constraint = None if fmt is None else fmt.compile(rt.loaded.tokenizer, s.eos_ids, s.vocab_size, where).constraint()
     conv = rt.conversation()
     ids = conv.prompt_ids(text)
     result = TurnResult(ids)
-    for chunk in run_turn(rt.session, rt.loaded.tokenizer, ids, rt.settings.sampling, None, result):
+    for chunk in run_turn(rt.session, rt.loaded.tokenizer, ids, rt.settings.sampling, None, result,
+                          constraint=constraint):
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -139,6 +165,7 @@ def cmd_run(argv: list[str]) -> int:
         rec = tr.recording_from(controller, events)
         rec.sampling = dict(script.sampling)
         rec.system_prompt = script.system_prompt
+        rec.format = script.format
         tr.write_atomic(args.output, tr.to_yaml(rec))
         print(f"recorded {sum(e.result is not None for e in events)} turns to {args.output}", file=sys.stderr)
     return 0
@@ -220,14 +247,15 @@ def run_main(argv: list[str]) -> int:
             return fail("--resume continues a conversation in the REPL; it does not take --prompt")
         return resume(args)
     settings = load_settings(args.config, overrides=overrides(args))
+    fmt, where = format_arg(args)
     if args.prompt is not None:
         from .input_text import NOTICE, clean
         prompt, replaced = clean(args.prompt)
         if replaced:
             print(f"chat: note: --prompt {NOTICE}", file=sys.stderr)
-        return one_shot(open_runtime(settings), prompt)
+        return one_shot(open_runtime(settings), prompt, fmt, where)
     from .repl import run_repl
-    return run_repl(settings)
+    return run_repl(settings, fmt=(fmt, where))
 
 
 def main(argv: list[str] | None = None) -> int:

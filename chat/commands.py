@@ -88,6 +88,7 @@ def _show(app, arg):
              f"decode step: {c.session.decode_path}",
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
+             f"format: {c.format.describe() if c.format is not None else 'off (free text)'}",
              f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]
     app.renderer.info("\n".join(lines))
 
@@ -130,10 +131,11 @@ def _save(app, arg):
 def _load(app, arg):
     if not arg:
         raise CommandError("usage: /load FILE")
+    from .constraints import ConstraintError
     from .transcript import TranscriptError, load_into_controller
     try:
         n = load_into_controller(app.controller, arg)
-    except (TranscriptError, OSError) as e:
+    except (TranscriptError, ConstraintError, OSError) as e:
         raise CommandError(str(e)) from None
     app.renderer.info(f"loaded {n} turns from {arg}")
 
@@ -155,6 +157,31 @@ def _history(app, arg):
                      f"{e.model}  {first[:48] + ('…' if len(first) > 48 else '')}\n    {e.path}")
     more = f"\n({len(entries) - 20} older)" if len(entries) > 20 else ""
     app.renderer.info("\n".join(lines) + more + "\n`chat --resume FILE` continues one (`chat --resume`: the latest)")
+
+
+FORMAT_KINDS = {"json": "json", "schema": "json_schema", "regex": "regex", "grammar": "grammar"}
+
+
+def _format(app, arg):
+    c = app.controller
+    if not arg:
+        app.renderer.info(f"format: {c.format.describe() if c.format is not None else 'off (free text)'}")
+        return
+    word, _, rest = arg.partition(" ")
+    rest = rest.strip()
+    from .constraints import ConstraintError, parse_arg
+    if word == "off" and not rest:
+        c.set_format(None)
+        app.renderer.info("format: off (free text)")
+        return
+    if word not in FORMAT_KINDS or (word == "json") == bool(rest):
+        raise CommandError("usage: /format json | schema FILE|JSON | regex RE | grammar FILE | off")
+    try:
+        fmt = parse_arg(FORMAT_KINDS[word], rest, f"/format {word}")
+        c.set_format(fmt, f"/format {word}" + (f" {rest}" if word != "regex" and not rest.startswith("{") else ""))
+    except ConstraintError as e:
+        raise CommandError(str(e)) from None
+    app.renderer.info(f"format: {fmt.describe()}")
 
 
 def _model(app, arg):
@@ -181,6 +208,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("save", "FILE", "save the conversation as a transcript (YAML)", _save),
     Command("load", "FILE", "resume a conversation from a transcript", _load),
     Command("history", "", "list saved conversations (newest first)", _history),
+    Command("format", "[json|schema FILE|regex RE|grammar FILE|off]",
+            "constrain replies: JSON, a JSON Schema, a regex or a Lark grammar", _format,
+            lambda: ["json", "schema", "regex", "grammar", "off"]),
     Command("model", "[PATH|ALIAS]", "show the model, or continue the conversation on another", _model),
     Command("exit", "", "leave (also Ctrl-D)", _exit),
 ]}

@@ -14,6 +14,7 @@ from typing import Iterator
 from engine.sampling import SAMPLER_VERSION, resolve_seed
 from engine.session import ReuseMismatch, common_prefix
 
+from .constraints import Compiled, Format
 from .conversation import Conversation
 from .runtime import Runtime
 from .settings import Settings
@@ -26,6 +27,7 @@ class TurnRecord:
     user: str
     result: TurnResult
     settings: dict = field(default_factory=dict)
+    format: Format | None = None  # the output format in force for this turn
 
 
 class ChatController:
@@ -37,6 +39,8 @@ class ChatController:
         self.turns: list[TurnRecord] = []
         self.last: TurnResult | None = None
         self.sampler_version = SAMPLER_VERSION  # recordings carry it; replaying one sets its own
+        self.format: Format | None = None  # the output format (/format, --json-schema, ...)
+        self._compiled: Compiled | None = None
 
     @property
     def session(self):
@@ -50,6 +54,15 @@ class ChatController:
         self.settings = self.settings.with_value(key, value)
         if key == "system_prompt":
             self.conv.system_prompt = self.settings.ui.system_prompt
+
+    def set_format(self, fmt: Format | None, where: str = "") -> None:
+        """Check the format against this model's tokenizer (a ConstraintError names the place)
+        and use it for the following turns; None: free text."""
+        compiled = None
+        if fmt is not None:
+            s = self.session
+            compiled = fmt.compile(self.tokenizer, s.eos_ids, s.vocab_size, where)
+        self.format, self._compiled = fmt, compiled
 
     def prompt_ids(self, user_text: str) -> list[int]:
         return self.conv.prompt_ids(user_text)
@@ -67,8 +80,10 @@ class ChatController:
         before = list(self.session.cached)
         completed = False
         try:
+            constraint = None if self._compiled is None else self._compiled.constraint()
             yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result,
-                                turn=len(self.turns), sampler=self.sampler_version, forced=forced)
+                                turn=len(self.turns), sampler=self.sampler_version, forced=forced,
+                                constraint=constraint)
             completed = True
         except ReuseMismatch as e:
             raise ReuseMismatch(f"turn {len(self.turns) + 1}: {e}") from None
@@ -76,7 +91,7 @@ class ChatController:
             if not completed:
                 self._rollback(before)
         self.conv.add_exchange(user_text, result.text)
-        self.turns.append(TurnRecord(user_text, result, self.sampling_dict()))
+        self.turns.append(TurnRecord(user_text, result, self.sampling_dict(), self.format))
         self.last = result
 
     def _rollback(self, before: list[int]) -> None:
@@ -120,6 +135,7 @@ class ChatController:
         self.rt, self.settings = runtime, settings
         self.conv = runtime.conversation()
         self.conv.system_prompt, self.conv.messages = system, messages
+        self.set_format(self.format)  # compiled again for the new tokenizer
 
     @property
     def context_used(self) -> int:

@@ -23,9 +23,11 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from engine.config import ConfigError
+from engine.constraint import ConstraintDeadEnd
 from engine.session import ContextOverflow, ReuseMismatch
 
 from .commands import COMMANDS, CommandError, ExitRepl, run_command
+from .constraints import ConstraintError
 from .controller import ChatController
 from .conversations import ConversationStore, default_directory
 from .input_text import stdin_lines
@@ -201,8 +203,10 @@ class ReplApp:
                     return
                 text = message
             self.turn(text)
-        except CommandError as e:
+        except (CommandError, ConstraintError) as e:
             self.renderer.error(f"{e}")
+        except ConstraintDeadEnd as e:  # the reply was discarded, as an interrupted one is
+            self.renderer.error(f"{e}; the reply was discarded")
         except (ContextOverflow, TemplateError) as e:
             self.renderer.error(f"{e}; nothing was sent")
         except ReuseMismatch as e:  # verify_reuse found the cache wrong: report it, start clean
@@ -286,8 +290,9 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_repl(settings: Settings, resume: str | None = None) -> int:
-    """The REPL; `resume`: a saved conversation (a recording) to continue, and save into."""
+def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> int:
+    """The REPL; `resume`: a saved conversation (a recording) to continue, and save into; `fmt`:
+    the output format to start with and the flag that named it."""
     interactive = sys.stdin.isatty()
     if interactive:
         # Ctrl-C must stop a reply even when a launcher started us with SIGINT ignored (shells do
@@ -310,6 +315,8 @@ def run_repl(settings: Settings, resume: str | None = None) -> int:
     if interactive:
         app.own_sigint = True
         signal.signal(signal.SIGINT, app.note_interrupt)
+    if fmt[0] is not None:
+        app.controller.set_format(*fmt)  # a bad one: exit 2 before the first prompt
     if resume:
         n = load_into_controller(app.controller, resume)
         app.controller.set("system_prompt", app.controller.conv.system_prompt)

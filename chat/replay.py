@@ -22,7 +22,7 @@ from engine import reference
 from engine.config import ConfigError, SamplingConfig, build
 
 from .commands import SETTABLE
-from .transcript import Event, Transcript, TranscriptError, result_dict
+from .transcript import UNSET, Event, Transcript, TranscriptError, result_dict, stated_format
 from .turn import TurnResult
 
 
@@ -143,11 +143,17 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
     near_ties = [] if near_ties is None else near_ties
     controller.conv.system_prompt = transcript.system_prompt or controller.settings.ui.system_prompt
     _apply_settings(controller, transcript.sampling, f"{path}: sampling")
+    controller.set_format(transcript.format, f"{path}: output_format")
+    stated = transcript.format  # the format the recording's events have stated so far
     out: list[Event] = []
     turn = 0
     for ev in transcript.events:
         where = f"{path}:{ev.line}"
         _apply_settings(controller, ev.set, where)
+        before = stated
+        if ev.format is not UNSET:
+            controller.set_format(ev.format, f"{where}: output_format")
+            stated = ev.format
         user = ev.user
         if ev.command is not None:
             name, _, arg = ev.command.partition(" ")
@@ -168,6 +174,8 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
             if user is None:
                 out.append(dataclasses.replace(ev, result=None))
                 continue
+        fmt = stated_format(controller.format, before)  # each recorded turn states its format
+        stated = controller.format
         turn += 1
         seed = None
         if expect:
@@ -197,7 +205,7 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
             if i is not None:
                 raise _divergence(controller, run, turn, ev, "generated", i, rec["generated_ids"], result.ids,
                                   result.prompt_ids)
-        out.append(dataclasses.replace(ev, result=result_dict(controller.turns[-1])))
+        out.append(dataclasses.replace(ev, result=result_dict(controller.turns[-1]), format=fmt))
     return out
 
 

@@ -15,6 +15,7 @@ generated ids, the text, the finish reason, the seed and the sampling settings i
       - user: "Hello"                                      # a turn
         set: {temperature: 0.5}                            # optional: applied before this turn
       - command: /undo                                     # /undo /retry /reset /system /set
+        output_format: {regex: "[0-9]+"}                   # optional: the output format from here on
 A recording without `sampler` predates the field and replays with version 1, the sampler that
 made it. Files are read with safe_load and written atomically; every problem is a
 `TranscriptError` naming the file and line.
@@ -31,6 +32,7 @@ import yaml
 
 from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
+from .constraints import ConstraintError, Format, from_yaml
 from .settings import YAML_ERRORS, yaml_error_message
 
 FORMAT, VERSION = "chat-transcript", 1
@@ -72,6 +74,9 @@ def _construct_mapping(loader, node):
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+UNSET = "unset"  # an event without `format`: the format stays as it was
+
+
 @dataclass
 class Event:
     line: int
@@ -79,6 +84,7 @@ class Event:
     command: str | None = None
     set: dict = field(default_factory=dict)
     result: dict | None = None  # RESULT_KEYS, in recordings
+    format: Format | None | str = UNSET  # the output format from this event on (None: off)
 
     @property
     def makes_turn(self) -> bool:
@@ -94,6 +100,7 @@ class Transcript:
     system_prompt: str = ""
     path: str = ""
     sampler: int | None = None  # the sampler's version; None: not given
+    format: Format | None = None  # the output format at the start
 
     @property
     def is_recording(self) -> bool:
@@ -122,7 +129,7 @@ def _check_event(path: str, raw, index: int) -> Event:
     line = getattr(raw, "line", 0)
     if not isinstance(raw, dict):
         raise _err(path, line, f"event {index + 1} must be a mapping with 'user' or 'command'")
-    known = {"user", "command", "set", *RESULT_KEYS}
+    known = {"user", "command", "set", "output_format", *RESULT_KEYS}
     for key in raw:
         if key not in known:
             raise _err(path, line, f"event {index + 1}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -139,6 +146,8 @@ def _check_event(path: str, raw, index: int) -> Event:
         if not isinstance(cmd, str) or cmd.split(" ", 1)[0] not in SCRIPT_COMMANDS:
             raise _err(path, line, f"event {index + 1}: command must be one of {', '.join(SCRIPT_COMMANDS)}")
         ev.command = cmd.strip()
+    if "output_format" in raw:
+        ev.format = _format(path, line, raw["output_format"], f"event {index + 1}: ")
     if "set" in raw:
         if not isinstance(raw["set"], dict):
             raise _err(path, line, f"event {index + 1}: 'set' must be a mapping of settings")
@@ -167,6 +176,13 @@ def _check_event(path: str, raw, index: int) -> Event:
     return ev
 
 
+def _format(path: str, line: int, value, what: str = "") -> Format | None:
+    try:
+        return from_yaml(value, "output_format")
+    except ConstraintError as e:
+        raise _err(path, line, f"{what}{e}") from None
+
+
 def parse(text: str, path: str = "<transcript>") -> Transcript:
     try:
         data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass: no arbitrary objects
@@ -181,7 +197,8 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
         raise _err(path, line, f"not a transcript: 'format' must be {FORMAT!r}")
     if data.get("version") != VERSION:
         raise _err(path, line, f"transcript version {data.get('version')!r} is not supported (supported: {VERSION})")
-    known = {"format", "version", "sampler", "model", "engine", "sampling", "system_prompt", "events"}
+    known = {"format", "version", "sampler", "model", "engine", "sampling", "system_prompt", "output_format",
+             "events"}
     for key in data:
         if key not in known:
             raise _err(path, line, f"unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -198,8 +215,9 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
     events = data.get("events")
     if not isinstance(events, list) or not events:
         raise _err(path, line, "'events' must be a non-empty list")
+    start = _format(path, line, data["output_format"]) if "output_format" in data else None
     return Transcript([_check_event(path, e, i) for i, e in enumerate(events)], dict(data.get("model", {})),
-                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path, sampler)
+                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path, sampler, start)
 
 
 def load(path: str) -> Transcript:
@@ -219,6 +237,8 @@ def to_yaml(t: Transcript) -> str:
     events = []
     for e in t.events:
         d: dict = {"user": e.user} if e.user is not None else {"command": e.command}
+        if e.format is not UNSET:
+            d["output_format"] = "off" if e.format is None else e.format.to_yaml()
         if e.set:
             d["set"] = dict(e.set)
         if e.result is not None:
@@ -226,7 +246,7 @@ def to_yaml(t: Transcript) -> str:
         events.append(d)
     doc = {"format": FORMAT, "version": VERSION, **({"sampler": t.sampler} if t.sampler is not None else {}),
            "model": t.model, "engine": t.engine, "sampling": t.sampling, "system_prompt": t.system_prompt,
-           "events": events}
+           **({"output_format": t.format.to_yaml()} if t.format is not None else {}), "events": events}
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=120, default_flow_style=None)
 
 
@@ -261,9 +281,21 @@ def recording_from(controller, events: list[Event] | None = None) -> Transcript:
     """The controller's conversation as a recording (events default to its turns)."""
     rt = controller.rt
     if events is None:
-        events = [Event(0, user=t.user, result=result_dict(t)) for t in controller.turns]
+        events, state = [], None
+        for t in controller.turns:
+            events.append(Event(0, user=t.user, result=result_dict(t), format=stated_format(t.format, state)))
+            state = t.format
     return Transcript(events, model_info(rt), engine_info(rt), dataclasses.asdict(controller.settings.sampling),
                       controller.conv.system_prompt, sampler=controller.sampler_version)
+
+
+def stated_format(fmt: Format | None, before: Format | None):
+    """What a recorded turn writes as its `output_format`: the format in force when there is one, `off`
+    (None) where one was in force before it, else nothing (UNSET). So each turn of a recording
+    states its format, whether it is read event by event or as a script's settings that persist."""
+    if fmt is not None:
+        return fmt
+    return None if before is not None else UNSET
 
 
 def result_dict(turn) -> dict:
@@ -299,7 +331,10 @@ def load_into_controller(controller, path: str) -> int:
     from .turn import TurnResult
 
     turns: list = []
+    fmt = t.format
     for e in t.events:
+        if e.format is not UNSET:
+            fmt = e.format
         if e.command is not None:
             if e.command in ("/undo", "/retry") and turns:
                 user = turns.pop().user
@@ -316,7 +351,8 @@ def load_into_controller(controller, path: str) -> int:
                                 generated_tokens=len(r["generated_ids"]), finish_reason=r["finish_reason"],
                                 seed=r["seed"])
         turns.append(TurnRecord(user, TurnResult(r["prompt_ids"], r["generated_ids"], r["text"],
-                                                   r["finish_reason"], stats), r["sampling"]))
+                                                   r["finish_reason"], stats), r["sampling"], fmt))
+    controller.set_format(fmt, f"{path}: format")  # the format in force at its end
     controller.reset_conversation(keep_cache=True)
     controller.sampler_version = t.sampler_to_replay  # its turns' sampler: a later /save stays replayable
     controller.conv.system_prompt = t.system_prompt

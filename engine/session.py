@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from .config import ConfigError, SamplingConfig
+from .constraint import ConstraintMask, TokenConstraint
 from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from .state import BASE, PROMPT, StateManager
@@ -310,23 +311,28 @@ class DecodeSession:
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None = None,
                  stop_ids: tuple[int, ...] | None = None, *, turn: int = 0, sampler: int = SAMPLER_VERSION,
-                 forced: list[int] | None = None) -> Iterator[int]:
+                 forced: list[int] | None = None, constraint: TokenConstraint | None = None) -> Iterator[int]:
         """Validate now (raising before any state changes), then return the token iterator.
 
         `turn` and `sampler` (the version) key the draws (engine/sampling.py). `forced`: feed and
-        yield these ids instead of the sampler's choices; the stop rules still apply to them."""
+        yield these ids instead of the sampler's choices; the stop rules still apply to them.
+        `constraint` (engine/constraint.py, fresh for this generation): each draw is masked to the
+        tokens it allows; a forced token it rejects is a departure, after which it is dropped."""
         self.check_fits(prompt_ids)
         seed = resolve_seed(sampling.seed if seed is None else seed)
         stops = self.eos_ids if stop_ids is None else tuple(stop_ids)
         draw = make_sampler(sampler, sampling, self.vocab_size, self.device, list(prompt_ids), seed, turn)
+        mask = None if constraint is None else ConstraintMask(constraint, self.vocab_size, self.device)
         return self._generate(list(prompt_ids), sampling, seed, stops, draw,
-                              None if forced is None else list(forced))
+                              None if forced is None else list(forced), mask)
 
     def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops, sampler,
-                  forced: list[int] | None) -> Iterator[int]:
+                  forced: list[int] | None, mask: ConstraintMask | None = None) -> Iterator[int]:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()
+        if mask is not None:
+            mask.start()  # the first mask is computed while the prompt is prefilled
         stats.reused_tokens, logits = self.reuse_prefix(prompt)
         if logits is None:
             # where this turn's new tokens begin (the end of the previous turn): what /undo and a
@@ -337,7 +343,7 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
-        token = self._choose(sampler, logits[-1], forced, 0, stats)
+        token = self._choose(sampler, logits[-1], forced, 0, stats, mask)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
         while token is not None:
@@ -354,17 +360,22 @@ class DecodeSession:
                 stats.finish_reason = "context"
                 break
             sampler.accept(token)
-            token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats)
+            if mask is not None:
+                mask.advance(token)  # the next mask (on CUDA on a worker thread, while this forward runs)
+            token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats, mask)
         else:  # no break: the forced ids ran out where the generation would have gone on
             stats.finish_reason = "forced"
         stats.decode_seconds = time.perf_counter() - t1
 
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,
-                stats: GenerationStats) -> int | None:
+                stats: GenerationStats, mask: ConstraintMask | None = None) -> int | None:
         """The sampler's choice, or where forced, the forced id (None past its end), noting a
         departure. The sampler draws at every step either way, so its counter or stream advances
-        as it did when the forced ids were recorded."""
+        as it did when the forced ids were recorded. A constraint's mask applies before the draw
+        (so before the penalties): a forced token outside it has log-probability -inf."""
+        if mask is not None:
+            logits = mask.apply(logits)
         chosen = int(sampler(logits))
         if forced is None:
             return chosen

@@ -1,0 +1,136 @@
+"""Constrained decoding: a token mask each step, applied to the logits before the sampler.
+
+A `TokenConstraint` (built by the chat layer from a grammar and the tokenizer) knows token ids
+only: it fills a packed bitmask of the tokens allowed next (bit i % 32 of int32 word i // 32) and
+consumes each token that enters the reply. The mask for the next token depends only on the tokens
+already chosen, so on CUDA `ConstraintMask` computes it on a worker thread while the forward for
+the previous token runs, and `apply` waits for it just before the draw. Disallowed logits become
+-inf (out of place: the logits a checkpoint saved, or a CUDA graph's output, are left as they
+are); on CUDA the mask crosses from pinned host memory without a host sync, outside the graph.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class ConstraintDeadEnd(ValueError):
+    """The constraint allows no token at a step (a grammar that cannot go on): one line for the user."""
+
+
+class TokenConstraint(Protocol):
+    mask_words: int  # int32 words of the bitmask: at least ceil(vocab / 32)
+
+    def fill_mask(self, out: torch.Tensor) -> None:
+        """Write the allowed set for the next token into `out` (int32 [mask_words], host, contiguous)."""
+
+    def consume(self, token: int) -> bool:
+        """The token entered the reply; False: the grammar rejects it (the constraint is then done)."""
+
+    def error(self) -> str:
+        """Why the constraint stopped or failed, for messages ("" when it has not)."""
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One worker for the whole process: masks of one generation are sequential by nature."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-mask")
+    return _POOL
+
+
+class ConstraintMask:
+    """One generation's masks. `start()` before the prefill, `advance(token)` before each decode
+    forward (consume + next mask), `apply(logits)` before each draw.
+
+    On CUDA the consume and the next mask run on a worker thread while the forward runs (the host
+    is otherwise idle, waiting for the GPU), and the packed words go to the device from pinned
+    memory without a sync, to be unpacked there. On the CPU the forward already uses every core,
+    so the mask is computed inline, after the forward (a thread would only take a core from it):
+    `overlap` overrides that choice (bench/constrained_bench.py measures both)."""
+    overlap: bool | None = None  # None: on CUDA only
+
+    def __init__(self, constraint: TokenConstraint, vocab_size: int, device: torch.device):
+        self.c, self.vocab, self.device = constraint, vocab_size, device
+        words = max(constraint.mask_words, (vocab_size + 31) // 32)
+        cuda = device.type == "cuda"
+        self._overlap = cuda if self.overlap is None else self.overlap
+        # two host buffers: one is filled while the other's upload may still be queued
+        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._uploaded = [None, None]  # CUDA events: that buffer's copy has run
+        if cuda:
+            self._dev = torch.empty(words, dtype=torch.int32, device=device)
+            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        else:  # unpacked on the host, where it is filled: one bool per token, True = not allowed
+            self._blocked = [torch.ones(words * 32, dtype=torch.bool) for _ in range(2)]
+        self._slot = 0
+        self._pending: Future | None = None
+        self._token: int | None = None  # inline: the token to consume before the next mask
+        self.index = 0  # the step whose mask is next
+        self.rejected: int | None = None  # the first token the grammar rejected (a forced one)
+        self.dead_end = ""
+
+    def _fill(self, slot: int, token: int | None) -> None:
+        if token is not None and not self.c.consume(token):
+            self.rejected = token
+            return
+        event = self._uploaded[slot]
+        if event is not None:
+            event.synchronize()  # the previous upload from this buffer has been read
+        buf = self._host[slot]
+        buf.zero_()
+        self.c.fill_mask(buf[: self.c.mask_words])
+        self.dead_end = self.c.error()  # a grammar that cannot go on (its mask: end of turn at most)
+        if self.device.type != "cuda":  # bit i % 32 of word i // 32, little-endian words: bit order "little"
+            self._blocked[slot].numpy()[:] = np.unpackbits((~buf.numpy()).view(np.uint8), bitorder="little")
+
+    def _submit(self, token: int | None) -> None:
+        if self._overlap:
+            self._pending = _pool().submit(self._fill, self._slot, token)
+        else:
+            self._token, self._pending = token, None
+
+    def start(self) -> None:
+        self._submit(None)
+
+    def advance(self, token: int) -> None:
+        """`token` was chosen (or forced): consume it and compute the next mask (on the worker
+        where overlapping, else when `apply` asks)."""
+        if self.rejected is not None:
+            return
+        self._slot ^= 1
+        self.index += 1
+        self._submit(token)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] fp32 on the device → the same with disallowed tokens at -inf. After a
+        rejected (forced) token the constraint is done and the logits pass unmasked."""
+        if self._pending is not None:
+            self._pending.result()  # the worker's exceptions surface here
+        else:
+            self._fill(self._slot, self._token)
+            self._token = None
+        if self.rejected is not None:
+            return logits
+        host = self._host[self._slot]
+        if self.dead_end or not bool(host.any()):
+            why = self.dead_end.strip().splitlines()[0] if self.dead_end.strip() else ""
+            raise ConstraintDeadEnd(f"the output format allows no token at generated token {self.index}"
+                                    + (f" ({why})" if why else ""))
+        if self.device.type == "cuda":
+            self._dev.copy_(host, non_blocking=True)
+            event = self._uploaded[self._slot] = self._uploaded[self._slot] or torch.cuda.Event()
+            event.record()
+            blocked = ((self._dev.unsqueeze(1) >> self._shifts) & 1).reshape(-1)[: self.vocab] == 0
+            return logits.masked_fill(blocked, float("-inf"))
+        # numpy, one thread: torch's masked_fill wakes its thread pool for a vocabulary row, which
+        # on a loaded machine waited up to a scheduler slice (p90 32 ms against 0.04 ms)
+        x = logits.detach().reshape(-1).numpy().copy()
+        np.putmask(x, self._blocked[self._slot].numpy()[: self.vocab], -np.inf)
+        return torch.from_numpy(x).view(logits.shape)
