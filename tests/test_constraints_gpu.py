@@ -1,7 +1,7 @@
 """CUDA: output-format masks unpacked on the device equal the host's; constrained replies are the
 same with and without the CUDA graph and with the mask inline or on the worker thread, and they
-validate; the embedded model answers the acceptance question in JSON on the GPU; constrained
-decode keeps >= 0.9x of the unconstrained speed on the SmolLM2 shape."""
+validate; the embedded model answers the acceptance question in JSON on the GPU. (The speed
+ratio is bench/constrained_bench.py's: timings are not asserted in tests.)"""
 import json
 import os
 import subprocess
@@ -105,10 +105,3 @@ def test_embedded_model_answers_in_json_on_cuda():
     assert proc.returncode == 0, proc.stderr
     assert isinstance(json.loads(proc.stdout)["city"], str)
 
-
-def test_constrained_decode_speed_on_the_smollm2_shape():
-    proc = subprocess.run([sys.executable, "bench/constrained_bench.py", "--device", "cuda", "--runs", "3"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    ratio = float(proc.stdout.strip().rsplit("ratio", 1)[1])  # the last line
-    assert ratio >= 0.9, proc.stdout
