@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -59,14 +60,221 @@ Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
   return y;
 }
 
-// The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None);
+
+// --- GGUF blocks read as stored (quant.BlockLinear): Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K ---------
+// Each block dequantizes to exactly gguf-py's fp32 values (the layouts are formats/gguf_blocks.py's;
+// tests/test_gguf_blocks.py compares block_dequant with it bit for bit), into a buffer the dot then
+// reads: y = x W^T in fp32, the dequantized product up to summation order.
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+struct BlockShape {
+  int64_t weights, bytes;
+};
+
+BlockShape block_shape(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " is not read by the CPU kernels");
+}
+
+// Q4_K / Q5_K: the j-th 6-bit scale and minimum of 12 packed bytes
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int64_t T>
+void dequant_block(const uint8_t* b, float* y) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    const float d = f16(b);
+    const float m = T == kQ4_1 ? f16(b + 2) : 0.f;
+    const uint8_t* qs = b + (T == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (T == kQ4_0) {
+        y[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+        y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      } else {
+        y[j] = d * static_cast<float>(qs[j] & 0xF) + m;
+        y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    }
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    const float d = f16(b);
+    const float m = T == kQ5_1 ? f16(b + 2) : 0.f;
+    const uint8_t* p = b + (T == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const uint8_t* qs = p + 4;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      if constexpr (T == kQ5_0) {
+        y[j] = d * static_cast<float>(lo - 16);
+        y[j + 16] = d * static_cast<float>(hi - 16);
+      } else {
+        y[j] = d * static_cast<float>(lo) + m;
+        y[j + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (T == kQ8_0) {
+    const float d = f16(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j]) * d;
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;  // Q5_K only
+    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
+    for (int i = 0; i < 8; ++i) {  // sub-block i: the low (even i) or high nibbles of qs[32 (i/2) ...]
+      int sc, mn;
+      scale_min_k4(i, scales, sc, mn);
+      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+      const uint8_t* q = qs + 32 * (i / 2);
+      const int shift = 4 * (i % 2);
+      for (int j = 0; j < 32; ++j) {
+        int v = (q[j] >> shift) & 0xF;
+        if constexpr (T == kQ5_K) v |= ((qh[j] >> i) & 1) << 4;
+        y[32 * i + j] = ds * static_cast<float>(v) - dm;
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int k = 0; k < 8; ++k) {  // sub-block k = 4 h + r of 32 weights, a scale per 16
+      const int h = k / 4, r = k % 4;
+      const uint8_t* l = ql + 64 * h + 32 * (r & 1);
+      const uint8_t* hb = qh + 32 * h;
+      const float d0 = d * static_cast<float>(sc[2 * k]), d1 = d * static_cast<float>(sc[2 * k + 1]);
+      for (int j = 0; j < 32; ++j) {
+        const int v = (((l[j] >> (4 * (r >> 1))) & 0xF) | (((hb[j] >> (2 * r)) & 3) << 4)) - 32;
+        y[32 * k + j] = (j < 16 ? d0 : d1) * static_cast<float>(v);
+      }
+    }
+  }
+}
+
+// rows [n0, n1) of W dequantized into y (row-major, K weights a row)
+template <int64_t T>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t BW = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
+  const int64_t bytes = block_shape(T).bytes, nb = K / BW;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b) dequant_block<T>(w + n * row_bytes + b * bytes, y + n * K + b * BW);
+}
+
+// y[t, n] = sum_k x[t, k] W[n, k] for rows [n0, n1) of W and all T rows of x (T <= kMaxRows)
+constexpr int64_t kMaxRows = 8;
+
+template <int64_t T>
+void gemv_rows(const float* x, int64_t Tn, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+               int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t BW = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
+  const int64_t bytes = block_shape(T).bytes, nb = K / BW;
+  alignas(64) float buf[BW];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[kMaxRows][kLanes] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      dequant_block<T>(row + b * bytes, buf);
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float* xb = x + t * K + b * BW;
+        for (int64_t i = 0; i < BW; i += kLanes)
+          for (int j = 0; j < kLanes; ++j) acc[t][j] += buf[i + j] * xb[i + j];
+      }
+    }
+    for (int64_t t = 0; t < Tn; ++t) {
+      float s = 0.f;
+      for (int j = 0; j < kLanes; ++j) s += acc[t][j];
+      y[t * N + n] = s;
+    }
+  }
+}
+
+template <typename F>
+void by_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " is not read by the CPU kernels");
+}
+
+int64_t check_blocks(const Tensor& w, int64_t type) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "blocks: [N, row bytes] uint8");
+  const BlockShape s = block_shape(type);
+  TORCH_CHECK(w.size(1) % s.bytes == 0, "blocks: a row is not whole blocks of type ", type);
+  return w.size(1) / s.bytes * s.weights;
+}
+
+// blocks [N, row bytes] uint8 → [N, K] fp32: gguf-py's values bit for bit
+Tensor block_dequant(const Tensor& w, int64_t type) {
+  const int64_t K = check_blocks(w, type), N = w.size(0), rb = w.size(1);
+  Tensor y = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dequant_rows<decltype(t)::value>(wp, rb, K, n0, n1, yp); });
+  });
+  return y;
+}
+
+// y = x W^T for x [T, K] fp32 (T <= 8) and W in GGUF blocks [N, row bytes]
+Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) <= kMaxRows,
+              "block_linear: x must be [T <= 8, K] contiguous fp32");
+  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
+  Tensor y = at::empty({Tn, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      gemv_rows<decltype(t)::value>(xp, Tn, K, wp, rb, N, n0, n1, yp);
+    });
+  });
+  return y;
+}
+
+// The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None; for
+// GGUF blocks: uint8 blocks, their type as a one-element int64 tensor, bias or None);
 // moves at_ past its three entries.
 Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   const Tensor w = p.get(at_).value();
   const std::optional<Tensor> sz = p.get(at_ + 1);
   const std::optional<Tensor> bias = p.get(at_ + 2);
   at_ += 3;
-  Tensor y = sz.has_value() ? int4_mm(x, w, *sz) : at::linear(x, w);
+  const bool blocks = sz.has_value() && sz->scalar_type() == at::kLong;  // GGUF blocks: sz holds the type
+  Tensor y = blocks ? block_linear(x.contiguous(), w, sz->data_ptr<int64_t>()[0])
+             : sz.has_value() ? int4_mm(x, w, *sz)
+                              : at::linear(x, w);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -452,6 +660,8 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
 
 TORCH_LIBRARY(chat_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &q8_linear);
+  m.def("block_linear(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear);
+  m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",
