@@ -186,7 +186,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.GgufTensor):
-            replacement = _quantized_module(model.get_submodule(owner), t)
+            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head")
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -214,10 +214,11 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     _release_freed_memory()
 
 
-def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor") -> torch.nn.Module | None:
+def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False) -> torch.nn.Module | None:
     """The CPU module that computes with `gt` as stored, or None to dequantize it into `module`.
-    Q4_0/Q4_1/Q8_0 are decoded into the int4 kernel's layout (one tensor at a time, so only one
-    decoded copy exists at once); the other block types stay the file's pages."""
+    Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's layout (one tensor
+    at a time, so only one decoded copy exists at once); the other block types, and Q8_0 linears
+    inside the layers (which the C++ step reads as blocks), stay the file's pages."""
     if isinstance(module, torch.nn.Embedding):
         if gt.kind == "q8_0":
             return quant.Q8Embedding(gt.decoded())
@@ -225,9 +226,9 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor") -> torch.
     if isinstance(module, torch.nn.Linear):
         if gt.kind in ("q4_0", "q4_1"):
             return quant.Int4Linear.from_quant(gt.decoded())
-        if gt.kind == "q8_0":
+        if gt.kind == "q8_0" and head:
             return quant.Q8Linear(gt.decoded())
-        if gt.ggml_type in quant.BLOCK_TYPES:
+        if gt.ggml_type in quant.BLOCK_TYPES or gt.kind == "q8_0":
             return quant.BlockLinear.from_gguf(gt)
     return None
 
