@@ -11,7 +11,7 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
 - A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
   planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
   same rounding as above. The embedding lookup dequantizes only the rows it reads, exactly.
-- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks stay as the file stores them (`GgufTensor`: the
+- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (and Q8_0 linears other than the head) stay as the file stores them (`GgufTensor`: the
   file's memory-mapped pages, no copy): `BlockLinear` and `BlockEmbedding` compute in fp32 on
   weights dequantized exactly as gguf-py dequantizes them (a block of rows at a time, or the C++
   step's kernels, which read the blocks directly), so they equal the dequantized fp32 modules up
@@ -224,7 +224,8 @@ _DEQUANT_ELEMENTS = 4 << 20
 
 
 class BlockLinear(nn.Module):
-    """y = x @ W.T (+ bias) for W in GGUF blocks as stored (`BLOCK_TYPES`), computed in fp32 on
+    """y = x @ W.T (+ bias) for W in GGUF blocks as stored (`BLOCK_TYPES`, and Q8_0 inside the
+    layers, which the C++ step reads as blocks; any type gguf_blocks knows works), in fp32 on
     exactly the weights gguf-py's dequantization gives: rows of W are dequantized a block of rows
     at a time and multiplied, or, where a kernel is set (the C++ step sets both), read directly
     from the blocks (`fp32_kernel(x, blocks, type)`, for a few rows: decode) or dequantized by
