@@ -350,10 +350,19 @@ void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, c
     for (; n + 2 <= n1; n += 2) {
       const uint8_t* b0 = w + n * row_bytes;
       const uint8_t* b1 = b0 + row_bytes;
+      // the pair of rows after next towards the caches while this one computes (the weights come
+      // from DRAM): with the super-blocks of K-quants a unit's share of those rows at each unit,
+      // else all at once (measured: bench/RESULTS.md)
+      const char* ahead = reinterpret_cast<const char*>(b0 + 4 * row_bytes);
+      const bool prefetch = n + 6 <= n1;
+      if (!kq && prefetch)
+        for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
       Acc<TN> a0, a1;
       start(a0);
       start(a1);
       for (int64_t i = 0; i < units; ++i) {
+        if (kq && prefetch)
+          for (int64_t o = 2 * i * ub; o < 2 * (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         row_unit<T, TN>(b0 + i * ub, i, a0, xs, nsub);
         row_unit<T, TN>(b1 + i * ub, i, a1, xs, nsub);
       }
@@ -370,6 +379,7 @@ void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, c
   }
 }
 #endif
+
 
 template <typename F>
 void by_type(int64_t type, F&& f) {
