@@ -264,24 +264,21 @@ inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, i
     if constexpr (T == kQ8_0) {
       q0 = ld(b + 2);
       q1 = ld(b + 18);
-    } else {
+    } else {  // the 32 codes as one 256-bit vector of bytes: weights 0-15 low nibbles, 16-31 high
       constexpr int off = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
       const __m128i v = ld(b + off);
-      q0 = lo_nib(v);
-      q1 = hi_nib(v);
+      __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
       if constexpr (T == kQ5_0 || T == kQ5_1) {
         uint32_t qh;
         std::memcpy(&qh, b + off - 4, 4);
-        q0 = _mm_mask_add_epi8(q0, static_cast<__mmask16>(qh & 0xFFFF), q0, _mm_set1_epi8(16));
-        q1 = _mm_mask_add_epi8(q1, static_cast<__mmask16>(qh >> 16), q1, _mm_set1_epi8(16));
+        u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(qh), u, _mm256_set1_epi8(16));
       }
-      if constexpr (T == kQ4_0 || T == kQ5_0) {
-        const __m128i c = _mm_set1_epi8(T == kQ4_0 ? 8 : 16);
-        q0 = _mm_sub_epi8(q0, c);
-        q1 = _mm_sub_epi8(q1, c);
-      } else {
+      if constexpr (T == kQ4_0 || T == kQ5_0)
+        u = _mm256_sub_epi8(u, _mm256_set1_epi8(T == kQ4_0 ? 8 : 16));
+      else
         a.min_term(xs, nsub, i, f16(b + 2));
-      }
+      q0 = _mm256_castsi256_si128(u);
+      q1 = _mm256_extracti128_si256(u, 1);
     }
     a.sub(i8_ps(q0), i8_ps(q1), 32 * i, d);
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
