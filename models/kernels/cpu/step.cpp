@@ -324,6 +324,8 @@ inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, i
   }
 }
 
+constexpr int64_t kAheadRows = 4;  // how far ahead the row pairs are prefetched
+
 template <int64_t T, int64_t TN>
 void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, const uint8_t* w, int64_t row_bytes,
                       int64_t N, int64_t n0, int64_t n1, float* y) {
@@ -347,11 +349,11 @@ void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, c
     for (; n + 2 <= n1; n += 2) {
       const uint8_t* b0 = w + n * row_bytes;
       const uint8_t* b1 = b0 + row_bytes;
-      // the pair of rows after next towards the caches while this one computes (the weights come
+      // the rows kAheadRows on towards the caches while this pair computes (the weights come
       // from DRAM): with the super-blocks of K-quants a unit's share of those rows at each unit,
       // else all at once (measured: bench/RESULTS.md)
-      const char* ahead = reinterpret_cast<const char*>(b0 + 4 * row_bytes);
-      const bool prefetch = n + 6 <= n1;
+      const char* ahead = reinterpret_cast<const char*>(b0 + kAheadRows * row_bytes);
+      const bool prefetch = n + kAheadRows + 2 <= n1;
       if (!kq && prefetch)
         for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
       Acc<TN> a0, a1;
