@@ -170,3 +170,22 @@ def test_weight_format_names_types_and_bytes(tmp_path):
     assert fmt["Q6_K"] >= 2 * n // 256 * 210
     assert lm.weight_format.startswith("GGUF Q") and "MB" in lm.weight_format
     assert models.load(lm.source).weight_format.startswith("float32 ")
+
+
+def test_the_benchmarks_q4_k_m_writer():
+    """bench/requantize.py (the Q4_K_M file of the benchmarks): its K-quant blocks decode through
+    gguf-py to the weights within a few percent, and its type rules are llama.cpp's."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "requantize", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "requantize.py"))
+    rq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rq)
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    for qtype, fn, rms in ((Q.Q4_K, rq.quantize_q4_k, 0.1), (Q.Q6_K, rq.quantize_q6_k, 0.03)):
+        got = np.asarray(gguf_dequantize(fn(w), qtype), dtype=np.float32)
+        assert got.shape == w.shape and np.sqrt(((got - w) ** 2).mean()) <= rms * w.std()
+    assert rq.q4_k_m_type("token_embd.weight", 30, tied=True) == "Q6_K"
+    assert [rq.q4_k_m_type(f"blk.{i}.ffn_down.weight", 30, False) for i in (0, 3, 4, 5, 27)] == \
+        ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert rq.q4_k_m_type("blk.4.attn_q.weight", 30, False) == "Q4_K" and rq.FALLBACK["Q4_K"] == "Q5_0"
