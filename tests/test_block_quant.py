@@ -44,7 +44,8 @@ def test_cpp_dequant_equals_gguf_bit_for_bit(cpp, qtype):
 def test_cpp_block_linear_is_the_dequantized_product(cpp, qtype, rows):
     raw = random_blocks(qtype, rows=45, blocks_per_row=16 if qtype < Q.Q4_K else 2, seed=rows)
     raw2 = torch.from_numpy(raw)
-    x = torch.randn(rows, gguf_blocks.row_weights(int(qtype), raw.shape[1]), generator=torch.Generator().manual_seed(rows))
+    k = gguf_blocks.row_weights(int(qtype), raw.shape[1])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = cpp.block_linear(x, raw2, int(qtype)).double()
     ref = x.double() @ gguf_blocks.dequantize(raw2, int(qtype)).double().t()
     scale = x.double().abs() @ gguf_blocks.dequantize(raw2, int(qtype)).double().abs().t()
@@ -77,7 +78,8 @@ def tiny_gguf(tmp_path, kind, linear, types=None, embed=Q.Q8_0):
 
 # llama.cpp's Q4_K_M mix: attn_v and ffn_down in Q6_K (half the layers; all of them here), the rest Q4_K
 Q4_K_M = {"attn_v.weight": Q.Q6_K, "ffn_down.weight": Q.Q6_K}
-CASES = [("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0), ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K),
+CASES = [("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0),
+         ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K),
          ("qwen2", Q.Q5_K, None, Q.Q4_K), ("llama", Q.Q6_K, None, Q.Q6_K)]
 IDS = [f"{k}-{q.name}{'+' + '+'.join(sorted({x.name for x in t.values()})) if t else ''}-embd_{e.name}"
        for k, q, t, e in CASES]
@@ -182,8 +184,8 @@ def test_the_benchmarks_q4_k_m_writer():
     gguf-py to the weights within a few percent, and its type rules are llama.cpp's."""
     import importlib.util
     import os
-    spec = importlib.util.spec_from_file_location(
-        "requantize", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "requantize.py"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("requantize", os.path.join(root, "bench", "requantize.py"))
     rq = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rq)
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05

@@ -63,7 +63,8 @@ def test_extreme_scales_reach_the_weights(qtype):
     blocks = raw.reshape(4, 2, -1)
     scales = slice(4, 16) if qtype != Q.Q6_K else slice(192, 208)
     blocks[:, :, scales] = 0xFF if qtype != Q.Q6_K else 0x81  # Q6_K: int8 -127
-    for value, check in ((0x7BFF, lambda w: float(w.abs().max()) > 1e6), (0x0001, lambda w: float(w.abs().max()) < 1e-3)):
+    for value, check in ((0x7BFF, lambda w: float(w.abs().max()) > 1e6),
+                         (0x0001, lambda w: float(w.abs().max()) < 1e-3)):
         for at in FP16_AT[qtype]:
             blocks[:, :, at:at + 2] = np.array([value], dtype=np.uint16).view(np.uint8)
         want = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)

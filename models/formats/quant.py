@@ -11,11 +11,11 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
 - A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
   planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
   same rounding as above. The embedding lookup dequantizes only the rows it reads, exactly.
-- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (and Q8_0 linears other than the head) stay as the file stores them (`GgufTensor`: the
-  file's memory-mapped pages, no copy): `BlockLinear` and `BlockEmbedding` compute in fp32 on
-  weights dequantized exactly as gguf-py dequantizes them (a block of rows at a time, or the C++
-  step's kernels, which read the blocks directly), so they equal the dequantized fp32 modules up
-  to float summation order.
+- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (and Q8_0 linears other than the head) stay as the
+  file stores them (`GgufTensor`: the file's memory-mapped pages, no copy): `BlockLinear` and
+  `BlockEmbedding` compute in fp32 on weights dequantized exactly as gguf-py dequantizes them (a
+  block of rows at a time), or through the C++ step's kernels, which read the blocks directly;
+  either way the dequantized fp32 modules' results up to fp32 rounding.
 Weights are converted once at load; nothing here runs on CUDA (the GPU path dequantizes).
 """
 from __future__ import annotations

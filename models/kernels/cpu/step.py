@@ -2,7 +2,8 @@
 
 Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
-blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers, written at the token's position), up to float summation order:
+blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers, written at the
+token's position), up to float summation order:
 tests/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
 the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms); `supports(model)`
 says.
