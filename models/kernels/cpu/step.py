@@ -44,8 +44,12 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     root = os.path.dirname(torch.__file__)
     lib = os.path.join(root, "lib")
-    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
+    # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it every parallel_for
+    # here ran on one thread. -L torch/lib first: the link takes torch's own libgomp, the runtime
+    # (and thread pool) torch.set_num_threads already drives.
+    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-fopenmp", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10",
+             "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
 
 def _cpu_signature() -> str:
