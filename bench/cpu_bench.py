@@ -7,8 +7,12 @@ thread count and prompt, and prints a table with ratios.
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--context 16]  # tokens in the context when decoding starts
                               [--llama-python PYTHON]  # one that has llama_cpp
+                              [--clock wall|cpu]
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
 --compile on the torch.compile'd decode step (the session's start, compile included, is printed).
+--clock cpu times the process's CPU time instead of the wall clock: with --threads 1 a measure of
+one core's work that other processes on a shared machine barely move (tok/s per core-second).
+--model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
 """
 from __future__ import annotations
 
@@ -37,19 +41,23 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def timed(repeats: int, n_prompt: int, prefill_case, decode_case) -> dict:
     """Median prefill and decode tok/s. Each case sets up untimed and returns the timed call;
     a decode call returns how many tokens it decoded."""
     prefill, decode = [], []
     for _ in range(repeats):
         go = prefill_case()
-        t = time.perf_counter()
+        t = clock()
         go()
-        prefill.append(n_prompt / (time.perf_counter() - t))
+        prefill.append(n_prompt / (clock() - t))
         go = decode_case()
-        t = time.perf_counter()
+        t = clock()
         n = go()
-        decode.append(n / (time.perf_counter() - t))
+        decode.append(n / (clock() - t))
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 
@@ -92,7 +100,8 @@ def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, thre
         return None
     t0 = time.perf_counter()
     context = context or ids[:16]
-    llm = Llama(model_path=path, n_ctx=max(2048, len(context) + n_decode + 8), n_threads=threads, n_batch=512,
+    llm = Llama(model_path=path, n_ctx=max(2048, len(context) + n_decode + 8), n_threads=threads,
+                n_threads_batch=threads, n_batch=512,
                 verbose=False)
     load = time.perf_counter() - t0
 
@@ -116,7 +125,7 @@ def bench_llama_cpp(path: str, ids: list[int], n_decode: int, repeats: int, thre
 def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, repeats: int,
                        threads: int, context: list[int]) -> dict | None:
     args = json.dumps({"path": path, "ids": ids, "n_decode": n_decode, "repeats": repeats, "threads": threads,
-                       "context": context})
+                       "context": context, "clock": next(k for k, v in CLOCKS.items() if v is clock)})
     proc = subprocess.run([python, os.path.abspath(__file__), "--child-llama-cpp", args],
                           capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -125,8 +134,10 @@ def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, re
 
 
 def main() -> None:
+    global clock
     if len(sys.argv) == 3 and sys.argv[1] == "--child-llama-cpp":
         a = json.loads(sys.argv[2])
+        clock = CLOCKS[a.get("clock", "wall")]
         r = bench_llama_cpp(a["path"], a["ids"], a["n_decode"], a["repeats"], a["threads"], a["context"])
         print(json.dumps(r) if r else "")
         return
@@ -143,7 +154,9 @@ def main() -> None:
     ap.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
                     help="the C++ decode step (auto/on) or the torch step (off)")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = ap.parse_args()
+    clock = CLOCKS[args.clock]
     import torch
 
     import models
@@ -160,7 +173,7 @@ def main() -> None:
     ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context), load_s=load)
     rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads, context)
-    print(f"model {os.path.basename(path)}, {threads} threads, prompt {len(ids)} tokens, decode {args.decode} "
+    print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
           f"(session start {ours['session_s']:.1f} s)")

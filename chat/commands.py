@@ -82,6 +82,7 @@ def _show(app, arg):
     lines = [f"model: {rt.loaded.source} ({rt.loaded.model_type}, {rt.loaded.n_params / 1e6:.0f}M params, "
              f"{str(rt.dtype).replace('torch.', '')} on {rt.device} ({rt.dtype_reason}), "
              f"weights: {rt.loaded.weight_format})",
+             *(f"note: {n}" for n in rt.loaded.notes),
              f"context: {c.context_used}/{c.session.max_context} tokens used; "
              f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
              f"checkpoints: {c.session.state.describe()}",

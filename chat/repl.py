@@ -308,6 +308,8 @@ def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> i
                         f"{lm.weight_format} · {str(rt.dtype).replace('torch.', '')} on {rt.device} "
                         f"({rt.dtype_reason}) · "
                         f"loaded in {rt.load_seconds:.1f}s · /help for commands, Ctrl-D to exit")
+        for note in lm.notes:  # e.g. GGUF types dequantized rather than kept in their blocks
+            renderer.notice(note)
     else:
         rt = open_runtime(settings)
     store = ConversationStore(default_directory(settings.ui.conversations_dir), settings.ui.keep_conversations)

@@ -2,14 +2,20 @@
 
 `write_gguf(kind, path, model, linear_type)`: metadata for our loader (architecture, sizes, the
 tiny byte-level tokenizer, a ChatML template), 2-D weights quantized to `linear_type` (Q4_0,
-Q4_1, Q8_0 or F32), the token embedding (and an untied output) in Q8_0, norms and biases in F32,
-and Llama's Q/K rows permuted as the converter permutes them.
+Q4_1, Q5_0, Q5_1, Q8_0 or F32), the token embedding (and an untied output) in Q8_0, norms and
+biases in F32, and Llama's Q/K rows permuted as the converter permutes them. `types` overrides the
+type per tensor (GGUF name suffix → type), as llama.cpp's Q4_K_M mix does.
+
+gguf-py cannot quantize the K-quants (Q4_K, Q5_K, Q6_K): their tensors are random blocks with
+fp16 scales set so the weights have the model's scale (the file, not the HF model, is then the
+reference: tests compare our quantized path with our dequantized path on the same file).
 """
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 from tiny import CHATML, SPECIALS, tiny_tokenizer
@@ -37,7 +43,29 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{_LAYER[module]}.{leaf}"
 
 
-def write_gguf(kind: str, path: str, model, linear_type: Q) -> str:
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def random_k_blocks(qtype: Q, rows: int, cols: int, std: float, seed: int) -> np.ndarray:
+    """Random K-quant blocks [rows, row bytes] whose weights spread about ±2-3 std."""
+    rng = np.random.default_rng(seed)
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+
+    def f16(values):
+        return np.asarray(values, dtype=np.float16).view(np.uint8).reshape(rows, cols // 256, 2)
+    shape = (rows, cols // 256)
+    if qtype == Q.Q6_K:  # w = d * sc * (q - 32), sc int8 (random), q - 32 in [-32, 31]
+        raw[:, :, 208:210] = f16(rng.uniform(0.5, 1.5, shape) * 3 * std / (32 * 128))
+    else:  # w = d * sc * q - dmin * m, sc and m 6-bit, q 4 or 5 bits
+        top = 15 if qtype == Q.Q4_K else 31
+        raw[:, :, 0:2] = f16(rng.uniform(0.5, 1.5, shape) * 6 * std / (63 * top))
+        raw[:, :, 2:4] = f16(rng.uniform(0.5, 1.5, shape) * 3 * std / 63)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(kind: str, path: str, model, linear_type: Q, types: dict[str, Q] | None = None,
+               embed_type: Q = Q.Q8_0) -> str:
     cfg = model.config
     arch = {"llama": "llama", "qwen2": "qwen2"}[kind]
     w = GGUFWriter(path, arch)
@@ -63,16 +91,20 @@ def write_gguf(kind: str, path: str, model, linear_type: Q) -> str:
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name, t in state.items():
+    for i, (name, t) in enumerate(state.items()):
         if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             t = permute_qk(t, heads)
         qtype = Q.F32
         if t.ndim == 2:
-            qtype = Q.Q8_0 if name in ("model.embed_tokens.weight", "lm_head.weight") else linear_type
+            qtype = embed_type if name in ("model.embed_tokens.weight", "lm_head.weight") else linear_type
+            qtype = next((q for suffix, q in (types or {}).items() if gguf_name(name).endswith(suffix)), qtype)
         data = np.ascontiguousarray(t, dtype=np.float32)
         if qtype == Q.F32:
             w.add_tensor(gguf_name(name), data)
+        elif qtype in K_QUANTS:
+            raw = random_k_blocks(qtype, data.shape[0], data.shape[1], float(data.std()), seed=i)
+            w.add_tensor(gguf_name(name), raw, raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

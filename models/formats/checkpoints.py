@@ -33,6 +33,7 @@ class Checkpoint:
     eos_token: str | None
     eos_ids: tuple[int, ...]
     files: list[str] = field(default_factory=list)  # what the fingerprint hashes
+    notes: list[str] = field(default_factory=list)  # one line each, for the user (e.g. types dequantized)
 
 
 # Tokens that end a turn in the chat formats we know; llama.cpp treats them as end-of-generation too.
@@ -167,8 +168,10 @@ def _field(reader, key: str, default=None):
 def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     """A GGUF file → Checkpoint. Parsing the metadata (gguf's reader: seconds for a large vocab)
     is done once per file version and cached as an index; tensors are read through a memmap.
-    keep_quantized: Q4_0/Q4_1/Q8_0 tensors come back as `quant.QuantTensor` (codes and block
-    scales, never an fp32 copy) for the CPU's quantized modules; everything else is dequantized."""
+    keep_quantized: matrices of the types `quant.keeps` names come back as `quant.GgufTensor`, a
+    view of the file's mapped pages (copy-on-write, never written: no copy is made; llama's Q/K
+    rows, which must be reordered, are the exception); everything else is dequantized to fp32,
+    and a note names the types that could have been kept but for their type."""
     from gguf.quants import dequantize
 
     from . import quant
@@ -178,8 +181,10 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
         index = _read_gguf_index(path)
         _store_index(path, index)
     tensors = {}
+    widened: dict[str, int] = {}
     try:
-        data = np.memmap(path, dtype=np.uint8, mode="r")
+        # mode "c": a private mapping, so torch.from_numpy gets a writable array over the file's pages
+        data = np.memmap(path, dtype=np.uint8, mode="c")
         for name, ttype, shape, dtype, offset in index["tensors"]:
             n = int(np.prod(shape)) * np.dtype(dtype).itemsize
             if offset + n > data.shape[0]:
@@ -190,20 +195,28 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
             if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
-                qt = quant.decode(raw, ttype)
+                qt = quant.GgufTensor(ttype, raw)
                 tensors[_hf_name(name)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
+            if keep_quantized and len(shape) == 2 and ttype not in (0, 1, 30):  # F32, F16, BF16
+                kind = gguf_type(ttype).name
+                widened[kind] = widened.get(kind, 0) + 1
             w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if unpermute is not None:
                 w = unpermute(w)
             tensors[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
     except CheckpointError:
         raise
+    except NotImplementedError as e:  # gguf-py cannot dequantize this type either
+        raise CheckpointError(f"{path}: {e}") from None
     except Exception as e:
         raise CheckpointError(f"{path}: corrupt tensor data ({type(e).__name__}: {e})".splitlines()[0]) from None
+    notes = [f"{count} {kind} tensor{'s' * (count > 1)} dequantized to fp32 (kept in blocks: "
+             f"{', '.join(gguf_type(t).name for t in quant.kept_types())})"
+             for kind, count in sorted(widened.items())]
     tokenizer = Tokenizer.from_str(index["tokenizer"])
     return Checkpoint(index["config"], tensors, tokenizer, index["chat_template"], index["bos_token"],
-                      index["eos_token"], tuple(index["eos_ids"]), [path])
+                      index["eos_token"], tuple(index["eos_ids"]), [path], notes)
 
 
 def gguf_type(value: int):

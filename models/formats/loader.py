@@ -44,17 +44,28 @@ class LoadedModel:
     source: str
     model_type: str
     files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line each: what the load changed (types widened)
 
     @property
     def n_params(self) -> int:
         return self.model.n_params
 
     @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes the model holds per weight format ("Q4_K", "Q6_K", "float32", ...), largest first."""
+        formats = quant.weight_formats(self.model)
+        return dict(sorted(formats.items(), key=lambda kv: -kv[1]))
+
+    @property
     def weight_format(self) -> str:
-        """How the weights are held: "4-bit GGUF blocks" where int4 kernels run, else the dtype."""
-        if any(isinstance(m, quant.Int4Linear) for m in self.model.modules()):
-            return "4-bit GGUF blocks"
-        return str(next(self.model.parameters()).dtype).replace("torch.", "")
+        """How the weights are held, with their bytes: "GGUF Q4_K 52.1 MB + Q6_K 20.3 MB + float32
+        0.1 MB", or the dtype and bytes where nothing is quantized ("float32 538.1 MB")."""
+        formats = self.weight_bytes
+        total = sum(formats.values())
+        parts = " + ".join(f"{name} {b / 1e6:.1f} MB" for name, b in formats.items())
+        if all(name.islower() for name in formats):  # torch dtypes only: not GGUF blocks
+            return parts
+        return f"GGUF {parts} ({total / 1e6:.1f} MB)" if len(formats) > 1 else f"GGUF {parts}"
 
 
 def resolve(path_or_alias: str) -> str:
@@ -171,11 +182,11 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
     model.n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
     # quantized tensors replace their modules first, so a bias then lands on the new module
-    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.QuantTensor)):
+    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.GgufTensor)):
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
-        if isinstance(t, quant.QuantTensor):
-            replacement = _quantized_module(model.get_submodule(owner), t)
+        if isinstance(t, quant.GgufTensor):
+            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head")
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -188,6 +199,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         embed = model.model.embed_tokens
         if isinstance(embed, quant.Q8Embedding):  # the head runs on the same Q8_0 blocks
             model.lm_head = quant.Q8Linear(embed.quant)
+        elif isinstance(embed, quant.BlockEmbedding):  # the same blocks, as stored
+            model.lm_head = embed.as_linear()
         else:
             model.lm_head.weight = embed.weight
     for m in model.modules():
@@ -201,15 +214,22 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     _release_freed_memory()
 
 
-def _quantized_module(module: torch.nn.Module, qt: "quant.QuantTensor") -> torch.nn.Module | None:
-    """The CPU module that computes with `qt` as stored, or None to dequantize it into `module`."""
+def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False) -> torch.nn.Module | None:
+    """The CPU module that computes with `gt` as stored, or None to dequantize it into `module`.
+    Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's layout (one tensor
+    at a time, so only one decoded copy exists at once); the other block types, and Q8_0 linears
+    inside the layers (which the C++ step reads as blocks), stay the file's pages."""
     if isinstance(module, torch.nn.Embedding):
-        return quant.Q8Embedding(qt) if qt.kind == "q8_0" else None
+        if gt.kind == "q8_0":
+            return quant.Q8Embedding(gt.decoded())
+        return quant.BlockEmbedding(gt)
     if isinstance(module, torch.nn.Linear):
-        if qt.kind in ("q4_0", "q4_1"):
-            return quant.Int4Linear.from_quant(qt)
-        if qt.kind == "q8_0":
-            return quant.Q8Linear(qt)
+        if gt.kind in ("q4_0", "q4_1"):
+            return quant.Int4Linear.from_quant(gt.decoded())
+        if gt.kind == "q8_0" and head:
+            return quant.Q8Linear(gt.decoded())
+        if gt.ggml_type in quant.BLOCK_TYPES or gt.kind == "q8_0":
+            return quant.BlockLinear.from_gguf(gt)
     return None
 
 
@@ -232,7 +252,8 @@ def fuse(model: torch.nn.Module) -> None:
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          quantized: bool = False) -> LoadedModel:
-    """quantized: keep a GGUF's 4-bit linears and Q8_0 embedding quantized (CPU only; see quant.py).
+    """quantized: keep a GGUF's quantized matrices in their blocks (CPU only; see quant.py: Q4_0,
+    Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a note).
     Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against."""
     path = resolve(path_or_alias)
     device = torch.device(device)
@@ -240,4 +261,4 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
     model, model_type = build_model(ckpt.config)
     materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
-                       ckpt.eos_ids, path, model_type, ckpt.files)
+                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)

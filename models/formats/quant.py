@@ -1,4 +1,5 @@
-"""GGUF weights kept quantized on the CPU: 4-bit linears on torch's int4 kernel, Q8_0 embeddings.
+"""GGUF weights kept quantized on the CPU: 4-bit linears on torch's int4 kernel, Q8_0 embeddings,
+and every other block type gguf_blocks.py knows (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) read as stored.
 
 Contract: a module here computes what the dequantized fp32 module computes, up to bf16 rounding.
 - Q4_0 / Q4_1 blocks (32 weights, an fp16 scale d and for Q4_1 an fp16 minimum m) map exactly
@@ -10,6 +11,11 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
 - A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
   planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
   same rounding as above. The embedding lookup dequantizes only the rows it reads, exactly.
+- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (and Q8_0 linears other than the head) stay as the
+  file stores them (`GgufTensor`: the file's memory-mapped pages, no copy): `BlockLinear` and
+  `BlockEmbedding` compute in fp32 on weights dequantized exactly as gguf-py dequantizes them (a
+  block of rows at a time), or through the C++ step's kernels, which read the blocks directly;
+  either way the dequantized fp32 modules' results up to fp32 rounding.
 Weights are converted once at load; nothing here runs on CUDA (the GPU path dequantizes).
 """
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+from . import gguf_blocks
 
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size
 _Q4_TYPES = {2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
@@ -49,9 +57,48 @@ class QuantTensor:
         return torch.from_numpy(w.reshape(n, k)).to(dtype)
 
 
+# GGMLQuantizationType values BlockLinear / BlockEmbedding keep as stored
+BLOCK_TYPES = frozenset(gguf_blocks.TYPES[n] for n in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
+
+
 def keeps(ggml_type: int) -> bool:
     """Whether a GGUF tensor type stays quantized on the CPU path."""
-    return ggml_type in _Q4_TYPES or ggml_type == _Q8_0
+    return ggml_type in _Q4_TYPES or ggml_type == _Q8_0 or ggml_type in BLOCK_TYPES
+
+
+def kept_types() -> list[int]:
+    return sorted(set(_Q4_TYPES) | {_Q8_0} | BLOCK_TYPES)
+
+
+@dataclass
+class GgufTensor:
+    """A GGUF matrix's blocks as stored: raw uint8 [N, row bytes] (a view of the file's mapped
+    pages: nothing is read until used) and its GGMLQuantizationType value."""
+    ggml_type: int
+    raw: np.ndarray
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.raw.shape[0], gguf_blocks.row_weights(self.ggml_type, self.raw.shape[1])))
+
+    @property
+    def kind(self) -> str:
+        return gguf_blocks.type_name(self.ggml_type).lower()
+
+    def permute_rows(self, fn) -> "GgufTensor":
+        """Rows reordered (each row is whole blocks, so this is exact); the moved rows are copied."""
+        return GgufTensor(self.ggml_type, fn(self.raw))
+
+    def blocks(self) -> torch.Tensor:
+        """The raw blocks as a uint8 tensor over the same memory (no copy)."""
+        return torch.from_numpy(self.raw)
+
+    def decoded(self) -> QuantTensor:
+        """Q4_0 / Q4_1 / Q8_0 as codes and block scales (for the int4 kernel's layout)."""
+        return decode(self.raw, self.ggml_type)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return gguf_blocks.dequantize(self.blocks(), self.ggml_type).to(dtype)
 
 
 def decode(raw: np.ndarray, ggml_type: int) -> QuantTensor:
@@ -93,7 +140,9 @@ class Int4Linear(nn.Module):
         # the kernel computes (q - 8) * scale + zero: fold the +8 into the zero
         zero = qt.zero + 8.0 * qt.scale
         sz = torch.stack([torch.from_numpy(qt.scale.T.copy()), torch.from_numpy(zero.T.copy())], -1)
-        return cls(packed, sz.to(torch.bfloat16), k, [n])
+        lin = cls(packed, sz.to(torch.bfloat16), k, [n])
+        lin.gguf_kind = qt.kind  # what the file stored (for /show's weight formats)
+        return lin
 
     @classmethod
     def concat(cls, parts: list["Int4Linear"]) -> "Int4Linear | None":
@@ -103,6 +152,8 @@ class Int4Linear(nn.Module):
             return None
         fused = cls(torch.cat([p.packed for p in parts]), torch.cat([p.scale_zero for p in parts], 1),
                     parts[0].in_features, [s for p in parts for s in p.sizes])
+        kinds = {getattr(p, "gguf_kind", "int4") for p in parts}
+        fused.gguf_kind = kinds.pop() if len(kinds) == 1 else "int4"
         if parts[0].bias is not None:
             fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
         return fused
@@ -166,3 +217,98 @@ class Q8Linear(nn.Module):
         if self.fp32_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
             return self.fp32_kernel(x.contiguous(), self.codes, self.scale)
         return self.hi(x) + self.lo(x)  # (each plane's sums rounded to bf16 by the int4 kernel)
+
+
+# Rows dequantized at a time by BlockLinear's torch path (an fp32 copy of ~16 MiB at most)
+_DEQUANT_ELEMENTS = 4 << 20
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T (+ bias) for W in GGUF blocks as stored (`BLOCK_TYPES`, and Q8_0 inside the
+    layers, which the C++ step reads as blocks; any type gguf_blocks knows works), in fp32 on
+    exactly the weights gguf-py's dequantization gives: rows of W are dequantized a block of rows
+    at a time and multiplied, or, where a kernel is set (the C++ step sets both), read directly
+    from the blocks (`fp32_kernel(x, blocks, type)`, for a few rows: decode) or dequantized by
+    it (`dequant_kernel(blocks, type)`, bit for bit the same as gguf_blocks.dequantize)."""
+
+    fp32_kernel = None
+    dequant_kernel = None
+    KERNEL_ROWS = 4  # up to this many input rows go to fp32_kernel; more: dequantize + GEMM
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int):
+        super().__init__()
+        self.ggml_type = ggml_type
+        self.in_features = gguf_blocks.row_weights(ggml_type, blocks.shape[1])
+        self.out_features = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+        self.register_parameter("bias", None)
+
+    @classmethod
+    def from_gguf(cls, t: GgufTensor) -> "BlockLinear":
+        return cls(t.blocks(), t.ggml_type)
+
+    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        raw = self.blocks[start:stop]
+        if self.dequant_kernel is not None and raw.device.type == "cpu":
+            return self.dequant_kernel(raw, self.ggml_type)
+        return gguf_blocks.dequantize(raw, self.ggml_type)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
+            y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type)
+        else:
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
+            rows = max(1, _DEQUANT_ELEMENTS // self.in_features)
+            for i in range(0, self.out_features, rows):
+                w = self.dequantize_rows(i, i + rows).to(x2.dtype)
+                torch.mm(x2, w.t(), out=y[:, i:i + rows])
+        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
+    (exactly gguf-py's values)."""
+
+    def __init__(self, t: GgufTensor):
+        super().__init__()
+        self.ggml_type = t.ggml_type
+        self.num_embeddings, self.embedding_dim = t.shape
+        self.register_buffer("blocks", t.blocks())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gguf_blocks.dequantize(self.blocks[ids.reshape(-1)], self.ggml_type).view(*ids.shape, -1)
+
+    def as_linear(self) -> BlockLinear:
+        """The same blocks as a tied LM head."""
+        return BlockLinear(self.blocks, self.ggml_type)
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """Bytes held per weight format ("Q4_K", "Q4_1", "float32", ...), each storage counted once
+    (a head tied to its embedding shares its blocks)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(name: str, tensors):
+        for t in tensors:
+            if t is None or t.is_meta or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            out[name] = out.get(name, 0) + t.untyped_storage().nbytes()
+
+    for m in model.modules():
+        if isinstance(m, (BlockLinear, BlockEmbedding)):
+            add(gguf_blocks.type_name(m.ggml_type), [m.blocks])
+        elif isinstance(m, Int4Linear):
+            add(getattr(m, "gguf_kind", "int4").upper(), [m.packed, m.scale_zero])
+        elif isinstance(m, Q8Embedding):
+            add("Q8_0", [m.codes, m.scale])
+        elif isinstance(m, Q8Linear):
+            add("Q8_0", [m.codes, m.scale, m.hi.packed, m.hi.scale_zero, m.lo.packed, m.lo.scale_zero])
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            if t.is_floating_point():
+                add(str(t.dtype).replace("torch.", ""), [t])
+    return out

@@ -10,12 +10,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -59,14 +60,408 @@ Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
   return y;
 }
 
-// The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None);
+
+// --- GGUF blocks read as stored (quant.BlockLinear): Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K ---------
+// Each block dequantizes to exactly gguf-py's fp32 values (the layouts are formats/gguf_blocks.py's;
+// tests/test_gguf_blocks.py compares block_dequant with it bit for bit), into a buffer the dot then
+// reads: y = x W^T in fp32, the dequantized product up to summation order.
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+inline float f16(const uint8_t* p) {  // exact (every fp16 is an fp32); F16C's one instruction where it exists
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+struct BlockShape {
+  int64_t weights, bytes;
+};
+
+BlockShape block_shape(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " is not read by the CPU kernels");
+}
+
+// Q4_K / Q5_K: the j-th 6-bit scale and minimum of 12 packed bytes
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int64_t T>
+void dequant_block(const uint8_t* b, float* y) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    const float d = f16(b);
+    const float m = T == kQ4_1 ? f16(b + 2) : 0.f;
+    const uint8_t* qs = b + (T == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (T == kQ4_0) {
+        y[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+        y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      } else {
+        y[j] = d * static_cast<float>(qs[j] & 0xF) + m;
+        y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    }
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    const float d = f16(b);
+    const float m = T == kQ5_1 ? f16(b + 2) : 0.f;
+    const uint8_t* p = b + (T == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const uint8_t* qs = p + 4;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      if constexpr (T == kQ5_0) {
+        y[j] = d * static_cast<float>(lo - 16);
+        y[j + 16] = d * static_cast<float>(hi - 16);
+      } else {
+        y[j] = d * static_cast<float>(lo) + m;
+        y[j + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (T == kQ8_0) {
+    const float d = f16(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j]) * d;
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;  // Q5_K only
+    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
+    for (int i = 0; i < 8; ++i) {  // sub-block i: the low (even i) or high nibbles of qs[32 (i/2) ...]
+      int sc, mn;
+      scale_min_k4(i, scales, sc, mn);
+      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+      const uint8_t* q = qs + 32 * (i / 2);
+      const int shift = 4 * (i % 2);
+      for (int j = 0; j < 32; ++j) {
+        int v = (q[j] >> shift) & 0xF;
+        if constexpr (T == kQ5_K) v |= ((qh[j] >> i) & 1) << 4;
+        y[32 * i + j] = ds * static_cast<float>(v) - dm;
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int k = 0; k < 8; ++k) {  // sub-block k = 4 h + r of 32 weights, a scale per 16
+      const int h = k / 4, r = k % 4;
+      const uint8_t* l = ql + 64 * h + 32 * (r & 1);
+      const uint8_t* hb = qh + 32 * h;
+      const float d0 = d * static_cast<float>(sc[2 * k]), d1 = d * static_cast<float>(sc[2 * k + 1]);
+      for (int j = 0; j < 32; ++j) {
+        const int v = (((l[j] >> (4 * (r >> 1))) & 0xF) | (((hb[j] >> (2 * r)) & 3) << 4)) - 32;
+        y[32 * k + j] = (j < 16 ? d0 : d1) * static_cast<float>(v);
+      }
+    }
+  }
+}
+
+// rows [n0, n1) of W dequantized into y (row-major, K weights a row)
+template <int64_t T>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t BW = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
+  const int64_t bytes = block_shape(T).bytes, nb = K / BW;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b) dequant_block<T>(w + n * row_bytes + b * bytes, y + n * K + b * BW);
+}
+
+// y[t, n] = sum_k x[t, k] W[n, k] for rows [n0, n1) of W and all T rows of x (T <= kMaxRows)
+constexpr int64_t kMaxRows = 8;
+
+template <int64_t T>
+void gemv_rows(const float* x, int64_t Tn, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+               int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t BW = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
+  const int64_t bytes = block_shape(T).bytes, nb = K / BW;
+  alignas(64) float buf[BW];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[kMaxRows][kLanes] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      dequant_block<T>(row + b * bytes, buf);
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float* xb = x + t * K + b * BW;
+        for (int64_t i = 0; i < BW; i += kLanes)
+          for (int j = 0; j < kLanes; ++j) acc[t][j] += buf[i + j] * xb[i + j];
+      }
+    }
+    for (int64_t t = 0; t < Tn; ++t) {
+      float s = 0.f;
+      for (int j = 0; j < kLanes; ++j) s += acc[t][j];
+      y[t * N + n] = s;
+    }
+  }
+}
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The same product with AVX-512, from the blocks directly: per 32 (Q6_K: 16) weights the integer
+// codes widened to fp32 and multiplied with x, the block's scale applied to that partial sum, and
+// the minimum terms of Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x): the dequantized
+// product up to fp32 rounding order (not bit for bit; tests bound it). About 10x the loop above.
+inline __m512 i8_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+inline __m128i lo_nib(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline __m128i hi_nib(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Accumulators for up to kMaxRows rows of x; `sub(t, q0, q1, j, s)` adds s * (q0 . x[j..j+16) + q1 . x[j+16..j+32))
+template <int64_t TN>  // TN rows of x (0: Tn, known at run time); TN = 1 keeps the sums in registers
+struct Acc {
+  static constexpr int64_t R = TN ? TN : kMaxRows;
+  __m512 v[R];
+  float mins[R];
+  const float* x;
+  int64_t K, Tn;
+  inline void sub(__m512 q0, __m512 q1, int64_t j, float s) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const float* xp = x + t * K + j;
+      const __m512 p = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xp), _mm512_mul_ps(q1, _mm512_loadu_ps(xp + 16)));
+      v[t] = _mm512_fmadd_ps(sv, p, v[t]);
+    }
+  }
+  inline void sub2(__m512 q0, __m512 q1, int64_t j, float s0, float s1) {  // a scale per 16
+    const __m512 s0v = _mm512_set1_ps(s0), s1v = _mm512_set1_ps(s1);
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const float* xp = x + t * K + j;
+      v[t] = _mm512_fmadd_ps(s0v, _mm512_mul_ps(q0, _mm512_loadu_ps(xp)), v[t]);
+      v[t] = _mm512_fmadd_ps(s1v, _mm512_mul_ps(q1, _mm512_loadu_ps(xp + 16)), v[t]);
+    }
+  }
+  inline void min_term(const float* xs, int64_t nsub, int64_t i, float m) {  // + m * sum(x[32 i .. 32 i + 32))
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) mins[t] += m * xs[t * nsub + i];
+  }
+};
+
+// One unit of a row (a 32-weight block, or a 256-weight super-block) into a's sums.
+template <int64_t T, int64_t TN>
+inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, int64_t nsub) {
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    const float d = f16(b);
+    __m128i q0, q1;
+    if constexpr (T == kQ8_0) {
+      q0 = ld(b + 2);
+      q1 = ld(b + 18);
+    } else {  // the 32 codes as one 256-bit vector of bytes: weights 0-15 low nibbles, 16-31 high
+      constexpr int off = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
+      const __m128i v = ld(b + off);
+      __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+      if constexpr (T == kQ5_0 || T == kQ5_1) {
+        uint32_t qh;
+        std::memcpy(&qh, b + off - 4, 4);
+        u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(qh), u, _mm256_set1_epi8(16));
+      }
+      if constexpr (T == kQ4_0 || T == kQ5_0)
+        u = _mm256_sub_epi8(u, _mm256_set1_epi8(T == kQ4_0 ? 8 : 16));
+      else
+        a.min_term(xs, nsub, i, f16(b + 2));
+      q0 = _mm256_castsi256_si128(u);
+      q1 = _mm256_extracti128_si256(u, 1);
+    }
+    a.sub(i8_ps(q0), i8_ps(q1), 32 * i, d);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
+    __m256i h = _mm256_setzero_si256();
+    if constexpr (T == kQ5_K) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) of 32 bytes
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+      __m256i q[2] = {_mm256_and_si256(v, _mm256_set1_epi8(0x0F)),
+                      _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))};
+      for (int e = 0; e < 2; ++e) {
+        const int sub = 2 * p + e;
+        int sc, mn;
+        scale_min_k4(sub, b + 4, sc, mn);
+        if constexpr (T == kQ5_K)
+          q[e] = _mm256_mask_add_epi8(q[e], _mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(1 << sub))),
+                                      q[e], _mm256_set1_epi8(16));
+        const int64_t j = 256 * i + 32 * sub;
+        a.sub(i8_ps(_mm256_castsi256_si128(q[e])), i8_ps(_mm256_extracti128_si256(q[e], 1)), j,
+              d * static_cast<float>(sc));
+        a.min_term(xs, nsub, j / 32, -(dmin * static_cast<float>(mn)));
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      for (int c = 0; c < 2; ++c) {  // the 32 low-nibble bytes at 64 h + 32 c: sub-blocks r = c and c + 2
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * c));
+        for (int s2 = 0; s2 < 2; ++s2) {
+          const int r = c + 2 * s2, k = 4 * h + r;
+          const __m256i lo = _mm256_and_si256(s2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * r), _mm256_set1_epi8(3));
+          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+          const int64_t j = 256 * i + 32 * k;
+          a.sub2(i8_ps(_mm256_castsi256_si128(q)), i8_ps(_mm256_extracti128_si256(q, 1)), j,
+                 d * static_cast<float>(sc[2 * k]), d * static_cast<float>(sc[2 * k + 1]));
+        }
+      }
+    }
+  }
+}
+
+constexpr int64_t kAheadRows = 4;  // how far ahead the row pairs are prefetched
+
+template <int64_t T, int64_t TN>
+void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, const uint8_t* w, int64_t row_bytes,
+                      int64_t N, int64_t n0, int64_t n1, float* y) {
+  constexpr bool kq = T == kQ4_K || T == kQ5_K || T == kQ6_K;
+  const int64_t nsub = K / 32, units = kq ? K / 256 : nsub, ub = block_shape(T).bytes;
+  const int64_t Tn = TN ? TN : Tn_;
+  auto start = [&](Acc<TN>& a) {
+    a.x = x;
+    a.K = K;
+    a.Tn = Tn;
+    for (int64_t t = 0; t < Tn; ++t) {
+      a.v[t] = _mm512_setzero_ps();
+      a.mins[t] = 0.f;
+    }
+  };
+  auto finish = [&](Acc<TN>& a, int64_t n) {
+    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = _mm512_reduce_add_ps(a.v[t]) + a.mins[t];
+  };
+  int64_t n = n0;
+  if constexpr (TN == 1) {  // two rows at a time: x read once for both, two independent chains
+    for (; n + 2 <= n1; n += 2) {
+      const uint8_t* b0 = w + n * row_bytes;
+      const uint8_t* b1 = b0 + row_bytes;
+      // the rows kAheadRows on towards the caches while this pair computes (the weights come
+      // from DRAM): with the super-blocks of K-quants a unit's share of those rows at each unit,
+      // else all at once (measured: bench/RESULTS.md)
+      const char* ahead = reinterpret_cast<const char*>(b0 + kAheadRows * row_bytes);
+      const bool prefetch = n + kAheadRows + 2 <= n1;
+      if (!kq && prefetch)
+        for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      Acc<TN> a0, a1;
+      start(a0);
+      start(a1);
+      for (int64_t i = 0; i < units; ++i) {
+        if (kq && prefetch)
+          for (int64_t o = 2 * i * ub; o < 2 * (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        row_unit<T, TN>(b0 + i * ub, i, a0, xs, nsub);
+        row_unit<T, TN>(b1 + i * ub, i, a1, xs, nsub);
+      }
+      finish(a0, n);
+      finish(a1, n + 1);
+    }
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* b = w + n * row_bytes;
+    Acc<TN> a;
+    start(a);
+    for (int64_t i = 0; i < units; ++i) row_unit<T, TN>(b + i * ub, i, a, xs, nsub);
+    finish(a, n);
+  }
+}
+#endif
+
+
+template <typename F>
+void by_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
+  TORCH_CHECK(false, "GGUF block type ", type, " is not read by the CPU kernels");
+}
+
+int64_t check_blocks(const Tensor& w, int64_t type) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "blocks: [N, row bytes] uint8");
+  const BlockShape s = block_shape(type);
+  TORCH_CHECK(w.size(1) % s.bytes == 0, "blocks: a row is not whole blocks of type ", type);
+  return w.size(1) / s.bytes * s.weights;
+}
+
+// blocks [N, row bytes] uint8 → [N, K] fp32: gguf-py's values bit for bit
+Tensor block_dequant(const Tensor& w, int64_t type) {
+  const int64_t K = check_blocks(w, type), N = w.size(0), rb = w.size(1);
+  Tensor y = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dequant_rows<decltype(t)::value>(wp, rb, K, n0, n1, yp); });
+  });
+  return y;
+}
+
+// y = x W^T for x [T, K] fp32 (T <= 8) and W in GGUF blocks [N, row bytes]
+Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) <= kMaxRows,
+              "block_linear: x must be [T <= 8, K] contiguous fp32");
+  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
+  Tensor y = at::empty({Tn, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  std::vector<float> xs(Tn * (K / 32));  // each 32 inputs' sum, for the minimum terms
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t i = 0; i < K / 32; ++i) {
+      float acc = 0.f;
+      for (int j = 0; j < 32; ++j) acc += xp[t * K + 32 * i + j];
+      xs[t * (K / 32) + i] = acc;
+    }
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (Tn == 1)
+        gemv_rows_avx512<decltype(t)::value, 1>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
+      else
+        gemv_rows_avx512<decltype(t)::value, 0>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
+    });
+  });
+#else
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      gemv_rows<decltype(t)::value>(xp, Tn, K, wp, rb, N, n0, n1, yp);
+    });
+  });
+#endif
+  return y;
+}
+
+// The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None; for
+// GGUF blocks: uint8 blocks, their type as a one-element int64 tensor, bias or None);
 // moves at_ past its three entries.
 Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   const Tensor w = p.get(at_).value();
   const std::optional<Tensor> sz = p.get(at_ + 1);
   const std::optional<Tensor> bias = p.get(at_ + 2);
   at_ += 3;
-  Tensor y = sz.has_value() ? int4_mm(x, w, *sz) : at::linear(x, w);
+  const bool blocks = sz.has_value() && sz->scalar_type() == at::kLong;  // GGUF blocks: sz holds the type
+  Tensor y = blocks ? block_linear(x.contiguous(), w, sz->data_ptr<int64_t>()[0])
+             : sz.has_value() ? int4_mm(x, w, *sz)
+                              : at::linear(x, w);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -452,6 +847,8 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
 
 TORCH_LIBRARY(chat_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &q8_linear);
+  m.def("block_linear(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear);
+  m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",

@@ -1,8 +1,9 @@
 """The CPU decode step of dense GQA models in C++ (step.cpp), built once and cached.
 
 Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
-state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear` or fp32
-`Linear`; the same state buffers, written at the token's position), up to float summation order:
+state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
+blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers, written at the
+token's position), up to float summation order:
 tests/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
 the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms); `supports(model)`
 says.
@@ -27,7 +28,7 @@ import tempfile
 
 import torch
 
-from ...formats.quant import Int4Linear, Q8Embedding
+from ...formats.quant import BlockEmbedding, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
@@ -43,8 +44,12 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     root = os.path.dirname(torch.__file__)
     lib = os.path.join(root, "lib")
-    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
+    # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it every parallel_for
+    # here ran on one thread. -L torch/lib first: the link takes torch's own libgomp, the runtime
+    # (and thread pool) torch.set_num_threads already drives.
+    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-fopenmp", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10",
+             "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
 
 def _cpu_signature() -> str:
@@ -128,11 +133,13 @@ def load() -> None:
 def _linear_params(m: torch.nn.Module) -> list[torch.Tensor | None]:
     if isinstance(m, Int4Linear):
         return [m.packed, m.scale_zero, m.bias]
+    if isinstance(m, BlockLinear):  # GGUF blocks as stored: their type rides in the scale slot
+        return [m.blocks, torch.tensor([m.ggml_type], dtype=torch.int64), m.bias]
     return [m.weight, None, m.bias]
 
 
 def _linear_ok(m) -> bool:
-    return (isinstance(m, Int4Linear) or
+    return (isinstance(m, (Int4Linear, BlockLinear)) or
             (isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32)) and \
         (m.bias is None or m.bias.dtype == torch.float32)
 
@@ -163,7 +170,7 @@ def supports(model) -> bool:
             norms += [a.q_norm, a.k_norm]
         if any(n.weight.dtype != torch.float32 or n.offset != 0.0 or n.eps != cfg.rms_eps for n in norms):
             return False
-    return isinstance(model.model.embed_tokens, (torch.nn.Embedding, Q8Embedding))
+    return isinstance(model.model.embed_tokens, (torch.nn.Embedding, Q8Embedding, BlockEmbedding))
 
 
 def main() -> int:
@@ -187,6 +194,10 @@ class CpuStep:
         head = model.lm_head
         if hasattr(head, "fp32_kernel") and hasattr(head, "codes"):  # a Q8_0 head: sums in fp32, not bf16
             head.fp32_kernel = torch.ops.chat_cpu.q8_linear
+        for m in model.modules():  # GGUF blocks read directly (decode) or dequantized here (prefill)
+            if isinstance(m, BlockLinear):
+                m.fp32_kernel = torch.ops.chat_cpu.block_linear
+                m.dequant_kernel = torch.ops.chat_cpu.block_dequant
         self.model = model
         cfg = model.config
         params: list[torch.Tensor | None] = []
@@ -213,7 +224,7 @@ class CpuStep:
         # is kept in fp16, as llama.cpp keeps it: a long context's step reads half the bytes.
         # (bf16 was tried: it changed a reply tests/test_quant.py guards.) fp32 weights keep an
         # fp32 cache, so that path stays the exact reference.
-        quantized = any(isinstance(m, Int4Linear) for m in model.model.layers.modules())
+        quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
         self.kv_dtype = torch.float16 if quantized else torch.float32
         self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
 
