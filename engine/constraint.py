@@ -3,8 +3,9 @@
 A `TokenConstraint` (built by the chat layer from a grammar and the tokenizer) knows token ids
 only: it fills a packed bitmask of the tokens allowed next (bit i % 32 of int32 word i // 32) and
 consumes each token that enters the reply. The mask for the next token depends only on the tokens
-already chosen, so on CUDA `ConstraintMask` computes it on a worker thread while the forward for
-the previous token runs, and `apply` waits for it just before the draw. Disallowed logits become
+already chosen, so `ConstraintMask` computes it on the host once the forward for the previous
+token is launched: on CUDA the launch returns at once (a graph replay), and the host computes the
+mask while the GPU runs the step. Disallowed logits become
 -inf (out of place: the logits a checkpoint saved, or a CUDA graph's output, are left as they
 are); on CUDA the mask crosses from pinned host memory without a host sync, outside the graph.
 """
@@ -49,18 +50,19 @@ class ConstraintMask:
     """One generation's masks. `start()` before the prefill, `advance(token)` before each decode
     forward (consume + next mask), `apply(logits)` before each draw.
 
-    On CUDA the consume and the next mask run on a worker thread while the forward runs (the host
-    is otherwise idle, waiting for the GPU), and the packed words go to the device from pinned
-    memory without a sync, to be unpacked there. On the CPU the forward already uses every core,
-    so the mask is computed inline, after the forward (a thread would only take a core from it):
-    `overlap` overrides that choice (bench/constrained_bench.py measures both)."""
-    overlap: bool | None = None  # None: on CUDA only
+    The consume and the next mask run inline in `apply`, after the forward: on CUDA that is while
+    the GPU runs the launched step, and the packed words go to the device from pinned memory
+    without a sync, to be unpacked there; on the CPU the forward has used every core by then.
+    `overlap: True` computes them on a worker thread instead, from `advance` on: on the CPU that
+    takes a core from the forward, and on an H200 the thread's hand-offs were not hidden by a
+    0.42 ms step (bench/constrained_bench.py --overlap measures both; bench/RESULTS.md)."""
+    overlap: bool | None = None  # None: inline
 
     def __init__(self, constraint: TokenConstraint, vocab_size: int, device: torch.device):
         self.c, self.vocab, self.device = constraint, vocab_size, device
         words = max(constraint.mask_words, (vocab_size + 31) // 32)
         cuda = device.type == "cuda"
-        self._overlap = cuda if self.overlap is None else self.overlap
+        self._overlap = bool(self.overlap)
         # two host buffers: one is filled while the other's upload may still be queued
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._uploaded = [None, None]  # CUDA events: that buffer's copy has run
