@@ -1,5 +1,6 @@
 """End to end in a pseudo-terminal: the embedded model; Ctrl-C in the middle of a reply, at an empty
 prompt and at random moments; a process killed mid-reply, then `chat --resume`."""
+import contextlib
 import os
 import re
 import sys
@@ -20,24 +21,10 @@ def clean(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[ -/]*[@-~]", "", text).replace("\r", "")
 
 
-def fresh_replies() -> list[str]:
-    """What a fresh session replies to the same two turns (in-process, same settings)."""
-    from chat.controller import ChatController
-    from chat.runtime import open_runtime
-    from chat.settings import load_settings
-    from chat.turn import TurnResult
-    settings = load_settings(None, env={}, overrides={"temperature": "0", "max_new_tokens": NEW})
-    c = ChatController(open_runtime(settings), settings)
-    return ["".join(c.send(q, TurnResult([]))) for q in (Q1, Q2)]
-
-
 @pytest.mark.slow
 def test_two_turns_with_ctrl_c_then_same_reply_as_fresh(tmp_path):
-    expected1, expected2 = fresh_replies()
-    env = dict(os.environ, CHAT_HISTORY_FILE=str(tmp_path / "history"), TERM="xterm")
-    child = pexpect.spawn(sys.executable, ["-m", "chat", "--color", "never", *ARGS], env=env,
-                          encoding="utf-8", timeout=120, dimensions=(50, 200))
-    try:
+    expected1, expected2 = replies([Q1, Q2], NEW)
+    with running(tmp_path, *ARGS) as child:
         child.expect_exact(PROMPT)
         child.send(Q1 + "\r")
         child.expect_exact(expected1.splitlines()[0])
@@ -54,8 +41,6 @@ def test_two_turns_with_ctrl_c_then_same_reply_as_fresh(tmp_path):
         streamed = clean(child.before)
         child.sendcontrol("d")
         child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
     # the whole reply after the interruption equals the fresh session's reply
     for line in expected2.splitlines()[1:]:
         assert line.strip() in streamed
@@ -65,6 +50,16 @@ def test_two_turns_with_ctrl_c_then_same_reply_as_fresh(tmp_path):
 
 HINT = "Ctrl-D or /exit to leave"
 QA, QB, QC = "What is the capital of France?", "And of Germany?", "Write a long poem about the sea."
+
+
+@contextlib.contextmanager
+def running(tmp_path, *args):
+    """`chat ARGS` in a pty, killed on the way out whatever happened."""
+    child = spawn(tmp_path, *args)
+    try:
+        yield child
+    finally:
+        child.close(force=True)
 
 
 def spawn(tmp_path, *args):
@@ -115,8 +110,7 @@ def read_reply(child, reply: str) -> str:
 def test_ctrl_c_at_an_empty_prompt_stays_and_many_ctrl_c_during_replies_change_nothing(tmp_path):
     import random
     (answer,) = replies([QA], "400")
-    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "400")
-    try:
+    with running(tmp_path, "--temperature", "0", "--max-new-tokens", "400") as child:
         child.expect_exact(PROMPT)
         for _ in range(3):
             child.sendcontrol("c")
@@ -130,41 +124,32 @@ def test_ctrl_c_at_an_empty_prompt_stays_and_many_ctrl_c_during_replies_change_n
             child.expect_exact("interrupted")
         ask(child, QA, answer)
         leave(child)
-    finally:
-        child.close(force=True)
 
 
 @pytest.mark.slow
 def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_path):
     a, b, c = replies([QA, QB, QC], "200")
-    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "200")
-    try:
+    with running(tmp_path, "--temperature", "0", "--max-new-tokens", "200") as child:
         child.expect_exact(PROMPT)
         for q, reply in ((QA, a), (QB, b)):
             ask(child, q, reply)
         child.send(QC + "\r")
         child.expect_exact(first_words(c, 2))  # streaming
         child.kill(9)
-    finally:
-        child.close(force=True)
     saved = list((tmp_path / "conversations").iterdir())
     assert len(saved) == 1
-    child = spawn(tmp_path, "--resume")
-    try:
+    with running(tmp_path, "--resume") as child:
         child.expect_exact("resumed 2 turns")
         child.send("/show\r")
         child.expect_exact("turns: 2")
         ask(child, QC, c)
         leave(child)
-    finally:
-        child.close(force=True)
 
 
 @pytest.mark.slow
 def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path, tiny_dirs):
     (a,) = replies([QA], "24")
-    child = spawn(tmp_path, "--temperature", "0", "--max-new-tokens", "24")
-    try:
+    with running(tmp_path, "--temperature", "0", "--max-new-tokens", "24") as child:
         child.expect_exact(PROMPT)
         ask(child, QA, a)
         child.send(f"/model {tiny_dirs['llama'][0]}\r")
@@ -176,8 +161,6 @@ def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path,
         child.expect_exact("saved 1 turns")
         child.expect_exact(PROMPT)
         leave(child)
-    finally:
-        child.close(force=True)
     from chat import transcript as tr
     t = tr.load(str(saved))
     assert [e.user for e in t.events] == [QA] and t.events[0].result["text"] == a
