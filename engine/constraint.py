@@ -7,7 +7,11 @@ already chosen, so `ConstraintMask` computes it on the host once the forward for
 token is launched: on CUDA the launch returns at once (a graph replay), and the host computes the
 mask while the GPU runs the step. Disallowed logits become
 -inf (out of place: the logits a checkpoint saved, or a CUDA graph's output, are left as they
-are); on CUDA the mask crosses from pinned host memory without a host sync, outside the graph.
+are). On CUDA the words cross from pinned host memory and are applied by one kernel
+(models/kernels/cuda/bitmask.py), without a host sync; where the logits are the same tensor step
+after step (a CUDA graph's output), the upload and the kernel are themselves a small CUDA graph,
+one replay a step: at ~2,400 tokens/s the host's launches were what a constrained token cost.
+The returned logits are then a buffer the next `apply` overwrites (as a graph's output is).
 """
 from __future__ import annotations
 
@@ -46,30 +50,77 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+class DeviceMasks:
+    """A session's CUDA resources for masks, kept between its generations (one at a time): the
+    pinned host words, their device copy, the masked logits' buffers, and the graphs that upload
+    and apply one host buffer's words to one logits tensor. A graph is captured the second time
+    the same logits tensor comes (address, dtype, size): the first time runs eagerly, which also
+    compiles the kernel. Replaying a graph reads whatever that address holds then, which is the
+    logits passed, since they are at the address the key names."""
+
+    def __init__(self, device: torch.device, words: int):
+        self.device, self.words = device, words
+        self.host = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.dev = torch.empty(words, dtype=torch.int32, device=device)
+        self.out: dict[tuple, torch.Tensor] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.seen: set[tuple] = set()
+
+    def apply(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
+        from models.kernels.cuda.bitmask import masked_logits
+        shape = (logits.dtype, logits.numel())
+        out = self.out.get(shape)
+        if out is None:
+            out = self.out[shape] = torch.empty(logits.numel(), dtype=logits.dtype, device=self.device)
+        key = (slot, logits.data_ptr()) + shape
+        graph = self.graphs.get(key) if logits.is_contiguous() else None
+        if graph is not None:
+            graph.replay()
+        elif key in self.seen and logits.is_contiguous():
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            # thread-local: a checkpoint spill on another thread may allocate pinned memory meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # synchronizes: once a tensor
+                self.dev.copy_(self.host[slot], non_blocking=True)
+                masked_logits(logits, self.dev, out)
+            graph.replay()
+        else:
+            self.seen.add(key)
+            self.dev.copy_(self.host[slot], non_blocking=True)
+            masked_logits(logits.contiguous(), self.dev, out)
+        return out.view(logits.shape)
+
+
 class ConstraintMask:
     """One generation's masks. `start()` before the prefill, `advance(token)` before each decode
     forward (consume + next mask), `apply(logits)` before each draw.
 
     The consume and the next mask run inline in `apply`, after the forward: on CUDA that is while
     the GPU runs the launched step, and the packed words go to the device from pinned memory
-    without a sync, to be unpacked there; on the CPU the forward has used every core by then.
+    without a sync, to be applied there (DeviceMasks); on the CPU the forward has used every core
+    by then.
     `overlap: True` computes them on a worker thread instead, from `advance` on: on the CPU that
     takes a core from the forward, and on an H200 the thread's hand-offs were not hidden by a
     0.42 ms step (bench/constrained_bench.py --overlap measures both; bench/RESULTS.md)."""
     overlap: bool | None = None  # None: inline
 
-    def __init__(self, constraint: TokenConstraint, vocab_size: int, device: torch.device):
+    def __init__(self, constraint: TokenConstraint, vocab_size: int, device: torch.device,
+                 device_masks: dict | None = None):
+        """`device_masks`: a dict the session keeps, where CUDA resources (DeviceMasks) live
+        between its generations; without one they last this generation only."""
         self.c, self.vocab, self.device = constraint, vocab_size, device
         words = max(constraint.mask_words, (vocab_size + 31) // 32)
         cuda = device.type == "cuda"
         self._overlap = bool(self.overlap)
-        # two host buffers: one is filled while the other's upload may still be queued
-        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._uploaded = [None, None]  # CUDA events: that buffer's copy has run
         if cuda:
-            self._dev = torch.empty(words, dtype=torch.int32, device=device)
-            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
-        else:  # unpacked on the host, where it is filled: one bool per token, True = not allowed
+            kept = {} if device_masks is None else device_masks
+            self._masks = kept.get(words)
+            if self._masks is None:
+                self._masks = kept[words] = DeviceMasks(device, words)
+            # two host buffers: one is filled while the other's upload may still be queued
+            self._host = self._masks.host
+        else:
+            self._host = [torch.zeros(words, dtype=torch.int32) for _ in range(2)]  # unpacked on the host, where it is filled: one bool per token, True = not allowed
             self._blocked = [torch.ones(words * 32, dtype=torch.bool) for _ in range(2)]
         self._slot = 0
         self._pending: Future | None = None
@@ -121,16 +172,15 @@ class ConstraintMask:
         if self.rejected is not None:
             return logits
         host = self._host[self._slot]
-        if self.dead_end or not bool(host.any()):
+        if self.dead_end or not host.numpy().any():
             why = self.dead_end.strip().splitlines()[0] if self.dead_end.strip() else ""
             raise ConstraintDeadEnd(f"the output format allows no token at generated token {self.index}"
                                     + (f" ({why})" if why else ""))
         if self.device.type == "cuda":
-            self._dev.copy_(host, non_blocking=True)
+            out = self._masks.apply(self._slot, logits)
             event = self._uploaded[self._slot] = self._uploaded[self._slot] or torch.cuda.Event()
             event.record()
-            blocked = ((self._dev.unsqueeze(1) >> self._shifts) & 1).reshape(-1)[: self.vocab] == 0
-            return logits.masked_fill(blocked, float("-inf"))
+            return out
         # numpy, one thread: torch's masked_fill wakes its thread pool for a vocabulary row, which
         # on a loaded machine waited up to a scheduler slice (p90 32 ms against 0.04 ms)
         x = logits.detach().reshape(-1).numpy().copy()

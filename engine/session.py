@@ -99,6 +99,7 @@ class DecodeSession:
         self.eos_ids = tuple(eos_ids)
         self._ids: list[int] = []  # the tokens in the written KV slots (state.written of them)
         self.last_stats = GenerationStats()
+        self._device_masks: dict = {}  # output-format masks: CUDA buffers and graphs (engine/constraint.py)
         self.vocab_size = model.config.vocab_size
         # On CUDA the decode step attends over a fixed bucket of slots (masked past the position),
         # eager or graphed, so a graph is a recording of the very same eager step. On the CPU: over
@@ -322,7 +323,8 @@ class DecodeSession:
         seed = resolve_seed(sampling.seed if seed is None else seed)
         stops = self.eos_ids if stop_ids is None else tuple(stop_ids)
         draw = make_sampler(sampler, sampling, self.vocab_size, self.device, list(prompt_ids), seed, turn)
-        mask = None if constraint is None else ConstraintMask(constraint, self.vocab_size, self.device)
+        mask = None if constraint is None else ConstraintMask(constraint, self.vocab_size, self.device,
+                                                                 self._device_masks)
         return self._generate(list(prompt_ids), sampling, seed, stops, draw,
                               None if forced is None else list(forced), mask)
 

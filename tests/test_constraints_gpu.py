@@ -1,4 +1,5 @@
-"""CUDA: output-format masks unpacked on the device equal the host's; constrained replies are the
+"""CUDA: output-format masks applied on the device (the Triton kernel, eagerly and in its small
+CUDA graph) equal the torch form and the host's; constrained replies are the
 same with and without the CUDA graph and with the mask inline or on the worker thread, and they
 validate; the embedded model answers the acceptance question in JSON on the GPU. (The speed
 ratio is bench/constrained_bench.py's: timings are not asserted in tests.)"""
@@ -14,7 +15,8 @@ import torch
 import models
 from chat.constraints import Format
 from engine.config import SamplingConfig
-from engine.constraint import ConstraintMask
+from engine.constraint import ConstraintMask, DeviceMasks
+from models.kernels.cuda.bitmask import masked_logits, masked_logits_torch
 from engine.session import DecodeSession
 
 pytestmark = pytest.mark.gpu
@@ -62,6 +64,40 @@ def test_device_unpacking_equals_the_host(overlap, monkeypatch):
     assert torch.equal(out["cpu"], out["cuda"])
     bit = (words[1][5] >> 3) & 1  # token 5 * 32 + 3 of step 1
     assert (out["cpu"][1, 5 * 32 + 3] == float("-inf")) == (int(bit) == 0)
+
+
+def random_words(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-2**31, 2**31 - 1, ((vocab + 31) // 32 + 1,), generator=g, dtype=torch.int64)
+            .to(torch.int32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mask_kernel_equals_the_torch_form(dtype):
+    vocab = 49152 + 17  # not a multiple of 32 (nor of the kernel's block); the words run past it
+    words = random_words(vocab, 1)[0].cuda()
+    logits = torch.randn(vocab, device="cuda").to(dtype)
+    got = masked_logits(logits, words, torch.empty_like(logits))
+    want = masked_logits_torch(logits, words, torch.empty_like(logits))
+    assert torch.equal(got, want)
+    allowed = ((words.cpu().long()[torch.arange(vocab) // 32] >> (torch.arange(vocab) % 32)) & 1) == 1
+    assert torch.equal(got.cpu() == float("-inf"), ~allowed)
+
+
+def test_mask_graph_replays_equal_the_eager_apply():
+    """The same logits tensor step after step (as a decode graph's output): the first apply of each
+    host buffer runs eagerly, the second captures, later ones replay; every one is exact."""
+    vocab = 49152 + 17
+    words = random_words(vocab, 7, seed=1)
+    masks = DeviceMasks(torch.device("cuda"), words[0].numel())
+    logits = torch.empty(vocab, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for step, w in enumerate(words):
+        logits.copy_(torch.randn(vocab, device="cuda", generator=g))
+        masks.host[step % 2].copy_(w)
+        got = masks.apply(step % 2, logits).clone()
+        assert torch.equal(got, masked_logits_torch(logits, w.cuda(), torch.empty_like(logits))), step
+    assert len(masks.graphs) == 2  # one a host buffer
 
 
 @pytest.fixture(scope="module")
