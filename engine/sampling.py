@@ -22,11 +22,11 @@ Version 1 (`engine/sampling_v1.py`) is the torch.Generator sampler, for the reco
 from __future__ import annotations
 
 import secrets
-from collections import deque
 
 import torch
 
 from .config import SamplingConfig
+from .penalty_window import PenaltyWindow
 from .sampling_v1 import SamplerV1
 
 SAMPLER_VERSION = 2
@@ -77,27 +77,11 @@ class Sampler:
     def __init__(self, cfg: SamplingConfig, context: list[int], seed: int, turn: int = 0):
         self.cfg, self.seed, self.turn = cfg, seed, turn
         self.index = 0
-        self._penalized = (cfg.repetition_penalty != 1.0 or cfg.frequency_penalty != 0.0
-                           or cfg.presence_penalty != 0.0) and cfg.penalty_last_n != 0
-        window = None if cfg.penalty_last_n < 0 else cfg.penalty_last_n
-        self._window: deque[int] = deque(maxlen=window) if window else deque()
-        self._counts: dict[int, int] = {}
-        if self._penalized:
-            for t in context[-window:] if window else context:
-                self.accept(t)
+        self.window = PenaltyWindow(cfg, context)
 
     def accept(self, token: int) -> None:
         """Record a token entering the context (for the penalties' window)."""
-        if not self._penalized:
-            return
-        w, counts = self._window, self._counts
-        if w.maxlen is not None and len(w) == w.maxlen:
-            old = w[0]
-            counts[old] -= 1
-            if not counts[old]:
-                del counts[old]
-        w.append(token)
-        counts[token] = counts.get(token, 0) + 1
+        self.window.accept(token)
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] → float64 on the logits' device, after the penalties and the temperature
@@ -106,10 +90,11 @@ class Sampler:
         Divisors are tensors on the logits' device: a Python-scalar divisor lets CUDA multiply by
         its reciprocal, one rounding more (log-probs off in the last bit, seen on an H200)."""
         x = logits.detach().to(torch.float64, copy=True).reshape(-1)
-        if self._penalized and self._counts:
+        counts = self.window.counts
+        if self.window.active and counts:
             cfg = self.cfg
-            ids = torch.tensor(sorted(self._counts), dtype=torch.long, device=x.device)
-            n = torch.tensor([self._counts[i] for i in ids.tolist()], dtype=torch.float64, device=x.device)
+            ids = torch.tensor(sorted(counts), dtype=torch.long, device=x.device)
+            n = torch.tensor([counts[i] for i in ids.tolist()], dtype=torch.float64, device=x.device)
             v = x[ids]
             if cfg.repetition_penalty != 1.0:
                 v = torch.where(v > 0, v / _divisor(cfg.repetition_penalty, v), v * cfg.repetition_penalty)
@@ -120,7 +105,7 @@ class Sampler:
         """logits: [vocab] fp32 on any device. Returns the chosen token id."""
         index = self.index
         self.index += 1
-        if self.cfg.greedy and not self._penalized:
+        if self.cfg.greedy and not self.window.active:
             return int(logits.argmax(-1))  # exact on every device: the first maximum, no transfer
         x = self.processed(logits)
         if self.cfg.greedy:

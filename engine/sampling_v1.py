@@ -8,11 +8,10 @@ that made it; version 2 (`engine/sampling.py`) does not. All work stays on the l
 """
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from .config import SamplingConfig
+from .penalty_window import PenaltyWindow
 
 
 class SamplerV1:
@@ -24,35 +23,28 @@ class SamplerV1:
         self.seed = seed
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._penalized = (cfg.repetition_penalty != 1.0 or cfg.frequency_penalty != 0.0
-                           or cfg.presence_penalty != 0.0) and cfg.penalty_last_n != 0
-        self._counts = torch.zeros(vocab_size, device=device, dtype=torch.float32)
-        window = None if cfg.penalty_last_n < 0 else cfg.penalty_last_n
-        self._window: deque[int] = deque(maxlen=window) if window else deque()
-        if self._penalized:
-            for t in context[-window:] if window else context:
-                self.accept(t)
+        self.vocab_size, self.device = vocab_size, device
+        self.window = PenaltyWindow(cfg, context)
 
     def accept(self, token: int) -> None:
         """Record a token entering the context (for the penalties' window)."""
-        if not self._penalized:
-            return
-        w = self._window
-        if w.maxlen is not None and len(w) == w.maxlen:
-            self._counts[w[0]] -= 1
-        w.append(token)
-        self._counts[token] += 1
+        self.window.accept(token)
+
+    def _counts(self) -> torch.Tensor | None:
+        """The window's counts as the dense fp32 tensor this version's penalties read (small
+        integers: exact in fp32, so the same values the running tensor held before 2026-11-30)."""
+        return self.window.dense(self.vocab_size, self.device) if self.window.active else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [vocab] fp32. Returns a 0-d int64 tensor: the chosen token id."""
-        return sample(logits, self.cfg, self._counts if self._penalized else None, self.generator)
+        return sample(logits, self.cfg, self._counts(), self.generator)
 
     def log_probs(self, logits: torch.Tensor, ids: list[int]) -> list[float]:
         """Log-probabilities of `ids` after the penalties and temperature (1 when greedy), over the
         whole vocabulary: what a teacher-forced replay compares. Draws nothing."""
         x = logits.float()
-        if self._penalized:
-            x = apply_penalties(x, self.cfg, self._counts)
+        if self.window.active:
+            x = apply_penalties(x, self.cfg, self._counts())
         x = x if self.cfg.greedy else x / self.cfg.temperature
         lp = torch.log_softmax(x.double(), -1)
         return [float(lp[i]) for i in ids]

@@ -43,7 +43,6 @@ up to 5% of the RAM (a quarter of what is available at most), and no spilling.
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +155,6 @@ class StateManager:
             n_host = 1
         self._host: list[_Slot | None] = [None] * n_host  # allocated on first use
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n_host else None
-        self._spare, self._spare_lock, self._pinning = None, threading.Lock(), None
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self._seq = 0
 
@@ -176,13 +174,17 @@ class StateManager:
                                               for k, t in f.items()} for f in self._fixed],
                      torch.empty(self.vocab_size, dtype=torch.float32, device=device))
 
+    def _pinned_layout(self) -> list[int]:
+        """Byte sizes of a pinned slot's parts: each fixed tensor rounded up to 64 bytes (so every
+        view is aligned for its dtype), then the fp32 logits."""
+        return [-(-t.numel() * t.element_size() // 64) * 64 for t in self.fixed_tensors()] + [4 * self.vocab_size]
+
     def _new_pinned_slot(self) -> _Slot:
         """A host slot in one pinned buffer (one page-locking call; the views keep it alive)."""
-        parts = [t for f in self._fixed if f is not None for t in f.values()]
-        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in parts] + [4 * self.vocab_size]
+        sizes = self._pinned_layout()
         buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
         views, at = [], 0
-        for t, n in zip(parts + [None], sizes):
+        for n in sizes:
             views.append(buf[at:at + n])
             at += n
         it = iter(views)
@@ -191,32 +193,12 @@ class StateManager:
         return _Slot(fixed, next(it).view(torch.float32))
 
     def _host_slot_storage(self) -> _Slot:
-        """A host slot's tensors: on CUDA pinned, taken from the one pinned in the background
-        ahead of need where it is ready (pinning ~150 MB took ~0.2 s on the H200 host, a stall in
-        the turn that first spills), then the next one is pinned ahead."""
+        """A host slot's tensors: on CUDA pinned. Pinned on first use: the turn that first spills
+        into a slot pays for page-locking it (bench/RESULTS.md, "Later turns": pinning a slot
+        ahead on a background thread did not hide it, 545 vs 523 ms)."""
         if self.device.type != "cuda":
             return self._new_slot(torch.device("cpu"))
-        with self._spare_lock:
-            slot, self._spare = self._spare, None
-        slot = slot or self._new_pinned_slot()
-        self._pin_ahead()
-        return slot
-
-    def _pin_ahead(self) -> None:
-        """Pin one host slot in a background thread, if the host ring may still need one. Started
-        from checkpoint(), never at construction: page-locking beside a CUDA graph capture is refused."""
-        allocated = sum(h is not None for h in self._host)
-        if (self.device.type != "cuda" or allocated >= len(self._host) or self._spare is not None
-                or self._pinning is not None and self._pinning.is_alive()):
-            return
-
-        def pin():
-            slot = self._new_pinned_slot()
-            with self._spare_lock:
-                self._spare = slot
-
-        self._pinning = threading.Thread(target=pin, daemon=True, name="checkpoint-pin")
-        self._pinning.start()
+        return self._new_pinned_slot()
 
     # --- the view a model's forward receives -------------------------------------------------
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +230,7 @@ class StateManager:
         allocator rounds up to a power of two."""
         if self.device.type != "cuda":
             return self.slot_nbytes
-        n = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in self.fixed_tensors()) + 4 * self.vocab_size
-        return 1 << max(n - 1, 1).bit_length()
+        return 1 << max(sum(self._pinned_layout()) - 1, 1).bit_length()
 
     @property
     def host_slots(self) -> int:
@@ -373,8 +354,6 @@ class StateManager:
         if not self._slots or (logits is None and not self.has_fixed_state):
             return  # a KV-only checkpoint without logits holds nothing a rewind cannot redo
         self._seq += 1
-        if self._host and self._spare is None:
-            self._pin_ahead()
         same = next((c for c in self.checkpoints if c.length == self.length), None)
         if same is not None and (same.has_logits or logits is None):
             same.seq, same.role = self._seq, role  # it holds this very state: it takes the newer role

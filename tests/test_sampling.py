@@ -74,13 +74,19 @@ def test_penalties():
 
 def test_penalty_window_slides():
     s = SamplerV1(cfg(repetition_penalty=1.5, penalty_last_n=2), 5, CPU, [1, 2, 3], 0)
-    assert s._counts.tolist() == [0, 0, 1, 1, 0]
+    assert s._counts().tolist() == [0, 0, 1, 1, 0]
     s.accept(4)
-    assert s._counts.tolist() == [0, 0, 0, 1, 1]
+    assert s._counts().tolist() == [0, 0, 0, 1, 1]
     s2 = Sampler(cfg(repetition_penalty=1.5, penalty_last_n=2), [1, 2, 3], 0)
-    assert s2._counts == {2: 1, 3: 1}
+    assert s2.window.counts == {2: 1, 3: 1}
     s2.accept(4)
-    assert s2._counts == {3: 1, 4: 1}
+    assert s2.window.counts == {3: 1, 4: 1}
+    s2.accept(4)
+    assert s2.window.counts == {4: 2}
+    every = Sampler(cfg(repetition_penalty=1.5, penalty_last_n=-1), [1, 2, 2], 0)
+    assert every.window.counts == {1: 1, 2: 2}
+    off = Sampler(cfg(repetition_penalty=1.5, penalty_last_n=0), [1, 2, 2], 0)
+    assert not off.window.active and off.window.counts == {}
 
 
 def test_version_1_is_unchanged_bit_for_bit():
