@@ -5,11 +5,12 @@ Module names equal the HF checkpoint names, so a checkpoint loads with `load_sta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from .. import kernels
+from ..sharding import Plan, Split, divisible
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
@@ -128,3 +129,19 @@ class LlamaForCausalLM(CausalLM):
 
 def from_hf_config(c: dict, flags: dict) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig.from_hf(c, **flags))
+
+
+def tensor_parallel_plan(cfg: LlamaConfig, world: int) -> Plan:
+    """Heads, KV heads and the MLP's width split over `world` ranks (models/sharding.py)."""
+    divisible({"attention heads": cfg.num_heads, "key/value heads": cfg.num_kv_heads,
+               "MLP width": cfg.intermediate_size}, world)
+    H, KV, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    local = replace(cfg, num_heads=H // world, num_kv_heads=KV // world, intermediate_size=I // world)
+    layer = r"model\.layers\.\d+\."
+    return Plan(local, (
+        Split(layer + r"self_attn\.q_proj\.(weight|bias)", 0, (H * D,)),
+        Split(layer + r"self_attn\.[kv]_proj\.(weight|bias)", 0, (KV * D,)),
+        Split(layer + r"self_attn\.o_proj\.weight", 1, (H * D,)),
+        Split(layer + r"mlp\.(gate|up)_proj\.weight", 0, (I,)),
+        Split(layer + r"mlp\.down_proj\.weight", 1, (I,)),
+    ), reduce_after=layer + r"(self_attn|mlp)")

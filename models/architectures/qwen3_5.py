@@ -9,7 +9,7 @@ are split into the Qwen3.5 layout once, in `checkpoint_names` (the one place ren
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 
 from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta
+from ..sharding import Plan, Split, divisible
 from .causal_lm import Body, CausalLM
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
@@ -349,3 +350,35 @@ class HybridForCausalLM(CausalLM):
 
 def from_hf_config(c: dict, flags: dict) -> HybridForCausalLM:
     return HybridForCausalLM(HybridConfig.from_hf(c, **flags))
+
+
+def tensor_parallel_plan(cfg: HybridConfig, world: int) -> Plan:
+    """Attention heads, Gated DeltaNet heads, MLP widths and each expert's width split over
+    `world` ranks (models/sharding.py); routers replicated."""
+    H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nk, nv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    I, MI, SI = cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    counts = {"attention heads": H, "key/value heads": KV, "linear-attention key heads": nk,
+              "linear-attention value heads": nv, "MLP width": I}
+    if cfg.num_experts:
+        counts.update({"expert width": MI, "shared expert width": SI})
+    divisible(counts, world)
+    local = replace(cfg, num_heads=H // world, num_kv_heads=KV // world, lin_k_heads=nk // world,
+                    lin_v_heads=nv // world, intermediate_size=I // world,
+                    moe_intermediate_size=MI // world, shared_expert_intermediate_size=SI // world)
+    layer, qkv = r"model\.layers\.\d+\.", (nk * dk, nk * dk, nv * dv)
+    return Plan(local, (
+        Split(layer + r"self_attn\.q_proj\.(weight|bias)", 0, (H * D * 2,)),  # [q; gate] per head
+        Split(layer + r"self_attn\.[kv]_proj\.(weight|bias)", 0, (KV * D,)),
+        Split(layer + r"self_attn\.o_proj\.weight", 1, (H * D,)),
+        Split(layer + r"linear_attn\.(in_proj_qkv|conv1d)\.weight", 0, qkv),
+        Split(layer + r"linear_attn\.in_proj_z\.weight", 0, (nv * dv,)),
+        Split(layer + r"linear_attn\.(in_proj_[ba]\.weight|dt_bias|A_log)", 0, (nv,)),
+        Split(layer + r"linear_attn\.out_proj\.weight", 1, (nv * dv,)),
+        Split(layer + r"mlp\.(gate|up)_proj\.weight", 0, (I,)),
+        Split(layer + r"mlp\.down_proj\.weight", 1, (I,)),
+        Split(layer + r"mlp\.experts\.gate_up_proj", 1, (MI, MI)),
+        Split(layer + r"mlp\.experts\.down_proj", 2, (MI,)),
+        Split(layer + r"mlp\.shared_expert\.(gate|up)_proj\.weight", 0, (SI,)),
+        Split(layer + r"mlp\.shared_expert\.down_proj\.weight", 1, (SI,)),
+    ), reduce_after=layer + r"(self_attn|linear_attn|mlp)", rank0=layer + r"self_attn\.o_proj\.bias")

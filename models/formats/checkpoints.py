@@ -57,12 +57,14 @@ def _token_text(value) -> str | None:
 
 # --- HF directories ---------------------------------------------------------------------------
 
-def load_hf_dir(path: str) -> Checkpoint:
+def load_hf_dir(path: str, lazy: bool = False) -> Checkpoint:
+    """lazy: the tensors are LazyTensor (read when and as far as indexed: a tensor-parallel rank
+    reads only its slices)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory or a .gguf file)")
     config = _read_json(cfg_path)
-    tensors, files = _read_safetensors(path)
+    tensors, files = (_open_safetensors if lazy else _read_safetensors)(path)
     tok_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise CheckpointError(f"{path}: no tokenizer.json")
@@ -91,10 +93,7 @@ def load_hf_dir(path: str) -> Checkpoint:
                       tuple(dict.fromkeys(eos_ids)), files)
 
 
-def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def _shard_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -105,17 +104,59 @@ def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
         if not shards:
             raise CheckpointError(f"{path}: no .safetensors weights (other formats are not loaded: "
                                   "they could run code)")
-    tensors: dict[str, torch.Tensor] = {}
     files = []
     for shard in shards:
         file = os.path.join(path, shard)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: shard listed in the index is missing")
+        files.append(file)
+    return files
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    files = _shard_files(path)
+    for file in files:
         try:
             tensors.update(load_file(file))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
-        files.append(file)
+    return tensors, files
+
+
+class LazyTensor:
+    """A tensor of a safetensors file, not read yet: its shape from the header, `part()` a
+    slice object that reads only what it is indexed with, `read()` the whole tensor."""
+
+    def __init__(self, handle, name: str):
+        self._handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def meta(self) -> torch.Tensor:
+        """A meta tensor of this shape (for renames that only need shapes)."""
+        return torch.empty(self.shape, device="meta")
+
+    def part(self):
+        return self._handle.get_slice(self.name)
+
+    def read(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+
+def _open_safetensors(path: str) -> tuple[dict[str, LazyTensor], list[str]]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, LazyTensor] = {}
+    files = _shard_files(path)
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+            tensors.update({name: LazyTensor(handle, name) for name in handle.keys()})
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
     return tensors, files
 
 

@@ -11,13 +11,15 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from . import quant
+from ..sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
+from . import checkpoints, quant
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -251,14 +253,66 @@ def fuse(model: torch.nn.Module) -> None:
 
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         quantized: bool = False) -> LoadedModel:
+         quantized: bool = False, shard: "Shard | None" = None) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their blocks (CPU only; see quant.py: Q4_0,
     Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a note).
-    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against."""
+    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against.
+    shard: this process's rank of a tensor-parallel group (models/sharding.py): the model holds
+    and reads only its slices, and its forward runs the group's collectives."""
     path = resolve(path_or_alias)
     device = torch.device(device)
+    if shard is not None and shard.world > 1:
+        return _load_shard(path, device, dtype, shard)
     ckpt = read_checkpoint(path, keep_quantized=quantized and device.type == "cpu")
     model, model_type = build_model(ckpt.config)
     materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
                        ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
+
+
+def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shard) -> LoadedModel:
+    """One rank's model: built from the plan's local config; each tensor the model takes as
+    stored is read only as far as this rank's slice; tensors the model renames or regroups
+    (fused or per-expert ones) are read whole, one layer at a time, then cut."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: tensor_parallel loads HF checkpoint directories (safetensors); "
+                              "run a GGUF file with tensor_parallel: 1")
+    ckpt = load_hf_dir(path, lazy=True)
+    full, model_type = build_model(ckpt.config)
+    plan_of = getattr(importlib.import_module(type(full).__module__), "tensor_parallel_plan", None)
+    if plan_of is None:
+        raise CheckpointError(f"architecture {model_type!r} has no tensor-parallel plan; use tensor_parallel: 1")
+    try:
+        plan = plan_of(full.config, shard.world)
+    except ShardingError as e:
+        raise CheckpointError(str(e)) from None
+    with torch.device("meta"), _no_init():
+        model = type(full)(plan.config)
+        local_head(model, shard)
+    slicer = Slicer(plan, shard, full.config.vocab_size)
+    rename = getattr(full, "checkpoint_names", None)  # the global shapes' renames
+    tensors: dict[str, torch.Tensor] = {}
+    whole: dict[str, dict[str, checkpoints.LazyTensor]] = {}
+    for name, lazy in ckpt.tensors.items():
+        try:  # the rename of this tensor alone, on shapes only
+            ours = rename({name: lazy.meta()}) if rename is not None else {name: lazy.meta()}
+        except (KeyError, RuntimeError, ValueError):
+            ours = None  # it is regrouped with others (an expert's gate with its up)
+        if ours == {}:
+            continue  # not part of the text model (a vision tower)
+        if ours is not None and len(ours) == 1 and tuple(next(iter(ours.values())).shape) == lazy.shape:
+            canonical = next(iter(ours))
+            tensors[canonical] = slicer(canonical, lazy.part())
+        else:
+            layer = re.search(r"layers\.(\d+)\.", name)
+            whole.setdefault(layer.group(1) if layer else "", {})[name] = lazy
+    for group in whole.values():
+        for canonical, t in rename({n: lazy.read() for n, lazy in group.items()}).items():
+            tensors[canonical] = slicer(canonical, t)
+    materialize(model, tensors, device, dtype)
+    if full.config.tie_embeddings:
+        untie_head(model, shard)
+    install_collectives(model, plan, shard)
+    return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
+                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
+
