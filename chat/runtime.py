@@ -8,7 +8,7 @@ import torch
 
 import models
 from engine.device import configure_threads, resolve_device, resolve_dtype
-from engine.session import DecodeSession
+from engine.session import DecodeSession, open_session
 
 from .conversation import Conversation
 from .settings import Settings
@@ -42,6 +42,8 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     loaded, session = _open(settings, device, dtype, report)
     if eng.dtype == "auto" and dtype == torch.float16 and not session.finite_on(_calibration_ids(loaded)):
         # fp16's range is 6.5e4: a model whose activations exceed it gives inf/nan; bf16 has fp32's range
+        if hasattr(session, "close"):
+            session.close()  # the tensor-parallel workers: they start again in bfloat16
         del loaded, session
         _free(device)
         dtype, why = torch.bfloat16, "auto: float16 overflowed on a calibration prompt, so bfloat16"
@@ -70,19 +72,26 @@ def _free(device: torch.device) -> None:
 
 def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
     eng = settings.engine
-    report(f"loading {eng.model}")
-    loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto")
+    group = shard = None
+    if eng.tensor_parallel > 1:
+        from engine import tensor_parallel
+        from models.sharding import Shard
+        models.sharding_plan(eng.model, eng.tensor_parallel)  # a checkpoint that cannot be split: one line, no workers
+        report(f"starting {eng.tensor_parallel - 1} tensor-parallel workers")
+        group = tensor_parallel.start(eng, device.type, dtype)
+        shard = Shard(0, eng.tensor_parallel)
+    report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
+    loaded = models.load(eng.model, device, dtype, quantized=eng.quantized == "auto", shard=shard)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))
-    if (device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off"
+    if (group is None and device.type == "cpu" and eng.cpu_kernel != "off" and eng.compile == "off"
             and models.cpu_step_pending(loaded.model, dtype)):
         report("building the CPU decode kernel (once: ~10-20 s; cached for later runs)")
-    session = DecodeSession(loaded.model, max_context=eng.max_context, device=device, dtype=dtype,
-                            eos_ids=loaded.eos_ids, cuda_graph=eng.cuda_graph,
-                            compile=eng.compile, cpu_kernel=eng.cpu_kernel, checkpoint_mib=eng.checkpoint_mib,
-                            checkpoint_host_mib=eng.checkpoint_host_mib,
-                            verify_reuse=eng.verify_reuse)
+    session = open_session(loaded.model, eng, device, dtype, loaded.eos_ids, link=group and group.link)
+    if group is not None:
+        group.ready()
+        session = tensor_parallel.ParallelSession(session, group.link, group)
     if session.cpu_kernel_note:
         report(session.cpu_kernel_note)
     return loaded, session

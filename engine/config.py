@@ -129,6 +129,15 @@ class EngineConfig(_Validated):
     checkpoint_host_mib: Any = setting("auto", _int_or_auto(0, 1 << 20, "auto, 0 (no spilling) or a size in MiB"))
     verify_reuse: bool = setting(False, _bool())
     threads: int = setting(0, _int(0, 1024, "0 (auto) or a number of threads"))
+    # processes (one device each on CUDA) the model is split over: engine/tensor_parallel.py
+    tensor_parallel: int = setting(1, _int(1, 64, "1 (one device) or a number of ranks, up to 64"))
+
+    def _check(self):
+        if self.tensor_parallel > 1 and self.compile == "on":
+            raise ConfigError("compile: 'on' does not run with tensor_parallel > 1; use compile: off")
+        if self.tensor_parallel > 1 and self.cpu_kernel == "on":
+            raise ConfigError("cpu_kernel: 'on' does not run with tensor_parallel > 1 (the C++ step has no "
+                              "collectives); use cpu_kernel: auto or off")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 
 from .config import ConfigError, SamplingConfig
 from .constraint import ConstraintMask, TokenConstraint
+from .tensor_parallel import Interrupted
 from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from .state import BASE, PROMPT, StateManager
@@ -91,8 +92,10 @@ class DecodeSession:
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
                  cpu_kernel: str = "auto", checkpoint_mib: int | str = "auto", checkpoint_host_mib: int | str = "auto",
-                 verify_reuse: bool = False):
+                 verify_reuse: bool = False, link=None):
+        """link: this rank's side of a tensor-parallel group (engine/tensor_parallel.py), or None."""
         self.model = model
+        self.link = link
         self.device, self.dtype = device, dtype
         self.max_context = min(max_context, model.max_position)
         self.verify_reuse = verify_reuse
@@ -345,28 +348,50 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
-        token = self._choose(sampler, logits[-1], forced, 0, stats, mask)
-        t1 = time.perf_counter()
-        stats.prefill_seconds = t1 - t0
-        while token is not None:
-            stats.generated_tokens += 1
-            stats.decode_seconds = time.perf_counter() - t1
-            yield token
-            if token in stops:
-                stats.finish_reason = "stop"
-                break
-            if stats.generated_tokens >= cfg.max_new_tokens:
-                stats.finish_reason = "length"
-                break
-            if self.state.length >= self.max_context:
-                stats.finish_reason = "context"
-                break
-            sampler.accept(token)
-            if mask is not None:
-                mask.advance(token)  # the next mask (on CUDA on a worker thread, while this forward runs)
-            token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats, mask)
-        else:  # no break: the forced ids ran out where the generation would have gone on
-            stats.finish_reason = "forced"
+        # Tensor parallelism (engine/tensor_parallel.py): the leading rank chooses every token and
+        # tells the others after the reply's consumer took it (it may stop there: Ctrl-C); a
+        # following rank forwards what it is told. Ends by the rules below happen on every rank
+        # alike; any other end on the leader tells the followers to stop.
+        link = self.link
+        following = link is not None and link.follower
+        agreed_end = False
+        try:
+            token = link.receive() if following else self._choose(sampler, logits[-1], forced, 0, stats, mask)
+            t1 = time.perf_counter()
+            stats.prefill_seconds = t1 - t0
+            while token is not None:
+                stats.generated_tokens += 1
+                stats.decode_seconds = time.perf_counter() - t1
+                yield token
+                if link is not None and not following:
+                    link.send(token)
+                if token in stops:
+                    stats.finish_reason = "stop"
+                    break
+                if stats.generated_tokens >= cfg.max_new_tokens:
+                    stats.finish_reason = "length"
+                    break
+                if self.state.length >= self.max_context:
+                    stats.finish_reason = "context"
+                    break
+                if following:
+                    self.step(token)
+                    token = link.receive()
+                    continue
+                sampler.accept(token)
+                if mask is not None:
+                    mask.advance(token)  # the next mask (computed while this forward runs)
+                token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats, mask)
+            else:  # no break: the forced ids ran out where the generation would have gone on
+                stats.finish_reason = "forced"
+                if link is not None and not following:
+                    link.send(None)
+            agreed_end = True
+        except Interrupted:  # a follower told to stop (the leader's reply was interrupted)
+            agreed_end = True
+        finally:
+            if link is not None and not following and not agreed_end:
+                link.stop()
         stats.decode_seconds = time.perf_counter() - t1
 
     @staticmethod
@@ -395,3 +420,14 @@ class DecodeSession:
         if diff > tol:
             raise ReuseMismatch(f"reusing {reused} cached tokens changed the next-token logits by {diff:.3g} "
                                 f"(tolerance {tol:g}) versus a cold prefill of the {len(prompt)}-token prompt")
+
+
+def open_session(model, eng, device: torch.device, dtype: torch.dtype, eos_ids, link=None) -> DecodeSession:
+    """The session an EngineConfig describes (chat/runtime.py; every tensor-parallel rank). A rank
+    of a tensor-parallel group decodes with the model's own step (the C++ CPU step knows no
+    collectives)."""
+    return DecodeSession(model, max_context=eng.max_context, device=device, dtype=dtype, eos_ids=eos_ids,
+                         cuda_graph=eng.cuda_graph, compile=eng.compile,
+                         cpu_kernel="off" if link is not None else eng.cpu_kernel,
+                         checkpoint_mib=eng.checkpoint_mib, checkpoint_host_mib=eng.checkpoint_host_mib,
+                         verify_reuse=eng.verify_reuse, link=link)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .formats.checkpoints import CheckpointError
 from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, fuse, load, materialize,
-                             native_dtype, read_checkpoint, resolve, text_config)
+                             native_dtype, read_checkpoint, resolve, sharding_plan, text_config)
 from .kernels import cpu_step_built
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",

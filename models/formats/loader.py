@@ -270,25 +270,47 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
                        ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
 
 
-def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shard) -> LoadedModel:
-    """One rank's model: built from the plan's local config; each tensor the model takes as
-    stored is read only as far as this rank's slice; tensors the model renames or regroups
-    (fused or per-expert ones) are read whole, one layer at a time, then cut."""
+def sharding_plan(path_or_alias: str, world: int, config: dict | None = None):
+    """(the global model on the meta device, its model type, its tensor-parallel plan for `world`
+    ranks), or a CheckpointError naming why the checkpoint cannot be split so (read before any
+    worker starts: the config only)."""
+    path = resolve(path_or_alias)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: tensor_parallel loads HF checkpoint directories (safetensors); "
                               "run a GGUF file with tensor_parallel: 1")
-    ckpt = load_hf_dir(path, lazy=True)
-    full, model_type = build_model(ckpt.config)
+    if config is None:
+        config = checkpoints._read_json(os.path.join(path, "config.json"))
+    return config_plan(config, world)
+
+
+def config_plan(config: dict, world: int):
+    """sharding_plan's answer from an HF-style config (random-weight benchmarks have no files)."""
+    full, model_type = build_model(config)
     plan_of = getattr(importlib.import_module(type(full).__module__), "tensor_parallel_plan", None)
     if plan_of is None:
         raise CheckpointError(f"architecture {model_type!r} has no tensor-parallel plan; use tensor_parallel: 1")
     try:
-        plan = plan_of(full.config, shard.world)
+        return full, model_type, plan_of(full.config, world)
     except ShardingError as e:
         raise CheckpointError(str(e)) from None
+
+
+def local_model(full: torch.nn.Module, plan, shard: Shard) -> torch.nn.Module:
+    """One rank's model on the meta device: the architecture built from the plan's local config,
+    with its share of the LM head's rows."""
     with torch.device("meta"), _no_init():
         model = type(full)(plan.config)
         local_head(model, shard)
+    return model
+
+
+def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shard) -> LoadedModel:
+    """One rank's model: built from the plan's local config; each tensor the model takes as
+    stored is read only as far as this rank's slice; tensors the model renames or regroups
+    (fused or per-expert ones) are read whole, one layer at a time, then cut."""
+    ckpt = load_hf_dir(path, lazy=True)
+    full, model_type, plan = sharding_plan(path, shard.world, ckpt.config)
+    model = local_model(full, plan, shard)
     slicer = Slicer(plan, shard, full.config.vocab_size)
     rename = getattr(full, "checkpoint_names", None)  # the global shapes' renames
     tensors: dict[str, torch.Tensor] = {}
