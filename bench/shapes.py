@@ -27,12 +27,26 @@ SHAPES = {
                         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                         linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False,
                         max_position_embeddings=262144),
+    # transformers' Qwen3NextConfig defaults (160 GB in bf16: two H200s)
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                               vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=262144),
 }
 
 
 @torch.no_grad()
-def random_model(name: str, device, dtype, seed: int = 0):
-    model, _ = models.build_model(dict(SHAPES[name]))
+def random_model(name: str, device, dtype, seed: int = 0, shard=None):
+    """shard (models.sharding.Shard): that rank's slices of the shape, with its collectives."""
+    if shard is None:
+        model, _ = models.build_model(dict(SHAPES[name]))
+    else:
+        full, _, plan = models.config_plan(dict(SHAPES[name]), shard.world)
+        model = models.local_model(full, plan, shard)
+        seed += shard.rank
     # one device tensor per weight, assigned as models.materialize assigns a checkpoint's (Module.to_empty
     # took 2.1 s for the 0.8B-like model's 321 weights on an H200 host, this 0.01 s)
     for module in model.modules():
@@ -51,10 +65,13 @@ def random_model(name: str, device, dtype, seed: int = 0):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
-    if model.config.tie_embeddings:
+    if model.config.tie_embeddings and shard is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers(device)
     models.fuse(model)
+    if shard is not None:
+        from models.sharding import install_collectives
+        install_collectives(model, plan, shard)
     return model.eval()

@@ -2,10 +2,10 @@
 
     python tests/tp_driver.py MODEL_DIR TENSOR_PARALLEL SCRIPT.json [--no-rezero] [--checkpoint-mib N]
         [--kill-worker-after K] [--stop-worker-after K]
-        [--pid-file PATH]
+        [--pid-file PATH] [--device cpu|cuda] [--cuda-graph on|off]
 
 Opens the runtime as `chat` does (chat/runtime.py: the workers start, every rank loads its slices)
-on the CPU, runs the script's session calls and prints one JSON list: per call, the tokens a
+on the CPU (or CUDA: one GPU a rank), runs the script's session calls and prints one JSON list: per call, the tokens a
 generation gave (with the next-token logits its prompt left in its checkpoint, where one holds
 them), or the length a rollback reached. Script calls: {"op": "generate", "prompt": [...],
 "temperature": T, "seed": S, "max_new": N, "take": K (stop after K tokens, as Ctrl-C does)},
@@ -40,7 +40,9 @@ def main():
     from engine.config import SamplingConfig
 
     path, world, script = sys.argv[1], int(sys.argv[2]), json.load(open(sys.argv[3]))
-    overrides = {"model": path, "device": "cpu", "tensor_parallel": world, "threads": 2}
+    overrides = {"model": path, "device": option("--device", "cpu"), "tensor_parallel": world, "threads": 2}
+    if option("--cuda-graph"):
+        overrides["cuda_graph"] = option("--cuda-graph")
     if option("--checkpoint-mib") is not None:
         overrides["checkpoint_mib"] = int(option("--checkpoint-mib"))
     rt = open_runtime(load_settings(None, env={}, overrides=overrides))

@@ -1,0 +1,105 @@
+"""Tensor-parallel decode over the GPUs of one host: one shape at several tensor_parallel sizes,
+in one command.
+
+    python3 bench/tp_bench.py SHAPE [--tp 1 2] [--prompt 128] [--new 256] [--runs 3] [--device cuda|cpu]
+
+Each size runs in its own processes (rank 0 here in a child, N-1 more; NCCL on CUDA, gloo on the
+CPU), every rank holding random weights of its slices of the shape (bench/shapes.py) in bf16
+(fp32 on the CPU), CUDA graph on, as the chat runs them (engine/tensor_parallel.py: rank 0
+chooses, the others follow). Size 1 is the one-device session itself, no collectives. Prints per
+size the decode tokens/s (median of `--runs` greedy replies after a random prompt), whether
+the runs' tokens were identical, GPU memory per rank, and the ratio to the first size.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def rank_main(rank, world, init, args, out):
+    from engine.config import SamplingConfig
+    from engine.session import DecodeSession
+    from engine.tensor_parallel import Link, ParallelSession, serve
+    from models.sharding import Shard
+    from shapes import SHAPES, random_model
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    link = None
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
+                                **({"device_id": device} if cuda else {}))
+        link = Link(dist.new_group(backend="gloo"), follower=rank != 0)
+    model = random_model(args.shape, device, dtype, shard=Shard(rank, world) if world > 1 else None)
+    session = DecodeSession(model, max_context=args.prompt + args.new + 8, device=device, dtype=dtype,
+                            cuda_graph="on" if cuda else "off", cpu_kernel="off", link=link)
+    if link is not None:
+        dist.barrier(group=link.group)
+    if rank != 0:
+        serve(session, link)
+        dist.destroy_process_group()
+        return
+    chat = session if link is None else ParallelSession(session, link)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.prompt,), generator=g).tolist()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=args.new)
+    speeds, replies = [], []
+    for _ in range(args.runs):
+        session.reset() if link is None else chat.reset()
+        replies.append(list(chat.generate(prompt, cfg)))
+        speeds.append(session.last_stats.decode_tps)
+    gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    out.put((statistics.median(speeds), all(r == replies[0] for r in replies), len(replies[0]), gib))
+    if link is not None:
+        link.command("exit")
+        dist.destroy_process_group()
+
+
+def run_size(args, world):
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.SimpleQueue()
+    init = "file://" + os.path.join(tempfile.mkdtemp(prefix="tp-bench-"), "rendezvous")
+    procs = [ctx.Process(target=rank_main, args=(r, world, init, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"tensor_parallel {world}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return out.get()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    first = None
+    for world in args.tp:
+        tps, same, n, gib = run_size(args, world)
+        first = first or tps
+        print(f"{args.shape} tensor_parallel {world}: decode {tps:.1f} tok/s ({n} tokens, median of {args.runs}; "
+              f"runs identical: {same}; GPU memory {gib:.1f} GiB a rank) = {tps / first:.2f}x tensor_parallel "
+              f"{args.tp[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
