@@ -76,10 +76,16 @@ def run_size(args, world):
     procs = [ctx.Process(target=rank_main, args=(r, world, init, args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"tensor_parallel {world}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    import multiprocessing.connection
+    waiting = {p.sentinel: p for p in procs}
+    while waiting:  # a rank that fails leaves the others inside a collective: stop them
+        for s in multiprocessing.connection.wait(list(waiting)):
+            p = waiting.pop(s)
+            p.join()
+            if p.exitcode:
+                for q in procs:
+                    q.kill()
+                raise SystemExit(f"tensor_parallel {world}: rank {procs.index(p)} failed (exit code {p.exitcode})")
     return out.get()
 
 

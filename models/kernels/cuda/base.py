@@ -83,7 +83,11 @@ def precompiling(workers: int | None = None):
     global _submitted
     from concurrent.futures import ThreadPoolExecutor
     workers = workers or min(16, os.cpu_count() or 1)
-    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+    # the pool's threads load the kernels' modules on the caller's device: a thread starts on
+    # device 0, whatever device the calling thread chose (a tensor-parallel rank's cuda:RANK)
+    device = torch.cuda.current_device()
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile", initializer=torch.cuda.set_device,
+                            initargs=(device,)) as pool:
         pending: list = []
         with triton.AsyncCompileMode(pool):
             _submitted = pending
