@@ -8,7 +8,7 @@ from chat.settings import load_settings
 from chat.turn import TurnResult
 from engine.session import DecodeSession, ReuseMismatch
 
-KINDS = ["llama", "qwen3_5", "lfm2"]
+KINDS = ["llama", "qwen3_5", "lfm2", "olmo_hybrid"]
 HYBRIDS = [k for k in KINDS if k != "llama"]
 WORDS = ["alpha", "beta", "gamma", "delta", "the end", "why?", "more please"]
 

@@ -100,7 +100,7 @@ def test_scrub_kv_zeroes_the_first_slots_only(tiny_dirs):
 # The same regression on each hybrid family's real layers (tiny random checkpoints): a reused
 # session without checkpoints goes through reset(), and must compute what a fresh one does. The
 # logits are compared, not only the tokens: a tiny random model's argmax can ignore its state.
-FAMILIES = ["qwen3_5", "lfm2"]
+FAMILIES = ["qwen3_5", "lfm2", "olmo_hybrid"]
 
 
 @pytest.fixture(scope="module")
