@@ -49,3 +49,18 @@ def test_greedy_equals_the_hf_directory(pair):
     assert ids == hf_dir.tokenizer.encode(text).ids
     greedy = SamplingConfig(temperature=0, max_new_tokens=24)
     assert list(session(from_gguf).generate(ids, greedy)) == list(session(hf_dir).generate(ids, greedy))
+
+
+def test_q8_0_conversion_runs_on_its_blocks(pair, tmp_path):
+    """llama.cpp's q8_0 output: the projections stay in their blocks on the CPU (the conv weight,
+    3 taps a row, stays float), and the logits stay near the f32 file's."""
+    from llama_cpp_tree import convert
+    from tiny import hf_model, write_checkpoint
+    d = write_checkpoint("lfm2", str(tmp_path / "hf"), model=hf_model("lfm2", conv_bias=False))
+    q8 = models.load(convert(d, str(tmp_path / "lfm2-q8_0.gguf"), "q8_0", pre="gpt-2"), quantized=True)
+    assert "Q8_0" in q8.weight_format
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = session(pair[1]).prefill(ids, all_logits=True)
+    # (8-bit weights, and the tied Q8_0 head's bf16 activations (quant.py), move them by ~5% of the
+    # largest; a wrong layout moves them by about the largest itself)
+    assert (session(q8).prefill(ids, all_logits=True) - ref).abs().max() <= 0.1 * ref.abs().max()

@@ -57,3 +57,31 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
     monkeypatch.setattr(cuda_base, "ENABLED", False)
     plain = step_logits()
     assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
+
+
+def test_lfm2_session_start_compiles_every_kernel_a_conversation_runs(tmp_path):
+    """As tests/test_gpu.py's test of the same name, with the short-conv kernel: after the session's
+    start-up precompile no prompt length, later turn or decode step compiles another kernel.
+    Shapes no other test uses (hidden 96: head size 32)."""
+    from models.kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
+    from test_gpu import _compiled_kernels
+    from tiny import write_checkpoint
+    if not cuda_base.ENABLED or not hasattr(cuda_base.triton, "AsyncCompileMode"):
+        pytest.skip("needs Triton >= 3.4")
+
+    def compiled():
+        k = cuda_shortconv._short_conv_step_kernel
+        return _compiled_kernels() + sum(len(caches[0]) for caches in k.device_caches.values())
+
+    lm = models.load(write_checkpoint("lfm2", str(tmp_path), hidden_size=96, intermediate_size=240,
+                                      num_attention_heads=3, num_key_value_heads=1), "cuda", torch.bfloat16)
+    before = compiled()
+    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = compiled()
+    assert started > before
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    tokens = [list(s.generate(p, cfg)) for p in prompts]
+    list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))
+    assert compiled() == started
