@@ -65,7 +65,7 @@ def test_lfm2_layer_takes_the_kernel_on_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's interpreter)")
-@pytest.mark.parametrize("C,K,bias", [(300, 3, True), (64, 4, False)])
+@pytest.mark.parametrize("C,K,bias", [(300, 3, True), (64, 4, False), (130, 2, True)])
 def test_short_conv_kernel_under_the_interpreter(C, K, bias, monkeypatch):
     """fp32 only: the interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even)."""
     pytest.importorskip("triton")
