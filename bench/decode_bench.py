@@ -2,13 +2,15 @@
 
     python bench/decode_bench.py NAME [NAME ...] [--device cuda] [--graph auto|on|off]
         [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--max-context N] [--hf hf.jsonl]
-        [--startup NAME]
+        [--hf-script PATH/hf_baseline.py] [--graph-check] [--startup NAME]
 
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
 of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
 benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
-lines (run in the same device command) and prints ratios. `--startup NAME`: process start to
+lines (run in the same device command) and prints ratios; `--hf-script` runs hf_baseline.py
+first (eager, static cache compiled, prefill) so that one command prints ours against HF's best.
+`--graph-check`: the graph's tokens against a graph-off session's. `--startup NAME`: process start to
 ready-to-decode (model built, state allocated, graph captured) in a fresh child process.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ def sync(device):
 
 
 def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off",
-                max_context=0) -> dict:
+                max_context=0, graph_check=False) -> dict:
     t0 = time.perf_counter()
     model = random_model(name, device, dtype)
     sync(device)
@@ -75,6 +77,15 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
                 raise SystemExit(f"{name}: run {i} differs from run 1 at token {first}: "
                                  f"{out[first]} != {outs[0][first]}")
         rec["runs_identical"] = runs
+    if graph_check and s.graph is not None:  # the graph records the eager step: the same tokens
+        eager = DecodeSession(model, max_context=s.max_context, device=device, dtype=dtype, cuda_graph="off",
+                              compile=compile)
+        out = list(eager.generate(prompt, greedy, stop_ids=()))
+        if out != outs[0]:
+            first = next(j for j, (a, b) in enumerate(zip(out, outs[0])) if a != b)
+            raise SystemExit(f"{name}: graph off differs from graph on at token {first}")
+        rec["graph_equals_eager"] = True
+        del eager
     del s
     if prefill_len:
         s = DecodeSession(model, max_context=prefill_len + 8, device=device, dtype=dtype, cuda_graph="off")
@@ -110,6 +121,29 @@ def startup(name: str, device: str, graph: str, compile: str = "off") -> tuple[f
     raise SystemExit(f"startup child failed: {proc.communicate()[1][-2000:]}")
 
 
+def run_hf_baseline(a) -> None:
+    """hf_baseline.py in child processes (their GPU memory is gone before ours is built): eager,
+    static cache (which it compiles), and the prefill; a variant that fails or runs out of time
+    leaves an error line, and the comparison takes the best of those that ran."""
+    with open(a.hf, "w") as out:
+        for variant in ([], ["--static"], ["--prompt", str(a.prefill), "--new", "8", "--tag", "prefill"]):
+            cmd = [sys.executable, a.hf_script, *a.names, "--prompt", str(a.prompt), "--new", str(a.new), *variant]
+            tag = "prefill" if "--tag" in variant else ""
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.hf_timeout)
+                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+                if r.returncode != 0 and not lines:
+                    why = r.stderr.strip().splitlines()[-1][:300] if r.stderr.strip() else "failed"
+                    lines = [json.dumps({"model": n, "static": "--static" in variant, "tag": tag, "error": why})
+                             for n in a.names]
+            except subprocess.TimeoutExpired:
+                lines = [json.dumps({"model": n, "static": "--static" in variant, "tag": tag,
+                                     "error": f"timed out after {a.hf_timeout} s"}) for n in a.names]
+            for line in lines:
+                print("HF", line, flush=True)
+                out.write(line + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*")
@@ -127,6 +161,12 @@ def main() -> None:
     ap.add_argument("--prefill-form", default="chunked", choices=["chunked", "naive"],
                     help="hybrid models: the gated delta form used for multi-token forwards")
     ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
+    ap.add_argument("--hf-script", help="hf_baseline.py's path: run it first on the same shapes (eager, static "
+                                        "cache compiled, a --prefill-token prefill), write its lines to --hf "
+                                        "(default hf.jsonl) and compare, all in one command")
+    ap.add_argument("--hf-timeout", type=int, default=900, help="seconds per hf_baseline.py variant")
+    ap.add_argument("--graph-check", action="store_true",
+                    help="also decode with the graph off and stop with an error unless the tokens are the same")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -161,10 +201,13 @@ def main() -> None:
               f"kernel compiles {spent.get('compile', 0):.2f}s, graph capture {spent.get('capture', 0):.2f}s)",
               flush=True)
         return
+    if a.hf_script:
+        a.hf = a.hf or "hf.jsonl"
+        run_hf_baseline(a)
     rows = []
     for name in a.names:
         rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile,
-                          a.max_context)
+                          a.max_context, a.graph_check)
         rec["max_context"] = a.max_context or a.prompt + a.new + 8
         rec["prefill_form"] = a.prefill_form
         print(json.dumps(rec), flush=True)
@@ -185,7 +228,7 @@ def main() -> None:
             hf_pf = h.get("prefill", {}).get("ttft_ms")
             hf_pf_tps = a.prefill / (hf_pf / 1e3) if hf_pf else 0
             print(f"{r['model']:14}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
-                  f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / r['floor_ms_per_tok']:>8.0f}"
+                  f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / (r['floor_ms_per_tok'] or float('inf')):>8.0f}"
                   f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
                   f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")
     if a.startup:

@@ -35,6 +35,13 @@ SHAPES = {
                                moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=262144),
+    # LiquidAI LFM2-1.2B's published config (16 layers, attention at 2, 5, 8, 10, 12, 14; the MLP
+    # is 2/3 of block_ff_dim 12288 = 8192); ../shared/bench/hf_baseline.py builds the same
+    "lfm2-1.2b": dict(model_type="lfm2", hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+                      vocab_size=65536, tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3,
+                      block_multiple_of=256, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
+                      rope_theta=1000000.0, max_position_embeddings=128000),
 }
 
 
@@ -55,10 +62,11 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
                 module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
                                                               requires_grad=False)
     gen = torch.Generator(device=device).manual_seed(seed)
+    # norms at their neutral value: 0 where the weight is zero-centred (applied as 1 + w), else 1
+    centred = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "offset", 0.0) != 0.0}
     for pname, p in model.named_parameters():
         if "norm" in pname:
-            p.fill_(0.0 if getattr(model.config, "layer_types", None) and not pname.endswith("linear_attn.norm.weight")
-                    else 1.0)
+            p.fill_(0.0 if pname in centred else 1.0)
         elif pname.endswith("A_log"):
             p.uniform_(0.0, 2.0, generator=gen)
         elif pname.endswith("dt_bias"):

@@ -63,14 +63,21 @@ def tree() -> str:
     return dest
 
 
-def convert(hf_dir: str, out_path: str, outtype: str = "f32") -> str:
-    """llama.cpp's convert_hf_to_gguf.py on `hf_dir` → `out_path` (outtype f32, f16, bf16, q8_0)."""
+def convert(hf_dir: str, out_path: str, outtype: str = "f32", pre: str | None = None) -> str:
+    """llama.cpp's convert_hf_to_gguf.py on `hf_dir` → `out_path` (outtype f32, f16, bf16, q8_0).
+    pre: name the pre-tokenizer instead of letting the converter recognise it by hashing the
+    tokenizer's output (it knows only published tokenizers, not the tests' tiny ones)."""
     root = tree()
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "gguf-py") + os.pathsep + root,
                NO_LOCAL_GGUF="")
-    r = subprocess.run([sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), hf_dir,
-                        "--outfile", out_path, "--outtype", outtype],
-                       capture_output=True, text=True, env=env)
+    args = [hf_dir, "--outfile", out_path, "--outtype", outtype]
+    if pre is None:
+        cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), *args]
+    else:
+        cmd = [sys.executable, "-c", "import sys; from conversion import base; "
+               f"base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}; "
+               f"sys.argv = ['convert_hf_to_gguf.py', *{args!r}]; import convert_hf_to_gguf; convert_hf_to_gguf.main()"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-3000:]}")
     return out_path

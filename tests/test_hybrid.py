@@ -12,7 +12,7 @@ from engine.session import DecodeSession
 from models.architectures import gated_delta, qwen3_5
 
 TOL = 1e-4
-KINDS = ["qwen3_5", "qwen3_next"]
+KINDS = ["qwen3_5", "qwen3_next", "lfm2", "olmo_hybrid"]
 
 
 @pytest.fixture(scope="module")

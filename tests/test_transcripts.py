@@ -63,7 +63,8 @@ def test_golden_recordings_replay_identically_as_one_suite(tmp_path):
 def test_golden_set_covers_kv_hybrid_greedy_and_seeded_with_both_samplers():
     names = {os.path.basename(p) for p in RECORDINGS}
     assert {"kv-greedy.yaml", "kv-seeded.yaml", "hybrid-greedy.yaml", "hybrid-seeded.yaml",
-            "smollm2-greedy.yaml", "kv-seeded-v2.yaml", "hybrid-seeded-v2.yaml", "smollm2-seeded.yaml"} <= names
+            "smollm2-greedy.yaml", "kv-seeded-v2.yaml", "hybrid-seeded-v2.yaml", "smollm2-seeded.yaml",
+            "lfm2-greedy.yaml", "lfm2-seeded-v2.yaml"} <= names
     sampler = {os.path.basename(p): tr.load(p).sampler for p in RECORDINGS}
     # made before the field existed: version 1, the torch.Generator sampler that made them
     assert sampler["kv-seeded.yaml"] is None and sampler["hybrid-seeded.yaml"] is None

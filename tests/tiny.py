@@ -62,6 +62,19 @@ def hf_config(kind: str, **over):
                                  decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
                                  layer_types=["linear_attention", "linear_attention", "full_attention",
                                               "linear_attention"])
+    elif kind == "lfm2":
+        common["num_hidden_layers"] = 4
+        common["intermediate_size"] = 192  # the MLP is 2/3 of it, rounded up to block_multiple_of
+        common["norm_eps"] = common.pop("rms_norm_eps")
+        # initializer_range: the default 0.02 gives logits of ~0.1, too flat for a 1e-4 parity to mean much
+        cfg = tf.Lfm2Config(**common, conv_L_cache=3, conv_bias=True, block_multiple_of=32, initializer_range=0.15,
+                            layer_types=["conv", "full_attention", "conv", "conv"], tie_word_embeddings=True)
+    elif kind == "olmo_hybrid":
+        common["num_hidden_layers"] = 4
+        cfg = tf.OlmoHybridConfig(**common, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                                  linear_value_head_dim=16, tie_word_embeddings=False, initializer_range=0.1,
+                                  layer_types=["linear_attention", "linear_attention", "full_attention",
+                                               "linear_attention"])
     else:
         raise ValueError(kind)
     for k, v in over.items():
@@ -75,7 +88,8 @@ def hf_model(kind: str, seed: int = 0, **over):
     cfg = hf_config(kind, **over)
     torch.manual_seed(seed)
     cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-           "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
+           "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
+           "lfm2": tf.Lfm2ForCausalLM, "olmo_hybrid": tf.OlmoHybridForCausalLM}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity
         for name, p in model.named_parameters():

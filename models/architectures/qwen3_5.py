@@ -54,6 +54,10 @@ class HybridConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # OLMo-Hybrid's DeltaNet (olmo_hybrid.py): beta = 2 sigmoid(b) (negative eigenvalues allowed)
+    # and its own gated-norm epsilon; None = rms_eps
+    beta_scale: float = 1.0
+    linear_norm_eps: float | None = None
 
     @classmethod
     def from_hf(cls, c: dict, moe: bool = False) -> "HybridConfig":
@@ -126,7 +130,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps)
+        self.beta_scale = cfg.beta_scale
         self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def reset_buffers(self, device) -> None:
@@ -155,7 +160,7 @@ class GatedDeltaNet(nn.Module):
             # the conv, the delta rule and the gated norm in two kernels
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
-                                     self.dv)
+                                     self.dv, beta_scale=self.beta_scale)
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
@@ -174,7 +179,7 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
         v = mixed[:, 2 * self.key_dim:].reshape(T, self.nv, self.dv)
-        beta = b.float().sigmoid()
+        beta = b.float().sigmoid() if self.beta_scale == 1.0 else b.float().sigmoid() * self.beta_scale
         g = self.neg_A * F.softplus(a.float() + self.dt_bias32)
         rec = st["recurrent"]
         if T == 1:

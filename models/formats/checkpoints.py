@@ -174,17 +174,41 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Architectures whose HF names differ from the llama ones above: their names, over those defaults.
+_GGUF_ARCH_NAMES = {
+    "lfm2": {
+        "token_embd_norm.weight": "model.embedding_norm.weight",  # LFM2's final norm, despite the name
+        "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+        "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+        "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+        "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    },
+}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
 
-def _hf_name(name: str) -> str:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
+def _hf_name(name: str, arch: str = "llama") -> str:
+    names = {**_GGUF_NAMES, **_GGUF_LAYER_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
+    if name in names:
+        return names[name]
     m = _LAYER_RE.match(name)
-    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+    if not m or m.group(2) not in names:
         raise CheckpointError(f"GGUF tensor {name!r} is not one this architecture has")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _lfm2_config(config: dict, a) -> None:
+    """LFM2: a KV head count per layer, 0 marking a short-conv layer; the MLP width as stored."""
+    kv = config["num_key_value_heads"]
+    kv = kv if isinstance(kv, list) else [kv] * config["num_hidden_layers"]
+    config.update(num_key_value_heads=max(kv), layer_types=["full_attention" if h else "conv" for h in kv],
+                  conv_L_cache=a("shortconv.l_cache", 3), norm_eps=config["rms_norm_eps"],
+                  block_auto_adjust_ff_dim=False)
+
+
+# Architectures whose config needs more than the llama keys read in _read_gguf_index.
+_GGUF_ARCH_CONFIG = {"lfm2": _lfm2_config}
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -221,6 +245,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     if index is None:
         index = _read_gguf_index(path)
         _store_index(path, index)
+    arch = {v: k for k, v in _GGUF_ARCHS.items()}[index["config"]["model_type"]]
     tensors = {}
     widened: dict[str, int] = {}
     try:
@@ -237,7 +262,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
             if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
                 qt = quant.GgufTensor(ttype, raw)
-                tensors[_hf_name(name)] = qt if unpermute is None else qt.permute_rows(unpermute)
+                tensors[_hf_name(name, arch)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
             if keep_quantized and len(shape) == 2 and ttype not in (0, 1, 30):  # F32, F16, BF16
                 kind = gguf_type(ttype).name
@@ -245,7 +270,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if unpermute is not None:
                 w = unpermute(w)
-            tensors[_hf_name(name)] = torch.from_numpy(np.ascontiguousarray(w))
+            tensors[_hf_name(name, arch)] = torch.from_numpy(np.ascontiguousarray(w))
     except CheckpointError:
         raise
     except NotImplementedError as e:  # gguf-py cannot dequantize this type either
@@ -292,6 +317,8 @@ def _read_gguf_index(path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    if arch in _GGUF_ARCH_CONFIG:
+        _GGUF_ARCH_CONFIG[arch](config, a)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError(f"{path}: the GGUF file has no tokenizer")
@@ -303,7 +330,7 @@ def _read_gguf_index(path: str) -> dict:
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
     for t in reader.tensors:
-        _hf_name(t.name)  # unknown tensor names fail now, not after caching
+        _hf_name(t.name, arch)  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]

@@ -6,7 +6,7 @@ output projection (tests/test_gpu.py compares them), and updates both states in 
 - conv_step: the depthwise causal conv over [conv window, new column] with SiLU, and the window
   shifted by one (one program owns each channel, so no two programs touch the same state row);
 - delta_step, one program per value head: L2-normalised q (scaled by 1/sqrt(dk)) and k of its
-  key head, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the gated delta rule on the
+  key head, beta = beta_scale sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the gated delta rule on the
   head's fp32 [dk, dv] state (gated_delta.step), and the gated RMSNorm RMSNorm(o) w SiLU(z).
 Everything accumulates in fp32 and rounds once to the output dtype; the torch form rounds between
 ops, so the two agree to bf16 rounding. The torch form replaces ~30 kernel launches per layer.
@@ -49,7 +49,7 @@ if triton is not None:
         tl.store(state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
 
     @triton.jit
-    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, z_off, b_off, a_off, eps, q_scale,
+    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, z_off, b_off, a_off, eps, q_scale, beta_scale,
                            KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                            PDL: tl.constexpr):
         h = tl.program_id(0)
@@ -68,7 +68,7 @@ if triton is not None:
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         b = tl.load(proj + b_off + h).to(tl.float32)
         a = tl.load(proj + a_off + h).to(tl.float32) + dtb
-        beta = 1.0 / (1.0 + tl.exp(-b))
+        beta = beta_scale / (1.0 + tl.exp(-b))
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's threshold
         decay = tl.exp(neg_a * softplus)
         S = S * decay
@@ -84,10 +84,11 @@ if triton is not None:
 
 def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor,
            neg_A: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-           nk: int, nv: int, dk: int, dv: int) -> torch.Tensor:
+           nk: int, nv: int, dk: int, dv: int, beta_scale: float = 1.0) -> torch.Tensor:
     """proj: the fused input projection's output [1, conv_dim + value_dim + 2 nv] (mixed qkv, z,
     b, a), contiguous; conv_state [conv_dim, K-1] and rec_state [nv, dk, dv] fp32, both updated in
-    place; conv_weight [conv_dim, 1, K]. Returns the normed, gated output [1, nv * dv]."""
+    place; conv_weight [conv_dim, 1, K]. beta = beta_scale * sigmoid(b) (2 for OLMo-Hybrid).
+    Returns the normed, gated output [1, nv * dv]."""
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
     k = conv_weight.shape[-1]
@@ -97,6 +98,6 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
            KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **cuda_base.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
-           conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
+           conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5, float(beta_scale),
            KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **cuda_base.pdl(proj))
     return out
