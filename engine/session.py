@@ -18,8 +18,8 @@ import torch
 
 from .config import ConfigError, SamplingConfig
 from .constraint import ConstraintMask, TokenConstraint
-from .tensor_parallel import Interrupted
 from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
+from .link import Interrupted
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from .state import BASE, PROMPT, StateManager
 

@@ -7,7 +7,7 @@ the model (models/sharding.py) onto its own device (cuda:RANK) and opens the sam
 its own StateManager (its KV heads and conv/recurrent heads: zeroed, checkpointed and restored by
 the same rules), its own CUDA graph with the collectives captured inside.
 
-Control, over a separate gloo group so it never mixes with the model's collectives: rank 0
+Control (engine/link.py), over a separate gloo group so it never mixes with the collectives: rank 0
 broadcasts each session call that changes state (generate, reset, rollback_to, finite_on) as one
 JSON message, and every rank runs it, so all ranks run the same forwards in the same order.
 During a generation the head's all-gather gives every rank the full logits, but only rank 0
@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import json
 import multiprocessing.connection
 import os
 import signal
@@ -40,67 +39,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .link import Link, OutOfStep
+
 HANG_SECONDS = 10.0
 BEAT_SECONDS = 0.5
 EXIT_WORKER_FAILED = 3
 FOREVER = timedelta(days=3650)  # waits are bounded by the watchdog, not by the collectives
-
-GO, END, STOP, COMMAND = 1, 2, 3, 4
-
-
-class Interrupted(Exception):
-    """A following rank was told that the leader's reply stopped."""
-
-
-class OutOfStep(RuntimeError):
-    """A rank received a message it did not expect: the ranks no longer run the same calls."""
-
-
-class Link:
-    """One rank's end of the control channel: [kind, value] headers over a gloo group."""
-
-    def __init__(self, group, follower: bool):
-        self.group, self.follower = group, follower
-        self._head = torch.zeros(2, dtype=torch.int64)
-
-    def _put(self, kind: int, value: int) -> None:
-        self._head[0], self._head[1] = kind, value
-        dist.broadcast(self._head, 0, group=self.group)
-
-    def _get(self) -> tuple[int, int]:
-        dist.broadcast(self._head, 0, group=self.group)
-        kind, value = self._head.tolist()
-        return kind, value
-
-    # tokens (inside a generation)
-    def send(self, token: int | None) -> None:
-        self._put(END, 0) if token is None else self._put(GO, token)
-
-    def stop(self) -> None:
-        self._put(STOP, 0)
-
-    def receive(self) -> int | None:
-        kind, value = self._get()
-        if kind == STOP:
-            raise Interrupted
-        if kind not in (GO, END):
-            raise OutOfStep("expected a token from rank 0, got a command")
-        return value if kind == GO else None
-
-    # commands (between generations)
-    def command(self, op: str, **args) -> None:
-        data = json.dumps(dict(args, op=op)).encode("utf-8")
-        self._put(COMMAND, len(data))
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.group)
-
-    def next_command(self) -> dict:
-        kind, n = self._get()
-        if kind != COMMAND:
-            raise OutOfStep("expected a command from rank 0, got a token")
-        buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, 0, group=self.group)
-        return json.loads(bytes(buf.numpy()).decode("utf-8"))
-
 
 def _backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
