@@ -53,6 +53,14 @@ class Link:
             raise OutOfStep("expected a token from rank 0, got a command")
         return value if kind == GO else None
 
+    def agree_min(self, *values: int) -> tuple[int, ...]:
+        """Every rank's smallest of each value (all ranks call it at the same point): settings
+        that must be equal on all ranks, such as checkpoint budgets sized from each rank's free
+        memory (a rank with one slot more would evict, and so reuse, differently)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return tuple(t.tolist())
+
     # commands (between generations)
     def command(self, op: str, **args) -> None:
         data = json.dumps(dict(args, op=op)).encode("utf-8")

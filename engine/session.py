@@ -132,7 +132,8 @@ class DecodeSession:
                                   vocab_size=model.config.vocab_size, checkpoint_budget=mib(checkpoint_mib),
                                   host_budget=mib(checkpoint_host_mib),
                                   kv_dtype=getattr(self._step_fn, "kv_dtype", None),
-                                  masked_reads=self._bucketed_decode)
+                                  masked_reads=self._bucketed_decode,
+                                  agree=None if link is None else link.agree_min)
         if compile == "on" and cuda:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":

@@ -115,7 +115,9 @@ def auto_budgets(device: torch.device) -> tuple[int, int]:
 class StateManager:
     def __init__(self, spec: list, max_context: int, device: torch.device, dtype: torch.dtype,
                  vocab_size: int = 0, checkpoint_budget: int | str = 256 << 20, kv_dtype: torch.dtype | None = None,
-                 masked_reads: bool | None = None, host_budget: int | str = 0):
+                 masked_reads: bool | None = None, host_budget: int | str = 0, agree=None):
+        """agree: a function (device bytes, host bytes) → the same, the smallest over the ranks of a
+        tensor-parallel group (engine/link.py): "auto" budgets are then equal on every rank."""
         self.max_context = max_context
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_dtype or dtype  # the attention caches' (a decode step may keep them narrower)
@@ -145,6 +147,8 @@ class StateManager:
         self.kv_len = 0  # slots the next forward attends over; set by begin_forward()
         self.vocab_size = vocab_size
         auto_dev, auto_host = auto_budgets(device) if "auto" in (checkpoint_budget, host_budget) else (0, 0)
+        if agree is not None:
+            auto_dev, auto_host = agree(auto_dev, auto_host)
         self.budget_auto = checkpoint_budget == "auto"
         self.host_budget_auto = host_budget == "auto"
         self.budget = auto_dev if self.budget_auto else int(checkpoint_budget)

@@ -1,7 +1,7 @@
 """A scripted chat session under tensor parallelism, for tests/test_tensor_parallel.py.
 
     python tests/tp_driver.py MODEL_DIR TENSOR_PARALLEL SCRIPT.json [--no-rezero] [--checkpoint-mib N]
-        [--kill-worker-after K] [--stop-worker-after K]
+        [--kill-worker-after K] [--stop-worker-after K] [--uneven-budget]
         [--pid-file PATH] [--device cpu|cuda] [--cuda-graph on|off]
 
 Opens the runtime as `chat` does (chat/runtime.py: the workers start, every rank loads its slices)
@@ -14,7 +14,8 @@ them), or the length a rollback reached. Script calls: {"op": "generate", "promp
 Spawned workers run this file's top level too (multiprocessing's spawn imports the parent's main
 module), with the parent's argv: `--no-rezero` therefore reaches every rank. It switches off the
 re-zero of fixed state (engine/state.py's test-only switch: the original bug) for the
-regression test's non-vacuity check. `--kill-worker-after K` kills rank 1 after K calls;
+regression test's non-vacuity check. `--uneven-budget` gives the workers an "auto" checkpoint
+budget of one slot (rank 0 keeps its own): the ranks must agree on one ring. `--kill-worker-after K` kills rank 1 after K calls;
 `--stop-worker-after K` stops it (SIGSTOP: a hang).
 """
 import json
@@ -28,6 +29,11 @@ from engine import state as state_mod  # noqa: E402
 
 if "--no-rezero" in sys.argv:
     state_mod._REZERO_FIXED_STATE = False
+
+if "--uneven-budget" in sys.argv:  # the workers see room for one checkpoint; rank 0 for many
+    import multiprocessing
+    if multiprocessing.current_process().name != "MainProcess":
+        state_mod.auto_budgets = lambda device: (1, 0)
 
 
 def option(name, default=None):
