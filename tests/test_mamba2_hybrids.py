@@ -1,0 +1,137 @@
+"""Mamba2 hybrids (Nemotron-H, Granite 4.0-H): parity with transformers, the prefill forms, state
+resets (the seed's re-zero regression on a real family, with its non-vacuity check), and the
+turn-boundary checkpoints under /undo and /retry."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import models
+from chat.turn import TurnResult
+from engine import reference, state as state_mod
+from engine.config import SamplingConfig
+from engine.session import DecodeSession
+from models.architectures import mamba2
+from test_checkpoints import OPS, controller, send_checked
+from test_hybrid import TOL, hf_logits, rand_ids, session
+
+KINDS = ["nemotron_h"]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    out = {}
+    for kind in KINDS:
+        hf = hf_model(kind)
+        path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)
+        out[kind] = (models.load(path), hf, path)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_prefill_logits_match_transformers(hybrids, kind, length):
+    lm, hf, _ = hybrids[kind]
+    ids = rand_ids(length, length)
+    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_steps_match_transformers(hybrids, kind):
+    lm, hf, _ = hybrids[kind]
+    s = session(lm)
+    seq = rand_ids(37, 5)
+    logits = s.prefill(seq)
+    for _ in range(16):
+        seq.append(int(logits[-1].argmax()))
+        logits = s.step(seq[-1])
+        assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_prefill_equals_one_prefill(hybrids, kind):
+    lm, _, _ = hybrids[kind]
+    ids = rand_ids(150, 7)
+    whole = session(lm).prefill(ids, all_logits=True)
+    s = session(lm)
+    parts = [s.prefill(ids[a:b], all_logits=True) for a, b in [(0, 13), (13, 14), (14, 79), (79, 150)]]
+    assert (torch.cat(parts) - whole).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_prefill_forms_agree(hybrids, kind, monkeypatch):
+    lm, _, _ = hybrids[kind]
+    ids = rand_ids(70, 9)
+    chunked = session(lm).prefill(ids, all_logits=True)
+    monkeypatch.setattr(mamba2, "PREFILL_FORM", "naive")
+    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_turn_appended_equals_cold_run(hybrids, kind):
+    lm, _, _ = hybrids[kind]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+    s = session(lm)
+    first = rand_ids(30, 4)
+    reply = list(s.generate(first, greedy))
+    second = first + reply + rand_ids(9, 5)
+    warm = list(s.generate(second, greedy))
+    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
+    assert warm == list(session(lm).generate(second, greedy))
+    assert warm == reference.greedy(lm.model, second, len(warm))
+
+
+def two_generations(lm):
+    """The seed's regression on this family: two generations of one prompt on one session with no
+    checkpoints, so the second must come back through reset(), the path of the original bug."""
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, checkpoint_mib=0)
+    cfg = SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_new_tokens=24)
+    prompt = rand_ids(20, 8)
+    return [list(s.generate(prompt, cfg)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_rezeroes_mamba_state_on_reused_session(hybrids, kind):
+    first, second = two_generations(hybrids[kind][0])
+    assert first == second
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
+    monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
+    first, second = two_generations(hybrids[kind][0])
+    assert first != second
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_property_every_generation_equals_a_cold_session(hybrids, kind):
+    c = controller(hybrids[kind][2], temperature="0.8", seed="3")
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+    @given(OPS)
+    def run(ops):
+        c.reset()
+        for op in ops:
+            if op[0] == "undo":
+                c.undo()
+            elif op[0] == "reset":
+                c.reset_conversation(keep_cache=True)
+            else:
+                send_checked(c, op)
+    run()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_undo_and_retry_restore_checkpoints(hybrids, kind):
+    c = controller(hybrids[kind][2], temperature="0")
+    assert c.session.state.has_fixed_state
+    list(c.send("alpha", TurnResult([])))
+    list(c.send("beta", TurnResult([])))
+    r = TurnResult([])
+    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
+    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
+    c.undo()
+    r = TurnResult([])
+    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
+    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
