@@ -14,7 +14,7 @@ from models.architectures import mamba2
 from test_checkpoints import OPS, controller, send_checked
 from test_hybrid import TOL, hf_logits, rand_ids, session
 
-KINDS = ["nemotron_h"]
+KINDS = ["nemotron_h", "granitemoehybrid"]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,19 @@ def test_decode_steps_match_transformers(hybrids, kind):
         seq.append(int(logits[-1].argmax()))
         logits = s.step(seq[-1])
         assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+
+
+def test_granite_without_positional_encoding_matches_transformers(tmp_path):
+    """Granite 4.0-H's released configs attend without RoPE (position_embedding_type "nope")."""
+    from tiny import hf_model, write_checkpoint
+    hf = hf_model("granitemoehybrid", seed=1, position_embedding_type="nope")
+    lm = models.load(write_checkpoint("granitemoehybrid", str(tmp_path), model=hf))
+    assert not lm.model.config.rope
+    s, seq = session(lm), rand_ids(40, 2)
+    assert (s.prefill(seq, all_logits=True) - hf_logits(hf, seq)).abs().max() <= TOL
+    for _ in range(4):
+        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert (s.step(seq[-1])[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,24 +96,34 @@ def test_second_turn_appended_equals_cold_run(hybrids, kind):
 
 def two_generations(lm):
     """The seed's regression on this family: two generations of one prompt on one session with no
-    checkpoints, so the second must come back through reset(), the path of the original bug."""
+    checkpoints, so the second must come back through reset(), the path of the original bug.
+    Returns each generation's tokens and the logits of every forward it ran (a tiny random model's
+    sampled tokens can hide a changed state; its logits cannot)."""
     s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, checkpoint_mib=0)
     cfg = SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_new_tokens=24)
     prompt = rand_ids(20, 8)
-    return [list(s.generate(prompt, cfg)) for _ in range(2)]
+    out = []
+    for _ in range(2):
+        seen = []
+        hook = lm.model.register_forward_hook(lambda m, args, logits: seen.append(logits.clone()))
+        try:
+            out.append((list(s.generate(prompt, cfg)), torch.cat(seen)))
+        finally:
+            hook.remove()
+    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reset_rezeroes_mamba_state_on_reused_session(hybrids, kind):
-    first, second = two_generations(hybrids[kind][0])
-    assert first == second
+    (tokens1, logits1), (tokens2, logits2) = two_generations(hybrids[kind][0])
+    assert tokens1 == tokens2 and torch.equal(logits1, logits2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
     monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
-    first, second = two_generations(hybrids[kind][0])
-    assert first != second
+    (_, logits1), (_, logits2) = two_generations(hybrids[kind][0])
+    assert logits1.shape != logits2.shape or (logits1 - logits2).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)

