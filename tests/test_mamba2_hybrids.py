@@ -3,15 +3,12 @@ resets (the seed's re-zero regression on a real family, with its non-vacuity che
 turn-boundary checkpoints under /undo and /retry."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 import models
-from chat.turn import TurnResult
 from engine import reference, state as state_mod
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
 from models.architectures import mamba2
-from test_checkpoints import OPS, controller, send_checked
 from test_hybrid import TOL, hf_logits, rand_ids, session
 
 KINDS = ["nemotron_h", "granitemoehybrid"]
@@ -124,37 +121,3 @@ def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
     monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
     (_, logits1), (_, logits2) = two_generations(hybrids[kind][0])
     assert logits1.shape != logits2.shape or (logits1 - logits2).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_property_every_generation_equals_a_cold_session(hybrids, kind):
-    c = controller(hybrids[kind][2], temperature="0.8", seed="3")
-
-    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
-    @given(OPS)
-    def run(ops):
-        c.reset()
-        for op in ops:
-            if op[0] == "undo":
-                c.undo()
-            elif op[0] == "reset":
-                c.reset_conversation(keep_cache=True)
-            else:
-                send_checked(c, op)
-    run()
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_undo_and_retry_restore_checkpoints(hybrids, kind):
-    c = controller(hybrids[kind][2], temperature="0")
-    assert c.session.state.has_fixed_state
-    list(c.send("alpha", TurnResult([])))
-    list(c.send("beta", TurnResult([])))
-    r = TurnResult([])
-    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
-    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
-    c.undo()
-    r = TurnResult([])
-    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
-    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
