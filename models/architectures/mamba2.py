@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cuda import base as cuda_base, ssd as cuda_ssd
 from .layers import Linear
 from .state_spec import FixedState
 
@@ -72,9 +73,10 @@ def step(x, dt, A, B, C, D, state: torch.Tensor) -> torch.Tensor:
     return (y + D[:, None] * x)[None]
 
 
-def chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
     """Prefill: inside each chunk the output is a masked quadratic form (C_l B_s^T weighted by the
-    decay from s to l); across chunks the state is carried by a scan of `T / chunk` steps."""
+    decay from s to l); across chunks the state is carried by a scan of `T / chunk` steps.
+    `fused`: the scan as one Triton kernel (cuda_ssd.chunk_scan, CUDA) instead of the loop."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     x32 = x.float()
@@ -101,11 +103,14 @@ def chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64) -> torch.Te
     chunk_states = xdt.transpose(-1, -2) @ (Bh * (cum[..., -1:] - cum).exp()[..., None])   # [H, n, P, N]
     C_dec = Ch * cum.exp()[..., None]
     chunk_decay = cum[..., -1].exp()                                    # [H, n]
-    S = state.clone()
-    for i in range(n):
-        out[:, i] += C_dec[:, i] @ S.transpose(-1, -2)                  # [H, c, P]
-        S = S * chunk_decay[:, i, None, None] + chunk_states[:, i]
-    state.copy_(S)
+    if fused and cuda_ssd.scan_fits(chunk, P, N):
+        cuda_ssd.chunk_scan(out, C_dec, chunk_states, chunk_decay, state)
+    else:
+        S = state.clone()
+        for i in range(n):
+            out[:, i] += C_dec[:, i] @ S.transpose(-1, -2)              # [H, c, P]
+            S = S * chunk_decay[:, i, None, None] + chunk_states[:, i]
+        state.copy_(S)
     y = out.reshape(H, n * chunk, P)[:, :T].transpose(0, 1)
     return y + D[:, None] * x32
 
@@ -156,6 +161,12 @@ class Mamba2Mixer(nn.Module):
     def forward(self, h: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         zxbcdt = self.in_proj(h)
         T, dtype = zxbcdt.shape[0], zxbcdt.dtype
+        if cuda_base.usable(zxbcdt) and cuda_ssd.decode_fits(self.P, self.N):
+            # the conv, the scan step and the gated norm in three kernels
+            out = cuda_ssd.decode(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
+                                  self.A, self.dt_bias32, self.D32, self.norm.weight, self.norm.eps, self.dt_limit,
+                                  self.H, self.P, self.N, self.G)
+            return self.out_proj(out)
         z, xBC, dt = zxbcdt.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state = st["conv"]
         window = torch.cat((conv_state, xBC.t().to(conv_state.dtype)), dim=1)   # [C, K-1+T]: continues the stream
@@ -170,7 +181,7 @@ class Mamba2Mixer(nn.Module):
         if T == 1:
             y = step(x, dt, self.A, B, C, self.D32, ssm)
         elif PREFILL_FORM == "chunked":
-            y = chunked(x, dt, self.A, B, C, self.D32, ssm, self.chunk)
+            y = chunked(x, dt, self.A, B, C, self.D32, ssm, self.chunk, fused=cuda_base.prefill_usable(zxbcdt))
         else:
             y = naive(x, dt, self.A, B, C, self.D32, ssm)
         return self.out_proj(self.norm(y.reshape(T, self.inner), z, dtype))

@@ -1,0 +1,74 @@
+"""The Mamba2 Triton kernels (models/kernels/cuda/ssd.py) against the torch forms they replace:
+the decode step (conv, scan step, gated norm) against Mamba2Mixer's torch forward, and the
+chunked prefill's fused scan against the torch loop and the naive oracle, from non-zero states.
+
+They run on CUDA (`gpu` marker, tests/run_gpu.sh) and, where TRITON_INTERPRET=1 and Triton is
+importable, on the CPU under Triton's interpreter (slow: tiny sizes), as they were developed."""
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from models.architectures import mamba2
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 and Triton"))]
+
+
+def mixer(device, dtype, groups=2, heads=8, head_dim=16, state=16, seed=0):
+    torch.manual_seed(seed)
+    m = mamba2.Mamba2Mixer(64, heads, head_dim, state, groups, 4, 1e-5, dt_limit=(0.01, 5.0))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() > 1 else 1.0))
+    m = m.to(device=device, dtype=dtype)
+    m.reset_buffers(device)
+    return m
+
+
+def states(m, device, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    conv = (torch.randn(m.conv_dim, m.K - 1, generator=g)).to(device, dtype)
+    ssm = (torch.randn(m.H, m.P, m.N, generator=g) * 0.5).to(device)
+    return {"conv": conv, "ssm": ssm}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_decode_kernels_match_the_torch_step(device, groups):
+    from models.kernels.cuda import ssd
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)) if device == "cuda" else ((torch.float32, 1e-4),):
+        m = mixer(device, dtype, groups)
+        m.out_proj = nn.Identity()  # compare what reaches out_proj
+        st_ref, st = states(m, device, dtype), states(m, device, dtype)
+        for t in range(5):  # five steps: the conv window shifts and the state carries between them
+            h = torch.randn(1, 64, generator=torch.Generator().manual_seed(10 + t)).to(device, dtype)
+            from models.kernels.cuda import base as cuda_base
+            enabled, cuda_base.ENABLED = cuda_base.ENABLED, False
+            try:
+                ref = m(h, st_ref)  # the torch form
+            finally:
+                cuda_base.ENABLED = enabled
+            out = ssd.decode(m.in_proj(h).contiguous(), st["conv"], m.conv1d.weight, m.conv1d.bias, st["ssm"], m.A,
+                             m.dt_bias32, m.D32, m.norm.weight, m.norm.eps, m.dt_limit, m.H, m.P, m.N, m.G)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert (out.float() - ref.float()).abs().max() <= tol * max(1.0, ref.float().abs().max())
+            assert torch.equal(st["conv"], st_ref["conv"])
+            assert (st["ssm"] - st_ref["ssm"]).abs().max() <= tol * max(1.0, st_ref["ssm"].abs().max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
+    sizes = [(1, 16), (17, 16), (40, 16)] if device == "cpu" else [(1, 64), (63, 64), (64, 64), (65, 64), (700, 64)]
+    H, P, N, G = (2, 16, 16, 1) if device == "cpu" else (48, 64, 128, 1)
+    for T, chunk in sizes:
+        x, dt, A, B, C, D, s0 = (t.to(device) for t in mamba2.example_inputs(T, H, P, N, G, seed=T))
+        s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
+        loop = mamba2.chunked(x, dt, A, B, C, D, s_loop, chunk)
+        fused = mamba2.chunked(x, dt, A, B, C, D, s_fused, chunk, fused=True)
+        naive = mamba2.naive(x, dt, A, B, C, D, s_naive)
+        assert (fused - loop).abs().max() <= 1e-4 and (s_fused - s_loop).abs().max() <= 1e-5, T
+        assert (fused - naive).abs().max() <= 1e-3 and (s_fused - s_naive).abs().max() <= 1e-4, T
