@@ -2,13 +2,15 @@
 
     python bench/decode_bench.py NAME [NAME ...] [--device cuda] [--graph auto|on|off]
         [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--max-context N] [--hf hf.jsonl]
-        [--startup NAME]
+        [--startup NAME] [--hf-script PATH]
 
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
 of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
 benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
-lines (run in the same device command) and prints ratios. `--startup NAME`: process start to
+lines (run in the same device command) and prints ratios; `--hf-script PATH` runs that
+hf_baseline.py here first (eager, static cache, and the `--prefill` prompt), one child process per
+run, so one command prints ours against HF's best. `--startup NAME`: process start to
 ready-to-decode (model built, state allocated, graph captured) in a fresh child process.
 """
 from __future__ import annotations
@@ -127,11 +129,12 @@ def main() -> None:
     ap.add_argument("--prefill-form", default="chunked", choices=["chunked", "naive"],
                     help="hybrid models: the gated delta form used for multi-token forwards")
     ap.add_argument("--hf", help="hf_baseline.py JSON lines to compare with")
+    ap.add_argument("--hf-script", help="run this hf_baseline.py for the shapes first and compare with it")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from models.architectures import qwen3_5
-    qwen3_5.PREFILL_FORM = a.prefill_form
+    from models.architectures import mamba2, qwen3_5
+    qwen3_5.PREFILL_FORM = mamba2.PREFILL_FORM = a.prefill_form
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if a.ready:
@@ -161,6 +164,14 @@ def main() -> None:
               f"kernel compiles {spent.get('compile', 0):.2f}s, graph capture {spent.get('capture', 0):.2f}s)",
               flush=True)
         return
+    hf_lines = []
+    if a.hf_script:  # HF first, each run in its own process (its memory is gone before ours starts)
+        for name in a.names:
+            for extra in ([], ["--static"], ["--prompt", str(a.prefill), "--new", "8", "--tag", "prefill"]):
+                r = subprocess.run([sys.executable, a.hf_script, name, *extra], capture_output=True, text=True)
+                got = [line for line in r.stdout.splitlines() if line.startswith("{")]
+                hf_lines += got
+                print("\n".join(got) or f"hf_baseline {name} {extra}: {r.stderr[-300:]}", flush=True)
     rows = []
     for name in a.names:
         rec = bench_shape(name, device, dtype, a.graph, a.prompt, a.new, a.prefill, a.runs, a.compile,
@@ -171,20 +182,22 @@ def main() -> None:
         rows.append(rec)
     hf = {}
     if a.hf and os.path.exists(a.hf):
-        for line in open(a.hf):
+        hf_lines += [line for line in open(a.hf) if line.startswith("{")]
+    if hf_lines:
+        for line in hf_lines:
             if line.startswith("{"):
                 r = json.loads(line)
                 key = "prefill" if r.get("tag") == "prefill" else ("static" if r.get("static") else "eager")
                 hf.setdefault(r["model"], {})[key] = r
     if rows:
-        print(f"\n{'shape':14}{'ours tok/s':>11}{'HF best':>9}{'ratio':>7}{'floor':>8}"
+        print(f"\n{'shape':20}{'ours tok/s':>11}{'HF best':>9}{'ratio':>7}{'floor':>8}"
               f"{'ours prefill':>14}{'HF prefill':>12}{'ratio':>7}")
         for r in rows:
             h = hf.get(r["model"], {})
             best = max((v.get("decode_tok_s", 0) for k, v in h.items() if k != "prefill"), default=0)
             hf_pf = h.get("prefill", {}).get("ttft_ms")
             hf_pf_tps = a.prefill / (hf_pf / 1e3) if hf_pf else 0
-            print(f"{r['model']:14}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
+            print(f"{r['model']:20}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
                   f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / r['floor_ms_per_tok']:>8.0f}"
                   f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
                   f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")

@@ -27,6 +27,17 @@ SHAPES = {
                         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                         linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False,
                         max_position_embeddings=262144),
+    # Granite-4.0-H-Tiny's published sizes (as shared/bench/hf_baseline.py builds it): 40 layers, attention
+    # at 5, 15, 25, 35 (no positional encoding), Mamba2 elsewhere (48 heads of 64, state 128, one
+    # group), 64 routed experts of 512 (top 6) and a shared SwiGLU of 1024 in every layer; the muP
+    # multipliers are left at 1 (speed does not depend on them)
+    "granite-4.0-h-tiny": dict(model_type="granitemoehybrid", hidden_size=1536, num_hidden_layers=40,
+                               num_attention_heads=12, num_key_value_heads=4, intermediate_size=512,
+                               layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+                               num_local_experts=64, num_experts_per_tok=6, shared_intermediate_size=1024,
+                               mamba_n_heads=48, mamba_n_groups=1, mamba_d_state=128, mamba_d_head=64,
+                               mamba_d_conv=4, mamba_expand=2, vocab_size=100352, tie_word_embeddings=True,
+                               rms_norm_eps=1e-5, max_position_embeddings=131072),
 }
 
 
@@ -41,10 +52,10 @@ def random_model(name: str, device, dtype, seed: int = 0):
                 module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
                                                               requires_grad=False)
     gen = torch.Generator(device=device).manual_seed(seed)
+    centred = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "offset", 0.0) != 0.0}
     for pname, p in model.named_parameters():
         if "norm" in pname:
-            p.fill_(0.0 if getattr(model.config, "layer_types", None) and not pname.endswith("linear_attn.norm.weight")
-                    else 1.0)
+            p.fill_(0.0 if pname in centred else 1.0)  # the neutral weight: 0 where applied as 1 + w
         elif pname.endswith("A_log"):
             p.uniform_(0.0, 2.0, generator=gen)
         elif pname.endswith("dt_bias"):

@@ -72,3 +72,58 @@ def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
         naive = mamba2.naive(x, dt, A, B, C, D, s_naive)
         assert (fused - loop).abs().max() <= 1e-4 and (s_fused - s_loop).abs().max() <= 1e-5, T
         assert (fused - naive).abs().max() <= 1e-3 and (s_fused - s_naive).abs().max() <= 1e-4, T
+
+
+def _compiled_ssd_kernels() -> int:
+    from models.kernels.cuda import ssd
+    kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel]
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.fixture(scope="module")
+def gpu_granite(tmp_path_factory):
+    import models
+    from tiny import write_checkpoint
+    path = write_checkpoint("granitemoehybrid", str(tmp_path_factory.mktemp("granite")), hidden_size=96,
+                            mamba_d_head=32, mamba_n_heads=6)  # sizes no other test compiles
+    return path, models.load(path, "cuda", torch.bfloat16), models.load(path)
+
+
+@pytest.mark.gpu
+def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_granite, monkeypatch):
+    """On the H200 in bf16: the session's start compiles the Mamba2 kernels (no prompt length or
+    later turn compiles another), the kernels serve (decode and prefill), the CUDA graph replays
+    what the eager step computes (the same tokens, twice on one session), and the first logits
+    stay within bf16 rounding of the CPU's fp32 model."""
+    from engine.config import SamplingConfig
+    from engine.session import DecodeSession
+    from models.kernels.cuda import base as cuda_base, ssd
+    _, lm, lm_cpu = gpu_granite
+    if not cuda_base.ENABLED:
+        pytest.skip("needs Triton")
+    before = _compiled_ssd_kernels()
+    on = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = _compiled_ssd_kernels()
+    assert started > before or not cuda_base.can_precompile()
+    calls = []
+    for name in ("decode", "chunk_scan"):
+        real = getattr(ssd, name)
+        monkeypatch.setattr(ssd, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=12)
+    tokens = [list(on.generate(p, cfg)) for p in prompts]
+    assert tokens == [list(on.generate(p, cfg)) for p in prompts]  # the reused session: reset, restore
+    assert "chunk_scan" in calls  # prefill ran the fused scan (decode steps replay the graph)
+    if cuda_base.can_precompile():
+        assert _compiled_ssd_kernels() == started
+    off = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
+                        cuda_graph="off")
+    calls.clear()
+    assert [list(off.generate(p, cfg)) for p in prompts] == tokens
+    assert "decode" in calls  # the eager step ran the decode kernels
+    cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
+    first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
+                              dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
+    first_cpu = cpu.prefill(prompts[2])
+    assert (first_gpu - first_cpu).abs().max() <= 0.05 * max(1.0, first_cpu.abs().max())
