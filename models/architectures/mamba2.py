@@ -13,7 +13,9 @@ depthwise causal conv1d (with bias) + SiLU over xBC whose last K-1 inputs are th
 the scan above over the **ssm** state; RMSNorm over groups of y * SiLU(z) (the gate before the
 norm); out_proj. Parameter names are the checkpoints' (in_proj, conv1d, dt_bias, A_log, D, norm,
 out_proj). A multi-token forward on an existing state continues from it (the conv window is
-prepended, the ssm state is the scan's initial state).
+prepended, the ssm state is the scan's initial state). On CUDA in half precision the one-token
+step runs the Triton kernels of kernels/cuda/ssd.py (conv, scan step, gated norm) and prefill's
+scan across chunks its fused scan; these torch forms are their oracles and run everywhere else.
 """
 from __future__ import annotations
 
