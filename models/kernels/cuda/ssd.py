@@ -21,6 +21,8 @@ block of P rows (rows of S evolve independently) and keeps its [BP, N] slice in 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import base as cuda_base
@@ -87,24 +89,31 @@ if triton is not None:
         v = v / tl.sqrt(tl.sum(v * v, axis=0) / GS + eps) * w
         tl.store(out + g * GS + i, v.to(out.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _scan_chunk(out, c_dec, chunk_states, chunk_decay, S, chunk, rows, t, k, C: tl.constexpr, P: tl.constexpr,
+                    N: tl.constexpr, PREC: tl.constexpr):
+        Cd = tl.load(c_dec + chunk * C * N + t[:, None] * N + k[None, :])   # [C, N]
+        o_ptrs = out + chunk * C * P + t[:, None] * P + rows[None, :]       # [C, BP]
+        tl.store(o_ptrs, tl.load(o_ptrs) + tl.dot(Cd, tl.trans(S), input_precision=PREC))
+        return S * tl.load(chunk_decay + chunk) + tl.load(chunk_states + chunk * P * N + rows[:, None] * N + k[None, :])
+
     @triton.jit(do_not_specialize=["n"])  # one compile for every prompt length (n: its chunks)
     def _chunk_scan_kernel(out, c_dec, chunk_states, chunk_decay, state, n, C: tl.constexpr, P: tl.constexpr,
-                           N: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+                           N: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
         h = tl.program_id(0)
         rows = tl.program_id(1) * BP + tl.arange(0, BP)
         t = tl.arange(0, C)
         k = tl.arange(0, N)
         s_ptrs = state + h * P * N + rows[:, None] * N + k[None, :]
         S = tl.load(s_ptrs)                                                   # [BP, N]
-        i = 0
-        while i < n:  # (a while loop: Triton 3.6's interpreter cannot run range() over an argument)
-            chunk = h * n + i
-            i += 1
-            Cd = tl.load(c_dec + chunk * C * N + t[:, None] * N + k[None, :])  # [C, N]
-            o_ptrs = out + chunk * C * P + t[:, None] * P + rows[None, :]      # [C, BP]
-            tl.store(o_ptrs, tl.load(o_ptrs) + tl.dot(Cd, tl.trans(S), input_precision=PREC))
-            S = S * tl.load(chunk_decay + chunk) + tl.load(chunk_states + chunk * P * N + rows[:, None] * N
-                                                           + k[None, :])
+        if INTERPRETED:  # Triton 3.6's interpreter cannot run range() over an argument; a while loop it can
+            i = 0
+            while i < n:
+                S = _scan_chunk(out, c_dec, chunk_states, chunk_decay, S, h * n + i, rows, t, k, C, P, N, PREC)
+                i += 1
+        else:  # the compiled loop, as cuda_scan's
+            for i in range(n):
+                S = _scan_chunk(out, c_dec, chunk_states, chunk_decay, S, h * n + i, rows, t, k, C, P, N, PREC)
         tl.store(s_ptrs, S)
 
 
@@ -153,7 +162,8 @@ def chunk_scan(out: torch.Tensor, c_dec: torch.Tensor, chunk_states: torch.Tenso
     c_dec, chunk_states, chunk_decay = (x.contiguous() for x in (c_dec, chunk_states, chunk_decay))
     BP = min(P, CONFIG["BP"])
     launch(_chunk_scan_kernel, (H, P // BP), out, c_dec, chunk_states, chunk_decay, state, n, C=C, P=P, N=N, BP=BP,
-           PREC=CONFIG["precision"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+           PREC=CONFIG["precision"], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
 
 
 # As cuda_scan's gated delta scan (bench/RESULTS.md): tf32x3 products (fp32-level accuracy on
