@@ -121,3 +121,17 @@ def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
     monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
     (_, logits1), (_, logits2) = two_generations(hybrids[kind][0])
     assert logits1.shape != logits2.shape or (logits1 - logits2).abs().max() > 1e-3
+
+
+def test_unsupported_layer_types_are_one_line_errors():
+    from models.formats.checkpoints import CheckpointError
+    from models.formats.loader import build_model
+    from tiny import hf_config
+    cfg = hf_config("nemotron_h").to_dict()
+    cfg["layers_block_type"] = ["linear_attention", "moe", "full_attention", "linear_attention"]
+    with pytest.raises(CheckpointError, match=r"layer type 'moe' is not supported .*routed experts 'E' are not"):
+        build_model(cfg)
+    cfg = hf_config("granitemoehybrid").to_dict()
+    cfg["position_embedding_type"] = "alibi"
+    with pytest.raises(CheckpointError, match=r"position_embedding_type 'alibi' \(supported: rope, nope\)"):
+        build_model(cfg)
