@@ -127,3 +127,29 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
                               dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
     first_cpu = cpu.prefill(prompts[2])
     assert (first_gpu - first_cpu).abs().max() <= 0.05 * max(1.0, first_cpu.abs().max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Each kernel compiles to an sm_90 binary at the granite-4.0-h-tiny sizes (Triton's own ptxas,
+    no device needed): catches what the interpreter does not run (the compiled scan loop, PDL)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import ssd
+    cases = [
+        (ssd._chunk_scan_kernel, dict(out="*fp32", c_dec="*fp32", chunk_states="*fp32", chunk_decay="*fp32",
+                                      state="*fp32", n="i32"),
+         dict(C=64, P=64, N=128, BP=32, PREC="tf32x3", INTERPRETED=False)),
+        (ssd._ssm_step_kernel, dict(act="*fp32", proj="*bf16", ssm="*fp32", A="*fp32", dt_bias="*fp32", D="*fp32",
+                                    gated="*fp32", dt_off="i32", dt_lo="fp32", dt_hi="fp32"),
+         dict(INNER=3072, G=1, R=48, P=64, N=128, PDL=True)),
+        (ssd._conv_step_kernel, dict(x="*bf16", state="*bf16", weight="*bf16", bias="*bf16", out="*fp32", C="i32"),
+         dict(KM1=3, KP=4, BLOCK=256, HAS_BIAS=True, PDL=True)),
+        (ssd._group_norm_kernel, dict(gated="*fp32", weight="*bf16", out="*bf16", eps="fp32"),
+         dict(GS=3072, BLOCK=4096, PDL=True)),
+    ]
+    for fn, sig, const in cases:
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]

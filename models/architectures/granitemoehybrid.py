@@ -129,7 +129,8 @@ class GraniteHybridLayer(nn.Module):
         return self.mamba.state() if self.kind == "mamba" else AttentionState(cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
-        x, h = add_norm(x, self.input_layernorm)
+        # a Mamba2 mixer reads h through its in_proj only: on CUDA the norm runs in that GEMV's prologue
+        x, h = add_norm(x, self.input_layernorm, defer=self.kind == "mamba")
         if self.kind == "mamba":
             h = self.mamba(h, state.fixed(i))
         else:
