@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .causal_lm import Body, CausalLM
@@ -92,6 +93,26 @@ class GraniteHybridConfig:
             moe_intermediate_size=c.get("intermediate_size", 0))
 
 
+def grouped_serves(x: torch.Tensor) -> bool:
+    """Where torch's grouped GEMM runs a multi-token forward of the experts: bf16 on CUDA (its
+    kernel's dtype), fp32 on the CPU."""
+    return hasattr(torch, "_grouped_mm") and x.dtype == (torch.bfloat16 if x.is_cuda else torch.float32)
+
+
+def grouped_experts(x, idx, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Experts.forward for many tokens as two grouped GEMMs over the (token, expert) pairs sorted
+    by expert (as transformers' grouped_mm experts), not a loop of small matmuls per expert; each
+    token's k outputs are summed in slot order (no atomics: the same bits every run).
+    x [T, h]; idx, weights [T, k]; gate_up [E, 2I, h]; down [E, h, I]."""
+    T, k = idx.shape
+    ids, perm = idx.reshape(-1).sort(stable=True)
+    offs = torch.bincount(ids, minlength=gate_up.shape[0]).cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[perm // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    y = y * weights.reshape(-1)[perm, None].to(y.dtype)
+    return torch.empty_like(y).index_copy_(0, perm, y).view(T, k, -1).sum(1)
+
+
 class RoutedExperts(nn.Module):
     """`block_sparse_moe`: the router and the routed experts (the shared MLP is the layer's)."""
 
@@ -102,6 +123,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x):
         idx, weights = self.router(x)
+        if x.shape[0] > 1 and grouped_serves(x):
+            return grouped_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
         return self.experts(x, idx, weights)
 
 
