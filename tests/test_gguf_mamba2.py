@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import models
 from engine.config import SamplingConfig

@@ -65,7 +65,8 @@ def hf_config(kind: str, **over):
     elif kind == "nemotron_h":
         cfg = tf.NemotronHConfig(**{k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
                                  head_dim=16, layer_norm_epsilon=1e-5, mamba_num_heads=8, mamba_head_dim=16,
-                                 ssm_state_size=16, n_groups=2, chunk_size=32, tie_word_embeddings=False, initializer_range=0.1,
+                                 ssm_state_size=16, n_groups=2, chunk_size=32, tie_word_embeddings=False,
+                                 initializer_range=0.1,
                                  layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"])
     elif kind == "granitemoehybrid":
         common["num_hidden_layers"] = 4

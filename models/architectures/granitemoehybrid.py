@@ -167,8 +167,8 @@ class GraniteHybridLayer(nn.Module):
 
 class GraniteHybridForCausalLM(CausalLM):
     def __init__(self, cfg: GraniteHybridConfig):
-        body = Body(cfg.vocab_size, cfg.hidden_size,
-                    [GraniteHybridLayer(cfg, i) for i in range(len(cfg.layer_types))], RMSNorm(cfg.hidden_size, cfg.rms_eps))
+        layers = [GraniteHybridLayer(cfg, i) for i in range(len(cfg.layer_types))]
+        body = Body(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
 
     def state_spec(self):
