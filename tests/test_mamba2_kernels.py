@@ -75,8 +75,9 @@ def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
 
 
 def _compiled_ssd_kernels() -> int:
-    from models.kernels.cuda import ssd
-    kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel]
+    from models.kernels.cuda import experts, ssd
+    kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
+               experts._up_kernel, experts._down_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -106,22 +107,23 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
     started = _compiled_ssd_kernels()
     assert started > before or not cuda_base.can_precompile()
     calls = []
-    for name in ("decode", "chunk_scan"):
-        real = getattr(ssd, name)
-        monkeypatch.setattr(ssd, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    from models.kernels.cuda import experts
+    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (experts, "decode")):
+        real, key = getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}"
+        monkeypatch.setattr(mod, name, lambda *a, real=real, key=key, **k: calls.append(key) or real(*a, **k))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 64, 65, 130)]
     cfg = SamplingConfig(temperature=0, max_new_tokens=12)
     tokens = [list(on.generate(p, cfg)) for p in prompts]
     assert tokens == [list(on.generate(p, cfg)) for p in prompts]  # the reused session: reset, restore
-    assert "chunk_scan" in calls  # prefill ran the fused scan (decode steps replay the graph)
+    assert "ssd.chunk_scan" in calls  # prefill ran the fused scan (decode steps replay the graph)
     if cuda_base.can_precompile():
         assert _compiled_ssd_kernels() == started
     off = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
                         cuda_graph="off")
     calls.clear()
     assert [list(off.generate(p, cfg)) for p in prompts] == tokens
-    assert "decode" in calls  # the eager step ran the decode kernels
+    assert {"ssd.decode", "experts.decode"} <= set(calls)  # the eager step ran the decode kernels
     cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
     first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
                               dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
@@ -137,7 +139,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.kernels.cuda import ssd
+    from models.kernels.cuda import experts, ssd
     cases = [
         (ssd._chunk_scan_kernel, dict(out="*fp32", c_dec="*fp32", chunk_states="*fp32", chunk_decay="*fp32",
                                       state="*fp32", n="i32"),
@@ -149,7 +151,32 @@ def test_kernels_compile_for_hopper_without_a_gpu():
          dict(KM1=3, KP=4, BLOCK=256, HAS_BIAS=True, PDL=True)),
         (ssd._group_norm_kernel, dict(gated="*fp32", weight="*bf16", out="*bf16", eps="fp32"),
          dict(GS=3072, BLOCK=4096, PDL=True)),
+        (experts._up_kernel, dict(x="*bf16", gate_up="*bf16", idx="*i64", act="*fp32"),
+         dict(H=1536, I=512, BR=16, BK=256, PDL=True)),
+        (experts._down_kernel, dict(act="*fp32", down="*bf16", idx="*i64", weights="*fp32", out="*bf16"),
+         dict(H=1536, I=512, TOPK=6, BR=16, BK=256, PDL=True)),
     ]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_decode_kernels_match_the_torch_experts(device):
+    from models.architectures.qwen3_5 import Experts
+    from models.kernels.cuda import experts
+    g = torch.Generator().manual_seed(5)
+    E, I, H, k = 6, 48, 80, 3  # sizes off the kernels' block multiples
+    cfg = type("cfg", (), dict(num_experts=E, moe_intermediate_size=I, hidden_size=H))
+    ex = Experts(cfg)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.2)
+        ex.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.2)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)) if device == "cuda" else ((torch.float32, 1e-4),):
+        ex = ex.to(device=device, dtype=dtype)
+        x = torch.randn(1, H, generator=g).to(device, dtype)
+        idx = torch.tensor([[4, 0, 5]], device=device)
+        w = torch.tensor([[0.5, 0.3, 0.2]], device=device)
+        ref = ex(x, idx, w).float()
+        out = experts.decode(x, ex.gate_up_proj, ex.down_proj, idx, w)
+        assert out.dtype == dtype and (out.float() - ref).abs().max() <= tol * max(1.0, ref.abs().max())

@@ -6,7 +6,8 @@ embeddings times `embedding_multiplier`, each branch times `residual_multiplier`
 the stream, logits divided by `logits_scaling`. The model declares each layer's state; the
 engine's StateManager owns it. Checkpoint names (`input_linear`, `output_linear`, `router.layer`)
 map to ours in `checkpoint_names`; the experts and router are qwen3_5.py's (their top-k softmax,
-renormalised, is the softmax over the top-k logits).
+renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them as the
+two kernels of kernels/cuda/experts.py, and a multi-token forward as two grouped GEMMs.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cuda import base as cuda_base, experts as cuda_experts
 from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
@@ -123,6 +125,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x):
         idx, weights = self.router(x)
+        if cuda_base.usable(x):  # one token: two kernels read the chosen experts where they are stored
+            return cuda_experts.decode(x.contiguous(), self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
         if x.shape[0] > 1 and grouped_serves(x):
             return grouped_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
         return self.experts(x, idx, weights)
