@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, experts as cuda_experts
+from ..kernels.cuda import base as cuda_base, experts as cuda_experts, linear as cuda_linear
 from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
@@ -124,9 +124,12 @@ class RoutedExperts(nn.Module):
         self.experts = Experts(cfg)
 
     def forward(self, x):
+        if cuda_base.usable(x):  # one token: the router's GEMV, the top-k softmax, the experts read in place
+            x = x.contiguous()
+            logits = cuda_linear.gemv(x, self.router.weight, out_dtype=torch.float32)
+            idx, weights = cuda_experts.route(logits, self.router.top_k)
+            return cuda_experts.decode(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
         idx, weights = self.router(x)
-        if cuda_base.usable(x):  # one token: two kernels read the chosen experts where they are stored
-            return cuda_experts.decode(x.contiguous(), self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
         if x.shape[0] > 1 and grouped_serves(x):
             return grouped_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
         return self.experts(x, idx, weights)

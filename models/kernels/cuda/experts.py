@@ -1,6 +1,11 @@
-"""Triton kernels for routed SwiGLU experts in a one-token step (CUDA), in two launches.
+"""Triton kernels for routed SwiGLU experts in a one-token step (CUDA): routing in one launch, the
+experts in two.
 
-Contract: `decode(x, gate_up, down, idx, weights)` computes what qwen3_5.Experts.forward computes
+Contract, routing: `route(logits, k)` computes what qwen3_5.Router computes from fp32 router
+logits [1, E]: the k largest (torch.topk's order) and their softmax (= the full softmax's top k,
+renormalised), in one program; idx int64 and weights fp32, [1, k] (the torch form is ~5 launches).
+
+Contract, experts: `decode(x, gate_up, down, idx, weights)` computes what qwen3_5.Experts.forward computes
 for one token: sum over the k chosen experts e of weights[e] * down[e] (silu(gate) * up), with
 [gate; up] = gate_up[e] x. The torch form gathers the chosen experts' weights into new tensors
 first (a copy of every active expert each step) and launches ~12 kernels; here the programs read
@@ -23,6 +28,25 @@ if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
+
+    @triton.jit
+    def _route_kernel(logits, idx_out, w_out, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
+                      KP: tl.constexpr, PDL: tl.constexpr):
+        i = tl.arange(0, EP)
+        kk = tl.arange(0, KP)
+        _pdl_enter(PDL)
+        v = tl.load(logits + i, mask=i < E, other=float("-inf"))
+        top_v = tl.full((KP,), float("-inf"), tl.float32)
+        top_i = tl.zeros((KP,), dtype=tl.int64)
+        for s in tl.static_range(TOPK):  # the largest left, lowest index first among equals
+            m = tl.max(v, axis=0)
+            j = tl.min(tl.where(v == m, i, EP), axis=0)
+            top_v = tl.where(kk == s, m, top_v)
+            top_i = tl.where(kk == s, j.to(tl.int64), top_i)
+            v = tl.where(i == j, float("-inf"), v)
+        p = tl.exp(top_v - tl.max(top_v, axis=0))
+        tl.store(idx_out + kk, top_i, mask=kk < TOPK)
+        tl.store(w_out + kk, p / tl.sum(p, axis=0), mask=kk < TOPK)
 
     @triton.jit
     def _up_kernel(x, gate_up, idx, act, H: tl.constexpr, I: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
@@ -65,6 +89,16 @@ if triton is not None:
                 acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             total += tl.load(weights + slot).to(tl.float32) * acc
         tl.store(out + r, total.to(out.dtype.element_ty), mask=rm)
+
+
+def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [1, E] fp32 contiguous → (idx int64 [1, k], weights fp32 [1, k])."""
+    E = logits.shape[-1]
+    idx = torch.empty(1, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(1, k, dtype=torch.float32, device=logits.device)
+    launch(_route_kernel, (1,), logits, idx, w, E=E, EP=triton.next_power_of_2(E), TOPK=k,
+           KP=triton.next_power_of_2(k), **cuda_base.pdl(logits))
+    return idx, w
 
 
 def decode(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor,
