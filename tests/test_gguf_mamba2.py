@@ -95,3 +95,19 @@ def test_gguf_tokenizer_equals_the_hf_directory(pair):
     _, from_dir, from_gguf, _ = pair
     text = "<|im_start|>user\nthe heron in 2 ponds<|im_end|>\n"
     assert from_gguf.tokenizer.encode(text).ids == from_dir.tokenizer.encode(text).ids
+
+
+def test_q8_0_granite_gguf_runs_in_its_blocks(tmp_path):
+    """A Q8_0 file kept quantized on the CPU (the Mamba2 and expert-free projections as blocks;
+    the 3-D expert stacks and the conv dequantized) agrees with the same file dequantized, to
+    the quantized kernels' activation rounding."""
+    from tiny import hf_model, write_checkpoint
+    hf = hf_model("granitemoehybrid", seed=3, position_embedding_type="nope")
+    d = write_checkpoint("granitemoehybrid", str(tmp_path / "hf"), model=hf)
+    as_released(d, "granitemoehybrid")
+    path = convert(d, str(tmp_path / "q8.gguf"), "q8_0")
+    blocks, plain = models.load(path, quantized=True), models.load(path)
+    assert "Q8_0" in blocks.weight_format
+    ids = rand_ids(40, 15)
+    diff = session(blocks).prefill(ids, all_logits=True) - session(plain).prefill(ids, all_logits=True)
+    assert diff.abs().max() <= 2e-2
