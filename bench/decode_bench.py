@@ -170,8 +170,8 @@ def main() -> None:
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")
     ap.add_argument("--ready", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from models.architectures import qwen3_5
-    qwen3_5.PREFILL_FORM = a.prefill_form
+    from models.architectures import mamba2, qwen3_5
+    qwen3_5.PREFILL_FORM = mamba2.PREFILL_FORM = a.prefill_form
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if a.ready:
@@ -214,20 +214,22 @@ def main() -> None:
         rows.append(rec)
     hf = {}
     if a.hf and os.path.exists(a.hf):
-        for line in open(a.hf):
+        hf_lines += [line for line in open(a.hf) if line.startswith("{")]
+    if hf_lines:
+        for line in hf_lines:
             if line.startswith("{"):
                 r = json.loads(line)
                 key = "prefill" if r.get("tag") == "prefill" else ("static" if r.get("static") else "eager")
                 hf.setdefault(r["model"], {})[key] = r
     if rows:
-        print(f"\n{'shape':14}{'ours tok/s':>11}{'HF best':>9}{'ratio':>7}{'floor':>8}"
+        print(f"\n{'shape':20}{'ours tok/s':>11}{'HF best':>9}{'ratio':>7}{'floor':>8}"
               f"{'ours prefill':>14}{'HF prefill':>12}{'ratio':>7}")
         for r in rows:
             h = hf.get(r["model"], {})
             best = max((v.get("decode_tok_s", 0) for k, v in h.items() if k != "prefill"), default=0)
             hf_pf = h.get("prefill", {}).get("ttft_ms")
             hf_pf_tps = a.prefill / (hf_pf / 1e3) if hf_pf else 0
-            print(f"{r['model']:14}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
+            print(f"{r['model']:20}{r['decode_tok_s']:>11.1f}{best:>9.1f}"
                   f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / (r['floor_ms_per_tok'] or float('inf')):>8.0f}"
                   f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
                   f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")

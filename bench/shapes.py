@@ -42,6 +42,17 @@ SHAPES = {
                       vocab_size=65536, tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3,
                       block_multiple_of=256, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
                       rope_theta=1000000.0, max_position_embeddings=128000),
+    # Granite-4.0-H-Tiny's published sizes (as shared/bench/hf_baseline.py builds it): 40 layers, attention
+    # at 5, 15, 25, 35 (no positional encoding), Mamba2 elsewhere (48 heads of 64, state 128, one
+    # group), 64 routed experts of 512 (top 6) and a shared SwiGLU of 1024 in every layer; the muP
+    # multipliers are left at 1 (speed does not depend on them)
+    "granite-4.0-h-tiny": dict(model_type="granitemoehybrid", hidden_size=1536, num_hidden_layers=40,
+                               num_attention_heads=12, num_key_value_heads=4, intermediate_size=512,
+                               layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+                               num_local_experts=64, num_experts_per_tok=6, shared_intermediate_size=1024,
+                               mamba_n_heads=48, mamba_n_groups=1, mamba_d_state=128, mamba_d_head=64,
+                               mamba_d_conv=4, mamba_expand=2, vocab_size=100352, tie_word_embeddings=True,
+                               rms_norm_eps=1e-5, max_position_embeddings=131072),
 }
 
 

@@ -75,6 +75,21 @@ def hf_config(kind: str, **over):
                                   linear_value_head_dim=16, tie_word_embeddings=False, initializer_range=0.1,
                                   layer_types=["linear_attention", "linear_attention", "full_attention",
                                                "linear_attention"])
+    elif kind == "nemotron_h":
+        cfg = tf.NemotronHConfig(**{k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+                                 head_dim=16, layer_norm_epsilon=1e-5, mamba_num_heads=8, mamba_head_dim=16,
+                                 ssm_state_size=16, n_groups=2, chunk_size=32, tie_word_embeddings=False,
+                                 initializer_range=0.1,
+                                 layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"])
+    elif kind == "granitemoehybrid":
+        common["num_hidden_layers"] = 4
+        cfg = tf.GraniteMoeHybridConfig(**{**common, "intermediate_size": 32}, shared_intermediate_size=48,
+                                        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+                                        mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=32,
+                                        embedding_multiplier=3.0, logits_scaling=2.5, residual_multiplier=0.5,
+                                        attention_multiplier=0.2, position_embedding_type="rope",
+                                        tie_word_embeddings=True, initializer_range=0.1,
+                                        layer_types=["mamba", "attention", "mamba", "mamba"])
     else:
         raise ValueError(kind)
     for k, v in over.items():
@@ -89,7 +104,8 @@ def hf_model(kind: str, seed: int = 0, **over):
     torch.manual_seed(seed)
     cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
            "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
-           "lfm2": tf.Lfm2ForCausalLM, "olmo_hybrid": tf.OlmoHybridForCausalLM}[kind]
+           "lfm2": tf.Lfm2ForCausalLM, "olmo_hybrid": tf.OlmoHybridForCausalLM,
+           "nemotron_h": tf.NemotronHForCausalLM, "granitemoehybrid": tf.GraniteMoeHybridForCausalLM}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity
         for name, p in model.named_parameters():
@@ -97,6 +113,12 @@ def hf_model(kind: str, seed: int = 0, **over):
                 p.add_(torch.randn_like(p) * 0.1)
             elif p.dim() >= 2 and p.std() == 0:  # e.g. zero-initialised routers
                 p.normal_(0, 0.5)
+            if name.endswith("mixer.dt_bias") or name.endswith("mamba.dt_bias"):
+                # Mamba2 steps of order 1 (the released init gives 0.001-0.1: a state that barely
+                # moves in a tiny test), so a wrong decay or state update shows in the logits
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith(".D"):
+                p.add_(torch.randn_like(p) * 0.5)
     return model
 
 

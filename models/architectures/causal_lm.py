@@ -56,7 +56,7 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, state: StateView,
                 all_logits: bool = False) -> torch.Tensor:
         """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row)."""
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
         # the live length from `positions`): no mask
@@ -70,6 +70,10 @@ class CausalLM(nn.Module):
         if not all_logits:
             x = x.last_row() if isinstance(x, Residual) else x[-1:]
         return self.logits(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `tokens` (a family that scales them overrides this)."""
+        return self.model.embed_tokens(tokens)
 
     def logits(self, x: "torch.Tensor | Residual") -> torch.Tensor:
         """The final norm and the LM head over the residual stream's rows: fp32 logits [T, vocab],

@@ -174,8 +174,17 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-# Architectures whose HF names differ from the llama ones above: their names, over those defaults.
-_GGUF_ARCH_NAMES = {
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2",
+               "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?$")
+# Families whose HF names differ from the llama ones above (by model type): their names, over
+# those defaults; whole-tensor names (LFM2's token_embd_norm) are looked up first.
+# Mamba2 hybrids: a Mamba2 mixer's tensors (ssm_a holds A = -exp(A_log), ssm_d and ssm_norm are
+# reshaped: _mamba2_fixups), and the names that differ by family (Nemotron-H's blocks hold one
+# `mixer` under one `norm`; Granite's routed experts are stacked gate and up: ours concatenate them)
+_MAMBA2 = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_dt": "dt_bias", "ssm_a": "A_log", "ssm_d": "D",
+           "ssm_norm": "norm", "ssm_out": "out_proj"}
+_GGUF_FAMILY_NAMES = {
     "lfm2": {
         "token_embd_norm.weight": "model.embedding_norm.weight",  # LFM2's final norm, despite the name
         "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
@@ -183,19 +192,36 @@ _GGUF_ARCH_NAMES = {
         "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
         "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
     },
+    "granitemoehybrid": {**{k: "mamba." + v for k, v in _MAMBA2.items()},
+                         "ffn_gate_inp": "block_sparse_moe.router", "ffn_gate_exps": "block_sparse_moe.experts.gate",
+                         "ffn_up_exps": "block_sparse_moe.experts.up", "ffn_down_exps": "block_sparse_moe.experts.down",
+                         "ffn_gate_shexp": "shared_mlp.gate_proj", "ffn_up_shexp": "shared_mlp.up_proj",
+                         "ffn_down_shexp": "shared_mlp.down_proj", "ffn_gate": "shared_mlp.gate_proj",
+                         "ffn_up": "shared_mlp.up_proj", "ffn_down": "shared_mlp.down_proj"},
+    "nemotron_h": {**{k: "mixer." + v for k, v in _MAMBA2.items()},
+                   "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+                   "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)$")
+_GGUF_BARE = {"ssm_dt", "ssm_a", "ssm_d", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+# families whose converter permutes attn_q / attn_k rows for llama.cpp's RoPE layout
+_GGUF_PERMUTED_QK = {"llama", "granitemoehybrid", "nemotron_h"}
 
 
-def _hf_name(name: str, arch: str = "llama") -> str:
-    names = {**_GGUF_NAMES, **_GGUF_LAYER_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
-    if name in names:
-        return names[name]
+
+
+def _hf_name(name: str, model_type: str = "") -> str:
+    family = _GGUF_FAMILY_NAMES.get(model_type, {})
+    if name in family:
+        return family[name]
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
     m = _LAYER_RE.match(name)
+    names = {**_GGUF_LAYER_NAMES, **family}
     if not m or m.group(2) not in names:
         raise CheckpointError(f"GGUF tensor {name!r} is not one this architecture has")
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    leaf = names[m.group(2)]
+    bare = m.group(2) in _GGUF_BARE  # HF holds these as parameters of the layer itself
+    return f"model.layers.{m.group(1)}.{leaf}" + (f".{m.group(3)}" if m.group(3) and not bare else "")
 
 
 def _lfm2_config(config: dict, a) -> None:
@@ -207,8 +233,27 @@ def _lfm2_config(config: dict, a) -> None:
                   block_auto_adjust_ff_dim=False)
 
 
-# Architectures whose config needs more than the llama keys read in _read_gguf_index.
-_GGUF_ARCH_CONFIG = {"lfm2": _lfm2_config}
+# Families whose config needs more than the llama keys read in _read_gguf_index (by model type).
+_GGUF_FAMILY_CONFIG = {"lfm2": _lfm2_config}
+_MAMBA2_FAMILIES = {"granitemoehybrid", "nemotron_h"}
+
+
+def _mamba2_fixups(tensors: dict) -> None:
+    """In place: llama.cpp's Mamba2 tensors → the HF forms (A_log from A, D and the gated norm's
+    weight flat), and Granite's stacked routed experts' gate and up → one gate_up_proj."""
+    for name in list(tensors):
+        t = tensors.get(name)
+        if t is None:  # an expert's up or down, consumed with its gate
+            continue
+        if name.endswith(".A_log"):
+            tensors[name] = (-t.reshape(-1).double()).log().float()
+        elif name.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
+            tensors[name] = t.reshape(-1)
+        elif name.endswith("block_sparse_moe.experts.gate"):
+            base = name[: -len("gate")]
+            tensors[base + "gate_up_proj"] = torch.cat([t, tensors.pop(base + "up")], dim=1)
+            tensors[base + "down_proj"] = tensors.pop(base + "down")
+            del tensors[name]
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -245,7 +290,6 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     if index is None:
         index = _read_gguf_index(path)
         _store_index(path, index)
-    arch = {v: k for k, v in _GGUF_ARCHS.items()}[index["config"]["model_type"]]
     tensors = {}
     widened: dict[str, int] = {}
     try:
@@ -257,12 +301,13 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                 raise CheckpointError(f"{path}: truncated: tensor {name!r} ends past the end of the file")
             raw = data[offset:offset + n].view(dtype).reshape(shape)
             unpermute = None
-            if index["config"]["model_type"] == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            model_type = index["config"]["model_type"]
+            if model_type in _GGUF_PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
             if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
                 qt = quant.GgufTensor(ttype, raw)
-                tensors[_hf_name(name, arch)] = qt if unpermute is None else qt.permute_rows(unpermute)
+                tensors[_hf_name(name, model_type)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
             if keep_quantized and len(shape) == 2 and ttype not in (0, 1, 30):  # F32, F16, BF16
                 kind = gguf_type(ttype).name
@@ -270,13 +315,15 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if unpermute is not None:
                 w = unpermute(w)
-            tensors[_hf_name(name, arch)] = torch.from_numpy(np.ascontiguousarray(w))
+            tensors[_hf_name(name, model_type)] = torch.from_numpy(np.ascontiguousarray(w))
     except CheckpointError:
         raise
     except NotImplementedError as e:  # gguf-py cannot dequantize this type either
         raise CheckpointError(f"{path}: {e}") from None
     except Exception as e:
         raise CheckpointError(f"{path}: corrupt tensor data ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if index["config"].get("mamba2"):
+        _mamba2_fixups(tensors)
     notes = [f"{count} {kind} tensor{'s' * (count > 1)} dequantized to fp32 (kept in blocks: "
              f"{', '.join(gguf_type(t).name for t in quant.kept_types())})"
              for kind, count in sorted(widened.items())]
@@ -317,8 +364,10 @@ def _read_gguf_index(path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
-    if arch in _GGUF_ARCH_CONFIG:
-        _GGUF_ARCH_CONFIG[arch](config, a)
+    if config["model_type"] in _GGUF_FAMILY_CONFIG:
+        _GGUF_FAMILY_CONFIG[config["model_type"]](config, a)
+    if config["model_type"] in _MAMBA2_FAMILIES:
+        config.update(_mamba2_hybrid_config(config["model_type"], a, reader))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError(f"{path}: the GGUF file has no tokenizer")
@@ -330,7 +379,7 @@ def _read_gguf_index(path: str) -> dict:
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
     for t in reader.tensors:
-        _hf_name(t.name, arch)  # unknown tensor names fail now, not after caching
+        _hf_name(t.name, config["model_type"])  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
@@ -343,6 +392,46 @@ def _read_gguf_index(path: str) -> dict:
         "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))
                     for t in reader.tensors],
     }
+
+
+def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
+    """The HF config keys of a Granite 4.0-H or Nemotron-H GGUF. Each layer's kind comes from its
+    tensors (ssm_in: Mamba2, attn_q: attention, else an MLP). llama.cpp steps Mamba2 without
+    transformers' time_step_min clamp and runs Granite's attention without RoPE unless
+    rope.scaling.finetuned says otherwise (the converter sets it only for all-attention models)."""
+    names = {t.name for t in reader.tensors}
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    if any(n.endswith("_exps.weight") for n in names) and model_type == "nemotron_h":
+        raise CheckpointError("Nemotron-H routed-expert (MoE) GGUF files are not supported (dense Nemotron-H is)")
+    n_layers = a("block_count")
+    kinds = ["mamba" if f"blk.{i}.ssm_in.weight" in names else "attention" if f"blk.{i}.attn_q.weight" in names
+             else "mlp" for i in range(n_layers)]
+    kv = a("attention.head_count_kv", 0)
+    kv = max(kv) if isinstance(kv, list) else kv
+    heads, inner, n_heads = a("attention.head_count"), a("ssm.inner_size"), a("ssm.time_step_rank")
+    mamba = {"mamba2": True, "num_key_value_heads": kv or heads, "num_hidden_layers": n_layers,
+             "rms_norm_eps": a("attention.layer_norm_rms_epsilon", a("attention.layer_norm_epsilon", 1e-5)),
+             "time_step_limit": [0.0, float("inf")]}
+    first_ssm = kinds.index("mamba") if "mamba" in kinds else None
+    conv_bias = first_ssm is not None and f"blk.{first_ssm}.ssm_conv1d.bias" in names
+    proj_bias = first_ssm is not None and f"blk.{first_ssm}.ssm_in.bias" in names
+    if model_type == "nemotron_h":
+        ffn = [shapes[f"blk.{i}.ffn_up.weight"][1] for i in range(n_layers) if kinds[i] == "mlp"]
+        return {**mamba, "layers_block_type": kinds, "layer_norm_epsilon": mamba["rms_norm_eps"],
+                "head_dim": a("attention.key_length", 0) or None, "intermediate_size": ffn[0] if ffn else 0,
+                "mamba_num_heads": n_heads, "mamba_head_dim": inner // n_heads, "ssm_state_size": a("ssm.state_size"),
+                "n_groups": a("ssm.group_count", 1), "conv_kernel": a("ssm.conv_kernel"), "use_conv_bias": conv_bias,
+                "use_bias": proj_bias, "time_step_min": 0.0}
+    experts = a("expert_count", 0)
+    return {**mamba, "layer_types": kinds, "position_embedding_type":
+            "rope" if a("rope.scaling.finetuned", False) else "nope",
+            "num_local_experts": experts, "num_experts_per_tok": a("expert_used_count", 0),
+            "shared_intermediate_size": a("expert_shared_feed_forward_length", 0) or a("feed_forward_length"),
+            "mamba_n_heads": n_heads, "mamba_d_head": inner // n_heads, "mamba_d_state": a("ssm.state_size"),
+            "mamba_n_groups": a("ssm.group_count", 1), "mamba_d_conv": a("ssm.conv_kernel"),
+            "mamba_conv_bias": conv_bias, "mamba_proj_bias": proj_bias, "mamba_expand": inner // a("embedding_length"),
+            "attention_multiplier": a("attention.scale", 1.0), "embedding_multiplier": a("embedding_scale", 1.0),
+            "residual_multiplier": a("residual_scale", 1.0), "logits_scaling": a("logit_scale", 1.0)}
 
 
 INDEX_VERSION = 1

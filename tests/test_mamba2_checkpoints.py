@@ -1,0 +1,50 @@
+"""Mamba2 hybrids' turn-boundary checkpoints: every generation under sends, /undo, /retry and
+resets equals a cold session's (the property test of tests/test_checkpoints.py), and /undo and
+/retry restore checkpoints instead of re-prefilling."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from chat.turn import TurnResult
+from test_checkpoints import OPS, controller, send_checked
+
+KINDS = ["nemotron_h", "granitemoehybrid"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    return {k: write_checkpoint(k, str(tmp_path_factory.mktemp(k)), model=hf_model(k)) for k in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_property_every_generation_equals_a_cold_session(ckpts, kind):
+    c = controller(ckpts[kind], temperature="0.8", seed="3")
+
+    @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+    @given(OPS)
+    def run(ops):
+        c.reset()
+        for op in ops:
+            if op[0] == "undo":
+                c.undo()
+            elif op[0] == "reset":
+                c.reset_conversation(keep_cache=True)
+            else:
+                send_checked(c, op)
+    run()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_undo_and_retry_restore_checkpoints(ckpts, kind):
+    c = controller(ckpts[kind], temperature="0")
+    assert c.session.state.has_fixed_state
+    list(c.send("alpha", TurnResult([])))
+    list(c.send("beta", TurnResult([])))
+    r = TurnResult([])
+    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
+    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
+    c.undo()
+    r = TurnResult([])
+    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
+    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10

@@ -1,0 +1,156 @@
+"""Mamba2 hybrids (Nemotron-H, Granite 4.0-H): parity with transformers, the prefill forms, state
+resets (the seed's re-zero regression on a real family, with its non-vacuity check), and the
+turn-boundary checkpoints under /undo and /retry."""
+import pytest
+import torch
+
+import models
+from engine import reference, state as state_mod
+from engine.config import SamplingConfig
+from engine.session import DecodeSession
+from models.architectures import mamba2
+from test_hybrid import TOL, hf_logits, rand_ids, session
+
+KINDS = ["nemotron_h", "granitemoehybrid"]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    out = {}
+    for kind in KINDS:
+        hf = hf_model(kind)
+        path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)
+        out[kind] = (models.load(path), hf, path)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_prefill_logits_match_transformers(hybrids, kind, length):
+    lm, hf, _ = hybrids[kind]
+    ids = rand_ids(length, length)
+    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_steps_match_transformers(hybrids, kind):
+    lm, hf, _ = hybrids[kind]
+    s = session(lm)
+    seq = rand_ids(37, 5)
+    logits = s.prefill(seq)
+    for _ in range(16):
+        seq.append(int(logits[-1].argmax()))
+        logits = s.step(seq[-1])
+        assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+
+
+def test_granite_without_positional_encoding_matches_transformers(tmp_path):
+    """Granite 4.0-H's released configs attend without RoPE (position_embedding_type "nope")."""
+    from tiny import hf_model, write_checkpoint
+    hf = hf_model("granitemoehybrid", seed=1, position_embedding_type="nope")
+    lm = models.load(write_checkpoint("granitemoehybrid", str(tmp_path), model=hf))
+    assert not lm.model.config.rope
+    s, seq = session(lm), rand_ids(40, 2)
+    assert (s.prefill(seq, all_logits=True) - hf_logits(hf, seq)).abs().max() <= TOL
+    for _ in range(4):
+        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert (s.step(seq[-1])[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_prefill_equals_one_prefill(hybrids, kind):
+    lm, _, _ = hybrids[kind]
+    ids = rand_ids(150, 7)
+    whole = session(lm).prefill(ids, all_logits=True)
+    s = session(lm)
+    parts = [s.prefill(ids[a:b], all_logits=True) for a, b in [(0, 13), (13, 14), (14, 79), (79, 150)]]
+    assert (torch.cat(parts) - whole).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_prefill_forms_agree(hybrids, kind, monkeypatch):
+    lm, _, _ = hybrids[kind]
+    ids = rand_ids(70, 9)
+    chunked = session(lm).prefill(ids, all_logits=True)
+    monkeypatch.setattr(mamba2, "PREFILL_FORM", "naive")
+    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_turn_appended_equals_cold_run(hybrids, kind):
+    lm, _, _ = hybrids[kind]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+    s = session(lm)
+    first = rand_ids(30, 4)
+    reply = list(s.generate(first, greedy))
+    second = first + reply + rand_ids(9, 5)
+    warm = list(s.generate(second, greedy))
+    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
+    assert warm == list(session(lm).generate(second, greedy))
+    assert warm == reference.greedy(lm.model, second, len(warm))
+
+
+def two_generations(lm):
+    """The seed's regression on this family: two generations of one prompt on one session with no
+    checkpoints, so the second must come back through reset(), the path of the original bug.
+    Returns each generation's tokens and the logits of every forward it ran (a tiny random model's
+    sampled tokens can hide a changed state; its logits cannot)."""
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, checkpoint_mib=0)
+    cfg = SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_new_tokens=24)
+    prompt = rand_ids(20, 8)
+    out = []
+    for _ in range(2):
+        seen = []
+        hook = lm.model.register_forward_hook(lambda m, args, logits: seen.append(logits.clone()))
+        try:
+            out.append((list(s.generate(prompt, cfg)), torch.cat(seen)))
+        finally:
+            hook.remove()
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_rezeroes_mamba_state_on_reused_session(hybrids, kind):
+    (tokens1, logits1), (tokens2, logits2) = two_generations(hybrids[kind][0])
+    assert tokens1 == tokens2 and torch.equal(logits1, logits2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
+    monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
+    (_, logits1), (_, logits2) = two_generations(hybrids[kind][0])
+    assert logits1.shape != logits2.shape or (logits1 - logits2).abs().max() > 1e-3
+
+
+def test_unsupported_layer_types_are_one_line_errors():
+    from models.formats.checkpoints import CheckpointError
+    from models.formats.loader import build_model
+    from tiny import hf_config
+    cfg = hf_config("nemotron_h").to_dict()
+    cfg["layers_block_type"] = ["linear_attention", "moe", "full_attention", "linear_attention"]
+    with pytest.raises(CheckpointError, match=r"layer type 'moe' is not supported .*routed experts 'E' are not"):
+        build_model(cfg)
+    cfg = hf_config("granitemoehybrid").to_dict()
+    cfg["position_embedding_type"] = "alibi"
+    with pytest.raises(CheckpointError, match=r"position_embedding_type 'alibi' \(supported: rope, nope\)"):
+        build_model(cfg)
+
+
+def test_grouped_experts_equal_the_per_expert_loop():
+    from models.architectures.granitemoehybrid import grouped_experts
+    from models.architectures.qwen3_5 import Experts
+    g = torch.Generator().manual_seed(3)
+    cfg = type("cfg", (), dict(num_experts=6, moe_intermediate_size=32, hidden_size=48))
+    ex = Experts(cfg)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(6, 64, 48, generator=g) * 0.2)
+        ex.down_proj.copy_(torch.randn(6, 48, 32, generator=g) * 0.2)
+    x = torch.randn(37, 48, generator=g)
+    idx = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(37)])  # expert 5 may go unused
+    idx[:, 0] = idx[:, 0].clamp(max=4)
+    w = torch.rand(37, 3, generator=g)
+    loop = ex(x, idx, w)
+    grouped = grouped_experts(x, idx, w, ex.gate_up_proj, ex.down_proj)
+    assert (grouped - loop).abs().max() <= 1e-5
+    assert torch.equal(grouped, grouped_experts(x, idx, w, ex.gate_up_proj, ex.down_proj))

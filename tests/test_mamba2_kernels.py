@@ -1,0 +1,200 @@
+"""The Mamba2 Triton kernels (models/kernels/cuda/ssd.py) against the torch forms they replace:
+the decode step (conv, scan step, gated norm) against Mamba2Mixer's torch forward, and the
+chunked prefill's fused scan against the torch loop and the naive oracle, from non-zero states.
+
+They run on CUDA (`gpu` marker, tests/run_gpu.sh) and, where TRITON_INTERPRET=1 and Triton is
+importable, on the CPU under Triton's interpreter (slow: tiny sizes), as they were developed."""
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from models.architectures import mamba2
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu),
+           pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 and Triton"))]
+
+
+def mixer(device, dtype, groups=2, heads=8, head_dim=16, state=16, seed=0):
+    torch.manual_seed(seed)
+    m = mamba2.Mamba2Mixer(64, heads, head_dim, state, groups, 4, 1e-5, dt_limit=(0.01, 5.0))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() > 1 else 1.0))
+    m = m.to(device=device, dtype=dtype)
+    m.reset_buffers(device)
+    return m
+
+
+def states(m, device, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    conv = (torch.randn(m.conv_dim, m.K - 1, generator=g)).to(device, dtype)
+    ssm = (torch.randn(m.H, m.P, m.N, generator=g) * 0.5).to(device)
+    return {"conv": conv, "ssm": ssm}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_decode_kernels_match_the_torch_step(device, groups):
+    from models.kernels.cuda import ssd
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)) if device == "cuda" else ((torch.float32, 1e-4),):
+        m = mixer(device, dtype, groups)
+        m.out_proj = nn.Identity()  # compare what reaches out_proj
+        st_ref, st = states(m, device, dtype), states(m, device, dtype)
+        for t in range(5):  # five steps: the conv window shifts and the state carries between them
+            h = torch.randn(1, 64, generator=torch.Generator().manual_seed(10 + t)).to(device, dtype)
+            from models.kernels.cuda import base as cuda_base
+            enabled, cuda_base.ENABLED = cuda_base.ENABLED, False
+            try:
+                ref = m(h, st_ref)  # the torch form
+            finally:
+                cuda_base.ENABLED = enabled
+            out = ssd.decode(m.in_proj(h).contiguous(), st["conv"], m.conv1d.weight, m.conv1d.bias, st["ssm"], m.A,
+                             m.dt_bias32, m.D32, m.norm.weight, m.norm.eps, m.dt_limit, m.H, m.P, m.N, m.G)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert (out.float() - ref.float()).abs().max() <= tol * max(1.0, ref.float().abs().max())
+            assert torch.equal(st["conv"], st_ref["conv"])
+            assert (st["ssm"] - st_ref["ssm"]).abs().max() <= tol * max(1.0, st_ref["ssm"].abs().max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
+    sizes = [(1, 16), (17, 16), (40, 16)] if device == "cpu" else [(1, 64), (63, 64), (64, 64), (65, 64), (700, 64)]
+    H, P, N, G = (2, 16, 16, 1) if device == "cpu" else (48, 64, 128, 1)
+    for T, chunk in sizes:
+        x, dt, A, B, C, D, s0 = (t.to(device) for t in mamba2.example_inputs(T, H, P, N, G, seed=T))
+        s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
+        loop = mamba2.chunked(x, dt, A, B, C, D, s_loop, chunk)
+        fused = mamba2.chunked(x, dt, A, B, C, D, s_fused, chunk, fused=True)
+        naive = mamba2.naive(x, dt, A, B, C, D, s_naive)
+        assert (fused - loop).abs().max() <= 1e-4 and (s_fused - s_loop).abs().max() <= 1e-5, T
+        assert (fused - naive).abs().max() <= 1e-3 and (s_fused - s_naive).abs().max() <= 1e-4, T
+
+
+def _compiled_ssd_kernels() -> int:
+    from models.kernels.cuda import experts, ssd
+    kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
+               experts._route_kernel, experts._up_kernel, experts._down_kernel]
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.fixture(scope="module")
+def gpu_granite(tmp_path_factory):
+    import models
+    from tiny import write_checkpoint
+    path = write_checkpoint("granitemoehybrid", str(tmp_path_factory.mktemp("granite")), hidden_size=96,
+                            mamba_d_head=32, mamba_n_heads=6)  # sizes no other test compiles
+    return path, models.load(path, "cuda", torch.bfloat16), models.load(path)
+
+
+@pytest.mark.gpu
+def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_granite, monkeypatch):
+    """On the H200 in bf16: the session's start compiles the Mamba2 kernels (no prompt length or
+    later turn compiles another), the kernels serve (decode and prefill), the CUDA graph replays
+    what the eager step computes (the same tokens, twice on one session), and the first logits
+    stay within bf16 rounding of the CPU's fp32 model."""
+    from engine.config import SamplingConfig
+    from engine.session import DecodeSession
+    from models.kernels.cuda import base as cuda_base, ssd
+    _, lm, lm_cpu = gpu_granite
+    if not cuda_base.ENABLED:
+        pytest.skip("needs Triton")
+    before = _compiled_ssd_kernels()
+    on = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = _compiled_ssd_kernels()
+    assert started > before or not cuda_base.can_precompile()
+    calls = []
+    from models.kernels.cuda import experts
+    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (experts, "decode"), (experts, "route")):
+        real, key = getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}"
+        monkeypatch.setattr(mod, name, lambda *a, real=real, key=key, **k: calls.append(key) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=12)
+    tokens = [list(on.generate(p, cfg)) for p in prompts]
+    assert tokens == [list(on.generate(p, cfg)) for p in prompts]  # the reused session: reset, restore
+    assert "ssd.chunk_scan" in calls  # prefill ran the fused scan (decode steps replay the graph)
+    if cuda_base.can_precompile():
+        assert _compiled_ssd_kernels() == started
+    off = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
+                        cuda_graph="off")
+    calls.clear()
+    assert [list(off.generate(p, cfg)) for p in prompts] == tokens
+    assert {"ssd.decode", "experts.decode", "experts.route"} <= set(calls)  # the eager step ran the decode kernels
+    cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
+    first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
+                              dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
+    first_cpu = cpu.prefill(prompts[2])
+    assert (first_gpu - first_cpu).abs().max() <= 0.05 * max(1.0, first_cpu.abs().max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Each kernel compiles to an sm_90 binary at the granite-4.0-h-tiny sizes (Triton's own ptxas,
+    no device needed): catches what the interpreter does not run (the compiled scan loop, PDL)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import experts, ssd
+    cases = [
+        (ssd._chunk_scan_kernel, dict(out="*fp32", c_dec="*fp32", chunk_states="*fp32", chunk_decay="*fp32",
+                                      state="*fp32", n="i32"),
+         dict(C=64, P=64, N=128, BP=32, PREC="tf32x3", INTERPRETED=False)),
+        (ssd._ssm_step_kernel, dict(act="*fp32", proj="*bf16", ssm="*fp32", A="*fp32", dt_bias="*fp32", D="*fp32",
+                                    gated="*fp32", dt_off="i32", dt_lo="fp32", dt_hi="fp32"),
+         dict(INNER=3072, G=1, R=48, P=64, N=128, PDL=True)),
+        (ssd._conv_step_kernel, dict(x="*bf16", state="*bf16", weight="*bf16", bias="*bf16", out="*fp32", C="i32"),
+         dict(KM1=3, KP=4, BLOCK=256, HAS_BIAS=True, PDL=True)),
+        (ssd._group_norm_kernel, dict(gated="*fp32", weight="*bf16", out="*bf16", eps="fp32"),
+         dict(GS=3072, BLOCK=4096, PDL=True)),
+        (experts._route_kernel, dict(logits="*fp32", idx_out="*i64", w_out="*fp32"),
+         dict(E=64, EP=64, TOPK=6, KP=8, PDL=True)),
+        (experts._up_kernel, dict(x="*bf16", gate_up="*bf16", idx="*i64", act="*fp32"),
+         dict(H=1536, I=512, BR=16, BK=256, PDL=True)),
+        (experts._down_kernel, dict(act="*fp32", down="*bf16", idx="*i64", weights="*fp32", out="*bf16"),
+         dict(H=1536, I=512, TOPK=6, BR=16, BK=256, PDL=True)),
+    ]
+    for fn, sig, const in cases:
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_decode_kernels_match_the_torch_experts(device):
+    from models.architectures.qwen3_5 import Experts
+    from models.kernels.cuda import experts
+    g = torch.Generator().manual_seed(5)
+    E, I, H, k = 6, 48, 80, 3  # sizes off the kernels' block multiples
+    cfg = type("cfg", (), dict(num_experts=E, moe_intermediate_size=I, hidden_size=H))
+    ex = Experts(cfg)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.2)
+        ex.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.2)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)) if device == "cuda" else ((torch.float32, 1e-4),):
+        ex = ex.to(device=device, dtype=dtype)
+        x = torch.randn(1, H, generator=g).to(device, dtype)
+        idx = torch.tensor([[4, 0, 5]], device=device)
+        w = torch.tensor([[0.5, 0.3, 0.2]], device=device)
+        ref = ex(x, idx, w).float()
+        out = experts.decode(x, ex.gate_up_proj, ex.down_proj, idx, w)
+        assert out.dtype == dtype and (out.float() - ref).abs().max() <= tol * max(1.0, ref.abs().max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_kernel_matches_the_torch_router(device):
+    from models.architectures.qwen3_5 import Router
+    from models.kernels.cuda import experts
+    for E, k, seed in ((64, 6, 0), (40, 3, 1), (8, 2, 2)):
+        g = torch.Generator().manual_seed(seed)
+        router = Router(type("cfg", (), dict(num_experts=E, hidden_size=16, experts_per_tok=k, norm_topk_prob=True)))
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(E, 16, generator=g))
+        router = router.to(device)
+        x = torch.randn(1, 16, generator=g).to(device)
+        ref_idx, ref_w = router(x)
+        idx, w = experts.route(torch.nn.functional.linear(x, router.weight).float().contiguous(), k)
+        assert torch.equal(idx, ref_idx) and (w - ref_w).abs().max() <= 1e-6
