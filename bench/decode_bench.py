@@ -212,9 +212,9 @@ def main() -> None:
         rec["prefill_form"] = a.prefill_form
         print(json.dumps(rec), flush=True)
         rows.append(rec)
-    hf = {}
+    hf, hf_lines = {}, []
     if a.hf and os.path.exists(a.hf):
-        hf_lines += [line for line in open(a.hf) if line.startswith("{")]
+        hf_lines = [line for line in open(a.hf) if line.startswith("{")]
     if hf_lines:
         for line in hf_lines:
             if line.startswith("{"):
