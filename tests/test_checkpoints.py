@@ -8,7 +8,7 @@ from chat.settings import load_settings
 from chat.turn import TurnResult
 from engine.session import DecodeSession, ReuseMismatch
 
-KINDS = ["llama", "qwen3_5"]
+KINDS = ["llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe"]
 WORDS = ["alpha", "beta", "gamma", "delta", "the end", "why?", "more please"]
 
 

@@ -25,7 +25,9 @@ REGISTRY: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen2": ("llama", {"qkv_bias": True}),
     "qwen3": ("llama", {"qk_norm": True}),
+    "qwen3_moe": ("llama", {"qk_norm": True, "moe": True}),
     "qwen3_5_text": ("qwen3_5", {}),
+    "qwen3_5_moe_text": ("qwen3_5", {"moe": True}),
     "qwen3_next": ("qwen3_5", {"moe": True}),
 }
 
@@ -165,8 +167,12 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     differ), and the dict is consumed (emptied), so loading never holds two copies of the weights."""
     rename = getattr(model, "checkpoint_names", None)
     if rename is not None:
-        renamed = rename(tensors)
-        tensors.clear()
+        try:
+            renamed = rename(tensors)
+        except ValueError as e:  # e.g. an incomplete set of per-expert weights
+            raise CheckpointError(f"checkpoint: {e}") from None
+        if renamed is not tensors:
+            tensors.clear()
         tensors = renamed
     expected = {name: t.shape for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
