@@ -4,6 +4,12 @@ expert (sigmoid-gated). Used by Qwen3-MoE (no shared expert), Qwen3-Next and Qwe
 The experts are stored as 3D tensors (the transformers 5 layout: `gate_up_proj` [E, 2*I, H] with
 gate rows first, `down_proj` [E, H, I]); `stack_experts` turns hub checkpoints' per-expert 2D
 weights into it. The layer takes [T, H] and returns [T, H]; routing weights stay fp32.
+
+Forms, each tested against the next (tests/test_moe_kernels.py, tests/test_gpu.py): the per-expert
+loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorted by expert
+(prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
+on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
+the chosen experts read on the device: three launches and the shared expert's, inside the graph).
 """
 from __future__ import annotations
 
@@ -11,7 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
 from .layers import Linear, SwiGLU
+
+# Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
+EXPERTS_FORM = "grouped"
+
+
+def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
+    """Whether torch._grouped_mm takes these operands: its rows must be 16-byte aligned, and on
+    CUDA it computes in bf16 (other dtypes take the loop)."""
+    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 \
+            or (intermediate * x.element_size()) % 16:
+        return False
+    return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
 
 class Experts(nn.Module):
@@ -28,6 +47,8 @@ class Experts(nn.Module):
             gate, up = torch.einsum("kih,h->ki", self.gate_up_proj[idx[0]], x[0]).chunk(2, dim=-1)
             y = torch.einsum("khi,ki->kh", self.down_proj[idx[0]], F.silu(gate) * up)
             return (y * weights[0][:, None].to(y.dtype)).sum(0, keepdim=True)
+        if EXPERTS_FORM == "grouped" and grouped_serves(x, self.down_proj.shape[-1]):
+            return self.grouped(x, idx, weights)
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
@@ -35,6 +56,23 @@ class Experts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
         return out
+
+    def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
+        row ranges (offsets computed on the device), then each token's k results summed in
+        slot order (a fixed order: no atomics)."""
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        # (bincount would read its largest id on the host first; an integer scatter-add is exact)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        xs = x[order // k]
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
 
 class Router(nn.Module):
@@ -67,11 +105,25 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        if cuda_base.usable(x) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous():
+            return self.decode_cuda(x)
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def decode_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form), the
+        top k on the device, the chosen experts in two launches, the shared expert added in the
+        second one's epilogue."""
+        x = x.contiguous()
+        idx, weights = cuda_moe.route(cuda_linear.gemv(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk)
+        shared = gate = None
+        if hasattr(self, "shared_expert"):
+            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
+        return cuda_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights, shared, gate)
 
 
 def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,126 @@
+"""Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync.
+
+Contract (tests/test_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
+models/architectures/moe.py):
+- route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
+  (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
+  ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id.
+- experts(x, gate_up, down, idx, weights, shared, shared_gate): sum_k w_k * down_e(silu(gate_e x)
+  * up_e x) over the chosen experts e = idx[k], reading only their weights, in two launches:
+  gate/up with SwiGLU (one program per expert and block of intermediate rows; the intermediate
+  kept in fp32), then down with the weighted sum over the k experts in each program (no atomics:
+  the same bits every run); the shared expert's output, scaled by sigmoid(its gate), is added in
+  the same epilogue. The torch form gathers the k experts' weights into a copy first.
+Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
+are compile-time constants: one compile per model, none per prompt. The expert ids are read on
+the device, so the launches are recorded in the CUDA graph like any other.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import base as cuda_base
+from .base import launch, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .base import _pdl_enter
+
+    @triton.jit
+    def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      NORM: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        e = tl.arange(0, BLOCK_E)
+        x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(e < E, p, -1.0)
+        total = 1.0
+        if NORM:  # a first pass for the sum of the k largest (kept in registers, no reload)
+            total = 0.0
+            q = p
+            for k in tl.static_range(TOP_K):
+                best = tl.max(q, axis=0)
+                total += best
+                q = tl.where(e == tl.min(tl.where(q == best, e, BLOCK_E), axis=0), -1.0, q)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            i = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)  # the lowest id among equals
+            tl.store(idx_out + k, i.to(tl.int64))
+            tl.store(w_out + k, best / total)
+            p = tl.where(e == i, -1.0, p)
+
+    @triton.jit
+    def _gate_up_kernel(x, w, idx, h, stride_e, I: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+        k = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < I
+        _pdl_enter(PDL)
+        e = tl.load(idx + k).to(tl.int64)
+        rows = w + e * stride_e + n[:, None] * H  # gate rows; the up rows sit I rows below
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < H
+            xv = tl.load(x + kk, mask=km, other=0.0).to(tl.float32)
+            m = nm[:, None] & km[None, :]
+            acc_g += tl.load(rows + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
+            acc_u += tl.load(rows + I * H + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
+        tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+
+    @triton.jit
+    def _down_kernel(h, w, idx, weights, shared, shared_gate, out, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
+                     SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < H
+        _pdl_enter(PDL)
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(idx + k).to(tl.int64)
+            rows = w + e * stride_e + n[:, None] * I
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                km = kk < I
+                hv = tl.load(h + k * I + kk, mask=km, other=0.0)
+                acc += tl.load(rows + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32) * hv[None, :]
+            y += tl.load(weights + k) * tl.sum(acc, axis=1)
+        if SHARED:
+            sg = tl.load(shared_gate).to(tl.float32)
+            y += tl.load(shared + n, mask=nm, other=0.0).to(tl.float32) / (1.0 + tl.exp(-sg))
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [1, E] (any float dtype) → (ids [1, top_k] int64, weights [1, top_k] fp32)."""
+    E = logits.shape[-1]
+    idx = torch.empty(1, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(1, top_k, dtype=torch.float32, device=logits.device)
+    launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+           NORM=renormalise, num_warps=4, **cuda_base.pdl(logits))
+    return idx, w
+
+
+def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+            shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+            block_n: int = 16, block_k: int = 128) -> torch.Tensor:
+    """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
+    int64, weights [1, k] fp32; shared [1, H] and shared_gate [1, 1] (the shared expert's output
+    and its gate's logit) or None. Returns [1, H] in x's dtype."""
+    E, I2, H = gate_up.shape
+    I, k = I2 // 2, idx.shape[-1]
+    h = torch.empty(k, I, dtype=torch.float32, device=x.device)
+    opts = cuda_base.pdl(x)
+    launch(_gate_up_kernel, (k, triton.cdiv(I, block_n)), x, gate_up, idx, h, gate_up.stride(0),
+           I=I, H=H, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **opts)
+    out = torch.empty(1, H, dtype=x.dtype, device=x.device)
+    has_shared = shared is not None
+    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if has_shared else x,
+           shared_gate if has_shared else x, out, down.stride(0), I=I, H=H, TOP_K=k, SHARED=has_shared,
+           BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), num_warps=4, **opts)
+    return out
