@@ -84,7 +84,7 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
     assert (w - ref_w).abs().max() <= 1e-6
     args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)
     out = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, *args,
-                          block_n=16, block_k=16)
+                          **({"block_n": 16, "block_k": 16} if E == 8 else {}))  # several K steps; the defaults
     ref = m(x)
     assert (out - ref).abs().max() <= 1e-5, float((out - ref).abs().max())
 print("ok")
