@@ -85,3 +85,67 @@ def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, 
     ids = rand_ids(40, 3)
     a, b = session(ref).prefill(ids, all_logits=True), session(q).prefill(ids, all_logits=True)
     assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
+
+
+def mapped_spans(path):
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi))
+    return spans
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_4bit_moe_gguf_keeps_its_experts_quantized_and_mapped(converted, kind, tmp_path):
+    """The converter's file with its experts requantized to Q4_0: on the CPU the experts stay the
+    file's mapped blocks (BlockExperts), and the model computes what the dequantized file does."""
+    from gguf import GGMLQuantizationType as Q
+
+    from models.formats import quant
+    from tiny_gguf import requantize
+    path = requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
+    q, ref = models.load(path, quantized=True), models.load(path)
+    experts = [layer.mlp.experts for layer in q.model.model.layers]
+    assert all(isinstance(e, quant.BlockExperts) for e in experts)
+    assert "Q4_0" in q.weight_bytes and q.n_params == ref.n_params
+    spans = mapped_spans(path)
+    assert spans and all(any(lo <= b.data_ptr() < hi for lo, hi in spans)
+                         for e in experts for b in (e.gate_blocks, e.up_blocks, e.down_blocks))
+    ids = rand_ids(40, 3)
+    assert (session(q).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    assert list(session(q).generate(ids, greedy)) == list(session(ref).generate(ids, greedy))
+
+
+def test_multi_token_prediction_layers_are_skipped(converted, tmp_path):
+    """Released Qwen3.5 checkpoints carry an MTP block (`mtp.*`), which the converter writes by
+    default as an extra block of nextn tensors (block_count + 1, nextn_predict_layers 1): the
+    model loads without it and equals the HF directory, which skips `mtp.*` too."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llama_cpp_tree import convert
+    hf_dir = str(tmp_path / "with-mtp")
+    shutil.copytree(converted["qwen3_5_moe"][0], hf_dir)
+    tensors = load_file(hf_dir + "/model.safetensors")
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1."):  # a full-attention layer as the MTP block's layer
+            tensors["mtp.layers.0." + name[len("model.layers.1."):]] = t.clone()
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(64)
+    save_file(tensors, hf_dir + "/model.safetensors")
+    config = json.load(open(hf_dir + "/config.json"))
+    json.dump(dict(config, mtp_num_hidden_layers=1), open(hf_dir + "/config.json", "w"))
+    path = convert(hf_dir, str(tmp_path / "mtp.gguf"), "f32", pre="qwen2")
+    import gguf
+    assert gguf.GGUFReader(path).fields["qwen35moe.nextn_predict_layers"].contents() == 1
+    ours, ref = models.load(path), models.load(hf_dir)
+    assert len(ours.model.model.layers) == 4
+    ids = rand_ids(30, 2)
+    assert (session(ours).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL

@@ -194,7 +194,13 @@ def _gguf_values(config: dict, tensors: dict) -> None:
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_proj")]:
         base = name[: -len("gate_proj")]
         gate, up = tensors.pop(name), tensors.pop(base + "up_proj")
+        if all(isinstance(t, quant.GgufTensor) for t in (gate, up, tensors[base + "down_proj"])):
+            # kept in their blocks: the layer's experts module is built from the three at once
+            tensors[base[:-1]] = quant.GgufExperts(gate, up, tensors.pop(base + "down_proj"))
+            continue
         gate, up = [t.dequantize() if isinstance(t, quant.GgufTensor) else t for t in (gate, up)]
+        if isinstance(tensors[base + "down_proj"], quant.GgufTensor):
+            tensors[base + "down_proj"] = tensors[base + "down_proj"].dequantize()
         tensors[base + "gate_up_proj"] = torch.cat([gate, up], dim=1)
     if config["model_type"] not in _HYBRIDS:
         return
@@ -272,11 +278,11 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             if index["config"]["model_type"] == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
-            if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
+            if keep_quantized and quant.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
                 qt = quant.GgufTensor(ttype, raw)
                 tensors[_hf_name(name)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
-            if keep_quantized and len(shape) == 2 and ttype not in (0, 1, 30):  # F32, F16, BF16
+            if keep_quantized and len(shape) in (2, 3) and ttype not in (0, 1, 30):  # F32, F16, BF16
                 kind = gguf_type(ttype).name
                 widened[kind] = widened.get(kind, 0) + 1
             w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
@@ -317,13 +323,17 @@ def _read_gguf_index(path: str) -> dict:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
                               f"(supported: {', '.join(_GGUF_ARCHS)})")
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    # multi-token-prediction blocks (llama.cpp's nextn layers) come after the model's own: skipped
+    n_layers = a("block_count") - a("nextn_predict_layers", 0)
+    own = [t for t in reader.tensors
+           if not ((m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= n_layers)]
     heads = a("attention.head_count")
     kv_heads = a("attention.head_count_kv", heads)
     hidden = a("embedding_length")
     names = {t.name for t in reader.tensors}
     config = {
         "model_type": _GGUF_ARCHS[arch], "hidden_size": hidden, "intermediate_size": a("feed_forward_length"),
-        "num_hidden_layers": a("block_count"), "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_hidden_layers": n_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": a("attention.key_length", hidden // heads), "rope_theta": a("rope.freq_base", 10000.0),
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
         "max_position_embeddings": a("context_length", 4096),
@@ -360,7 +370,7 @@ def _read_gguf_index(path: str) -> dict:
                           _field(reader, "tokenizer.ggml.pre", "default"), _field(reader, "tokenizer.ggml.model"))
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    for t in reader.tensors:
+    for t in own:
         _hf_name(t.name)  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -372,7 +382,7 @@ def _read_gguf_index(path: str) -> dict:
         "bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
         "eos_ids": list(dict.fromkeys(eos_ids)),
         "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))
-                    for t in reader.tensors],
+                    for t in own],
     }
 
 
