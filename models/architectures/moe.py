@@ -114,15 +114,28 @@ class SparseMoe(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def fuse(self) -> None:
+        """After loading: the router's rows and the shared expert's gate row in one weight, so
+        that one GEMV gives both on the CUDA decode path (a launch fewer per layer)."""
+        if hasattr(self, "shared_expert_gate") and isinstance(self.shared_expert_gate, nn.Linear) \
+                and self.gate.weight.is_cuda and self.shared_expert_gate.weight.dtype == self.gate.weight.dtype:
+            self.register_buffer("router_rows", torch.cat([self.gate.weight, self.shared_expert_gate.weight]),
+                                 persistent=False)
+
     def decode_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form), the
         top k on the device, the chosen experts in two launches, the shared expert added in the
         second one's epilogue."""
         x = x.contiguous()
-        idx, weights = cuda_moe.route(cuda_linear.gemv(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk)
-        shared = gate = None
-        if hasattr(self, "shared_expert"):
-            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
+        E = self.experts.gate_up_proj.shape[0]
+        if hasattr(self, "router_rows"):
+            logits = cuda_linear.gemv(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
+            gate = logits[:, E:]
+        else:
+            logits = cuda_linear.gemv(x, self.gate.weight)
+            gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
+        shared = self.shared_expert(x) if hasattr(self, "shared_expert") else None
         return cuda_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights, shared, gate)
 
 

@@ -96,9 +96,10 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [1, E] (any float dtype) → (ids [1, top_k] int64, weights [1, top_k] fp32)."""
-    E = logits.shape[-1]
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [1, >= E] (any float dtype; the first E are the experts') → (ids [1, top_k] int64,
+    weights [1, top_k] fp32)."""
+    E = E or logits.shape[-1]
     idx = torch.empty(1, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(1, top_k, dtype=torch.float32, device=logits.device)
     launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
