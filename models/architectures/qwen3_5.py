@@ -72,7 +72,9 @@ class HybridConfig:
             moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c.get("intermediate_size", 0) if moe_layers and all(moe_layers) else c["intermediate_size"],
+            # every layer routing (Qwen3.5-MoE), the config need not name a dense MLP size
+            intermediate_size=(c.get("intermediate_size", 0) if moe_layers and all(moe_layers)
+                               else c["intermediate_size"]),
             layer_types=tuple(types), num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
             head_dim=head_dim, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             rotary_dim=int(head_dim * factor), rms_eps=float(c.get("rms_norm_eps", 1e-6)),

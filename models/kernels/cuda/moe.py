@@ -1,6 +1,6 @@
 """Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync.
 
-Contract (tests/test_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
+Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
 models/architectures/moe.py):
 - route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
   (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
@@ -52,8 +52,8 @@ if triton is not None:
             p = tl.where(e == i, -1.0, p)
 
     @triton.jit
-    def _gate_up_kernel(x, w, idx, h, stride_e, I: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+    def _gate_up_kernel(x, w, idx, h, stride_e, I: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         k = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < I
@@ -74,8 +74,9 @@ if triton is not None:
         tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.jit
-    def _down_kernel(h, w, idx, weights, shared, shared_gate, out, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
-                     SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _down_kernel(h, w, idx, weights, shared, shared_gate, out, stride_e, I: tl.constexpr, H: tl.constexpr,
+                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < H
         _pdl_enter(PDL)
@@ -88,7 +89,8 @@ if triton is not None:
                 kk = k0 + tl.arange(0, BLOCK_K)
                 km = kk < I
                 hv = tl.load(h + k * I + kk, mask=km, other=0.0)
-                acc += tl.load(rows + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32) * hv[None, :]
+                wv = tl.load(rows + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc += wv.to(tl.float32) * hv[None, :]
             y += tl.load(weights + k) * tl.sum(acc, axis=1)
         if SHARED:
             sg = tl.load(shared_gate).to(tl.float32)
@@ -96,7 +98,8 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool, E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, >= E] (any float dtype; the first E are the experts') → (ids [1, top_k] int64,
     weights [1, top_k] fp32)."""
     E = E or logits.shape[-1]
