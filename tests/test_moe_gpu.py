@@ -56,8 +56,8 @@ def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypa
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         fused = m(x).float()
-        m.fuse()  # the router's rows and the shared gate's row in one GEMV
-        assert hasattr(m, "router_rows") == bool(shared)
+        models.fuse(m)  # the router's rows and the shared gate's row in one GEMV; the shared expert's
+        assert hasattr(m, "router_rows") == bool(shared)  # gate/up: one more expert where I matches
         assert float((m(x).float() - fused).abs().max()) <= 1e-3 * float(fused.abs().max())
         idx, w = m.gate(x)
         args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)

@@ -74,7 +74,8 @@ import torch.nn.functional as F
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from models.kernels.cuda import moe as kernels
 from test_moe_kernels import layer
-for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, False), (16, 72, 40, 5, 24, True)]:
+for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, False), (16, 72, 40, 5, 24, True),
+                                  (8, 64, 32, 3, 32, True)]:
     m = layer(E, H, I, k, shared, norm, seed=E)
     x = torch.randn(1, H)
     logits = F.linear(x, m.gate.weight)
@@ -82,11 +83,18 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
     ref_idx, ref_w = m.gate(x)
     assert idx.tolist() == ref_idx.tolist(), (idx, ref_idx)
     assert (w - ref_w).abs().max() <= 1e-6
-    args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)
-    out = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, *args,
-                          **({"block_n": 16, "block_k": 16} if E == 8 else {}))  # several K steps; the defaults
+    blocks = {"block_n": 16, "block_k": 16} if E == 8 else {}  # several K steps; the defaults
     ref = m(x)
-    assert (out - ref).abs().max() <= 1e-5, float((out - ref).abs().max())
+    se = m.shared_expert if shared else None
+    ways = [{}] if not shared else [
+        {"shared": se(x), "shared_gate": m.shared_expert_gate(x)},  # its output added in the epilogue
+        {"shared_gate": m.shared_expert_gate(x), "shared_down": se.down_proj.weight.data,  # one more expert
+         "shared_gate_up": torch.cat([se.gate_proj.weight, se.up_proj.weight]).data}]
+    for way in ways:
+        if way.get("shared_gate_up") is not None and way["shared_gate_up"].shape[0] != 2 * I:
+            continue  # (the kernel takes the shared expert as an expert only at the experts' size)
+        out = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, **way, **blocks)
+        assert (out - ref).abs().max() <= 1e-5, float((out - ref).abs().max())
 print("ok")
 """
 

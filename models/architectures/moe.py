@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
-from .layers import Linear, SwiGLU
+from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
@@ -135,8 +135,17 @@ class SparseMoe(nn.Module):
             logits = cuda_linear.gemv(x, self.gate.weight)
             gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
         idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
-        shared = self.shared_expert(x) if hasattr(self, "shared_expert") else None
-        return cuda_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights, shared, gate)
+        ex = self.experts
+        if not hasattr(self, "shared_expert"):
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
+        se = self.shared_expert
+        gu, dn = getattr(se, "gate_up_proj", None), se.down_proj
+        if isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:] \
+                and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous():
+            # the shared expert as one more expert of both launches
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate=gate,
+                                    shared_gate_up=gu.weight, shared_down=dn.weight)
+        return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, se(x), gate)
 
 
 def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

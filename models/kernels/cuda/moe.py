@@ -5,12 +5,13 @@ models/architectures/moe.py):
 - route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
   (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
   ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id.
-- experts(x, gate_up, down, idx, weights, shared, shared_gate): sum_k w_k * down_e(silu(gate_e x)
-  * up_e x) over the chosen experts e = idx[k], reading only their weights, in two launches:
-  gate/up with SwiGLU (one program per expert and block of intermediate rows; the intermediate
-  kept in fp32), then down with the weighted sum over the k experts in each program (no atomics:
-  the same bits every run); the shared expert's output, scaled by sigmoid(its gate), is added in
-  the same epilogue. The torch form gathers the k experts' weights into a copy first.
+- experts(x, gate_up, down, idx, weights, ...): sum_k w_k * down_e(silu(gate_e x) * up_e x) over
+  the chosen experts e = idx[k], reading only their weights, in two launches: gate/up with SwiGLU
+  (one program per expert and block of intermediate rows; the intermediate kept in fp32), then
+  down with the weighted sum over the k experts in each program (no atomics: the same bits every
+  run). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
+  where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
+  second one's epilogue. The torch form gathers the k experts' weights into a copy first.
 Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
 are compile-time constants: one compile per model, none per prompt. The expert ids are read on
 the device, so the launches are recorded in the CUDA graph like any other.
@@ -52,14 +53,17 @@ if triton is not None:
             p = tl.where(e == i, -1.0, p)
 
     @triton.jit
-    def _gate_up_kernel(x, w, idx, h, stride_e, I: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        k = tl.program_id(0)
+    def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        k = tl.program_id(0)  # TOP_K: the shared expert (when the launch has that program)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < I
         _pdl_enter(PDL)
-        e = tl.load(idx + k).to(tl.int64)
-        rows = w + e * stride_e + n[:, None] * H  # gate rows; the up rows sit I rows below
+        if k < TOP_K:
+            e = tl.load(idx + k).to(tl.int64)
+            rows = w + e * stride_e + n[:, None] * H  # gate rows; the up rows sit I rows below
+        else:
+            rows = shared_w + n[:, None] * H
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -74,27 +78,35 @@ if triton is not None:
         tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.jit
-    def _down_kernel(h, w, idx, weights, shared, shared_gate, out, stride_e, I: tl.constexpr, H: tl.constexpr,
-                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _down_rows(h, rows, n, nm, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """sum_j rows[n, j] * h[j] for the program's rows, in fp32."""
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < I
+            hv = tl.load(h + kk, mask=km, other=0.0)
+            wv = tl.load(rows + n[:, None] * I + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += wv.to(tl.float32) * hv[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, I: tl.constexpr,
+                     H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < H
         _pdl_enter(PDL)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             e = tl.load(idx + k).to(tl.int64)
-            rows = w + e * stride_e + n[:, None] * I
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                km = kk < I
-                hv = tl.load(h + k * I + kk, mask=km, other=0.0)
-                wv = tl.load(rows + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += wv.to(tl.float32) * hv[None, :]
-            y += tl.load(weights + k) * tl.sum(acc, axis=1)
-        if SHARED:
+            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K)
+        if SHARED > 0:
             sg = tl.load(shared_gate).to(tl.float32)
-            y += tl.load(shared + n, mask=nm, other=0.0).to(tl.float32) / (1.0 + tl.exp(-sg))
+            if SHARED == 1:  # the shared expert's output, computed apart
+                s = tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
+            else:  # its intermediate is row TOP_K of h: its down rows here
+                s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K)
+            y += s / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
 
@@ -112,21 +124,25 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+            shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
             block_n: int = 8, block_k: int = 256) -> torch.Tensor:
     """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
-    int64, weights [1, k] fp32; shared [1, H] and shared_gate [1, 1] (the shared expert's output
-    and its gate's logit) or None. Returns [1, H] in x's dtype. Block sizes: 8 output rows per
-    program (512 programs for gate/up and 256 for down at the 35B-A3B shape, to fill the SMs),
-    gate/up walking H in steps of `block_k`, down reading each expert's rows (I <= 512) whole."""
+    int64, weights [1, k] fp32. The shared expert, where there is one: shared_gate [1, 1] (its
+    gate's logit) and either its weights, shared_gate_up [2I, H] and shared_down [H, I] (the same
+    I: it runs as one more program of each launch), or its output `shared` [1, H]. Returns [1, H]
+    in x's dtype. Block sizes: 8 output rows per program (512 programs for gate/up and 256 for
+    down at the 35B-A3B shape, to fill the SMs), gate/up walking H in steps of `block_k`, down
+    reading each expert's rows (I <= 512) whole."""
     E, I2, H = gate_up.shape
     I, k = I2 // 2, idx.shape[-1]
-    h = torch.empty(k, I, dtype=torch.float32, device=x.device)
+    mode = 2 if shared_gate_up is not None else 1 if shared is not None else 0
+    h = torch.empty(k + (mode == 2), I, dtype=torch.float32, device=x.device)
     opts = cuda_base.pdl(x)
-    launch(_gate_up_kernel, (k, triton.cdiv(I, block_n)), x, gate_up, idx, h, gate_up.stride(0),
-           I=I, H=H, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, **opts)
+    launch(_gate_up_kernel, (k + (mode == 2), triton.cdiv(I, block_n)), x, gate_up, idx, h,
+           shared_gate_up if mode == 2 else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
+           BLOCK_K=block_k, num_warps=8, **opts)
     out = torch.empty(1, H, dtype=x.dtype, device=x.device)
-    has_shared = shared is not None
-    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if has_shared else x,
-           shared_gate if has_shared else x, out, down.stride(0), I=I, H=H, TOP_K=k, SHARED=has_shared,
-           BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8, **opts)
+    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else x,
+           shared_down if mode == 2 else down, shared_gate if mode else x, out, down.stride(0), I=I, H=H, TOP_K=k,
+           SHARED=mode, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8, **opts)
     return out
