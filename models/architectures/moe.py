@@ -123,9 +123,10 @@ class SparseMoe(nn.Module):
                                  persistent=False)
 
     def decode_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form), the
-        top k on the device, the chosen experts in two launches, the shared expert added in the
-        second one's epilogue."""
+        """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form; the
+        shared gate's too, where fused), the top k on the device, the chosen experts in two
+        launches, with the shared expert as one more of them where its weights allow (else its
+        output is added in the second one's epilogue)."""
         x = x.contiguous()
         E = self.experts.gate_up_proj.shape[0]
         if hasattr(self, "router_rows"):
@@ -140,8 +141,8 @@ class SparseMoe(nn.Module):
             return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
         se = self.shared_expert
         gu, dn = getattr(se, "gate_up_proj", None), se.down_proj
-        if isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:] \
-                and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous():
+        if (isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:]
+                and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous()):
             # the shared expert as one more expert of both launches
             return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate=gate,
                                     shared_gate_up=gu.weight, shared_down=dn.weight)
