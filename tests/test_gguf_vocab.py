@@ -67,3 +67,22 @@ def test_qwen35_keeps_combining_marks_with_their_letters():
     word = "नमस्ते"
     assert len(build("qwen35").pre_tokenizer.pre_tokenize_str(word)) == 1
     assert len(build("qwen2").pre_tokenizer.pre_tokenize_str(word)) > 1
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen2"])
+def test_qwen_vocab_files_template_and_stop_ids(name):
+    """The file's ChatML template renders in our sandbox, its control tokens encode whole, and
+    generation stops on <|im_end|> as well as the file's eos <|endoftext|> (as llama.cpp does)."""
+    from tokenizers import Tokenizer
+
+    from chat.template import ChatTemplate
+    from models.formats.checkpoints import _read_gguf_index
+    path, _ = vectors(name)
+    index = _read_gguf_index(path)
+    tok = Tokenizer.from_str(index["tokenizer"])
+    text = ChatTemplate(index["chat_template"]).render([{"role": "user", "content": "Cửa Việt, 42?"}])
+    ids = tok.encode(text, add_special_tokens=False).ids
+    start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    assert ids[0] == start and ids.count(start) == 3 and ids.count(end) == 2
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert set(index["eos_ids"]) == {tok.token_to_id("<|endoftext|>"), end}
