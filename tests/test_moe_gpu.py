@@ -38,13 +38,14 @@ def test_route_kernel_matches_softmax_topk(E):
     cuda_moe = kernels()
     g = torch.Generator(device="cuda").manual_seed(E)
     for _ in range(20):
-        logits = torch.randn(1, E, device="cuda", generator=g).to(torch.bfloat16)
+        # fp32 logits: no ties (bf16 ones tie often among 256, where the two may keep either)
+        logits = torch.randn(1, E, device="cuda", generator=g)
         for norm in (True, False):
             idx, w = cuda_moe.route(logits, 8 if E >= 8 else 2, norm)
             ref_w, ref_idx = logits.float().softmax(-1).topk(idx.shape[-1], dim=-1)
             if norm:
                 ref_w = ref_w / ref_w.sum(-1, keepdim=True)
-            assert torch.equal(idx.sort().values, ref_idx.sort().values)
+            assert torch.equal(idx, ref_idx)  # both in descending order of weight
             assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
 
 
@@ -65,8 +66,11 @@ def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypa
         monkeypatch.setattr(cuda_base, "ENABLED", False)
         plain = m(x).float()
     scale = float(plain.abs().max())
-    assert float((direct - plain).abs().max()) <= 0.02 * scale
-    assert float((fused - plain).abs().max()) <= 0.02 * scale
+    assert float((direct - plain).abs().max()) <= 0.02 * scale  # the same experts, chosen by torch
+    with torch.no_grad():  # the whole layer routes by itself: comparable where no two probabilities tie at k
+        probs = torch.nn.functional.linear(x, m.gate.weight).float().softmax(-1).sort(descending=True).values
+    if probs[0, k - 1] != probs[0, k]:
+        assert float((fused - plain).abs().max()) <= 0.02 * scale
 
 
 @pytest.mark.parametrize("T", [2, 65, 2048])
