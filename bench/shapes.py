@@ -53,6 +53,19 @@ SHAPES = {
                                mamba_n_heads=48, mamba_n_groups=1, mamba_d_state=128, mamba_d_head=64,
                                mamba_d_conv=4, mamba_expand=2, vocab_size=100352, tie_word_embeddings=True,
                                rms_norm_eps=1e-5, max_position_embeddings=131072),
+    # transformers' Qwen3_5MoeTextConfig defaults: 3 Gated DeltaNet : 1 attention, 256 experts, top 8
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, vocab_size=248320, tie_word_embeddings=False,
+                            max_position_embeddings=262144),
+    # as hf_baseline.py's qwen3-30b-a3b: Qwen3's attention, 128 experts, top 8, no shared expert
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, vocab_size=151936,
+                          tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6),
 }
 
 

@@ -63,21 +63,29 @@ def tree() -> str:
     return dest
 
 
-def convert(hf_dir: str, out_path: str, outtype: str = "f32", pre: str | None = None) -> str:
+# Runs the converter with its pre-tokenizer detection answered by name: tiny test tokenizers are
+# not among the hashes it knows (the tensor layouts are what such conversions are for).
+_CONVERT_WITH_PRE = """
+import runpy, sys
+import conversion.base
+pre = sys.argv.pop()
+sys.argv = sys.argv[1:]  # [converter, its arguments...]
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(hf_dir: str, out_path: str, outtype: str = "f32", pre: str | None = None,
+            options: tuple[str, ...] = ()) -> str:
     """llama.cpp's convert_hf_to_gguf.py on `hf_dir` → `out_path` (outtype f32, f16, bf16, q8_0).
-    pre: name the pre-tokenizer instead of letting the converter recognise it by hashing the
-    tokenizer's output (it knows only published tokenizers, not the tests' tiny ones)."""
+    pre: the `tokenizer.ggml.pre` name to write instead of detecting it from the tokenizer;
+    options: further converter flags (`--no-mtp` for Qwen3-Next/3.5 checkpoints without MTP layers)."""
     root = tree()
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "gguf-py") + os.pathsep + root,
                NO_LOCAL_GGUF="")
-    args = [hf_dir, "--outfile", out_path, "--outtype", outtype]
-    if pre is None:
-        cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), *args]
-    else:
-        cmd = [sys.executable, "-c", "import sys; from conversion import base; "
-               f"base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}; "
-               f"sys.argv = ['convert_hf_to_gguf.py', *{args!r}]; import convert_hf_to_gguf; convert_hf_to_gguf.main()"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    args = [os.path.join(root, "convert_hf_to_gguf.py"), hf_dir, "--outfile", out_path, "--outtype", outtype, *options]
+    cmd = [sys.executable] + args if pre is None else [sys.executable, "-c", _CONVERT_WITH_PRE] + args + [pre]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-3000:]}")
     return out_path

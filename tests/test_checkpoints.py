@@ -8,8 +8,8 @@ from chat.settings import load_settings
 from chat.turn import TurnResult
 from engine.session import DecodeSession, ReuseMismatch
 
-KINDS = ["llama", "qwen3_5", "lfm2", "olmo_hybrid"]
-HYBRIDS = [k for k in KINDS if k != "llama"]
+KINDS = ["llama", "qwen3_5", "lfm2", "olmo_hybrid", "qwen3_5_moe", "qwen3_moe"]
+HYBRIDS = [k for k in KINDS if k not in ("llama", "qwen3_moe")]
 WORDS = ["alpha", "beta", "gamma", "delta", "the end", "why?", "more please"]
 
 

@@ -324,7 +324,7 @@ def _compiled_kernels() -> int:
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe"])
 def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monkeypatch, kind):
     """The session compiles (side by side) the kernels of prefill and decode when it starts: no
     prompt length, later turn or decode step compiles another; and the throwaway forwards that
@@ -335,8 +335,10 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
     if not cuda_base.ENABLED or not hasattr(cuda_base.triton, "AsyncCompileMode"):
         pytest.skip("needs Triton >= 3.4")
     over = dict(hidden_size=96, intermediate_size=160, head_dim=32)
-    if kind == "qwen3_5":
+    if kind in ("qwen3_5", "qwen3_5_moe"):
         over.update(linear_key_head_dim=16, linear_value_head_dim=16)  # the scan kernel's sizes
+    if kind in ("qwen3_5_moe", "qwen3_moe"):  # the MoE kernels' sizes (constants of their compiles)
+        over.update(moe_intermediate_size=48, shared_expert_intermediate_size=80)
     lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", torch.bfloat16)
     before = _compiled_kernels()
     s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")

@@ -8,11 +8,10 @@ import torch
 import models
 from engine import reference
 from engine.config import SamplingConfig
-from engine.session import DecodeSession
 from models.architectures import gated_delta, qwen3_5
+from parity import LENGTHS, TOL, check_decode, check_prefill, check_split_prefill, hf_logits, rand_ids, session
 
-TOL = 1e-4
-KINDS = ["qwen3_5", "qwen3_next", "lfm2", "olmo_hybrid"]
+KINDS = ["qwen3_5", "qwen3_next", "lfm2", "olmo_hybrid", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -26,47 +25,20 @@ def hybrids(tmp_path_factory):
     return out
 
 
-def session(lm, max_context=512):
-    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32)
-
-
-def rand_ids(n, seed=0):
-    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("length", LENGTHS)
 def test_prefill_logits_match_transformers(hybrids, kind, length):
-    lm, hf = hybrids[kind]
-    ids = rand_ids(length, length)
-    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+    check_prefill(*hybrids[kind], length)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_steps_match_transformers(hybrids, kind):
-    lm, hf = hybrids[kind]
-    s = session(lm)
-    seq = rand_ids(37, 5)
-    logits = s.prefill(seq)
-    for _ in range(16):
-        seq.append(int(logits[-1].argmax()))
-        logits = s.step(seq[-1])
-        assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+    check_decode(*hybrids[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_split_prefill_equals_one_prefill(hybrids, kind):
-    lm, _ = hybrids[kind]
-    ids = rand_ids(150, 7)
-    whole = session(lm).prefill(ids, all_logits=True)
-    s = session(lm)
-    parts = [s.prefill(ids[a:b], all_logits=True) for a, b in [(0, 13), (13, 14), (14, 79), (79, 150)]]
-    assert (torch.cat(parts) - whole).abs().max() <= TOL
+    check_split_prefill(hybrids[kind][0])
 
 
 @pytest.mark.parametrize("T", [1, 2, 31, 63, 64, 65, 129])

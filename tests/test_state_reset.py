@@ -141,3 +141,36 @@ def test_family_regression_test_fails_without_the_rezero(family_models, monkeypa
     # the leaked state reaches the logits (bitwise equal with the re-zero; tiny LFM2's logits are
     # ~0.1 in size and its leak, two conv inputs, moves them by ~1e-4)
     assert (reused - logits).abs().max() > 1e-5
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    return {k: write_checkpoint(k, str(tmp_path_factory.mktemp(k)), model=hf_model(k))
+            for k in ("qwen3_5_moe", "qwen3_moe")}
+
+
+def moe_generations(path):
+    """Two seeded generations of one prompt on one session, checkpoints off (so the second goes
+    through reset()), and a cold session's."""
+    import models
+    lm = models.load(path)
+    cfg = SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_new_tokens=12)
+    prompt = list(range(3, 40))
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, checkpoint_mib=0)
+    cold = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32,
+                         checkpoint_mib=0)
+    return [list(s.generate(prompt, cfg)) for _ in range(2)], list(cold.generate(prompt, cfg)), s
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_moe_models_reset_to_a_cold_state(moe_dirs, kind):
+    (first, second), cold, s = moe_generations(moe_dirs[kind])
+    assert first == second == cold
+    assert s.state.has_fixed_state == (kind == "qwen3_5_moe")
+
+
+def test_moe_hybrid_regression_fails_without_the_rezero(moe_dirs, monkeypatch):
+    monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
+    (first, second), cold, _ = moe_generations(moe_dirs["qwen3_5_moe"])
+    assert first == cold and second != cold

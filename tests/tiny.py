@@ -90,6 +90,20 @@ def hf_config(kind: str, **over):
                                         attention_multiplier=0.2, position_embedding_type="rope",
                                         tie_word_embeddings=True, initializer_range=0.1,
                                         layer_types=["mamba", "attention", "mamba", "mamba"])
+    elif kind == "qwen3_5_moe":  # every layer routes; no dense MLP size
+        common["num_hidden_layers"] = 4
+        del common["intermediate_size"]
+        cfg = tf.Qwen3_5MoeTextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                      linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+                                      num_experts_per_tok=3, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, tie_word_embeddings=False,
+                                      layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "full_attention"])
+    elif kind == "qwen3_moe":  # layer 1 keeps a dense MLP; top-k weights not renormalised (the default)
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False,
+                                num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)
+        cfg.num_hidden_layers = 3
     else:
         raise ValueError(kind)
     for k, v in over.items():
@@ -105,7 +119,8 @@ def hf_model(kind: str, seed: int = 0, **over):
     cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
            "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
            "lfm2": tf.Lfm2ForCausalLM, "olmo_hybrid": tf.OlmoHybridForCausalLM,
-           "nemotron_h": tf.NemotronHForCausalLM, "granitemoehybrid": tf.GraniteMoeHybridForCausalLM}[kind]
+           "nemotron_h": tf.NemotronHForCausalLM, "granitemoehybrid": tf.GraniteMoeHybridForCausalLM,
+           "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity
         for name, p in model.named_parameters():

@@ -118,3 +118,30 @@ def _merges(tok) -> list[tuple[str, str]]:
     import json
     merges = json.loads(tok.to_str())["model"]["merges"]
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def requantize(src: str, dst: str, types: dict[str, Q]) -> str:
+    """A copy of the GGUF file `src` (metadata and tensors) with the F32 tensors whose names end
+    with a key of `types` quantized to its type (gguf-py's quantizers: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0), e.g. a converter's F32 output with its experts in 4 bits."""
+    from gguf import GGUFReader, GGUFValueType
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        qtype = next((q for suffix, q in types.items() if t.name.endswith(suffix)), None)
+        if qtype is not None and t.tensor_type == Q.F32:
+            w.add_tensor(t.name, quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -1,18 +1,22 @@
-"""Dense GQA transformers: Llama / SmolLM2, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""GQA transformers: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
+Qwen3-MoE (Qwen3's attention with moe.py's MLP, no shared expert, in the layers the config names).
 
-The variants are data (`qkv_bias`, `qk_norm`, `tie_embeddings`), never a branch on a model name.
-Module names equal the HF checkpoint names, so a checkpoint loads with `load_state_dict`.
+The variants are data (`qkv_bias`, `qk_norm`, `moe`, `tie_embeddings`), never a branch on a model
+name. Module names equal the HF checkpoint names; hub MoE checkpoints' per-expert weights are
+stacked in `checkpoint_names`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from .. import kernels
 from ..sharding import Plan, Split, divisible
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
+from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention)
 from .state_spec import AttentionState, StateView
@@ -34,22 +38,37 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: dict | None = None
+    # MoE (Qwen3-MoE): which layers route (empty: dense everywhere)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @classmethod
-    def from_hf(cls, c: dict, qkv_bias: bool = False, qk_norm: bool = False) -> "LlamaConfig":
+    def from_hf(cls, c: dict, qkv_bias: bool = False, qk_norm: bool = False, moe: bool = False) -> "LlamaConfig":
         heads = c["num_attention_heads"]
+        n = c["num_hidden_layers"]
+        moe_layers = ()
+        if moe and num_experts(c) > 0:
+            step, only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+            moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
         rope = c.get("rope_parameters") or {}
         scaling = c.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+            intermediate_size=c.get("intermediate_size", 0) if moe_layers and all(moe_layers)
+            else c["intermediate_size"], num_layers=n,
             num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             max_position=int(c.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=bool(c.get("attention_bias", qkv_bias)), qk_norm=qk_norm, rope_scaling=scaling)
+            qkv_bias=bool(c.get("attention_bias", qkv_bias)), qk_norm=qk_norm, rope_scaling=scaling,
+            moe_layers=moe_layers, num_experts=num_experts(c) if moe_layers else 0,
+            experts_per_tok=c.get("num_experts_per_tok", 0), moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)))
 
 
 class Attention(QKVProjections):
@@ -93,10 +112,14 @@ class Attention(QKVProjections):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, i: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.moe_layers and cfg.moe_layers[i]:
+            self.mlp = SparseMoe(cfg.hidden_size, cfg.num_experts, cfg.experts_per_tok, cfg.moe_intermediate_size,
+                                 cfg.norm_topk_prob)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
@@ -104,24 +127,29 @@ class DecoderLayer(nn.Module):
         # adds the previous layer's MLP output first; h goes only into linears (defer: see add_norm)
         x, h = add_norm(x, self.input_layernorm, defer=True)
         a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=True)
+        # the router reads h outside a Linear: an MoE MLP takes it materialized
+        x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=isinstance(self.mlp, SwiGLU))
         return Residual(x, self.mlp(h))
 
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: LlamaConfig):
-        body = Body(cfg.vocab_size, cfg.hidden_size, [DecoderLayer(cfg) for _ in range(cfg.num_layers)],
+        body = Body(cfg.vocab_size, cfg.hidden_size, [DecoderLayer(cfg, i) for i in range(cfg.num_layers)],
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
 
     def cpu_decode_step(self, dtype):
         """The C++ one-token step (models/kernels/cpu/) where it serves this model, else None.
         Raises kernels.CpuStepUnavailable where it would serve but cannot be built or loaded here."""
-        return kernels.cpu_decode_step(self, dtype)
+        return None if self.config.moe_layers else kernels.cpu_decode_step(self, dtype)
 
     def cpu_step_serves(self, dtype) -> bool:
-        """Whether decode in `dtype` would run the C++ step (built or not yet)."""
-        return kernels.cpu_step_serves(self, dtype)
+        """Whether decode in `dtype` would run the C++ step (built or not yet); it has no MoE MLP."""
+        return not self.config.moe_layers and kernels.cpu_step_serves(self, dtype)
+
+    def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-expert 2D weights of hub MoE checkpoints → the 3D expert tensors; else unchanged."""
+        return stack_experts(tensors) if self.config.moe_layers else tensors
 
     def state_spec(self) -> list[AttentionState]:
         return [AttentionState(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers

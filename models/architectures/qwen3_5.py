@@ -1,4 +1,5 @@
-"""Hybrid LinearAttention models: Qwen3.5 (dense MLP) and Qwen3-Next (MoE MLP with a shared expert).
+"""Hybrid LinearAttention models: Qwen3.5 (dense MLP), Qwen3-Next and Qwen3.5-MoE (the MoE MLP of
+moe.py with a shared expert; Qwen3.5-MoE has it in every layer and no dense MLP size).
 
 `layer_types` interleaves Gated DeltaNet layers (fixed conv + recurrent state) with gated full
 attention (GQA, per-head zero-centred q/k norm, partial RoPE, a sigmoid output gate from a doubled
@@ -19,6 +20,7 @@ from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta
 from ..sharding import Plan, Split, divisible
 from .causal_lm import Body, CausalLM
+from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
@@ -47,7 +49,7 @@ class HybridConfig:
     lin_k_dim: int
     lin_v_dim: int
     conv_kernel: int
-    # MoE (Qwen3-Next); num_experts 0 = dense MLP everywhere
+    # MoE (Qwen3-Next, Qwen3.5-MoE); num_experts 0 = dense MLP everywhere
     num_experts: int = 0
     experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -70,11 +72,14 @@ class HybridConfig:
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope.get('rope_type')!r} (only default RoPE is supported here)")
         moe_layers = ()
-        if moe and c.get("num_experts", 0) > 0:
+        if moe and num_experts(c) > 0:
             step, only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
             moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
         return cls(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            # every layer routing (Qwen3.5-MoE), the config need not name a dense MLP size
+            intermediate_size=(c.get("intermediate_size", 0) if moe_layers and all(moe_layers)
+                               else c["intermediate_size"]),
             layer_types=tuple(types), num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
             head_dim=head_dim, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             rotary_dim=int(head_dim * factor), rms_eps=float(c.get("rms_norm_eps", 1e-6)),
@@ -84,7 +89,7 @@ class HybridConfig:
             lin_k_heads=c["linear_num_key_heads"], lin_v_heads=c["linear_num_value_heads"],
             lin_k_dim=c["linear_key_head_dim"], lin_v_dim=c["linear_value_head_dim"],
             conv_kernel=c.get("linear_conv_kernel_dim", 4),
-            num_experts=c.get("num_experts", 0) if moe else 0, experts_per_tok=c.get("num_experts_per_tok", 0),
+            num_experts=num_experts(c) if moe else 0, experts_per_tok=c.get("num_experts_per_tok", 0),
             moe_intermediate_size=c.get("moe_intermediate_size", 0),
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers)
@@ -227,58 +232,6 @@ class GatedAttention(QKVProjections):
         return self.o_proj(out * torch.sigmoid(gate.reshape(T, -1)))
 
 
-class Experts(nn.Module):
-    """Routed SwiGLU experts stored as 3D tensors (the transformers 5 layout)."""
-
-    def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-
-    def forward(self, x, idx, weights):
-        """x [T, h]; idx, weights [T, top_k]."""
-        if x.shape[0] == 1:  # decode: gather the chosen experts (no data-dependent control flow)
-            gate, up = torch.einsum("kih,h->ki", self.gate_up_proj[idx[0]], x[0]).chunk(2, dim=-1)
-            y = torch.einsum("khi,ki->kh", self.down_proj[idx[0]], F.silu(gate) * up)
-            return (y * weights[0][:, None].to(y.dtype)).sum(0, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
-            out.index_add_(0, tok, y)
-        return out
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
-        self.top_k, self.norm_topk = cfg.experts_per_tok, cfg.norm_topk_prob
-
-    def forward(self, x):
-        probs = F.linear(x, self.weight).float().softmax(-1)
-        weights, idx = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return idx, weights
-
-
-class SparseMoe(nn.Module):
-    def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
-
-    def forward(self, x):
-        idx, weights = self.gate(x)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, idx, weights) + shared
-
-
 class HybridLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, i: int):
         super().__init__()
@@ -287,8 +240,11 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = SparseMoe(cfg) if cfg.moe_layers and cfg.moe_layers[i] else SwiGLU(cfg.hidden_size,
-                                                                                       cfg.intermediate_size)
+        if cfg.moe_layers and cfg.moe_layers[i]:
+            self.mlp = SparseMoe(cfg.hidden_size, cfg.num_experts, cfg.experts_per_tok, cfg.moe_intermediate_size,
+                                 cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0)
 
@@ -317,18 +273,12 @@ class HybridForCausalLM(CausalLM):
         """HF names → ours: multimodal prefixes, Qwen3-Next's fused projections, per-expert weights."""
         c = self.config
         out: dict[str, torch.Tensor] = {}
-        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for name, t in tensors.items():
             if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
                 continue  # the vision tower and multi-token-prediction heads are not part of the text model
             name = name.replace("model.language_model.", "model.")
             if name.endswith("conv1d.weight") and t.dim() == 2:
                 t = t[:, None, :]
-            if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
-                prefix, rest = name.split(".mlp.experts.")
-                e, proj = rest.split(".")[0], rest.split(".")[1]
-                experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
-                continue
             if name.endswith("in_proj_qkvz.weight"):
                 base = name[: -len("in_proj_qkvz.weight")]
                 r, h = c.lin_v_heads // c.lin_k_heads, t.shape[-1]
@@ -345,12 +295,7 @@ class HybridForCausalLM(CausalLM):
                 out[base + "in_proj_a.weight"] = a.reshape(c.lin_v_heads, -1)
                 continue
             out[name] = t
-        for prefix, per in experts.items():
-            ids = sorted(per)
-            out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids])
-            out[prefix + ".mlp.experts.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
-        return out
+        return stack_experts(out)
 
 
 def from_hf_config(c: dict, flags: dict) -> HybridForCausalLM:

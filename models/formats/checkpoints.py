@@ -4,7 +4,8 @@ Two sources:
 - an HF checkpoint directory: config.json, model.safetensors or sharded safetensors with their
   index, tokenizer.json, tokenizer_config.json or chat_template.jinja, generation_config.json;
 - a GGUF file: metadata → config, tensors dequantized through the `gguf` package (ggml order
-  reversed, llama.cpp's Q/K row permutation undone), the tokenizer rebuilt from its arrays.
+  reversed, llama.cpp's Q/K row permutation undone, its converter's value changes on the hybrid
+  and MoE architectures undone), the tokenizer rebuilt from its arrays.
 Weights are never unpickled. Every failure raises `CheckpointError` with a one-line message.
 """
 from __future__ import annotations
@@ -162,7 +163,9 @@ def _open_safetensors(path: str) -> tuple[dict[str, LazyTensor], list[str]]:
 
 # --- GGUF files -------------------------------------------------------------------------------
 
-# ggml tensor names → HF names (the one place renames live); N is the layer index.
+# ggml tensor names → HF names (the one place renames live); N is the layer index. The hybrids'
+# and MoE names are llama.cpp's (qwen35, qwen35moe, qwen3next, qwen3moe); `_gguf_values` undoes
+# what its converter changed in their values.
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -170,12 +173,29 @@ _GGUF_NAMES = {
 }
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Gated DeltaNet (the converter writes Qwen3-Next's in_proj_qkvz as attn_qkv + attn_gate)
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b", "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+    # MoE: the router, the experts as 3D tensors ([E, rows, cols] once reversed), the shared expert
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2",
+# tensors whose whole name changes (no .weight in one of the two)
+_GGUF_LEAF_NAMES = {
+    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj", "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next", "lfm2": "lfm2",
                "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
+_HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?$")
 # Families whose HF names differ from the llama ones above (by model type): their names, over
 # those defaults; whole-tensor names (LFM2's token_embd_norm) are looked up first.
@@ -205,6 +225,7 @@ _GGUF_FAMILY_NAMES = {
 _GGUF_BARE = {"ssm_dt", "ssm_a", "ssm_d", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 # families whose converter permutes attn_q / attn_k rows for llama.cpp's RoPE layout
 _GGUF_PERMUTED_QK = {"llama", "granitemoehybrid", "nemotron_h"}
+_LEAF_RE = re.compile(r"blk\.(\d+)\.(\w+(?:\.weight|\.bias)?)$")
 
 
 
@@ -215,6 +236,9 @@ def _hf_name(name: str, model_type: str = "") -> str:
         return family[name]
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
+    m = _LEAF_RE.match(name)
+    if m and m.group(2) in _GGUF_LEAF_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LEAF_NAMES[m.group(2)]}"
     m = _LAYER_RE.match(name)
     names = {**_GGUF_LAYER_NAMES, **family}
     if not m or m.group(2) not in names:
@@ -254,6 +278,66 @@ def _mamba2_fixups(tensors: dict) -> None:
             tensors[base + "gate_up_proj"] = torch.cat([t, tensors.pop(base + "up")], dim=1)
             tensors[base + "down_proj"] = tensors.pop(base + "down")
             del tensors[name]
+
+
+def _tiled_to_grouped(t, dim: int, nk: int, nv: int, head: int):
+    """Undo the converter's reordering of linear-attention value heads (qwen35, qwen35moe): it
+    stores them tiled ([v0 of every key head, v1 of every key head, ...]) for ggml's broadcast;
+    HF groups them by key head. `t` is a torch tensor or a quant.GgufTensor (rows only)."""
+    r = nv // nk
+    n = nv * head
+    perm = torch.arange(n).reshape(r, nk, head).transpose(0, 1).reshape(n)  # grouped slot → tiled slot
+    from . import quant
+    if isinstance(t, quant.GgufTensor):
+        if dim != 0:
+            t = t.dequantize()
+        else:
+            return t.permute_rows(lambda a: np.ascontiguousarray(a[perm.numpy()]))
+    return t.index_select(dim, perm)
+
+
+def _gguf_values(config: dict, tensors: dict) -> None:
+    """In place: the values llama.cpp's converter changed, back to HF's (hybrids: zero-centred
+    norms stored as 1 + w, A_log stored as -exp(A_log), value heads tiled; MoE: gate and up
+    experts stored apart)."""
+    from . import quant
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_proj")]:
+        base = name[: -len("gate_proj")]
+        gate, up = tensors.pop(name), tensors.pop(base + "up_proj")
+        if all(isinstance(t, quant.GgufTensor) for t in (gate, up, tensors[base + "down_proj"])):
+            # kept in their blocks: the layer's experts module is built from the three at once
+            tensors[base[:-1]] = quant.GgufExperts(gate, up, tensors.pop(base + "down_proj"))
+            continue
+        gate, up = [t.dequantize() if isinstance(t, quant.GgufTensor) else t for t in (gate, up)]
+        if isinstance(tensors[base + "down_proj"], quant.GgufTensor):
+            tensors[base + "down_proj"] = tensors[base + "down_proj"].dequantize()
+        tensors[base + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+    if config["model_type"] not in _HYBRIDS:
+        return
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    reorder = config["model_type"] != "qwen3_next" and nk != nv
+    for name in list(tensors):
+        t = tensors[name]
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensors[name] = t = t - 1.0
+        elif name.endswith("A_log"):
+            tensors[name] = t = torch.log(-t)
+        if not reorder or ".linear_attn." not in name:
+            continue
+        if name.endswith("in_proj_qkv.weight"):
+            split = 2 * nk * dk
+            q_k = t.dequantize() if isinstance(t, quant.GgufTensor) else t
+            tensors[name] = torch.cat([q_k[:split], _tiled_to_grouped(q_k[split:], 0, nk, nv, dv)])
+        elif name.endswith("conv1d.weight"):
+            split = 2 * nk * dk
+            tensors[name] = torch.cat([t[:split], _tiled_to_grouped(t[split:], 0, nk, nv, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            tensors[name] = _tiled_to_grouped(t, 0, nk, nv, dv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            tensors[name] = _tiled_to_grouped(t, 0, nk, nv, 1)
+        elif name.endswith("out_proj.weight"):
+            tensors[name] = _tiled_to_grouped(t, 1, nk, nv, dv)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -305,17 +389,18 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             if model_type in _GGUF_PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
-            if keep_quantized and quant.keeps(ttype) and len(shape) == 2:
+            if keep_quantized and quant.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
                 qt = quant.GgufTensor(ttype, raw)
                 tensors[_hf_name(name, model_type)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
-            if keep_quantized and len(shape) == 2 and ttype not in (0, 1, 30):  # F32, F16, BF16
+            if keep_quantized and len(shape) in (2, 3) and ttype not in (0, 1, 30):  # F32, F16, BF16
                 kind = gguf_type(ttype).name
                 widened[kind] = widened.get(kind, 0) + 1
             w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if unpermute is not None:
                 w = unpermute(w)
             tensors[_hf_name(name, model_type)] = torch.from_numpy(np.ascontiguousarray(w))
+        _gguf_values(index["config"], tensors)
     except CheckpointError:
         raise
     except NotImplementedError as e:  # gguf-py cannot dequantize this type either
@@ -351,13 +436,17 @@ def _read_gguf_index(path: str) -> dict:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
                               f"(supported: {', '.join(_GGUF_ARCHS)})")
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    # multi-token-prediction blocks (llama.cpp's nextn layers) come after the model's own: skipped
+    n_layers = a("block_count") - a("nextn_predict_layers", 0)
+    own = [t for t in reader.tensors
+           if not ((m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= n_layers)]
     heads = a("attention.head_count")
     kv_heads = a("attention.head_count_kv", heads)
     hidden = a("embedding_length")
     names = {t.name for t in reader.tensors}
     config = {
         "model_type": _GGUF_ARCHS[arch], "hidden_size": hidden, "intermediate_size": a("feed_forward_length"),
-        "num_hidden_layers": a("block_count"), "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_hidden_layers": n_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": a("attention.key_length", hidden // heads), "rope_theta": a("rope.freq_base", 10000.0),
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
         "max_position_embeddings": a("context_length", 4096),
@@ -368,6 +457,26 @@ def _read_gguf_index(path: str) -> dict:
         _GGUF_FAMILY_CONFIG[config["model_type"]](config, a)
     if config["model_type"] in _MAMBA2_FAMILIES:
         config.update(_mamba2_hybrid_config(config["model_type"], a, reader))
+    if a("expert_count") and config["model_type"] not in _GGUF_FAMILY_NAMES:
+        config.update(num_experts=a("expert_count"), num_experts_per_tok=a("expert_used_count"),
+                      moe_intermediate_size=a("expert_feed_forward_length"),
+                      shared_expert_intermediate_size=a("expert_shared_feed_forward_length", 0),
+                      # llama.cpp renormalises the top-k weights of these architectures unconditionally
+                      norm_topk_prob=True)
+    if config["model_type"] in _HYBRIDS:
+        n, interval = config["num_hidden_layers"], a("full_attention_interval", 4)
+        recurrent = a("attention.recurrent_layers") or [(i + 1) % interval != 0 for i in range(n)]
+        nv = a("ssm.time_step_rank")
+        config.update(layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+                      linear_conv_kernel_dim=a("ssm.conv_kernel"), linear_key_head_dim=a("ssm.state_size"),
+                      linear_num_key_heads=a("ssm.group_count"), linear_num_value_heads=nv,
+                      linear_value_head_dim=a("ssm.inner_size") // nv,
+                      partial_rotary_factor=a("rope.dimension_count") / config["head_dim"])
+    if config["intermediate_size"] is None:
+        del config["intermediate_size"]  # MoE everywhere (qwen35moe); a dense family then names it missing
+    missing = [k for k, v in config.items() if v is None]
+    if missing and config["model_type"] not in _GGUF_FAMILY_NAMES:
+        raise CheckpointError(f"{path}: the GGUF metadata lacks what {arch!r} needs ({', '.join(missing)})")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError(f"{path}: the GGUF file has no tokenizer")
@@ -378,7 +487,7 @@ def _read_gguf_index(path: str) -> dict:
                           _field(reader, "tokenizer.ggml.pre", "default"), _field(reader, "tokenizer.ggml.model"))
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    for t in reader.tensors:
+    for t in own:
         _hf_name(t.name, config["model_type"])  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -390,7 +499,7 @@ def _read_gguf_index(path: str) -> dict:
         "bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
         "eos_ids": list(dict.fromkeys(eos_ids)),
         "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))
-                    for t in reader.tensors],
+                    for t in own],
     }
 
 
@@ -434,7 +543,7 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
             "residual_multiplier": a("residual_scale", 1.0), "logits_scaling": a("logit_scale", 1.0)}
 
 
-INDEX_VERSION = 1
+INDEX_VERSION = 3
 
 
 def _index_path(path: str) -> str | None:

@@ -4,7 +4,10 @@ The reference is llama.cpp's tokenizer for the same file: vocab and merges from 
 control tokens as special added tokens (matched in text, as llama.cpp's parse_special does),
 and the pre-tokenizer named by `tokenizer.ggml.pre` reproduced with the same regexes. For
 `smollm` that is one Unicode-number split (`\\p{N}`, each digit its own piece) before the GPT-2
-byte-level rules. An unknown tokenizer model or pre-tokenizer is an error, never a guess.
+byte-level rules. The Llama 3 pre-tokenizers also take a piece that is itself a token whole,
+before any merge (llama.cpp's ignore_merges; "Cửa Việt" → " Việt", not " Vi" "ệ" "t").
+An unknown tokenizer model or pre-tokenizer is an error, never a guess. Every pre-tokenizer here
+is checked against llama.cpp's own test vectors (tests/test_gguf_vocab.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 keeps combining marks (\p{M}) with the letters they modify
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_REGEXES = {
     "default": [_GPT2],
     "gpt-2": [_GPT2],
@@ -23,8 +29,13 @@ _PRE_REGEXES = {
     "llama-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
     "qwen2": [_QWEN2],
-    "qwen35": [_QWEN2],
+    "qwen35": [_QWEN35],
+    # llama.cpp runs these with smollm's regexes
+    "starcoder": [r"\p{N}", _GPT2],
+    "refact": [r"\p{N}", _GPT2],
 }
+# pre-tokenizers for which llama.cpp looks a whole piece up in the vocabulary before merging
+_IGNORE_MERGES = {"llama-bpe", "llama3"}
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -42,7 +53,7 @@ def build(tokens: list[str], token_types: list[int], merges: list[str], pre: str
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=False))
+                               ignore_merges=pre in _IGNORE_MERGES))
     splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _PRE_REGEXES[pre]]
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                     use_regex=False)])

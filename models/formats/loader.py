@@ -27,7 +27,9 @@ REGISTRY: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen2": ("llama", {"qkv_bias": True}),
     "qwen3": ("llama", {"qk_norm": True}),
+    "qwen3_moe": ("llama", {"qk_norm": True, "moe": True}),
     "qwen3_5_text": ("qwen3_5", {}),
+    "qwen3_5_moe_text": ("qwen3_5", {"moe": True}),
     "qwen3_next": ("qwen3_5", {"moe": True}),
     "lfm2": ("lfm2", {}),
     "olmo_hybrid": ("olmo_hybrid", {}),
@@ -171,26 +173,41 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     differ), and the dict is consumed (emptied), so loading never holds two copies of the weights."""
     rename = getattr(model, "checkpoint_names", None)
     if rename is not None:
-        renamed = rename(tensors)
-        tensors.clear()
+        try:
+            renamed = rename(tensors)
+        except ValueError as e:  # e.g. an incomplete set of per-expert weights
+            raise CheckpointError(f"checkpoint: {e}") from None
+        if renamed is not tensors:
+            tensors.clear()
         tensors = renamed
     expected = {name: t.shape for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
-    missing = set(expected) - set(tensors) - tied
-    unexpected = set(tensors) - set(expected)
+    # a layer's experts kept in GGUF blocks come as one entry named after the module
+    grouped = {n for n, t in tensors.items() if isinstance(t, quant.GgufExperts)}
+    covered = {f"{n}.{leaf}" for n in grouped for leaf in ("gate_up_proj", "down_proj")}
+    missing = set(expected) - set(tensors) - tied - covered
+    unexpected = set(tensors) - set(expected) - grouped
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} weights this architecture does not use, "
                               f"e.g. {sorted(unexpected)[0]!r}")
     for name, t in tensors.items():
-        if expected[name] != t.shape:
+        if name in grouped:
+            e, i2, h = expected[name + ".gate_up_proj"]
+            if t.gate.shape != (e, i2 // 2, h) or t.up.shape != t.gate.shape or t.down.shape != (e, h, i2 // 2):
+                raise CheckpointError(f"experts {name!r} have shapes {tuple(t.gate.shape)}, {tuple(t.up.shape)}, "
+                                      f"{tuple(t.down.shape)}, expected {(e, i2 // 2, h)} and {(e, h, i2 // 2)}")
+        elif expected[name] != t.shape:
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
-    model.n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
+    model.n_params = sum(t.numel() if name in grouped else int(np.prod(t.shape)) for name, t in tensors.items())
     # quantized tensors replace their modules first, so a bias then lands on the new module
     for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.GgufTensor)):
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
+        if isinstance(t, quant.GgufExperts):
+            setattr(model.get_submodule(owner), leaf, quant.BlockExperts(t))
+            continue
         if isinstance(t, quant.GgufTensor):
             replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head")
             if replacement is not None:

@@ -16,6 +16,8 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   `BlockEmbedding` compute in fp32 on weights dequantized exactly as gguf-py dequantizes them (a
   block of rows at a time), or through the C++ step's kernels, which read the blocks directly;
   either way the dequantized fp32 modules' results up to fp32 rounding.
+- MoE experts (3D tensors, any kept type) stay as stored too (`BlockExperts`): a token's chosen
+  experts are dequantized exactly, one at a time, and multiplied in the activations' dtype.
 Weights are converted once at load; nothing here runs on CUDA (the GPU path dequantizes).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import gguf_blocks
@@ -79,7 +82,8 @@ class GgufTensor:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.raw.shape[0], gguf_blocks.row_weights(self.ggml_type, self.raw.shape[1])))
+        """[rows, row weights], or [experts, rows, row weights] for a 3D expert tensor."""
+        return torch.Size((*self.raw.shape[:-1], gguf_blocks.row_weights(self.ggml_type, self.raw.shape[-1])))
 
     @property
     def kind(self) -> str:
@@ -267,6 +271,48 @@ class BlockLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+@dataclass
+class GgufExperts:
+    """A layer's routed experts as a GGUF stores them: gate, up [E, I, H] and down [E, H, I] in
+    blocks (each a view of the file's mapped pages), to become one BlockExperts module."""
+    gate: GgufTensor
+    up: GgufTensor
+    down: GgufTensor
+
+    def numel(self) -> int:
+        return sum(int(np.prod(t.shape)) for t in (self.gate, self.up, self.down))
+
+
+class BlockExperts(nn.Module):
+    """Routed SwiGLU experts in GGUF blocks as stored (any type gguf_blocks knows), computing what
+    moe.Experts computes on the dequantized weights (fp32 products on exactly gguf-py's values):
+    only the experts the tokens chose are dequantized, one at a time, so a 4-bit MoE file stays
+    4-bit in memory and its unused experts are never read from the mapping."""
+
+    def __init__(self, t: GgufExperts):
+        super().__init__()
+        self.types = (t.gate.ggml_type, t.up.ggml_type, t.down.ggml_type)
+        self.register_buffer("gate_blocks", t.gate.blocks())
+        self.register_buffer("up_blocks", t.up.blocks())
+        self.register_buffer("down_blocks", t.down.blocks())
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, u, d = self.types
+        return (gguf_blocks.dequantize(self.gate_blocks[e], g).to(dtype),
+                gguf_blocks.dequantize(self.up_blocks[e], u).to(dtype),
+                gguf_blocks.dequantize(self.down_blocks[e], d).to(dtype))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen ones."""
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up, down = self.expert(e, x.dtype)
+            y = F.linear(F.silu(F.linear(x[tok], gate)) * F.linear(x[tok], up), down)
+            out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
+        return out
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
     (exactly gguf-py's values)."""
@@ -301,6 +347,9 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, (BlockLinear, BlockEmbedding)):
             add(gguf_blocks.type_name(m.ggml_type), [m.blocks])
+        elif isinstance(m, BlockExperts):
+            for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):
+                add(gguf_blocks.type_name(ggml_type), [blocks])
         elif isinstance(m, Int4Linear):
             add(getattr(m, "gguf_kind", "int4").upper(), [m.packed, m.scale_zero])
         elif isinstance(m, Q8Embedding):

@@ -1,0 +1,179 @@
+"""Mixture-of-experts MLPs: a softmax top-k router over SwiGLU experts, with an optional shared
+expert (sigmoid-gated). Used by Qwen3-MoE (no shared expert), Qwen3-Next and Qwen3.5-MoE.
+
+The experts are stored as 3D tensors (the transformers 5 layout: `gate_up_proj` [E, 2*I, H] with
+gate rows first, `down_proj` [E, H, I]); `stack_experts` turns hub checkpoints' per-expert 2D
+weights into it. The layer takes [T, H] and returns [T, H]; routing weights stay fp32.
+
+Forms, each tested against the next (tests/test_moe_kernels.py, tests/test_gpu.py): the per-expert
+loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorted by expert
+(prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
+on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
+the chosen experts read on the device: three launches and the shared expert's, inside the graph).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
+from .layers import FusedLinear, Linear, SwiGLU
+
+# Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
+EXPERTS_FORM = "grouped"
+
+
+def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
+    """Whether torch._grouped_mm takes these operands: its rows must be 16-byte aligned, and on
+    CUDA it computes in bf16 (other dtypes take the loop)."""
+    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 \
+            or (intermediate * x.element_size()) % 16:
+        return False
+    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stored as 3D tensors."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; idx (int64), weights (fp32) [T, top_k]."""
+        if x.shape[0] == 1:  # decode: gather the chosen experts (no data-dependent control flow)
+            gate, up = torch.einsum("kih,h->ki", self.gate_up_proj[idx[0]], x[0]).chunk(2, dim=-1)
+            y = torch.einsum("khi,ki->kh", self.down_proj[idx[0]], F.silu(gate) * up)
+            return (y * weights[0][:, None].to(y.dtype)).sum(0, keepdim=True)
+        if EXPERTS_FORM == "grouped" and grouped_serves(x, self.down_proj.shape[-1]):
+            return self.grouped(x, idx, weights)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+    def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
+        row ranges (offsets computed on the device), then each token's k results summed in
+        slot order (a fixed order: no atomics)."""
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        # (bincount would read its largest id on the host first; an integer scatter-add is exact)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        xs = x[order // k]
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
+
+
+class Router(nn.Module):
+    """Softmax over all experts in fp32, then the top k (renormalised to sum 1 if norm_topk)."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, norm_topk: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k, self.norm_topk = top_k, norm_topk
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights
+
+
+class SparseMoe(nn.Module):
+    """`mlp.*` in checkpoint names: gate (the router), experts, and where shared_intermediate > 0
+    shared_expert + shared_expert_gate."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk: bool = True,
+                 shared_intermediate: int = 0):
+        super().__init__()
+        self.gate = Router(num_experts, hidden, top_k, norm_topk)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        if shared_intermediate:
+            self.shared_expert = SwiGLU(hidden, shared_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        if cuda_base.usable(x) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous():
+            return self.decode_cuda(x)
+        idx, weights = self.gate(x)
+        out = self.experts(x, idx, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def fuse(self) -> None:
+        """After loading: the router's rows and the shared expert's gate row in one weight, so
+        that one GEMV gives both on the CUDA decode path (a launch fewer per layer)."""
+        if hasattr(self, "shared_expert_gate") and isinstance(self.shared_expert_gate, nn.Linear) \
+                and self.gate.weight.is_cuda and self.shared_expert_gate.weight.dtype == self.gate.weight.dtype:
+            self.register_buffer("router_rows", torch.cat([self.gate.weight, self.shared_expert_gate.weight]),
+                                 persistent=False)
+
+    def decode_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form; the
+        shared gate's too, where fused), the top k on the device, the chosen experts in two
+        launches, with the shared expert as one more of them where its weights allow (else its
+        output is added in the second one's epilogue)."""
+        x = x.contiguous()
+        E = self.experts.gate_up_proj.shape[0]
+        if hasattr(self, "router_rows"):
+            logits = cuda_linear.gemv(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
+            gate = logits[:, E:]
+        else:
+            logits = cuda_linear.gemv(x, self.gate.weight)
+            gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
+        ex = self.experts
+        if not hasattr(self, "shared_expert"):
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
+        se = self.shared_expert
+        gu, dn = getattr(se, "gate_up_proj", None), se.down_proj
+        if (isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:]
+                and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous()):
+            # the shared expert as one more expert of both launches
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate=gate,
+                                    shared_gate_up=gu.weight, shared_down=dn.weight)
+        return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, se(x), gate)
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hub checkpoints' `...mlp.experts.<e>.{gate,up,down}_proj.weight` (2D each) → the 3D
+    `...mlp.experts.gate_up_proj` / `down_proj`; every other name passes through. The dict is
+    consumed as it is read (no second copy of the experts is held)."""
+    out: dict[str, torch.Tensor] = {}
+    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in list(tensors):
+        t = tensors.pop(name)
+        prefix, sep, rest = name.partition(".mlp.experts.")
+        parts = rest.split(".")
+        if sep and len(parts) == 3 and parts[0].isdigit() and parts[2] == "weight":
+            per.setdefault(prefix, {}).setdefault(int(parts[0]), {})[parts[1]] = t
+        else:
+            out[name] = t
+    for prefix, experts in per.items():
+        ids = sorted(experts)
+        if ids != list(range(len(ids))) or any(len(experts[e]) != 3 for e in ids):
+            raise ValueError(f"{prefix}.mlp.experts: the per-expert weights are incomplete")
+        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids])
+        out[prefix + ".mlp.experts.down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+    return out
+
+
+def num_experts(config: dict) -> int:
+    """The routed experts' count: `num_experts` in hub configs, `num_local_experts` where
+    transformers 5 writes it (its attribute map renames the key on save)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)

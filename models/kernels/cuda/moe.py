@@ -1,0 +1,148 @@
+"""Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync.
+
+Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
+models/architectures/moe.py):
+- route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
+  (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
+  ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id.
+- experts(x, gate_up, down, idx, weights, ...): sum_k w_k * down_e(silu(gate_e x) * up_e x) over
+  the chosen experts e = idx[k], reading only their weights, in two launches: gate/up with SwiGLU
+  (one program per expert and block of intermediate rows; the intermediate kept in fp32), then
+  down with the weighted sum over the k experts in each program (no atomics: the same bits every
+  run). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
+  where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
+  second one's epilogue. The torch form gathers the k experts' weights into a copy first.
+Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
+are compile-time constants: one compile per model, none per prompt. The expert ids are read on
+the device, so the launches are recorded in the CUDA graph like any other.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import base as cuda_base
+from .base import launch, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .base import _pdl_enter
+
+    @triton.jit
+    def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      NORM: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        e = tl.arange(0, BLOCK_E)
+        x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(e < E, p, -1.0)
+        total = 1.0
+        if NORM:  # a first pass for the sum of the k largest (kept in registers, no reload)
+            total = 0.0
+            q = p
+            for k in tl.static_range(TOP_K):
+                best = tl.max(q, axis=0)
+                total += best
+                q = tl.where(e == tl.min(tl.where(q == best, e, BLOCK_E), axis=0), -1.0, q)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            i = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)  # the lowest id among equals
+            tl.store(idx_out + k, i.to(tl.int64))
+            tl.store(w_out + k, best / total)
+            p = tl.where(e == i, -1.0, p)
+
+    @triton.jit
+    def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        k = tl.program_id(0)  # TOP_K: the shared expert (when the launch has that program)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < I
+        _pdl_enter(PDL)
+        if k < TOP_K:
+            e = tl.load(idx + k).to(tl.int64)
+            rows = w + e * stride_e + n[:, None] * H  # gate rows; the up rows sit I rows below
+        else:
+            rows = shared_w + n[:, None] * H
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < H
+            xv = tl.load(x + kk, mask=km, other=0.0).to(tl.float32)
+            m = nm[:, None] & km[None, :]
+            acc_g += tl.load(rows + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
+            acc_u += tl.load(rows + I * H + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
+        tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+
+    @triton.jit
+    def _down_rows(h, rows, n, nm, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """sum_j rows[n, j] * h[j] for the program's rows, in fp32."""
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < I
+            hv = tl.load(h + kk, mask=km, other=0.0)
+            wv = tl.load(rows + n[:, None] * I + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += wv.to(tl.float32) * hv[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, I: tl.constexpr,
+                     H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < H
+        _pdl_enter(PDL)
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(idx + k).to(tl.int64)
+            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K)
+        if SHARED > 0:
+            sg = tl.load(shared_gate).to(tl.float32)
+            if SHARED == 1:  # the shared expert's output, computed apart
+                s = tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
+            else:  # its intermediate is row TOP_K of h: its down rows here
+                s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K)
+            y += s / (1.0 + tl.exp(-sg))
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [1, >= E] (any float dtype; the first E are the experts') → (ids [1, top_k] int64,
+    weights [1, top_k] fp32)."""
+    E = E or logits.shape[-1]
+    idx = torch.empty(1, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(1, top_k, dtype=torch.float32, device=logits.device)
+    launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+           NORM=renormalise, num_warps=4, **cuda_base.pdl(logits))
+    return idx, w
+
+
+def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+            shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+            shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+            block_n: int = 8, block_k: int = 256) -> torch.Tensor:
+    """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
+    int64, weights [1, k] fp32. The shared expert, where there is one: shared_gate [1, 1] (its
+    gate's logit) and either its weights, shared_gate_up [2I, H] and shared_down [H, I] (the same
+    I: it runs as one more program of each launch), or its output `shared` [1, H]. Returns [1, H]
+    in x's dtype. Block sizes: 8 output rows per program (512 programs for gate/up and 256 for
+    down at the 35B-A3B shape, to fill the SMs), gate/up walking H in steps of `block_k`, down
+    reading each expert's rows (I <= 512) whole."""
+    E, I2, H = gate_up.shape
+    I, k = I2 // 2, idx.shape[-1]
+    mode = 2 if shared_gate_up is not None else 1 if shared is not None else 0
+    h = torch.empty(k + (mode == 2), I, dtype=torch.float32, device=x.device)
+    opts = cuda_base.pdl(x)
+    launch(_gate_up_kernel, (k + (mode == 2), triton.cdiv(I, block_n)), x, gate_up, idx, h,
+           shared_gate_up if mode == 2 else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
+           BLOCK_K=block_k, num_warps=8, **opts)
+    out = torch.empty(1, H, dtype=x.dtype, device=x.device)
+    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else x,
+           shared_down if mode == 2 else down, shared_gate if mode else x, out, down.stride(0), I=I, H=H, TOP_K=k,
+           SHARED=mode, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8, **opts)
+    return out

@@ -1,0 +1,151 @@
+"""GGUF files of the hybrid and MoE families, written by llama.cpp's own converter from tiny HF
+checkpoints: `qwen35`, `qwen35moe`, `qwen3next` and `qwen3moe` load to the model the HF directory
+loads (its tensor names, the ssm_* tensors, its fused and split tensors, the value-head order and
+the values it stores transformed), with the tokenizer, template and stop ids of the file.
+
+The converter only recognises tokenizers by hash, so these conversions name the pre-tokenizer
+(`qwen2`); the tokenizers themselves are checked against llama.cpp's vectors in
+test_gguf_vocab.py. llama.cpp's MoE graphs renormalise the top-k weights and route every layer,
+so the MoE checkpoints here do too.
+"""
+import pytest
+import torch
+
+import models
+from engine.config import SamplingConfig
+from parity import TOL, rand_ids, session
+
+# kind → (tiny.py overrides the converter needs, converter options, the GGUF architecture)
+CASES = {
+    "qwen3_5": ({}, ("--no-mtp",), "qwen35"),
+    "qwen3_5_moe": ({}, ("--no-mtp",), "qwen35moe"),
+    "qwen3_next": ({"mlp_only_layers": []}, ("--no-mtp",), "qwen3next"),
+    "qwen3_moe": ({"mlp_only_layers": [], "norm_topk_prob": True}, (), "qwen3moe"),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from llama_cpp_tree import convert
+    from tiny import write_checkpoint
+    out = {}
+    for kind, (over, options, _) in CASES.items():
+        d = tmp_path_factory.mktemp(kind)
+        hf_dir = write_checkpoint(kind, str(d / "hf"), **over)
+        out[kind] = (hf_dir, convert(hf_dir, str(d / f"{kind}.gguf"), "f32", pre="qwen2", options=options))
+    return out
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_gguf_logits_and_greedy_tokens_equal_the_hf_directory(converted, kind):
+    import gguf
+    hf_dir, path = converted[kind]
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == CASES[kind][2]
+    ours, ref = models.load(path), models.load(hf_dir)
+    assert ours.model_type == ref.model_type
+    ids = rand_ids(70, 3)
+    assert (session(ours).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    prompt = rand_ids(25, 4)
+    assert list(session(ours).generate(prompt, greedy)) == list(session(ref).generate(prompt, greedy))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_gguf_tokenizer_template_and_stop_ids(converted, kind):
+    hf_dir, path = converted[kind]
+    ours, ref = models.load(path), models.load(hf_dir)
+    text = "<|im_start|>user\nhello there, 1234 the other<|im_end|>\n"
+    assert ours.tokenizer.encode(text, add_special_tokens=False).ids == \
+        ref.tokenizer.encode(text, add_special_tokens=False).ids
+    assert ours.chat_template == ref.chat_template
+    assert 2 in ours.eos_ids
+
+
+def test_value_heads_are_reordered_back(converted):
+    """qwen35's converter tiles the value heads (2 key heads, 4 value heads here): without the
+    reorder the GGUF model differs from the HF one."""
+    from models.formats import checkpoints
+    hf_dir, path = converted["qwen3_5"]
+    ckpt = checkpoints.load_gguf(path)
+    z = ckpt.tensors["model.layers.0.linear_attn.in_proj_z.weight"]
+    from safetensors.torch import load_file
+    ref = load_file(hf_dir + "/model.safetensors")["model.layers.0.linear_attn.in_proj_z.weight"]
+    assert torch.equal(z, ref)
+
+
+def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, tmp_path):
+    """Kept Q8_0 blocks take the value-head reorder by whole rows; the model stays within the
+    quantized tolerance of the same file dequantized (a wrong row order is far outside it)."""
+    from llama_cpp_tree import convert
+    from models.formats import quant
+    hf_dir, _ = converted["qwen3_5_moe"]
+    path = convert(hf_dir, str(tmp_path / "q8.gguf"), "q8_0", pre="qwen2", options=("--no-mtp",))
+    q, ref = models.load(path, quantized=True), models.load(path)
+    assert any(isinstance(m, quant.BlockLinear) for m in q.model.modules())
+    ids = rand_ids(40, 3)
+    a, b = session(ref).prefill(ids, all_logits=True), session(q).prefill(ids, all_logits=True)
+    assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
+
+
+def mapped_spans(path):
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi))
+    return spans
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_4bit_moe_gguf_keeps_its_experts_quantized_and_mapped(converted, kind, tmp_path):
+    """The converter's file with its experts requantized to Q4_0: on the CPU the experts stay the
+    file's mapped blocks (BlockExperts), and the model computes what the dequantized file does."""
+    from gguf import GGMLQuantizationType as Q
+
+    from models.formats import quant
+    from tiny_gguf import requantize
+    path = requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
+    q, ref = models.load(path, quantized=True), models.load(path)
+    experts = [layer.mlp.experts for layer in q.model.model.layers]
+    assert all(isinstance(e, quant.BlockExperts) for e in experts)
+    assert "Q4_0" in q.weight_bytes and q.n_params == ref.n_params
+    spans = mapped_spans(path)
+    assert spans and all(any(lo <= b.data_ptr() < hi for lo, hi in spans)
+                         for e in experts for b in (e.gate_blocks, e.up_blocks, e.down_blocks))
+    ids = rand_ids(40, 3)
+    assert (session(q).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    assert list(session(q).generate(ids, greedy)) == list(session(ref).generate(ids, greedy))
+
+
+def test_multi_token_prediction_layers_are_skipped(converted, tmp_path):
+    """Released Qwen3.5 checkpoints carry an MTP block (`mtp.*`), which the converter writes by
+    default as an extra block of nextn tensors (block_count + 1, nextn_predict_layers 1): the
+    model loads without it and equals the HF directory, which skips `mtp.*` too."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llama_cpp_tree import convert
+    hf_dir = str(tmp_path / "with-mtp")
+    shutil.copytree(converted["qwen3_5_moe"][0], hf_dir)
+    tensors = load_file(hf_dir + "/model.safetensors")
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1."):  # a full-attention layer as the MTP block's layer
+            tensors["mtp.layers.0." + name[len("model.layers.1."):]] = t.clone()
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(64)
+    save_file(tensors, hf_dir + "/model.safetensors")
+    config = json.load(open(hf_dir + "/config.json"))
+    json.dump(dict(config, mtp_num_hidden_layers=1), open(hf_dir + "/config.json", "w"))
+    path = convert(hf_dir, str(tmp_path / "mtp.gguf"), "f32", pre="qwen2")
+    import gguf
+    assert gguf.GGUFReader(path).fields["qwen35moe.nextn_predict_layers"].contents() == 1
+    ours, ref = models.load(path), models.load(hf_dir)
+    assert len(ours.model.model.layers) == 4
+    ids = rand_ids(30, 2)
+    assert (session(ours).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL

@@ -1,0 +1,149 @@
+"""CUDA: the MoE decode kernels (models/kernels/cuda/moe.py) and the grouped-GEMM prefill against
+their torch forms at the benchmark shapes and odd ones, and tiny MoE models whose decode step runs
+them inside the CUDA graph: graphs on and off give identical tokens, close to the torch forms."""
+import pytest
+import torch
+
+import models
+from engine.config import SamplingConfig
+from engine.session import DecodeSession
+from models.architectures import moe
+
+pytestmark = pytest.mark.gpu
+
+
+def kernels():
+    from models.kernels.cuda import base as cuda_base, moe as cuda_moe
+    if not cuda_base.ENABLED:
+        pytest.skip("Triton is not installed here")
+    return cuda_moe
+
+
+def bf16_layer(E, H, I, k, shared, norm, seed=0):
+    torch.manual_seed(seed)
+    m = moe.SparseMoe(H, E, k, I, norm, shared)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.02)
+    return m.to("cuda", torch.bfloat16).eval()
+
+
+# (experts, hidden, expert size, top k, shared expert size, renormalise): Qwen3.5-35B-A3B,
+# Qwen3-30B-A3B, and odd sizes
+SHAPES = [(256, 2048, 512, 8, 512, True), (128, 2048, 768, 8, 0, True), (60, 1000, 200, 5, 100, False)]
+
+
+@pytest.mark.parametrize("E", [8, 60, 128, 256])
+def test_route_kernel_matches_softmax_topk(E):
+    cuda_moe = kernels()
+    g = torch.Generator(device="cuda").manual_seed(E)
+    for _ in range(20):
+        # fp32 logits: no ties (bf16 ones tie often among 256, where the two may keep either)
+        logits = torch.randn(1, E, device="cuda", generator=g)
+        for norm in (True, False):
+            idx, w = cuda_moe.route(logits, 8 if E >= 8 else 2, norm)
+            ref_w, ref_idx = logits.float().softmax(-1).topk(idx.shape[-1], dim=-1)
+            if norm:
+                ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+            assert torch.equal(idx, ref_idx)  # both in descending order of weight
+            assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
+def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypatch):
+    cuda_moe = kernels()
+    from models.kernels.cuda import base as cuda_base
+    m = bf16_layer(E, H, I, k, shared, norm)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused = m(x).float()
+        models.fuse(m)  # the router's rows and the shared gate's row in one GEMV; the shared expert's
+        assert hasattr(m, "router_rows") == bool(shared)  # gate/up: one more expert where I matches
+        assert float((m(x).float() - fused).abs().max()) <= 1e-3 * float(fused.abs().max())
+        idx, w = m.gate(x)
+        args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)
+        direct = cuda_moe.experts(x, m.experts.gate_up_proj, m.experts.down_proj, idx, w, *args).float()
+        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        plain = m(x).float()
+    scale = float(plain.abs().max())
+    assert float((direct - plain).abs().max()) <= 0.02 * scale  # the same experts, chosen by torch
+    with torch.no_grad():  # the whole layer routes by itself: comparable where no two probabilities tie at k
+        probs = torch.nn.functional.linear(x, m.gate.weight).float().softmax(-1).sort(descending=True).values
+    if probs[0, k - 1] != probs[0, k]:
+        assert float((fused - plain).abs().max()) <= 0.02 * scale
+
+
+@pytest.mark.parametrize("T", [2, 65, 2048])
+def test_grouped_prefill_matches_the_loop_in_bf16(T):
+    m = bf16_layer(256, 2048, 512, 8, 512, True)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    assert moe.grouped_serves(x, 512)
+    with torch.no_grad():
+        idx, w = m.gate(x)
+        grouped = m.experts.grouped(x, idx, w).float()
+        moe.EXPERTS_FORM = "loop"
+        try:
+            loop = m.experts(x, idx, w).float()
+        finally:
+            moe.EXPERTS_FORM = "grouped"
+    assert float((grouped - loop).abs().max()) <= 0.02 * float(loop.abs().max())
+    assert torch.equal(grouped, m.experts.grouped(x, idx, w).float())  # no atomics: the same bits
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from tiny import hf_model, write_checkpoint
+    return {kind: models.load(write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind)),
+                              "cuda", torch.bfloat16)
+            for kind in ("qwen3_5_moe", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_moe_graphs_on_off_identical(moe_models, kind):
+    lm = moe_models[kind]
+    base = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [base, base[:25] + [7, 8, 9], base]
+
+    def run(graph, cfg):
+        s = DecodeSession(lm.model, max_context=256, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph=graph)
+        assert (s.graph is not None) == (graph == "on")
+        return [list(s.generate(p, cfg)) for p in prompts]
+
+    for cfg in (SamplingConfig(temperature=0, max_new_tokens=24),
+                SamplingConfig(temperature=0.8, seed=5, max_new_tokens=24)):
+        on = run("on", cfg)
+        assert on == run("off", cfg) and on[0] == on[2]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_moe_kernels_keep_the_model_close_to_the_torch_forms(moe_models, monkeypatch, kind):
+    kernels()
+    from models.kernels.cuda import base as cuda_base
+    lm = moe_models[kind]
+
+    def step_logits():
+        s = DecodeSession(lm.model, max_context=96, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="off")
+        first = s.prefill(list(range(3, 40)))[-1]
+        return torch.stack([first] + [s.step(t)[-1] for t in (5, 6, 7, 8)])
+
+    fused = step_logits()
+    monkeypatch.setattr(cuda_base, "ENABLED", False)
+    plain = step_logits()
+    assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
+
+
+def test_decode_step_reads_no_value_on_the_host(moe_models):
+    """The MoE step is capturable: a CUDA graph of one decode step records without a sync."""
+    lm = moe_models["qwen3_5_moe"]
+    s = DecodeSession(lm.model, max_context=64, device=torch.device("cuda"), dtype=torch.bfloat16,
+                      cuda_graph="on")
+    assert s.graph is not None
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    layer = lm.model.model.layers[0].mlp
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
