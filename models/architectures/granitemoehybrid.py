@@ -5,7 +5,7 @@ softmax over the top-k router logits) plus a shared SwiGLU MLP. Granite's muP mu
 embeddings times `embedding_multiplier`, each branch times `residual_multiplier` before it joins
 the stream, logits divided by `logits_scaling`. The model declares each layer's state; the
 engine's StateManager owns it. Checkpoint names (`input_linear`, `output_linear`, `router.layer`)
-map to ours in `checkpoint_names`; the experts and router are qwen3_5.py's (their top-k softmax,
+map to ours in `checkpoint_names`; the experts and router are moe.py's (their top-k softmax,
 renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them as the
 two kernels of kernels/cuda/experts.py, and a multi-token forward as two grouped GEMMs.
 """
@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cuda import base as cuda_base, experts as cuda_experts, linear as cuda_linear
@@ -23,7 +22,7 @@ from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
 from .nemotron_h import Attention, float_value, layer_kinds
-from .qwen3_5 import Experts, Router
+from .moe import Experts, Router
 from .state_spec import AttentionState, StateView
 
 
@@ -95,33 +94,13 @@ class GraniteHybridConfig:
             moe_intermediate_size=c.get("intermediate_size", 0))
 
 
-def grouped_serves(x: torch.Tensor) -> bool:
-    """Where torch's grouped GEMM runs a multi-token forward of the experts: bf16 on CUDA (its
-    kernel's dtype), fp32 on the CPU."""
-    return hasattr(torch, "_grouped_mm") and x.dtype == (torch.bfloat16 if x.is_cuda else torch.float32)
-
-
-def grouped_experts(x, idx, weights, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Experts.forward for many tokens as two grouped GEMMs over the (token, expert) pairs sorted
-    by expert (as transformers' grouped_mm experts), not a loop of small matmuls per expert; each
-    token's k outputs are summed in slot order (no atomics: the same bits every run).
-    x [T, h]; idx, weights [T, k]; gate_up [E, 2I, h]; down [E, h, I]."""
-    T, k = idx.shape
-    ids, perm = idx.reshape(-1).sort(stable=True)
-    offs = torch.bincount(ids, minlength=gate_up.shape[0]).cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x[perm // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
-    y = y * weights.reshape(-1)[perm, None].to(y.dtype)
-    return torch.empty_like(y).index_copy_(0, perm, y).view(T, k, -1).sum(1)
-
-
 class RoutedExperts(nn.Module):
     """`block_sparse_moe`: the router and the routed experts (the shared MLP is the layer's)."""
 
     def __init__(self, cfg: GraniteHybridConfig):
         super().__init__()
-        self.router = Router(cfg)
-        self.experts = Experts(cfg)
+        self.router = Router(cfg.num_experts, cfg.hidden_size, cfg.experts_per_tok, cfg.norm_topk_prob)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x):
         if cuda_base.usable(x):  # one token: the router's GEMV, the top-k softmax, the experts read in place
@@ -130,9 +109,7 @@ class RoutedExperts(nn.Module):
             idx, weights = cuda_experts.route(logits, self.router.top_k)
             return cuda_experts.decode(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
         idx, weights = self.router(x)
-        if x.shape[0] > 1 and grouped_serves(x):
-            return grouped_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        return self.experts(x, idx, weights)
+        return self.experts(x, idx, weights)  # many tokens: grouped GEMMs where they serve (moe.py)
 
 
 class GraniteHybridLayer(nn.Module):

@@ -237,7 +237,7 @@ def _hf_name(name: str, model_type: str = "") -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     m = _LEAF_RE.match(name)
-    if m and m.group(2) in _GGUF_LEAF_NAMES:
+    if not family and m and m.group(2) in _GGUF_LEAF_NAMES:  # llama.cpp's Qwen hybrid and MoE leaves
         return f"model.layers.{m.group(1)}.{_GGUF_LEAF_NAMES[m.group(2)]}"
     m = _LAYER_RE.match(name)
     names = {**_GGUF_LAYER_NAMES, **family}
@@ -274,10 +274,16 @@ def _mamba2_fixups(tensors: dict) -> None:
         elif name.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
             tensors[name] = t.reshape(-1)
         elif name.endswith("block_sparse_moe.experts.gate"):
+            from . import quant
             base = name[: -len("gate")]
-            tensors[base + "gate_up_proj"] = torch.cat([t, tensors.pop(base + "up")], dim=1)
-            tensors[base + "down_proj"] = tensors.pop(base + "down")
+            up, down = tensors.pop(base + "up"), tensors.pop(base + "down")
             del tensors[name]
+            if all(isinstance(x, quant.GgufTensor) for x in (t, up, down)):
+                tensors[base[:-1]] = quant.GgufExperts(t, up, down)  # kept in their blocks (the CPU)
+                continue
+            t, up, down = [x.dequantize() if isinstance(x, quant.GgufTensor) else x for x in (t, up, down)]
+            tensors[base + "gate_up_proj"] = torch.cat([t, up], dim=1)
+            tensors[base + "down_proj"] = down
 
 
 def _tiled_to_grouped(t, dim: int, nk: int, nv: int, head: int):
