@@ -186,7 +186,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.GgufTensor):
-            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head")
+            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype)
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -214,11 +214,21 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     _release_freed_memory()
 
 
-def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False) -> torch.nn.Module | None:
-    """The CPU module that computes with `gt` as stored, or None to dequantize it into `module`.
-    Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's layout (one tensor
-    at a time, so only one decoded copy exists at once); the other block types, and Q8_0 linears
-    inside the layers (which the C++ step reads as blocks), stay the file's pages."""
+def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False,
+                      device: torch.device = torch.device("cpu"),
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module | None:
+    """The module that computes with `gt` as stored, or None to dequantize it into `module`.
+    On the CPU, Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's
+    layout (one tensor at a time, so only one decoded copy exists at once); the other block
+    types, and Q8_0 linears inside the layers (which the C++ step reads as blocks), stay the
+    file's pages. On CUDA every kept type goes to the device as the file's blocks (the Triton
+    kernels of models.kernels.cuda.qlinear read them)."""
+    if device.type == "cuda":
+        if isinstance(module, torch.nn.Embedding):
+            emb = quant.BlockEmbedding(gt, device)
+            emb.out_dtype = dtype
+            return emb
+        return quant.BlockLinear.from_gguf(gt, device) if isinstance(module, torch.nn.Linear) else None
     if isinstance(module, torch.nn.Embedding):
         if gt.kind == "q8_0":
             return quant.Q8Embedding(gt.decoded())
@@ -252,12 +262,13 @@ def fuse(model: torch.nn.Module) -> None:
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          quantized: bool = False) -> LoadedModel:
-    """quantized: keep a GGUF's quantized matrices in their blocks (CPU only; see quant.py: Q4_0,
-    Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a note).
-    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against."""
+    """quantized: keep a GGUF's quantized matrices in their blocks (on the CPU and on CUDA; see
+    quant.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a
+    note). Off, every weight is dequantized to `dtype`: the reference path the quantized one is
+    tested against."""
     path = resolve(path_or_alias)
     device = torch.device(device)
-    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type == "cpu")
+    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type in ("cpu", "cuda"))
     model, model_type = build_model(ckpt.config)
     materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
