@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from . import quant
+from . import gguf_blocks, hf_quant, quant
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -65,7 +65,8 @@ class LoadedModel:
         parts = " + ".join(f"{name} {b / 1e6:.1f} MB" for name, b in formats.items())
         if all(name.islower() for name in formats):  # torch dtypes only: not GGUF blocks
             return parts
-        return f"GGUF {parts} ({total / 1e6:.1f} MB)" if len(formats) > 1 else f"GGUF {parts}"
+        prefix = "GGUF " if any(name in gguf_blocks.TYPES for name in formats) else ""
+        return f"{prefix}{parts} ({total / 1e6:.1f} MB)" if len(formats) > 1 else f"{prefix}{parts}"
 
 
 def resolve(path_or_alias: str) -> str:
@@ -182,9 +183,17 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
     model.n_params = sum(int(np.prod(t.shape)) for t in tensors.values())
     # quantized tensors replace their modules first, so a bias then lands on the new module
-    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.GgufTensor)):
+    packed = (quant.GgufTensor, hf_quant.QuantizedTensor)
+    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], packed)):
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
+        if isinstance(t, hf_quant.QuantizedTensor):
+            # CUDA keeps them quantized for its kernels; the CPU widens them (the fp32 reference)
+            if device.type == "cuda" and isinstance(model.get_submodule(owner), torch.nn.Linear):
+                parent, _, child = owner.rpartition(".")
+                setattr(model.get_submodule(parent), child, t.module(device))
+                continue
+            t = t.dequantize()
         if isinstance(t, quant.GgufTensor):
             replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype)
             if replacement is not None:
@@ -269,6 +278,7 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
     path = resolve(path_or_alias)
     device = torch.device(device)
     ckpt = read_checkpoint(path, keep_quantized=quantized and device.type in ("cpu", "cuda"))
+    hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
     model, model_type = build_model(ckpt.config)
     materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,

@@ -279,6 +279,16 @@ class QuantLinear(nn.Module):
         return self(x).split(self.sizes, dim=-1)
 
 
+def with_bias(fused: "QuantLinear | None", parts: list[nn.Module]) -> "QuantLinear | None":
+    """A fused linear with its parts' biases concatenated (None where only some have one)."""
+    if fused is None or all(p.bias is None for p in parts):
+        return fused
+    if any(p.bias is None for p in parts):
+        return None
+    fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
 class BlockLinear(QuantLinear):
     """y = x @ W.T (+ bias) for W in GGUF blocks as stored (`BLOCK_TYPES`, and Q8_0 inside the
     layers, which the C++ step reads as blocks; any type gguf_blocks knows works), in fp32 on
@@ -309,9 +319,10 @@ class BlockLinear(QuantLinear):
     def concat(cls, parts: list["BlockLinear"]) -> "BlockLinear | None":
         """Rows of several linears that read the same input, as one (on CUDA, where the GEMV
         reads any rows; the C++ step reads each matrix): None where types or devices differ."""
-        if not all(p.blocks.is_cuda and p.ggml_type == parts[0].ggml_type and p.bias is None for p in parts):
+        if not all(p.blocks.is_cuda and p.ggml_type == parts[0].ggml_type for p in parts):
             return None
-        return cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, [s for p in parts for s in p.sizes])
+        return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
+                             [s for p in parts for s in p.sizes]), parts)
 
     def qweight(self) -> qlinear.QWeight:
         return qlinear.QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
