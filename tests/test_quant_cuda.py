@@ -53,8 +53,8 @@ def close(a, b, rel):
     return float((a - b).abs().max()) <= rel * float(b.abs().max())
 
 
-def check_against_dequantized(path, quantized_types):
-    ref = models.load(path, CUDA, torch.float32)
+def check_against_dequantized(path, quantized_types, ref_path=None):
+    ref = models.load(ref_path or path, CUDA, torch.float32)
     q32 = models.load(path, CUDA, torch.float32, quantized=True)
     kinds = {name for name in q32.weight_bytes if name.isupper()}
     assert kinds >= set(quantized_types), (kinds, quantized_types)
@@ -104,3 +104,19 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path):
     quantized = sum(v for k, v in file_bytes.items() if k.startswith("Q"))
     f32 = file_bytes.get("F32", 0)
     assert used <= 1.05 * (quantized + f32 // 2) + (1 << 20), (used, quantized)
+
+
+HF_CASES = [("llama", "fp8"), ("qwen2", "awq"), ("llama", "gptq"), ("qwen2", "gptq_asym"), ("qwen3_5", "fp8"),
+            ("qwen3_5", "gptq_v2")]
+
+
+@pytest.mark.parametrize("kind,method", HF_CASES, ids=[f"{k}-{m}" for k, m in HF_CASES])
+def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method):
+    from models.formats import hf_quant
+    from tiny_hf_quant import write_quantized
+    qdir, rdir = write_quantized(kind, str(tmp_path), method)
+    name = {"fp8": "FP8", "awq": "AWQ"}.get(method, "GPTQ")
+    q16 = check_against_dequantized(qdir, {name}, rdir)
+    linears = [m for m in q16.model.modules() if isinstance(m, (hf_quant.Fp8Linear, hf_quant.GroupInt4Linear))]
+    assert linears and all(m.qweight().data.is_cuda for m in linears)
+    assert name in q16.weight_format

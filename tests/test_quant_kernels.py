@@ -117,3 +117,49 @@ def test_formats_cover_the_kept_gguf_types():
         name = gguf_blocks.type_name(t)
         assert name in qlinear.FORMATS and qlinear.FORMATS[name][1] == gguf_blocks.LAYOUTS[t].bytes
     assert np.all([qlinear.fits(gguf_blocks.type_name(t), 256) for t in quant.kept_types()])
+
+
+def hf_weight(method, n, k, seed, device):
+    """(the format's linear on `device`, its oracle weights fp64): FP8, AWQ, GPTQ from the
+    encoders of tests/tiny_hf_quant.py."""
+    import tiny_hf_quant as enc
+    from models.formats import hf_quant
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if method == "fp8":
+        pieces, _ = enc.fp8(w)
+        t = hf_quant.Fp8Tensor(pieces["weight"], pieces["weight_scale_inv"])
+    elif method == "awq":
+        pieces, _ = enc.awq(w)
+        t = hf_quant.awq(pieces["qweight"], pieces["qzeros"], pieces["scales"], enc.GROUP)
+    else:
+        pieces, _ = enc.gptq(w, sym=False, v1=True)
+        t = hf_quant.gptq(pieces["qweight"], pieces["qzeros"], pieces["scales"], pieces["g_idx"], enc.GROUP, True)
+    return t.module(device), t.dequantize().double().to(device)
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq"])
+def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
+    from models.kernels.cuda import qlinear
+    from models.kernels.cuda.linear import NormedRow
+    lin, w = hf_weight(method, 264, 384, 7, device)  # 264 rows: not whole 128-row FP8 blocks
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 384, generator=g).to(device)
+    got = qlinear.gemv(x, lin.qweight(), out_dtype=torch.float32).double()
+    assert torch.all((got - x.double() @ w.t()).abs() <= 1e-5 * bound(x, w))
+    d = qlinear.dequantize(lin.qweight(), 5, 264, torch.float32).double()
+    run = w[5:].abs().reshape(259, -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(259, -1)
+    assert torch.all((d - w[5:]).abs() <= 1e-6 * run)
+    half, _ = hf_weight(method, 256, 384, 8, device)  # gate and up halves of 128 rows each
+    wh = half.dequantize().double() if method != "fp8" else None
+    if wh is None:
+        from models.formats import hf_quant
+        wh = hf_quant.Fp8Tensor(half.weight.cpu(), half.scale.cpu()).dequantize().double().to(device)
+    res, nw = torch.randn(1, 384, generator=g).to(device), torch.rand(384, generator=g).to(device) + 0.5
+    got = half.gemv_swiglu(NormedRow(x, res, nw, 1e-6)).double()
+    h = F.rms_norm((x + res).double(), (384,), nw.double(), 1e-6)
+    gate, up = (h @ wh.t()).chunk(2, dim=-1)
+    tol = 1e-5 * (bound(h, wh[:128]) * up.abs() + bound(h, wh[128:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
+    assert torch.all((got - F.silu(gate) * up).abs() <= tol)
+    xs = torch.randn(9, 384, generator=g).to(device)
+    got = lin.cuda_forward(xs.to(torch.bfloat16 if device.type == "cuda" else torch.float32)).double()
+    assert torch.all((got - xs.double() @ w.t()).abs() <= 1e-2 * bound(xs, w))

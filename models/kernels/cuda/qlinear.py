@@ -172,7 +172,7 @@ if triton is not None:
         if FMT == 7:  # Q6_K: byte 16s + l of ql, in half h = s // 4
             lo = 128 * (s // 4) + 32 * ((s % 4) // 2) + 16 * (s % 2) + l
             return lo, lo + 64
-        elif FMT >= 5:  # Q4_K, Q5_K: 32-byte runs, low nibbles first
+        elif FMT == 5 or FMT == 6:  # Q4_K, Q5_K: 32-byte runs, low nibbles first
             return 64 * s + l, 64 * s + 32 + l
         else:  # 32-weight runs of 16 bytes, low nibbles first (and FP8's halves of 32)
             return 32 * s + l, 32 * s + 16 + l
