@@ -150,10 +150,7 @@ def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
     run = w[5:].abs().reshape(259, -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(259, -1)
     assert torch.all((d - w[5:]).abs() <= 1e-6 * run)
     half, _ = hf_weight(method, 256, 384, 8, device)  # gate and up halves of 128 rows each
-    wh = half.dequantize().double() if method != "fp8" else None
-    if wh is None:
-        from models.formats import hf_quant
-        wh = hf_quant.Fp8Tensor(half.weight.cpu(), half.scale.cpu()).dequantize().double().to(device)
+    wh = half.dequantize().double()
     res, nw = torch.randn(1, 384, generator=g).to(device), torch.rand(384, generator=g).to(device) + 0.5
     got = half.gemv_swiglu(NormedRow(x, res, nw, 1e-6)).double()
     h = F.rms_norm((x + res).double(), (384,), nw.double(), 1e-6)
@@ -163,3 +160,19 @@ def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
     xs = torch.randn(9, 384, generator=g).to(device)
     got = lin.cuda_forward(xs.to(torch.bfloat16 if device.type == "cuda" else torch.float32)).double()
     assert torch.all((got - xs.double() @ w.t()).abs() <= 1e-2 * bound(xs, w))
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_fused_rows_of_odd_sizes(device, method):
+    """Linears fused whatever their row counts (Gated DeltaNet's in_proj: qkv, z, then b and a of
+    a row per head): FP8 then keeps a scale per row; the product is the parts' products side by side."""
+    from models.kernels.cuda import qlinear
+    sizes = [136, 128, 6, 6] if method == "fp8" else [136, 128, 8, 8]  # (AWQ packs eight columns a word)
+    parts = [hf_weight(method, n, 256, seed, device) for seed, n in enumerate(sizes)]
+    fused = type(parts[0][0]).concat([p for p, _ in parts])
+    assert fused is not None and fused.sizes == sizes
+    w = torch.cat([w for _, w in parts])
+    assert torch.equal(fused.dequantize().double(), w)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).to(device)
+    got = qlinear.gemv(x, fused.qweight(), out_dtype=torch.float32).double()
+    assert torch.all((got - x.double() @ w.t()).abs() <= 1e-5 * bound(x, w))

@@ -184,33 +184,42 @@ class Fp8Linear(QuantLinear):
     """y = x @ W.T (+ bias) for FP8 e4m3 weights with 128 x 128 block scales. CUDA: the Triton
     kernels; elsewhere the oracle's weights, a chunk of rows at a time."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, sizes: list[int] | None = None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, sizes: list[int] | None = None,
+                 scale_rows: int = 128):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.sizes = sizes or [weight.shape[0]]
+        self.scale_rows = scale_rows  # rows per scale: 128, or 1 (see concat)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_parameter("bias", None)
 
     def qweight(self) -> qlinear.QWeight:
-        return qlinear.QWeight("FP8", self.weight, self.out_features, self.in_features, scales=self.scale)
+        return qlinear.QWeight("FP8", self.weight, self.out_features, self.in_features, scales=self.scale,
+                               group=self.scale_rows)
 
     def format_tensors(self):
         return "FP8", [self.weight, self.scale]
 
     @classmethod
     def concat(cls, parts: list["Fp8Linear"]) -> "Fp8Linear | None":
-        """Rows of several linears as one: only where each but the last ends on a 128-row block."""
-        if any(p.out_features % 128 for p in parts[:-1]):
-            return None
-        return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
-                             [s for p in parts for s in p.sizes]), parts)
+        """Rows of several linears as one. Where a part but the last ends inside a 128-row block
+        (Gated DeltaNet's b and a projections: a row per head), the scales are repeated per row
+        (4 bytes per 128 weights, 3% more to read) so that every row finds its own."""
+        sizes = [s for p in parts for s in p.sizes]
+        if all(p.scale_rows == 128 for p in parts) and not any(p.out_features % 128 for p in parts[:-1]):
+            return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), sizes), parts)
+        rows = [p.scale.repeat_interleave(p.scale_rows, 0)[:p.out_features] for p in parts]
+        return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat(rows), sizes, scale_rows=1), parts)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        s = self.scale.repeat_interleave(self.scale_rows, 0)[:self.out_features].repeat_interleave(128, 1)
+        return (self.weight.float() * s[:, :self.in_features]).to(dtype)
 
     def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.cuda_serves(x):
             return self.cuda_forward(x, out_dtype)
-        w = Fp8Tensor(self.weight, self.scale).dequantize(x.dtype)
-        y = nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
 
 

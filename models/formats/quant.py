@@ -356,11 +356,14 @@ class BlockEmbedding(nn.Module):
 
     out_dtype: torch.dtype = torch.float32
 
-    def __init__(self, t: GgufTensor, device=None):
+    def __init__(self, t: "GgufTensor | torch.Tensor", device=None, ggml_type: int | None = None):
+        """t: the GGUF tensor, or its blocks as a uint8 tensor (with ggml_type)."""
         super().__init__()
-        self.ggml_type = t.ggml_type
-        self.num_embeddings, self.embedding_dim = t.shape
-        self.register_buffer("blocks", t.blocks().to(device) if device is not None else t.blocks())
+        blocks = t if isinstance(t, torch.Tensor) else t.blocks()
+        self.ggml_type = ggml_type if isinstance(t, torch.Tensor) else t.ggml_type
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = gguf_blocks.row_weights(self.ggml_type, blocks.shape[1])
+        self.register_buffer("blocks", blocks.to(device) if device is not None else blocks)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

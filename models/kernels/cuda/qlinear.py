@@ -44,8 +44,9 @@ FP8_BLOCK = 128  # rows and columns per FP8 scale
 class QWeight:
     """A quantized [N, K] matrix as the kernels read it: `data` (GGUF: uint8 [N, row bytes];
     FP8: float8_e4m3fn [N, K]; INT4: uint8 [N, K/2], byte 16r + l of a row holding weight 32r + l
-    in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/128),
-    K/128], for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
+    in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/group),
+    K/128] (group: rows per scale, 128 as stored, 1 where fused linears' blocks do not line up),
+    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
     fmt: str
     data: torch.Tensor
     n: int
@@ -99,16 +100,16 @@ def pick_block_n(n: int) -> tuple[int, int]:
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, block_n: int | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
-    rows first) in out_dtype (x's by default)."""
+    rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps), pick_block_n's by
+    default (bench/quant_bench.py --sweep measures others)."""
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
-    bn, warps = pick_block_n(n_out)
-    bn = block_n or bn
+    bn, warps = config or pick_block_n(n_out)
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
@@ -211,11 +212,11 @@ if triton is not None:
                 else:  # Q4_1 / Q5_1: w = d q + m
                     off = -_f16(b2 + 2)
             return lo, hi, d, d, off, off
-        elif FMT == 8:  # FP8: [N, K] e4m3, one scale per 128 x 128
+        elif FMT == 8:  # FP8: [N, K] e4m3, one scale per GROUP rows (128, or 1 in fused linears) x 128
             p = w + r3 * stride_w + step * 128 + 32 * s3 + l3
             lo = tl.load(p).to(tl.float32)
             hi = tl.load(p + 16).to(tl.float32)
-            sc = tl.load(sc_ptr + (r2 // 128) * stride_s + step) + tl.zeros([1, S], tl.float32)
+            sc = tl.load(sc_ptr + (r2 // GROUP) * stride_s + step) + tl.zeros([1, S], tl.float32)
             return lo, hi, sc, sc, sc * 0.0, sc * 0.0
         elif FMT == 9:  # INT4: 16 bytes per 32 weights, a scale and a zero per GROUP weights
             qs = tl.load(w + r3 * stride_w + step * 64 + 16 * s3 + l3).to(tl.int32)
