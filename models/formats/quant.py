@@ -228,9 +228,9 @@ class Q8Linear(nn.Module):
 _DEQUANT_ELEMENTS = 4 << 20
 
 
-# Weights dequantized at a time by QuantLinear's many-row CUDA path (a bf16 scratch of 128 MiB at
+# Weights dequantized at a time by QuantLinear's many-row CUDA path (a bf16 scratch of 512 MiB at
 # most): one chunk covers every matrix of the benchmark models but an LM head.
-_CUDA_DEQUANT_ELEMENTS = 64 << 20
+_CUDA_DEQUANT_ELEMENTS = 256 << 20
 
 
 class QuantLinear(nn.Module):
