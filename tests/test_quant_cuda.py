@@ -7,7 +7,7 @@ Documented tolerances, against the same file loaded dequantized (every weight wi
     max |logit difference| <= 1e-4 x the largest |logit|;
   - fp32 model, decode steps in a CUDA graph (the dequant-GEMV: fp32 sums in another order):
     <= 1e-4 x the largest |logit|, the same greedy tokens as the dequantized model;
-  - bf16 model, decode steps in a CUDA graph: <= 3e-2 x the largest |logit| (bf16 activations),
+  - bf16 model, decode steps in a CUDA graph: <= 5e-2 x the largest |logit| (bf16 activations),
     and the same tokens with graphs on and off;
   - GPU memory: the quantized weights take their file's bytes (+ 5% and 1 MB for norms and the
     allocator).
@@ -67,7 +67,7 @@ def check_against_dequantized(path, quantized_types, ref_path=None):
     del q32
     q16 = models.load(path, CUDA, torch.bfloat16, quantized=True)
     assert close(step_logits(q16, torch.bfloat16, "on", prompt, steps),
-                 step_logits(ref, torch.float32, "off", prompt, steps), 3e-2)
+                 step_logits(ref, torch.float32, "off", prompt, steps), 5e-2)
     assert greedy(q16, torch.bfloat16, "on", prompt) == greedy(q16, torch.bfloat16, "off", prompt)
     return q16
 

@@ -370,7 +370,7 @@ class BlockEmbedding(nn.Module):
         if self.blocks.is_cuda and qlinear.usable(self.blocks):
             qw = qlinear.QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
             return qlinear.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
-        return gguf_blocks.dequantize(self.blocks[flat], self.ggml_type).view(*ids.shape, -1)
+        return gguf_blocks.dequantize(self.blocks[flat], self.ggml_type).to(self.out_dtype).view(*ids.shape, -1)
 
     def blocks_shape(self) -> tuple[int, int]:
         return self.num_embeddings, self.embedding_dim
