@@ -1,7 +1,8 @@
 """Quantized weights on CUDA against bf16, random weights built on the device (no files), one command:
 
     python bench/quant_bench.py [--big qwen3.5-27b] [--formats bf16,Q4_K,AWQ,FP8]
-        [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--new 128] [--prefill 2048] [--sweep]
+        [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--new 128] [--prefill 2048]
+    python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -53,39 +54,43 @@ def run(name: str, fmt: str, args, device) -> dict:
     return rec
 
 
+CONFIGS = [(2, 4, 1024), (4, 4, 256), (4, 4, 1024), (4, 8, 1024), (8, 4, 512), (8, 8, 1024), (16, 8, 512),
+           (16, 8, 1024)]
+
+
 def sweep(device) -> None:
-    """The dequant-GEMV alone on the big shape's matrices, per format and (BLOCK_N, num_warps):
-    microseconds a call (CUDA events over 200 calls in a CUDA graph) and GB/s of its bytes."""
+    """The dequant-GEMV alone on matrices of the big shape, per format and config (BLOCK_N,
+    num_warps, most weights a step): microseconds a call (CUDA events over 100 calls replayed
+    from a CUDA graph) and TB/s of the weight's bytes."""
     from models.kernels.cuda import qlinear
     from shapes import random_quant_linear
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, 17408, device=device, dtype=torch.bfloat16)
-    print(f"\n{'format':>6}{'N':>8}{'K':>7}" + "".join(f"{f'{bn}x{w}':>10}" for bn in (2, 4, 8, 16) for w in (2, 4, 8)))
-    for fmt in ("Q4_K", "Q6_K", "AWQ", "FP8"):
-        for n, k in ((34816, 5120), (5120, 17408), (10240, 5120), (248320, 5120)):
+    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in CONFIGS))
+    for fmt in ("Q4_K", "AWQ", "FP8"):
+        for n, k in ((10240, 5120), (5120, 17408)):
             lin = random_quant_linear(fmt, n, k, device, gen)
             qw, xk = lin.qweight(), x[:, :k].contiguous()
             cells = []
-            for bn in (2, 4, 8, 16):
-                for w in (2, 4, 8):
-                    qlinear.gemv(xk, qw, config=(bn, w))
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for _ in range(200):
-                            qlinear.gemv(xk, qw, config=(bn, w))
-                    g.replay()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    g.replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    us = start.elapsed_time(end) * 1e3 / 200
-                    cells.append(f"{us:>6.0f}/{qw.nbytes() / us / 1e3:<3.1f}")
-                    del g
-            print(f"{fmt:>6}{n:>8}{k:>7}" + "".join(f"{c:>10}" for c in cells), flush=True)
+            for config in CONFIGS:
+                qlinear.gemv(xk, qw, config=config)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(100):
+                        qlinear.gemv(xk, qw, config=config)
+                g.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) * 1e3 / 100
+                cells.append(f"{us:.0f}/{qw.nbytes() / us / 1e6:.2f}")
+                del g
+            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells), flush=True)
             del lin, qw
             torch.cuda.empty_cache()
-    print("(each cell: microseconds per call / TB/s; columns BLOCK_N x num_warps)")
+    print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
 
 
 def main() -> None:
@@ -96,9 +101,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--sweep", action="store_true", help="then time the dequant-GEMV alone per (BLOCK_N, num_warps)")
+    ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.sweep:
+        sweep(device)
+        return
     jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
     jobs += [(s, f) for s in args.small.split(",") if s for f in ("bf16", "Q4_K")]
     rows = []
@@ -116,8 +124,6 @@ def main() -> None:
         print(f"{r['model']:14}{r['format']:>7}{r['decode_tok_s']:>14.1f}{floor * 1e3:>7.0f}"
               f"{r['decode_tok_s'] / (floor * 1e3) * 100:>7.0f}%{r.get('prefill_tok_s', 0):>15.0f}{pf:>7.2f}x"
               f"{r['weight_gb']:>11.2f}{r['read_gb']:>9.2f}{r['held_gb']:>9.2f}{r.get('peak_mem_gb', 0):>9.2f}")
-    if args.sweep:
-        sweep(device)
 
 
 if __name__ == "__main__":

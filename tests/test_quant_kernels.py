@@ -38,7 +38,7 @@ def device(request):
 
 def gguf_weight(qtype, rows, seed, device):
     """(BlockLinear, its oracle weights fp64) for random blocks; rows not a multiple of BLOCK_N."""
-    raw = torch.from_numpy(random_blocks(qtype, rows=rows, blocks_per_row=12 if qtype < Q.Q4_K else 2, seed=seed))
+    raw = torch.from_numpy(random_blocks(qtype, rows=rows, blocks_per_row=48 if qtype < Q.Q4_K else 4, seed=seed))
     w = gguf_blocks.dequantize(raw, int(qtype)).double()
     return quant.BlockLinear(raw.to(device), int(qtype)), w.to(device)
 
@@ -141,23 +141,23 @@ def hf_weight(method, n, k, seed, device):
 def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
     from models.kernels.cuda import qlinear
     from models.kernels.cuda.linear import NormedRow
-    lin, w = hf_weight(method, 264, 384, 7, device)  # 264 rows: not whole 128-row FP8 blocks
+    lin, w = hf_weight(method, 264, 1536, 7, device)  # 264 rows: not whole 128-row FP8 blocks
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 384, generator=g).to(device)
+    x = torch.randn(1, 1536, generator=g).to(device)
     got = qlinear.gemv(x, lin.qweight(), out_dtype=torch.float32).double()
     assert torch.all((got - x.double() @ w.t()).abs() <= 1e-5 * bound(x, w))
     d = qlinear.dequantize(lin.qweight(), 5, 264, torch.float32).double()
     run = w[5:].abs().reshape(259, -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(259, -1)
     assert torch.all((d - w[5:]).abs() <= 1e-6 * run)
-    half, _ = hf_weight(method, 256, 384, 8, device)  # gate and up halves of 128 rows each
+    half, _ = hf_weight(method, 256, 1536, 8, device)  # gate and up halves of 128 rows each
     wh = half.dequantize().double()
-    res, nw = torch.randn(1, 384, generator=g).to(device), torch.rand(384, generator=g).to(device) + 0.5
+    res, nw = torch.randn(1, 1536, generator=g).to(device), torch.rand(1536, generator=g).to(device) + 0.5
     got = half.gemv_swiglu(NormedRow(x, res, nw, 1e-6)).double()
-    h = F.rms_norm((x + res).double(), (384,), nw.double(), 1e-6)
+    h = F.rms_norm((x + res).double(), (1536,), nw.double(), 1e-6)
     gate, up = (h @ wh.t()).chunk(2, dim=-1)
     tol = 1e-5 * (bound(h, wh[:128]) * up.abs() + bound(h, wh[128:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
     assert torch.all((got - F.silu(gate) * up).abs() <= tol)
-    xs = torch.randn(9, 384, generator=g).to(device)
+    xs = torch.randn(9, 1536, generator=g).to(device)
     got = lin.cuda_forward(xs.to(torch.bfloat16 if device.type == "cuda" else torch.float32)).double()
     assert torch.all((got - xs.double() @ w.t()).abs() <= 1e-2 * bound(xs, w))
 

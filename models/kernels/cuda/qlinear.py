@@ -30,15 +30,18 @@ from . import base as cuda_base
 from .base import launch, triton
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
-# format name → (constexpr id, bytes per block (GGUF), weights per step W, S, L)
+# format name → (constexpr id, bytes per block (GGUF), weights per block, weights per sub-block s, L)
 FORMATS = {
-    "Q4_0": (0, 18, 256, 8, 16), "Q4_1": (1, 20, 256, 8, 16), "Q5_0": (2, 22, 256, 8, 16),
-    "Q5_1": (3, 24, 256, 8, 16), "Q8_0": (4, 34, 256, 8, 16),
-    "Q4_K": (5, 144, 256, 4, 32), "Q5_K": (6, 176, 256, 4, 32), "Q6_K": (7, 210, 256, 8, 16),
-    "FP8": (8, 0, 128, 4, 16), "INT4": (9, 0, 128, 4, 16),
+    "Q4_0": (0, 18, 32, 32, 16), "Q4_1": (1, 20, 32, 32, 16), "Q5_0": (2, 22, 32, 32, 16),
+    "Q5_1": (3, 24, 32, 32, 16), "Q8_0": (4, 34, 32, 32, 16),
+    "Q4_K": (5, 144, 256, 64, 32), "Q5_K": (6, 176, 256, 64, 32), "Q6_K": (7, 210, 256, 32, 16),
+    "FP8": (8, 0, 128, 32, 16), "INT4": (9, 0, 128, 32, 16),
 }
+# Weights a program decodes per step of K (at most; fewer where K asks): a step's loads are what
+# each program has in flight, and a GEMV on the large models is bound by bytes in flight
+# (Little's law: ~3 MB across an H200 to reach its bandwidth).
+STEP_WEIGHTS = 1024
 FP8_BLOCK = 128  # rows and columns per FP8 scale
-
 
 @dataclass
 class QWeight:
@@ -60,21 +63,18 @@ class QWeight:
 
 
 def fits(fmt: str, k: int) -> bool:
-    """Whether the kernels take a row of k weights in this format (whole steps of W weights;
-    Q4_0..Q8_0 rows come in whole 256-weight steps or are padded by nothing: see `_step`)."""
-    return fmt in FORMATS and k % _step(fmt, k)[0] == 0
+    """Whether the kernels take a row of k weights in this format (whole blocks)."""
+    return fmt in FORMATS and k % FORMATS[fmt][2] == 0
 
 
-def _step(fmt: str, k: int) -> tuple[int, int]:
-    """(W, S) for a row of k weights: the 32-weight formats take S = 8 blocks a step where K
-    allows, fewer otherwise (K = 32 * any number of blocks)."""
-    _, _, w, s, _ = FORMATS[fmt]
-    if FORMATS[fmt][0] <= 4:
-        s = 8
-        while s > 1 and k % (32 * s):
-            s //= 2
-        w = 32 * s
-    return w, s
+def _step(fmt: str, k: int, most: int = STEP_WEIGHTS) -> tuple[int, int]:
+    """(W, S): weights a step and sub-blocks a step, W the largest power-of-two multiple of the
+    format's block that divides k, up to `most`."""
+    _, _, block, sub, _ = FORMATS[fmt]
+    w = block
+    while w * 2 <= max(most, block) and k % (w * 2) == 0:
+        w *= 2
+    return w, w // sub
 
 
 def usable(x) -> bool:
@@ -83,37 +83,38 @@ def usable(x) -> bool:
     return cuda_base.ENABLED and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _args(qw: QWeight):
+def _args(qw: QWeight, most: int = STEP_WEIGHTS):
     fid, nbytes, _, _, L = FORMATS[qw.fmt]
-    w, s = _step(qw.fmt, qw.k)
+    w, s = _step(qw.fmt, qw.k, most)
     sc = qw.scales if qw.scales is not None else qw.data
     z = qw.zeros if qw.zeros is not None else qw.data
     stride_s = qw.scales.stride(0) if qw.scales is not None else 0
     return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1)
 
 
-def pick_block_n(n: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): few rows per program for small matrices (more programs in flight)."""
+def pick_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, most weights a step): few rows per program for small matrices (more
+    programs in flight), more for large ones. Not measured yet: bench/quant_bench.py --sweep."""
     if n >= 16384:
-        return 8, 4
-    return 4, 4
+        return 8, 8, STEP_WEIGHTS
+    return 4, 4, STEP_WEIGHTS
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
-    rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps), pick_block_n's by
-    default (bench/quant_bench.py --sweep measures others)."""
+    rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
+    pick_config's by default (bench/quant_bench.py --sweep measures others)."""
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
-    bn, warps = config or pick_block_n(n_out)
+    bn, warps, most = config or pick_config(n_out)
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
-    (sc, z, stride_s), consts = _args(qw)
+    (sc, z, stride_s), consts = _args(qw, most)
     launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
@@ -126,7 +127,7 @@ def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torc
     """Rows start..stop of W in `dtype` ([stop - start, K], written into `out` where given)."""
     rows = stop - start
     out = torch.empty(rows, qw.k, dtype=dtype, device=qw.data.device) if out is None else out
-    (sc, z, stride_s), consts = _args(qw)
+    (sc, z, stride_s), consts = _args(qw, 256)  # (smaller tiles: one program per tile, no loop)
     bn = 16
     launch(_qdequant_kernel, (triton.cdiv(rows, bn), qw.k // consts["W"]),
            qw.data, sc, z, out, start, stop, qw.k, qw.data.stride(0), stride_s, BLOCK_N=bn, num_warps=4, **consts)
@@ -170,19 +171,20 @@ if triton is not None:
         """[1, S, L] offsets within a step of the weights the lo and hi tiles hold."""
         s = tl.arange(0, S)[None, :, None]
         l = tl.arange(0, L)[None, None, :]
-        if FMT == 7:  # Q6_K: byte 16s + l of ql, in half h = s // 4
-            lo = 128 * (s // 4) + 32 * ((s % 4) // 2) + 16 * (s % 2) + l
+        if FMT == 7:  # Q6_K: super-block s // 8; in it, byte 16 g + l of ql (g = s % 8), in half g // 4
+            g = s % 8
+            lo = 256 * (s // 8) + 128 * (g // 4) + 32 * ((g % 4) // 2) + 16 * (g % 2) + l
             return lo, lo + 64
-        elif FMT == 5 or FMT == 6:  # Q4_K, Q5_K: 32-byte runs, low nibbles first
+        elif FMT == 5 or FMT == 6:  # Q4_K, Q5_K: 32-byte runs (four a super-block), low nibbles first
             return 64 * s + l, 64 * s + 32 + l
         else:  # 32-weight runs of 16 bytes, low nibbles first (and FP8's halves of 32)
             return 32 * s + l, 32 * s + 16 + l
 
     @triton.jit
     def _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT: tl.constexpr, BYTES: tl.constexpr,
-                S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
-        """Step `step` of rows `rows` [BN]: (lo, hi) fp32 codes [BN, S, L] and (scale_lo, scale_hi,
-        offset_lo, offset_hi) [BN, S]: weight = scale * code - offset."""
+                W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
+        """Step `step` (W weights) of rows `rows` [BN]: (lo, hi) fp32 codes [BN, S, L] and
+        (scale_lo, scale_hi, offset_lo, offset_hi) [BN, S]: weight = scale * code - offset."""
         r3 = rows[:, None, None].to(tl.int64)
         r2 = rows[:, None].to(tl.int64)
         s3 = tl.arange(0, S)[None, :, None]
@@ -213,52 +215,57 @@ if triton is not None:
                     off = -_f16(b2 + 2)
             return lo, hi, d, d, off, off
         elif FMT == 8:  # FP8: [N, K] e4m3, one scale per GROUP rows (128, or 1 in fused linears) x 128
-            p = w + r3 * stride_w + step * 128 + 32 * s3 + l3
+            p = w + r3 * stride_w + step * W + 32 * s3 + l3
             lo = tl.load(p).to(tl.float32)
             hi = tl.load(p + 16).to(tl.float32)
-            sc = tl.load(sc_ptr + (r2 // GROUP) * stride_s + step) + tl.zeros([1, S], tl.float32)
+            sc = tl.load(sc_ptr + (r2 // GROUP) * stride_s + (step * W + 32 * s2) // 128)
             return lo, hi, sc, sc, sc * 0.0, sc * 0.0
         elif FMT == 9:  # INT4: 16 bytes per 32 weights, a scale and a zero per GROUP weights
-            qs = tl.load(w + r3 * stride_w + step * 64 + 16 * s3 + l3).to(tl.int32)
-            g = (step * 128 + 32 * s2) // GROUP
+            qs = tl.load(w + r3 * stride_w + step * (W // 2) + 16 * s3 + l3).to(tl.int32)
+            g = (step * W + 32 * s2) // GROUP
             sc = tl.load(sc_ptr + r2 * stride_s + g).to(tl.float32)
             off = _u2f(tl.load(z_ptr + r2 * stride_s + g).to(tl.int32)) * sc
             return _u2f(qs & 15), _u2f(qs >> 4), sc, sc, off, off
-        else:  # K-quants: one 256-weight super-block a step
-            b3 = w + r3 * stride_w + step * BYTES
-            b2 = w + r2 * stride_w + step * BYTES
-            if FMT == 7:  # Q6_K: ql[128], qh[64], 16 int8 scales, d
-                h = s3 // 4
-                t = (s3 % 4) // 2
-                ll = 16 * (s3 % 2) + l3
-                ql = tl.load(b3 + 16 * s3 + l3).to(tl.int32)
-                qh = tl.load(b3 + 128 + 32 * h + ll).to(tl.int32)
-                lo = _u2f((ql & 15) | (((qh >> (2 * t)) & 3) << 4))
-                hi = _u2f((ql >> 4) | (((qh >> (2 * t + 4)) & 3) << 4))
-                d = _f16(b2 + 208)
-                i = 8 * (s2 // 4) + s2 % 4
-                sc_lo = tl.load(b2 + 192 + i).to(tl.int8, bitcast=True).to(tl.float32) * d
-                sc_hi = tl.load(b2 + 196 + i).to(tl.int8, bitcast=True).to(tl.float32) * d
-                return lo, hi, sc_lo, sc_hi, 32.0 * sc_lo, 32.0 * sc_hi
-            else:  # Q4_K (qs at 16), Q5_K (qh[32] at 16, qs at 48)
-                qs = tl.load(b3 + (BYTES - 128) + 32 * s3 + l3).to(tl.int32)
-                ql = qs & 15
-                qh = qs >> 4
-                if FMT == 6:
-                    hb = tl.load(b3 + 16 + l3).to(tl.int32)
-                    ql |= ((hb >> (2 * s3)) & 1) << 4
-                    qh |= ((hb >> (2 * s3 + 1)) & 1) << 4
-                d = _f16(b2)
-                dmin = _f16(b2 + 2)
-                sl, ml = _scale_min_k4(b2 + 4, 2 * s2)
-                sh, mh = _scale_min_k4(b2 + 4, 2 * s2 + 1)
-                return _u2f(ql), _u2f(qh), d * sl, d * sh, dmin * ml, dmin * mh
+        elif FMT == 7:  # Q6_K: ql[128], qh[64], 16 int8 scales, d; eight sub-blocks s a super-block
+            b3 = w + r3 * stride_w + (step * (S // 8) + s3 // 8) * BYTES
+            b2 = w + r2 * stride_w + (step * (S // 8) + s2 // 8) * BYTES
+            g = s3 % 8
+            h = g // 4
+            t = (g % 4) // 2
+            ll = 16 * (g % 2) + l3
+            ql = tl.load(b3 + 16 * g + l3).to(tl.int32)
+            qh = tl.load(b3 + 128 + 32 * h + ll).to(tl.int32)
+            lo = _u2f((ql & 15) | (((qh >> (2 * t)) & 3) << 4))
+            hi = _u2f((ql >> 4) | (((qh >> (2 * t + 4)) & 3) << 4))
+            d = _f16(b2 + 208)
+            g2 = s2 % 8
+            i = 8 * (g2 // 4) + g2 % 4
+            sc_lo = tl.load(b2 + 192 + i).to(tl.int8, bitcast=True).to(tl.float32) * d
+            sc_hi = tl.load(b2 + 196 + i).to(tl.int8, bitcast=True).to(tl.float32) * d
+            return lo, hi, sc_lo, sc_hi, 32.0 * sc_lo, 32.0 * sc_hi
+        else:  # Q4_K (qs at 16), Q5_K (qh[32] at 16, qs at 48); four sub-block pairs s a super-block
+            b3 = w + r3 * stride_w + (step * (S // 4) + s3 // 4) * BYTES
+            b2 = w + r2 * stride_w + (step * (S // 4) + s2 // 4) * BYTES
+            j3 = s3 % 4
+            qs = tl.load(b3 + (BYTES - 128) + 32 * j3 + l3).to(tl.int32)
+            ql = qs & 15
+            qh = qs >> 4
+            if FMT == 6:
+                hb = tl.load(b3 + 16 + l3).to(tl.int32)
+                ql |= ((hb >> (2 * j3)) & 1) << 4
+                qh |= ((hb >> (2 * j3 + 1)) & 1) << 4
+            d = _f16(b2)
+            dmin = _f16(b2 + 2)
+            j2 = s2 % 4
+            sl, ml = _scale_min_k4(b2 + 4, 2 * j2)
+            sh, mh = _scale_min_k4(b2 + 4, 2 * j2 + 1)
+            return _u2f(ql), _u2f(qh), d * sl, d * sh, dmin * ml, dmin * mh
 
     @triton.jit
-    def _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh,
-                  FMT: tl.constexpr, BYTES: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
+    def _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh, FMT: tl.constexpr,
+                  BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
         """sum over the step's weights of w * x, per row [BN]."""
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, S, L, GROUP)
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
         part = sl * tl.sum(lo * xl, axis=2) - ol * xsl + sh * tl.sum(hi * xh, axis=2) - oh * xsh
         return tl.sum(part, axis=1)
 
@@ -287,10 +294,10 @@ if triton is not None:
             xsl = tl.sum(xl, axis=2)
             xsh = tl.sum(xh, axis=2)
             acc += _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh,
-                             FMT, BYTES, S, L, GROUP)
+                             FMT, BYTES, W, S, L, GROUP)
             if SWIGLU:  # the up rows sit N rows below the gate rows
                 acc_up += _step_dot(w, sc_ptr, z_ptr, rows + N, step, stride_w, stride_s, xl, xh, xsl, xsh,
-                                    FMT, BYTES, S, L, GROUP)
+                                    FMT, BYTES, W, S, L, GROUP)
         if NORM:
             r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / K + eps)
             acc = acc * r
@@ -310,7 +317,7 @@ if triton is not None:
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows
         step = tl.program_id(1)
         rows = tl.minimum(start + i, stop - 1)
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, S, L, GROUP)
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
         pl, ph = _positions(FMT, S, L)
         o = out + i[:, None, None].to(tl.int64) * K + step * W
         m = (start + i < stop)[:, None, None]
