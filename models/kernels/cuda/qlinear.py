@@ -7,7 +7,8 @@ dequantizers in models/formats/gguf_blocks.py and hf_quant.py give them), accumu
 and rounded once; `dequantize(qw, start, stop, dtype)` gives rows start..stop of W, each weight
 computed as scale * code - offset in fp32 and rounded once to dtype. Like linear.gemv, a GEMV
 takes a NormedRow (the residual add and RMSNorm in its prologue), a SwiGLU pair of row halves,
-a bias, and PDL (it lets the next kernel launch at its start, then waits for the previous one).
+a bias, and PDL (it lets the next kernel launch at its start, decodes its first step of weights,
+then waits for the previous one).
 
 Weights are read as stored (formats in `FORMATS`): GGUF blocks as the file's bytes (32-weight
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; 256-weight Q4_K, Q5_K, Q6_K), FP8 e4m3 with one fp32 scale per
@@ -262,12 +263,24 @@ if triton is not None:
             return _u2f(ql), _u2f(qh), d * sl, d * sh, dmin * ml, dmin * mh
 
     @triton.jit
-    def _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh, FMT: tl.constexpr,
-                  BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
-        """sum over the step's weights of w * x, per row [BN]."""
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+    def _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh):
+        """sum over a step's weights of w * x, per row [BN], from _decode's tiles."""
         part = sl * tl.sum(lo * xl, axis=2) - ol * xsl + sh * tl.sum(hi * xh, axis=2) - oh * xsh
         return tl.sum(part, axis=1)
+
+    @triton.jit
+    def _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh, FMT: tl.constexpr,
+                  BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        return _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh)
+
+    @triton.jit
+    def _x_step(x, res, norm_w, sum_out, write, k0, pl, ph, K, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """The input at a step's lo and hi positions (normed where NORM), their sums of squares
+        and per-sub-block sums."""
+        xl, ql = _input_chunk(x, res, norm_w, sum_out, write, k0 + pl, K, NORM, HAS_RES, True)
+        xh, qh = _input_chunk(x, res, norm_w, sum_out, write, k0 + ph, K, NORM, HAS_RES, True)
+        return xl, xh, ql + qh, tl.sum(xl, axis=2), tl.sum(xh, axis=2)
 
     @triton.jit
     def _qgemv_kernel(x, w, sc_ptr, z_ptr, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
@@ -278,24 +291,30 @@ if triton is not None:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         rows = tl.minimum(n, N - 1)  # the last program's spare rows re-read a real row; not stored
-        if PDL:  # the next kernel may launch now; this one reads activations only after its predecessor
+        if PDL:  # let the next kernel launch now: it decodes its first weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
+        # the first step's weights, decoded before waiting on the previous kernel (no kernel
+        # writes weights): their load latency leaves the critical path of a launch-bound step
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, 0, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        if SWIGLU:  # the up rows sit N rows below the gate rows
+            ulo, uhi, usl, ush, uol, uoh = _decode(w, sc_ptr, z_ptr, rows + N, 0, stride_w, stride_s, FMT, BYTES, W,
+                                                   S, L, GROUP)
+        if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
         write = tl.where(pid == 0, K, 0)  # one program writes the residual stream
         pl, ph = _positions(FMT, S, L)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_N], tl.float32)
-        ss = tl.zeros([1, S, L], tl.float32)
-        for step in range(0, STEPS):  # (a constexpr: the interpreter's loop bounds must be)
-            xl, ql = _input_chunk(x, res, norm_w, sum_out, write, step * W + pl, K, NORM, HAS_RES, True)
-            xh, qh = _input_chunk(x, res, norm_w, sum_out, write, step * W + ph, K, NORM, HAS_RES, True)
+        xl, xh, ss, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, 0, pl, ph, K, NORM, HAS_RES)
+        acc = _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh)
+        acc_up = acc
+        if SWIGLU:
+            acc_up = _tiles_dot(ulo, uhi, usl, ush, uol, uoh, xl, xh, xsl, xsh)
+        for step in range(1, STEPS):  # (a constexpr: the interpreter's loop bounds must be)
+            xl, xh, sq, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, step * W, pl, ph, K, NORM, HAS_RES)
             if NORM:
-                ss += ql + qh
-            xsl = tl.sum(xl, axis=2)
-            xsh = tl.sum(xh, axis=2)
+                ss += sq
             acc += _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh,
                              FMT, BYTES, W, S, L, GROUP)
-            if SWIGLU:  # the up rows sit N rows below the gate rows
+            if SWIGLU:
                 acc_up += _step_dot(w, sc_ptr, z_ptr, rows + N, step, stride_w, stride_s, xl, xh, xsl, xsh,
                                     FMT, BYTES, W, S, L, GROUP)
         if NORM:
