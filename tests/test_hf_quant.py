@@ -82,3 +82,20 @@ def test_gptq_act_order_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="act-order"):
         models.load(qdir)
     assert set(CONFIGS) == {"fp8", "awq", "gptq", "gptq_asym", "gptq_v2"}
+
+
+def test_weight_format_names_the_formats_and_bytes(tmp_path):
+    """What /show and the load line print for a model holding these linears (as CUDA holds them):
+    the format names and their bytes, no GGUF prefix."""
+    from models.formats import quant
+    from models.formats.loader import LoadedModel
+    qdir, _ = write_quantized("llama", str(tmp_path), "fp8")
+    lm = models.load(qdir)
+    from safetensors.torch import load_file
+    tensors = load_file(os.path.join(qdir, "model.safetensors"))
+    hf_quant.collect(tensors, json.load(open(os.path.join(qdir, "config.json"))))
+    lm.model.model.layers[0].mlp.down_proj = tensors["model.layers.0.mlp.down_proj.weight"].module(torch.device("cpu"))
+    fmt = quant.weight_formats(lm.model)
+    assert fmt["FP8"] == 128 * 256 + 4 * 1 * 2  # e4m3 bytes and one fp32 scale per 128 x 128 block
+    text = LoadedModel.weight_format.fget(lm)
+    assert text.startswith("float32 ") and " + FP8 0.0 MB" in text and "GGUF" not in text
