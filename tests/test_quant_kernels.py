@@ -176,3 +176,20 @@ def test_fused_rows_of_odd_sizes(device, method):
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).to(device)
     got = qlinear.gemv(x, fused.qweight(), out_dtype=torch.float32).double()
     assert torch.all((got - x.double() @ w.t()).abs() <= 1e-5 * bound(x, w))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_rows_not_whole_steps(device, qtype):
+    """Rows of 13 blocks (3 super-blocks): the last step is padded (blocks past the row re-read,
+    inputs masked to zero); the GEMV and the dequantized rows are still the oracle's."""
+    from models.kernels.cuda import qlinear
+    raw = torch.from_numpy(random_blocks(qtype, rows=9, blocks_per_row=13 if qtype < Q.Q4_K else 3, seed=6))
+    w = gguf_blocks.dequantize(raw, int(qtype)).double().to(device)
+    qw = qlinear.QWeight(qtype.name, raw.to(device), *w.shape)
+    x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(2)).to(device)
+    got = qlinear.gemv(x, qw, out_dtype=torch.float32).double()
+    assert torch.all((got - x.double() @ w.t()).abs() <= 1e-5 * bound(x, w))
+    out = torch.full((9, w.shape[1] + 7), 7.0, device=device)  # wider rows: nothing written past K
+    d = qlinear.dequantize(qw, 0, 9, torch.float32, out=out[:, :w.shape[1]])
+    run = w.abs().reshape(9, -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(9, -1)
+    assert torch.all((d.double() - w).abs() <= 1e-6 * run) and torch.all(out[:, w.shape[1]:] == 7.0)

@@ -69,11 +69,13 @@ def fits(fmt: str, k: int) -> bool:
 
 
 def _step(fmt: str, k: int, most: int = STEP_WEIGHTS) -> tuple[int, int]:
-    """(W, S): weights a step and sub-blocks a step, W the largest power-of-two multiple of the
-    format's block that divides k, up to `most`."""
+    """(W, S): weights a step and sub-blocks a step, W a power-of-two multiple of the format's
+    block, up to `most`, and no more than the row needs: a small matrix is decoded in one step
+    (all of it before the PDL wait), its last step padded (blocks past the row re-read the
+    row's last block, multiplied by inputs masked to zero)."""
     _, _, block, sub, _ = FORMATS[fmt]
     w = block
-    while w * 2 <= max(most, block) and k % (w * 2) == 0:
+    while w * 2 <= max(most, block) and w < k:
         w *= 2
     return w, w // sub
 
@@ -90,7 +92,7 @@ def _args(qw: QWeight, most: int = STEP_WEIGHTS):
     sc = qw.scales if qw.scales is not None else qw.data
     z = qw.zeros if qw.zeros is not None else qw.data
     stride_s = qw.scales.stride(0) if qw.scales is not None else 0
-    return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1)
+    return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1, EVEN=qw.k % w == 0)
 
 
 def pick_config(n: int) -> tuple[int, int, int]:
@@ -119,19 +121,21 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-           HAS_RES=pre is not None and pre.res is not None, STEPS=qw.k // consts["W"], BLOCK_N=bn, num_warps=warps, **consts,
+           HAS_RES=pre is not None and pre.res is not None, STEPS=triton.cdiv(qw.k, consts["W"]), BLOCK_N=bn, num_warps=warps, **consts,
            **cuda_base.pdl(src))
     return out
 
 
 def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows start..stop of W in `dtype` ([stop - start, K], written into `out` where given)."""
+    """Rows start..stop of W in `dtype` ([stop - start, K], written into `out` where given: rows
+    of unit stride along K)."""
     rows = stop - start
     out = torch.empty(rows, qw.k, dtype=dtype, device=qw.data.device) if out is None else out
     (sc, z, stride_s), consts = _args(qw, 256)  # (smaller tiles: one program per tile, no loop)
     bn = 16
-    launch(_qdequant_kernel, (triton.cdiv(rows, bn), qw.k // consts["W"]),
-           qw.data, sc, z, out, start, stop, qw.k, qw.data.stride(0), stride_s, BLOCK_N=bn, num_warps=4, **consts)
+    launch(_qdequant_kernel, (triton.cdiv(rows, bn), triton.cdiv(qw.k, consts["W"])),
+           qw.data, sc, z, out, start, stop, qw.k, qw.data.stride(0), stride_s, out.stride(0), BLOCK_N=bn, num_warps=4,
+           **consts)
     return out
 
 
@@ -182,18 +186,19 @@ if triton is not None:
             return 32 * s + l, 32 * s + 16 + l
 
     @triton.jit
-    def _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT: tl.constexpr, BYTES: tl.constexpr,
+    def _decode(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, FMT: tl.constexpr, BYTES: tl.constexpr,
                 W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
         """Step `step` (W weights) of rows `rows` [BN]: (lo, hi) fp32 codes [BN, S, L] and
-        (scale_lo, scale_hi, offset_lo, offset_hi) [BN, S]: weight = scale * code - offset."""
+        (scale_lo, scale_hi, offset_lo, offset_hi) [BN, S]: weight = scale * code - offset.
+        Sub-blocks past the row (K weights) read its last block instead."""
         r3 = rows[:, None, None].to(tl.int64)
         r2 = rows[:, None].to(tl.int64)
         s3 = tl.arange(0, S)[None, :, None]
         s2 = tl.arange(0, S)[None, :]
         l3 = tl.arange(0, L)[None, None, :]
         if FMT <= 4:  # 32-weight blocks, S a step
-            b3 = w + r3 * stride_w + (step * S + s3) * BYTES
-            b2 = w + r2 * stride_w + (step * S + s2) * BYTES
+            b3 = w + r3 * stride_w + tl.minimum(step * S + s3, K // 32 - 1) * BYTES
+            b2 = w + r2 * stride_w + tl.minimum(step * S + s2, K // 32 - 1) * BYTES
             d = _f16(b2)
             if FMT == 4:  # Q8_0: int8 codes; as bytes q + 128 (the sign bit flipped)
                 lo = _u2f(tl.load(b3 + 2 + l3).to(tl.int32) ^ 0x80)
@@ -216,20 +221,20 @@ if triton is not None:
                     off = -_f16(b2 + 2)
             return lo, hi, d, d, off, off
         elif FMT == 8:  # FP8: [N, K] e4m3, one scale per GROUP rows (128, or 1 in fused linears) x 128
-            p = w + r3 * stride_w + step * W + 32 * s3 + l3
+            p = w + r3 * stride_w + tl.minimum(step * W + 32 * s3, K - 32) + l3
             lo = tl.load(p).to(tl.float32)
             hi = tl.load(p + 16).to(tl.float32)
-            sc = tl.load(sc_ptr + (r2 // GROUP) * stride_s + (step * W + 32 * s2) // 128)
+            sc = tl.load(sc_ptr + (r2 // GROUP) * stride_s + tl.minimum(step * W + 32 * s2, K - 32) // 128)
             return lo, hi, sc, sc, sc * 0.0, sc * 0.0
         elif FMT == 9:  # INT4: 16 bytes per 32 weights, a scale and a zero per GROUP weights
-            qs = tl.load(w + r3 * stride_w + step * (W // 2) + 16 * s3 + l3).to(tl.int32)
-            g = (step * W + 32 * s2) // GROUP
+            qs = tl.load(w + r3 * stride_w + tl.minimum(step * W + 32 * s3, K - 32) // 2 + l3).to(tl.int32)
+            g = tl.minimum(step * W + 32 * s2, K - 32) // GROUP
             sc = tl.load(sc_ptr + r2 * stride_s + g).to(tl.float32)
             off = _u2f(tl.load(z_ptr + r2 * stride_s + g).to(tl.int32)) * sc
             return _u2f(qs & 15), _u2f(qs >> 4), sc, sc, off, off
         elif FMT == 7:  # Q6_K: ql[128], qh[64], 16 int8 scales, d; eight sub-blocks s a super-block
-            b3 = w + r3 * stride_w + (step * (S // 8) + s3 // 8) * BYTES
-            b2 = w + r2 * stride_w + (step * (S // 8) + s2 // 8) * BYTES
+            b3 = w + r3 * stride_w + tl.minimum(step * (S // 8) + s3 // 8, K // 256 - 1) * BYTES
+            b2 = w + r2 * stride_w + tl.minimum(step * (S // 8) + s2 // 8, K // 256 - 1) * BYTES
             g = s3 % 8
             h = g // 4
             t = (g % 4) // 2
@@ -245,8 +250,8 @@ if triton is not None:
             sc_hi = tl.load(b2 + 196 + i).to(tl.int8, bitcast=True).to(tl.float32) * d
             return lo, hi, sc_lo, sc_hi, 32.0 * sc_lo, 32.0 * sc_hi
         else:  # Q4_K (qs at 16), Q5_K (qh[32] at 16, qs at 48); four sub-block pairs s a super-block
-            b3 = w + r3 * stride_w + (step * (S // 4) + s3 // 4) * BYTES
-            b2 = w + r2 * stride_w + (step * (S // 4) + s2 // 4) * BYTES
+            b3 = w + r3 * stride_w + tl.minimum(step * (S // 4) + s3 // 4, K // 256 - 1) * BYTES
+            b2 = w + r2 * stride_w + tl.minimum(step * (S // 4) + s2 // 4, K // 256 - 1) * BYTES
             j3 = s3 % 4
             qs = tl.load(b3 + (BYTES - 128) + 32 * j3 + l3).to(tl.int32)
             ql = qs & 15
@@ -269,24 +274,27 @@ if triton is not None:
         return tl.sum(part, axis=1)
 
     @triton.jit
-    def _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh, FMT: tl.constexpr,
+    def _step_dot(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, xl, xh, xsl, xsh, FMT: tl.constexpr,
                   BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr):
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, FMT, BYTES, W, S, L,
+                                         GROUP)
         return _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh)
 
     @triton.jit
-    def _x_step(x, res, norm_w, sum_out, write, k0, pl, ph, K, NORM: tl.constexpr, HAS_RES: tl.constexpr):
-        """The input at a step's lo and hi positions (normed where NORM), their sums of squares
-        and per-sub-block sums."""
-        xl, ql = _input_chunk(x, res, norm_w, sum_out, write, k0 + pl, K, NORM, HAS_RES, True)
-        xh, qh = _input_chunk(x, res, norm_w, sum_out, write, k0 + ph, K, NORM, HAS_RES, True)
+    def _x_step(x, res, norm_w, sum_out, write, k0, pl, ph, K, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                EVEN: tl.constexpr):
+        """The input at a step's lo and hi positions (normed where NORM; zero past the row),
+        their sums of squares and per-sub-block sums."""
+        xl, ql = _input_chunk(x, res, norm_w, sum_out, write, k0 + pl, K, NORM, HAS_RES, EVEN)
+        xh, qh = _input_chunk(x, res, norm_w, sum_out, write, k0 + ph, K, NORM, HAS_RES, EVEN)
         return xl, xh, ql + qh, tl.sum(xl, axis=2), tl.sum(xh, axis=2)
 
     @triton.jit
     def _qgemv_kernel(x, w, sc_ptr, z_ptr, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
                       FMT: tl.constexpr, BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-                      HAS_RES: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                      HAS_RES: tl.constexpr, EVEN: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -295,27 +303,27 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         # the first step's weights, decoded before waiting on the previous kernel (no kernel
         # writes weights): their load latency leaves the critical path of a launch-bound step
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, 0, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, 0, K, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
         if SWIGLU:  # the up rows sit N rows below the gate rows
-            ulo, uhi, usl, ush, uol, uoh = _decode(w, sc_ptr, z_ptr, rows + N, 0, stride_w, stride_s, FMT, BYTES, W,
-                                                   S, L, GROUP)
+            ulo, uhi, usl, ush, uol, uoh = _decode(w, sc_ptr, z_ptr, rows + N, 0, K, stride_w, stride_s, FMT, BYTES,
+                                                   W, S, L, GROUP)
         if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
         write = tl.where(pid == 0, K, 0)  # one program writes the residual stream
         pl, ph = _positions(FMT, S, L)
-        xl, xh, ss, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, 0, pl, ph, K, NORM, HAS_RES)
+        xl, xh, ss, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, 0, pl, ph, K, NORM, HAS_RES, EVEN)
         acc = _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh)
         acc_up = acc
         if SWIGLU:
             acc_up = _tiles_dot(ulo, uhi, usl, ush, uol, uoh, xl, xh, xsl, xsh)
         for step in range(1, STEPS):  # (a constexpr: the interpreter's loop bounds must be)
-            xl, xh, sq, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, step * W, pl, ph, K, NORM, HAS_RES)
+            xl, xh, sq, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, step * W, pl, ph, K, NORM, HAS_RES, EVEN)
             if NORM:
                 ss += sq
-            acc += _step_dot(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, xl, xh, xsl, xsh,
+            acc += _step_dot(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, xl, xh, xsl, xsh,
                              FMT, BYTES, W, S, L, GROUP)
             if SWIGLU:
-                acc_up += _step_dot(w, sc_ptr, z_ptr, rows + N, step, stride_w, stride_s, xl, xh, xsl, xsh,
+                acc_up += _step_dot(w, sc_ptr, z_ptr, rows + N, step, K, stride_w, stride_s, xl, xh, xsl, xsh,
                                     FMT, BYTES, W, S, L, GROUP)
         if NORM:
             r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / K + eps)
@@ -330,15 +338,21 @@ if triton is not None:
         tl.store(out + n, acc.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _qdequant_kernel(w, sc_ptr, z_ptr, out, start, stop, K, stride_w, stride_s,
+    def _qdequant_kernel(w, sc_ptr, z_ptr, out, start, stop, K, stride_w, stride_s, stride_o,
                          FMT: tl.constexpr, BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr,
-                         L: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+                         L: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows
         step = tl.program_id(1)
         rows = tl.minimum(start + i, stop - 1)
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, FMT, BYTES, W, S, L,
+                                         GROUP)
         pl, ph = _positions(FMT, S, L)
-        o = out + i[:, None, None].to(tl.int64) * K + step * W
+        o = out + i[:, None, None].to(tl.int64) * stride_o + step * W
         m = (start + i < stop)[:, None, None]
-        tl.store(o + pl, (sl[:, :, None] * lo - ol[:, :, None]).to(out.dtype.element_ty), mask=m)
-        tl.store(o + ph, (sh[:, :, None] * hi - oh[:, :, None]).to(out.dtype.element_ty), mask=m)
+        ml = m
+        mh = m
+        if not EVEN:  # (the last step's positions past the row)
+            ml = m & (step * W + pl < K)
+            mh = m & (step * W + ph < K)
+        tl.store(o + pl, (sl[:, :, None] * lo - ol[:, :, None]).to(out.dtype.element_ty), mask=ml)
+        tl.store(o + ph, (sh[:, :, None] * hi - oh[:, :, None]).to(out.dtype.element_ty), mask=mh)
