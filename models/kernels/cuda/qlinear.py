@@ -42,6 +42,9 @@ FORMATS = {
 # each program has in flight, and a GEMV on the large models is bound by bytes in flight
 # (Little's law: ~3 MB across an H200 to reach its bandwidth).
 STEP_WEIGHTS = 1024
+# Matrices up to this size are decoded in one step of K where `STEP_WEIGHTS` allows: the whole
+# first step is read before the PDL wait, so a small model's launch-bound step waits on no weight.
+WHOLE_STEP_BYTES = 8 << 20
 FP8_BLOCK = 128  # rows and columns per FP8 scale
 
 @dataclass
@@ -68,14 +71,18 @@ def fits(fmt: str, k: int) -> bool:
     return fmt in FORMATS and k % FORMATS[fmt][2] == 0
 
 
-def _step(fmt: str, k: int, most: int = STEP_WEIGHTS) -> tuple[int, int]:
-    """(W, S): weights a step and sub-blocks a step, W a power-of-two multiple of the format's
-    block, up to `most`, and no more than the row needs: a small matrix is decoded in one step
-    (all of it before the PDL wait), its last step padded (blocks past the row re-read the
-    row's last block, multiplied by inputs masked to zero)."""
+def _step(fmt: str, k: int, most: int = STEP_WEIGHTS, whole: bool = False) -> tuple[int, int]:
+    """(W, S): weights a step and sub-blocks a step. W is a power-of-two multiple of the format's
+    block, up to `most`; the last step is padded where W does not divide the row (blocks past
+    the row re-read its last block, multiplied by inputs masked to zero): `whole`, one step for
+    the whole row where `most` allows (a small matrix decoded before the PDL wait), otherwise the
+    largest W that pads by an eighth at most."""
     _, _, block, sub, _ = FORMATS[fmt]
     w = block
     while w * 2 <= max(most, block) and w < k:
+        padded = -(-k // (w * 2)) * (w * 2)
+        if not whole and padded * 8 > k * 9:
+            break
         w *= 2
     return w, w // sub
 
@@ -86,9 +93,9 @@ def usable(x) -> bool:
     return cuda_base.ENABLED and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _args(qw: QWeight, most: int = STEP_WEIGHTS):
+def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     fid, nbytes, _, _, L = FORMATS[qw.fmt]
-    w, s = _step(qw.fmt, qw.k, most)
+    w, s = _step(qw.fmt, qw.k, most, whole)
     sc = qw.scales if qw.scales is not None else qw.data
     z = qw.zeros if qw.zeros is not None else qw.data
     stride_s = qw.scales.stride(0) if qw.scales is not None else 0
@@ -117,7 +124,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
-    (sc, z, stride_s), consts = _args(qw, most)
+    (sc, z, stride_s), consts = _args(qw, most, whole=qw.nbytes() <= WHOLE_STEP_BYTES)
     launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
