@@ -149,7 +149,8 @@ def gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_id
     if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(k) // group):
         raise CheckpointError("GPTQ with act-order (desc_act: a g_idx other than k // group_size) is not "
                               "supported; use a checkpoint quantized with desc_act false")
-    return Int4GroupTensor("GPTQ", codes.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous().half(), group)
+    return Int4GroupTensor("GPTQ", codes.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous().half(),
+                           group)
 
 
 def collect(tensors: dict[str, torch.Tensor], config: dict) -> None:
@@ -164,7 +165,8 @@ def collect(tensors: dict[str, torch.Tensor], config: dict) -> None:
             if prefix + ".weight" not in tensors:
                 raise CheckpointError(f"{key} has no {prefix}.weight")
             tensors[prefix + ".weight"] = Fp8Tensor(tensors[prefix + ".weight"], tensors.pop(key))
-        stray = next((k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn), None)
+        stray = next((k for k, t in tensors.items()
+                      if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn), None)
         if stray is not None:
             raise CheckpointError(f"FP8 tensor {stray} has no weight_scale_inv")
         return
@@ -208,7 +210,8 @@ class Fp8Linear(QuantLinear):
         (4 bytes per 128 weights, 3% more to read) so that every row finds its own."""
         sizes = [s for p in parts for s in p.sizes]
         if all(p.scale_rows == 128 for p in parts) and not any(p.out_features % 128 for p in parts[:-1]):
-            return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), sizes), parts)
+            return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), sizes),
+                             parts)
         rows = [p.scale.repeat_interleave(p.scale_rows, 0)[:p.out_features] for p in parts]
         return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat(rows), sizes, scale_rows=1), parts)
 
