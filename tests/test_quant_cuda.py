@@ -29,7 +29,7 @@ Q4_K_M = {"attn_v.weight": Q.Q6_K, "ffn_down.weight": Q.Q6_K}
 GGUF_CASES = [("llama", Q.Q4_0, None, Q.Q8_0), ("qwen2", Q.Q4_1, None, Q.Q4_0),
               ("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0),
               ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K), ("qwen2", Q.Q5_K, None, Q.Q4_K),
-              ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen3", Q.Q8_0, None, Q.Q8_0)]
+              ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen2", Q.Q8_0, None, Q.Q8_0)]
 IDS = [f"{k}-{q.name}-embd_{e.name}" for k, q, t, e in GGUF_CASES]
 
 
