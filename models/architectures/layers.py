@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import base as cuda_base, linear as cuda_linear
+from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
 
 
 class RMSNorm(nn.Module):

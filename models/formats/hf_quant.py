@@ -14,7 +14,7 @@ Triton kernels of models.kernels.cuda.qlinear (tests/test_quant_cuda.py compares
   K a word, low bits first), `qzeros` int32 [K/G, N/8] (eight columns a word), `scales` fp16
   [K/G, N], `g_idx` [K]; the v1 format (`checkpoint_format`/`format` "gptq", the default) stores
   each zero minus one, v2 ("gptq_v2") as is. Act-order (a g_idx other than k // G) is refused.
-AWQ and GPTQ are repacked at load into one 4-bit layout (qlinear.QWeight "INT4": per row, codes
+AWQ and GPTQ are repacked at load into one 4-bit layout (quant.QWeight "INT4": per row, codes
 two to a byte, an fp16 scale and a uint8 zero per group), exactly: its dequantization is the same.
 """
 from __future__ import annotations
@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.cuda import qlinear
 from .checkpoints import CheckpointError
-from .quant import QuantLinear, with_bias
+from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # column c of a packed word sits in nibble REVERSE[c]
@@ -196,8 +195,8 @@ class Fp8Linear(QuantLinear):
         self.register_buffer("scale", scale)
         self.register_parameter("bias", None)
 
-    def qweight(self) -> qlinear.QWeight:
-        return qlinear.QWeight("FP8", self.weight, self.out_features, self.in_features, scales=self.scale,
+    def qweight(self) -> QWeight:
+        return QWeight("FP8", self.weight, self.out_features, self.in_features, scales=self.scale,
                                group=self.scale_rows)
 
     def format_tensors(self):
@@ -227,7 +226,7 @@ class Fp8Linear(QuantLinear):
 
 
 class GroupInt4Linear(QuantLinear):
-    """y = x @ W.T (+ bias) for AWQ / GPTQ 4-bit weights repacked as qlinear's INT4."""
+    """y = x @ W.T (+ bias) for AWQ / GPTQ 4-bit weights repacked as QWeight's INT4."""
 
     def __init__(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  sizes: list[int] | None = None):
@@ -240,8 +239,8 @@ class GroupInt4Linear(QuantLinear):
         self.register_buffer("zeros", zeros)
         self.register_parameter("bias", None)
 
-    def qweight(self) -> qlinear.QWeight:
-        return qlinear.QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
+    def qweight(self) -> QWeight:
+        return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
                                self.group)
 
     def format_tensors(self):

@@ -29,8 +29,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..kernels.cuda import qlinear
-from ..kernels.cuda.linear import NormedRow
 from . import gguf_blocks
 
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size
@@ -228,6 +226,26 @@ class Q8Linear(nn.Module):
 _DEQUANT_ELEMENTS = 4 << 20
 
 
+@dataclass
+class QWeight:
+    """A quantized [N, K] matrix as the kernels read it: `data` (GGUF: uint8 [N, row bytes];
+    FP8: float8_e4m3fn [N, K]; INT4: uint8 [N, K/2], byte 16r + l of a row holding weight 32r + l
+    in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/group),
+    K/128] (group: rows per scale, 128 as stored, 1 where fused linears' blocks do not line up),
+    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
+    fmt: str
+    data: torch.Tensor
+    n: int
+    k: int
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
+
+
+
 # Weights dequantized at a time by QuantLinear's many-row CUDA path (a bf16 scratch of 512 MiB at
 # most): one chunk covers every matrix of the benchmark models but an LM head.
 _CUDA_DEQUANT_ELEMENTS = 256 << 20
@@ -235,37 +253,43 @@ _CUDA_DEQUANT_ELEMENTS = 256 << 20
 
 class QuantLinear(nn.Module):
     """The CUDA forms shared by linears on quantized weights (GGUF blocks, FP8, 4-bit groups):
-    a subclass gives `qweight()` (what models.kernels.cuda.qlinear reads) and its own torch
-    forward for other devices. One row (or a NormedRow): the dequant-GEMV, in out_dtype (x's by
+    a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
+    devices. One row (or a NormedRow: not a tensor): the dequant-GEMV, in out_dtype (x's by
     default; the LM head asks for fp32); more rows: chunks of rows dequantized by a kernel to the
     compute dtype, then torch's GEMM. `sizes` splits the rows of fused linears back."""
 
     sizes: list[int] | None = None
+    # models.kernels.cuda.qlinear, which sets itself here when imported (formats import no kernel;
+    # the architectures import it): None where it was not imported
+    kernels = None
 
-    def qweight(self) -> qlinear.QWeight:
+    def qweight(self) -> QWeight:
         raise NotImplementedError
 
     def cuda_serves(self, x) -> bool:
-        return isinstance(x, NormedRow) or (qlinear.usable(x) and qlinear.fits(self.qweight().fmt, self.in_features))
+        k = self.kernels
+        if k is None:
+            return False
+        return not isinstance(x, torch.Tensor) or (k.usable(x) and k.fits(self.qweight().fmt, self.in_features))
 
     def cuda_forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        qw = self.qweight()
-        if isinstance(x, NormedRow):
-            return qlinear.gemv(x, qw, self.bias, out_dtype=out_dtype)
+        k, qw = self.kernels, self.qweight()
+        if not isinstance(x, torch.Tensor):  # a NormedRow: the norm in the GEMV's prologue
+            return k.gemv(x, qw, self.bias, out_dtype=out_dtype)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.shape[0] == 1:
-            y = qlinear.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype)
+            y = k.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype)
         else:
             dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
             x2 = x2.to(dtype)
             rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
             if rows >= self.out_features:
-                y = x2 @ qlinear.dequantize(qw, 0, self.out_features, dtype).t()
+                y = x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
             else:
                 y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
                 for i in range(0, self.out_features, rows):
                     stop = min(self.out_features, i + rows)
-                    y[:, i:stop] = x2 @ qlinear.dequantize(qw, i, stop, dtype).t()
+                    y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
             y = y.to(out_dtype or x.dtype)
@@ -273,7 +297,8 @@ class QuantLinear(nn.Module):
 
     def gemv_swiglu(self, x) -> torch.Tensor:
         """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""
-        return qlinear.gemv(x if isinstance(x, NormedRow) else x.contiguous(), self.qweight(), self.bias, swiglu=True)
+        return self.kernels.gemv(x if not isinstance(x, torch.Tensor) else x.contiguous(), self.qweight(), self.bias,
+                                 swiglu=True)
 
     def split(self, x) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)
@@ -324,8 +349,8 @@ class BlockLinear(QuantLinear):
         return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
                              [s for p in parts for s in p.sizes]), parts)
 
-    def qweight(self) -> qlinear.QWeight:
-        return qlinear.QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
+    def qweight(self) -> QWeight:
+        return QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         raw = self.blocks[start:stop]
@@ -367,9 +392,10 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self.blocks.is_cuda and qlinear.usable(self.blocks):
-            qw = qlinear.QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
-            return qlinear.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
+        k = QuantLinear.kernels
+        if self.blocks.is_cuda and k is not None and k.usable(self.blocks):
+            qw = QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
+            return k.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
         return gguf_blocks.dequantize(self.blocks[flat], self.ggml_type).to(self.out_dtype).view(*ids.shape, -1)
 
     def blocks_shape(self) -> tuple[int, int]:

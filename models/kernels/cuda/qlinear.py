@@ -24,12 +24,13 @@ bandwidth delivers ~8e12 weights a second, a budget of a few instructions each.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 
 import torch
 
 from . import base as cuda_base
 from .base import launch, triton
+from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
 # format name → (constexpr id, bytes per block (GGUF), weights per block, weights per sub-block s, L)
@@ -46,25 +47,6 @@ STEP_WEIGHTS = 1024
 # Matrices up to this size are decoded in one step of K where `STEP_WEIGHTS` allows: the whole
 # first step is read before the PDL wait, so a small model's launch-bound step waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
-
-
-@dataclass
-class QWeight:
-    """A quantized [N, K] matrix as the kernels read it: `data` (GGUF: uint8 [N, row bytes];
-    FP8: float8_e4m3fn [N, K]; INT4: uint8 [N, K/2], byte 16r + l of a row holding weight 32r + l
-    in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/group),
-    K/128] (group: rows per scale, 128 as stored, 1 where fused linears' blocks do not line up),
-    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
-    fmt: str
-    data: torch.Tensor
-    n: int
-    k: int
-    scales: torch.Tensor | None = None
-    zeros: torch.Tensor | None = None
-    group: int = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
 
 
 def fits(fmt: str, k: int) -> bool:
@@ -364,3 +346,13 @@ if triton is not None:
             mh = m & (step * W + ph < K)
         tl.store(o + pl, (sl[:, :, None] * lo - ol[:, :, None]).to(out.dtype.element_ty), mask=ml)
         tl.store(o + ph, (sh[:, :, None] * hi - oh[:, :, None]).to(out.dtype.element_ty), mask=mh)
+
+
+def _register() -> None:
+    """The quantized linears of models/formats (which import no kernel) reach these kernels
+    through QuantLinear.kernels, set here on import (as the C++ step sets BlockLinear's)."""
+    from ...formats import quant
+    quant.QuantLinear.kernels = sys.modules[__name__]
+
+
+_register()
