@@ -54,12 +54,14 @@ def active_bytes(model) -> int:
 
 
 def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off",
-                max_context=0, graph_check=False) -> dict:
+                max_context=0, graph_check=False, model=None) -> dict:
+    """model: a model of this shape already built (quant_bench.py's quantized ones); random_model's by default."""
+    from models.formats.quant import weight_formats
     t0 = time.perf_counter()
-    model = random_model(name, device, dtype)
+    model = model if model is not None else random_model(name, device, dtype)
     sync(device)
     rec = {"model": name, "build_s": round(time.perf_counter() - t0, 1),
-           "weight_gb": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9, 3),
+           "weight_gb": round(sum(weight_formats(model).values()) / 1e9, 3),
            "active_gb": round(active_bytes(model) / 1e9, 3)}
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)

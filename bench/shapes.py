@@ -107,3 +107,85 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
         from models.sharding import install_collectives
         install_collectives(model, plan, shard)
     return model.eval()
+
+
+# Random quantized weights, built on the device as the loader would hold them (no files): fp16
+# block scales set so the weights' spread is about the bf16 models' (std ~0.02).
+_GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5}, "Q5_0": {0: 2e-3}, "Q8_0": {0: 2e-4}}
+
+
+def _random_blocks(kind: str, n: int, k: int, device, gen) -> torch.Tensor:
+    from models.formats import gguf_blocks
+    layout = gguf_blocks.LAYOUTS[gguf_blocks.TYPES[kind]]
+    raw = torch.randint(0, 256, (n, k // layout.block, layout.bytes), dtype=torch.uint8, device=device, generator=gen)
+    for at, value in _GGUF_SCALES[kind].items():
+        raw[..., at:at + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
+    return raw.reshape(n, -1)
+
+
+def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Module:
+    """A linear of `fmt` ("Q4_K": Q5_0 where K is not whole 256-weight blocks, as llama.cpp's
+    Q4_K_M falls back; "Q6_K"; "AWQ": 4-bit groups of 128; "FP8": e4m3, 128 x 128 block scales)."""
+    from models.formats import gguf_blocks, hf_quant, quant
+    if fmt in ("Q4_K", "Q6_K"):
+        kind = fmt if k % 256 == 0 else "Q5_0"  # (llama.cpp's fallback for rows not whole super-blocks)
+        return quant.BlockLinear(_random_blocks(kind, n, k, device, gen), gguf_blocks.TYPES[kind])
+    if fmt == "AWQ":
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+        scales = torch.full((n, k // 128), 5e-3, dtype=torch.float16, device=device)
+        zeros = torch.full((n, k // 128), 8, dtype=torch.uint8, device=device)
+        return hf_quant.GroupInt4Linear("AWQ", packed, scales, zeros, 128)
+    if fmt == "FP8":
+        w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
+        for i in range(0, n, 8192):  # (a bf16 draw of at most 8192 rows at a time)
+            w[i:i + 8192] = torch.randn(min(8192, n - i), k, device=device, dtype=torch.bfloat16, generator=gen) * 2
+        return hf_quant.Fp8Linear(w, torch.full((-(-n // 128), k // 128), 1e-2, device=device))
+    raise ValueError(f"unknown random format {fmt!r}")
+
+
+@torch.no_grad()
+def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
+    """The shape with every linear in `fmt` (see random_quant_linear), the rest as random_model.
+    Q4_K, as a Q4_K_M file: the LM head in Q6_K and the embedding table in Q4_K blocks; AWQ and
+    FP8, as their checkpoints: embedding and LM head in `dtype`."""
+    from models.formats import gguf_blocks, quant
+    model, _ = models.build_model(dict(SHAPES[name]))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gguf = fmt == "Q4_K"
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            fits = gguf or getattr(child, "in_features", 0) % 128 == 0  # (AWQ / FP8: groups of 128 along K)
+            if isinstance(child, torch.nn.Linear) and (child_name != "lm_head" or gguf) and fits:
+                head = child_name == "lm_head"
+                q = random_quant_linear("Q6_K" if head else fmt, child.out_features, child.in_features, device, gen)
+                setattr(module, child_name, q)
+    if gguf:
+        n, k = model.model.embed_tokens.weight.shape
+        kind = "Q4_K" if k % 256 == 0 else "Q5_0"
+        emb = quant.BlockEmbedding(_random_blocks(kind, n, k, device, gen), ggml_type=gguf_blocks.TYPES[kind])
+        emb.out_dtype = dtype
+        model.model.embed_tokens = emb
+        if model.config.tie_embeddings:
+            model.lm_head = emb.as_linear()
+    for module in model.modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                              requires_grad=False)
+    for pname, p in model.named_parameters():
+        if "norm" in pname:
+            p.fill_(0.0 if getattr(model.config, "layer_types", None) and not pname.endswith("linear_attn.norm.weight")
+                    else 1.0)
+        elif pname.endswith("A_log"):
+            p.uniform_(0.0, 2.0, generator=gen)
+        elif pname.endswith("dt_bias"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    if model.config.tie_embeddings and not gguf:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for m in model.modules():
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers(device)
+    models.fuse(model)
+    return model.eval()

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..formats.quant import Int4Linear
+from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import base as cuda_base, linear as cuda_linear
+from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +153,10 @@ class SwiGLU(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(getattr(self, "gate_up_proj", None), FusedLinear) and cuda_base.usable(x):
+        fused = getattr(self, "gate_up_proj", None)
+        if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
+            return self.down_proj(fused.gemv_swiglu(x))  # the dequant-GEMV computes silu(gate) * up
+        if isinstance(fused, FusedLinear) and cuda_base.usable(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
             x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
             return self.down_proj(cuda_linear.gemv(x, self.gate_up_proj.weight, swiglu=True))
@@ -224,6 +228,8 @@ def head_logits(head: nn.Module, h: "torch.Tensor | cuda_linear.NormedRow") -> t
     Triton GEMV writes fp32 (one row on CUDA); elsewhere row chunks of the weight are widened.
     The CPU's 4-bit heads (quant.Q8Linear) return their kernel's sums (see quant.py)."""
     w = getattr(head, "weight", None)
+    if isinstance(head, QuantLinear) and head.cuda_serves(h):  # fp32 sums from the quantized weights
+        return head(h, out_dtype=torch.float32)
     if not isinstance(head, Linear) or w is None:
         return head(h.materialize() if isinstance(h, cuda_linear.NormedRow) else h).float()
     if isinstance(h, cuda_linear.NormedRow) or (
@@ -245,6 +251,10 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     (a GGUF may quantize q, k and v differently: those stay separate)."""
     if all(isinstance(m, Int4Linear) for m in linears):
         return Int4Linear.concat(linears)
+    if all(isinstance(m, BlockLinear) for m in linears):
+        return BlockLinear.concat(linears)
+    if all(isinstance(m, QuantLinear) and type(m) is type(linears[0]) for m in linears):
+        return type(linears[0]).concat(linears)
     if not all(type(m) is Linear for m in linears):
         return None
     bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None

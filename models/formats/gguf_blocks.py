@@ -8,6 +8,7 @@ every type on random blocks, extreme fp16 scales included.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,13 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 
 
 def _shifts(values, like: torch.Tensor, shape) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+    return _shift_tensor(tuple(values), like.device, tuple(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _shift_tensor(values: tuple, device: torch.device, shape: tuple) -> torch.Tensor:
+    """Made once per device: a copy from the host inside a CUDA graph's capture would fail."""
+    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:

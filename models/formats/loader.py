@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
-from . import checkpoints, quant
+from . import checkpoints, gguf_blocks, hf_quant, quant
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -73,7 +73,8 @@ class LoadedModel:
         parts = " + ".join(f"{name} {b / 1e6:.1f} MB" for name, b in formats.items())
         if all(name.islower() for name in formats):  # torch dtypes only: not GGUF blocks
             return parts
-        return f"GGUF {parts} ({total / 1e6:.1f} MB)" if len(formats) > 1 else f"GGUF {parts}"
+        prefix = "GGUF " if any(name in gguf_blocks.TYPES for name in formats) else ""
+        return f"{prefix}{parts} ({total / 1e6:.1f} MB)" if len(formats) > 1 else f"{prefix}{parts}"
 
 
 def resolve(path_or_alias: str) -> str:
@@ -202,14 +203,29 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
     model.n_params = sum(t.numel() if name in grouped else int(np.prod(t.shape)) for name, t in tensors.items())
     # quantized tensors replace their modules first, so a bias then lands on the new module
-    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], quant.GgufTensor)):
+    packed = (quant.GgufTensor, hf_quant.QuantizedTensor)
+    for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], packed)):
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.GgufExperts):
+            if device.type == "cuda":  # the CUDA MoE kernels read bf16/fp16 experts: dequantized here
+                module = model.get_submodule(name)
+                gate, up, down = (x.dequantize() for x in (t.gate, t.up, t.down))
+                module.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1).to(device, dtype),
+                                                         requires_grad=False)
+                module.down_proj = torch.nn.Parameter(down.to(device, dtype), requires_grad=False)
+                continue
             setattr(model.get_submodule(owner), leaf, quant.BlockExperts(t))
             continue
+        if isinstance(t, hf_quant.QuantizedTensor):
+            # CUDA keeps them quantized for its kernels; the CPU widens them (the fp32 reference)
+            if device.type == "cuda" and isinstance(model.get_submodule(owner), torch.nn.Linear):
+                parent, _, child = owner.rpartition(".")
+                setattr(model.get_submodule(parent), child, t.module(device))
+                continue
+            t = t.dequantize()
         if isinstance(t, quant.GgufTensor):
-            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head")
+            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype)
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -237,11 +253,21 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     _release_freed_memory()
 
 
-def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False) -> torch.nn.Module | None:
-    """The CPU module that computes with `gt` as stored, or None to dequantize it into `module`.
-    Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's layout (one tensor
-    at a time, so only one decoded copy exists at once); the other block types, and Q8_0 linears
-    inside the layers (which the C++ step reads as blocks), stay the file's pages."""
+def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False,
+                      device: torch.device = torch.device("cpu"),
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module | None:
+    """The module that computes with `gt` as stored, or None to dequantize it into `module`.
+    On the CPU, Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's
+    layout (one tensor at a time, so only one decoded copy exists at once); the other block
+    types, and Q8_0 linears inside the layers (which the C++ step reads as blocks), stay the
+    file's pages. On CUDA every kept type goes to the device as the file's blocks (the Triton
+    kernels of models.kernels.cuda.qlinear read them)."""
+    if device.type == "cuda":
+        if isinstance(module, torch.nn.Embedding):
+            emb = quant.BlockEmbedding(gt, device)
+            emb.out_dtype = dtype
+            return emb
+        return quant.BlockLinear.from_gguf(gt, device) if isinstance(module, torch.nn.Linear) else None
     if isinstance(module, torch.nn.Embedding):
         if gt.kind == "q8_0":
             return quant.Q8Embedding(gt.decoded())
@@ -275,16 +301,17 @@ def fuse(model: torch.nn.Module) -> None:
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          quantized: bool = False, shard: "Shard | None" = None) -> LoadedModel:
-    """quantized: keep a GGUF's quantized matrices in their blocks (CPU only; see quant.py: Q4_0,
-    Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a note).
-    Off, every weight is dequantized to `dtype`: the reference path the quantized one is tested against.
-    shard: this process's rank of a tensor-parallel group (models/sharding.py): the model holds
-    and reads only its slices, and its forward runs the group's collectives."""
+    """quantized: keep a GGUF's quantized matrices in their blocks (on the CPU and on CUDA; see
+    quant.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a
+    note). Off, every weight is dequantized to `dtype`: the reference path the quantized one is
+    tested against. shard: this process's rank of a tensor-parallel group (models/sharding.py):
+    the model holds and reads only its slices, and its forward runs the group's collectives."""
     path = resolve(path_or_alias)
     device = torch.device(device)
     if shard is not None and shard.world > 1:
         return _load_shard(path, device, dtype, shard)
-    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type == "cpu")
+    ckpt = read_checkpoint(path, keep_quantized=quantized and device.type in ("cpu", "cuda"))
+    hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
     model, model_type = build_model(ckpt.config)
     materialize(model, ckpt.tensors, device, dtype)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,

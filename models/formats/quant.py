@@ -16,9 +16,13 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   `BlockEmbedding` compute in fp32 on weights dequantized exactly as gguf-py dequantizes them (a
   block of rows at a time), or through the C++ step's kernels, which read the blocks directly;
   either way the dequantized fp32 modules' results up to fp32 rounding.
-- MoE experts (3D tensors, any kept type) stay as stored too (`BlockExperts`): a token's chosen
-  experts are dequantized exactly, one at a time, and multiplied in the activations' dtype.
-Weights are converted once at load; nothing here runs on CUDA (the GPU path dequantizes).
+- MoE experts (3D tensors, any kept type) stay as stored too on the CPU (`BlockExperts`): a
+  token's chosen experts are dequantized exactly, one at a time, and multiplied in the
+  activations' dtype (CUDA dequantizes them at load for its MoE kernels).
+Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
+in its blocks as BlockLinear / BlockEmbedding: one-token products run the Triton dequant-GEMV on
+the blocks, longer ones dequantize a chunk of rows to the activations' dtype in a Triton kernel
+and multiply with torch's GEMM (`QuantLinear`, shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
 
@@ -227,29 +231,131 @@ class Q8Linear(nn.Module):
 _DEQUANT_ELEMENTS = 4 << 20
 
 
-class BlockLinear(nn.Module):
+@dataclass
+class QWeight:
+    """A quantized [N, K] matrix as the kernels read it: `data` (GGUF: uint8 [N, row bytes];
+    FP8: float8_e4m3fn [N, K]; INT4: uint8 [N, K/2], byte 16r + l of a row holding weight 32r + l
+    in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/group),
+    K/128] (group: rows per scale, 128 as stored, 1 where fused linears' blocks do not line up),
+    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
+    fmt: str
+    data: torch.Tensor
+    n: int
+    k: int
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
+
+
+
+# Weights dequantized at a time by QuantLinear's many-row CUDA path (a bf16 scratch of 512 MiB at
+# most): one chunk covers every matrix of the benchmark models but an LM head.
+_CUDA_DEQUANT_ELEMENTS = 256 << 20
+
+
+class QuantLinear(nn.Module):
+    """The CUDA forms shared by linears on quantized weights (GGUF blocks, FP8, 4-bit groups):
+    a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
+    devices. One row (or a NormedRow: not a tensor): the dequant-GEMV, in out_dtype (x's by
+    default; the LM head asks for fp32); more rows: chunks of rows dequantized by a kernel to the
+    compute dtype, then torch's GEMM. `sizes` splits the rows of fused linears back."""
+
+    sizes: list[int] | None = None
+    # models.kernels.cuda.qlinear, which sets itself here when imported (formats import no kernel;
+    # the architectures import it): None where it was not imported
+    kernels = None
+
+    def qweight(self) -> QWeight:
+        raise NotImplementedError
+
+    def cuda_serves(self, x) -> bool:
+        k = self.kernels
+        if k is None:
+            return False
+        return not isinstance(x, torch.Tensor) or (k.usable(x) and k.fits(self.qweight().fmt, self.in_features))
+
+    def cuda_forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        k, qw = self.kernels, self.qweight()
+        if not isinstance(x, torch.Tensor):  # a NormedRow: the norm in the GEMV's prologue
+            return k.gemv(x, qw, self.bias, out_dtype=out_dtype)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.shape[0] == 1:
+            y = k.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype)
+        else:
+            dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
+            x2 = x2.to(dtype)
+            rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
+            if rows >= self.out_features:
+                y = x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
+            else:
+                y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
+                for i in range(0, self.out_features, rows):
+                    stop = min(self.out_features, i + rows)
+                    y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+            y = y.to(out_dtype or x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def gemv_swiglu(self, x) -> torch.Tensor:
+        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""
+        return self.kernels.gemv(x if not isinstance(x, torch.Tensor) else x.contiguous(), self.qweight(), self.bias,
+                                 swiglu=True)
+
+    def split(self, x) -> tuple[torch.Tensor, ...]:
+        return self(x).split(self.sizes, dim=-1)
+
+
+def with_bias(fused: "QuantLinear | None", parts: list[nn.Module]) -> "QuantLinear | None":
+    """A fused linear with its parts' biases concatenated (None where only some have one)."""
+    if fused is None or all(p.bias is None for p in parts):
+        return fused
+    if any(p.bias is None for p in parts):
+        return None
+    fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
+class BlockLinear(QuantLinear):
     """y = x @ W.T (+ bias) for W in GGUF blocks as stored (`BLOCK_TYPES`, and Q8_0 inside the
     layers, which the C++ step reads as blocks; any type gguf_blocks knows works), in fp32 on
     exactly the weights gguf-py's dequantization gives: rows of W are dequantized a block of rows
     at a time and multiplied, or, where a kernel is set (the C++ step sets both), read directly
     from the blocks (`fp32_kernel(x, blocks, type)`, for a few rows: decode) or dequantized by
-    it (`dequant_kernel(blocks, type)`, bit for bit the same as gguf_blocks.dequantize)."""
+    it (`dequant_kernel(blocks, type)`, bit for bit the same as gguf_blocks.dequantize). On CUDA
+    the Triton kernels of QuantLinear read the blocks."""
 
     fp32_kernel = None
     dequant_kernel = None
     KERNEL_ROWS = 4  # up to this many input rows go to fp32_kernel; more: dequantize + GEMM
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
         self.ggml_type = ggml_type
         self.in_features = gguf_blocks.row_weights(ggml_type, blocks.shape[1])
         self.out_features = blocks.shape[0]
+        self.sizes = sizes or [blocks.shape[0]]
         self.register_buffer("blocks", blocks)
         self.register_parameter("bias", None)
 
     @classmethod
-    def from_gguf(cls, t: GgufTensor) -> "BlockLinear":
-        return cls(t.blocks(), t.ggml_type)
+    def from_gguf(cls, t: GgufTensor, device=None) -> "BlockLinear":
+        return cls(t.blocks().to(device) if device is not None else t.blocks(), t.ggml_type)
+
+    @classmethod
+    def concat(cls, parts: list["BlockLinear"]) -> "BlockLinear | None":
+        """Rows of several linears that read the same input, as one (on CUDA, where the GEMV
+        reads any rows; the C++ step reads each matrix): None where types or devices differ."""
+        if not all(p.blocks.is_cuda and p.ggml_type == parts[0].ggml_type for p in parts):
+            return None
+        return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
+                             [s for p in parts for s in p.sizes]), parts)
+
+    def qweight(self) -> QWeight:
+        return QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         raw = self.blocks[start:stop]
@@ -257,7 +363,9 @@ class BlockLinear(nn.Module):
             return self.dequant_kernel(raw, self.ggml_type)
         return gguf_blocks.dequantize(raw, self.ggml_type)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.blocks.is_cuda and self.cuda_serves(x):
+            return self.cuda_forward(x, out_dtype)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
             y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type)
@@ -268,7 +376,8 @@ class BlockLinear(nn.Module):
                 w = self.dequantize_rows(i, i + rows).to(x2.dtype)
                 torch.mm(x2, w.t(), out=y[:, i:i + rows])
         y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 @dataclass
@@ -315,16 +424,29 @@ class BlockExperts(nn.Module):
 
 class BlockEmbedding(nn.Module):
     """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
-    (exactly gguf-py's values)."""
+    (exactly gguf-py's values; on CUDA by the Triton kernel, in `out_dtype`: the model's)."""
 
-    def __init__(self, t: GgufTensor):
+    out_dtype: torch.dtype = torch.float32
+
+    def __init__(self, t: "GgufTensor | torch.Tensor", device=None, ggml_type: int | None = None):
+        """t: the GGUF tensor, or its blocks as a uint8 tensor (with ggml_type)."""
         super().__init__()
-        self.ggml_type = t.ggml_type
-        self.num_embeddings, self.embedding_dim = t.shape
-        self.register_buffer("blocks", t.blocks())
+        blocks = t if isinstance(t, torch.Tensor) else t.blocks()
+        self.ggml_type = ggml_type if isinstance(t, torch.Tensor) else t.ggml_type
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = gguf_blocks.row_weights(self.ggml_type, blocks.shape[1])
+        self.register_buffer("blocks", blocks.to(device) if device is not None else blocks)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return gguf_blocks.dequantize(self.blocks[ids.reshape(-1)], self.ggml_type).view(*ids.shape, -1)
+        flat = ids.reshape(-1)
+        k = QuantLinear.kernels
+        if self.blocks.is_cuda and k is not None and k.usable(self.blocks):
+            qw = QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
+            return k.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
+        return gguf_blocks.dequantize(self.blocks[flat], self.ggml_type).to(self.out_dtype).view(*ids.shape, -1)
+
+    def blocks_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
 
     def as_linear(self) -> BlockLinear:
         """The same blocks as a tied LM head."""
@@ -350,6 +472,9 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         elif isinstance(m, BlockExperts):
             for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):
                 add(gguf_blocks.type_name(ggml_type), [blocks])
+        elif hasattr(m, "format_tensors"):  # hf_quant's linears: (format name, its tensors)
+            name, tensors = m.format_tensors()
+            add(name, tensors)
         elif isinstance(m, Int4Linear):
             add(getattr(m, "gguf_kind", "int4").upper(), [m.packed, m.scale_zero])
         elif isinstance(m, Q8Embedding):

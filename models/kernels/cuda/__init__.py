@@ -1,5 +1,6 @@
 """Triton kernels for CUDA forwards, one file per kind, each tested against the torch form it
 replaces (tests/test_gpu.py): base.py (launch, the predicates that say where kernels serve, PDL,
 the start-up precompile; q/k norm + RoPE + KV write; add + RMSNorm), linear.py (one-row GEMV,
-its norm prologue and SwiGLU epilogue), attention.py (split-K decode attention), delta.py (the
+its norm prologue and SwiGLU epilogue), qlinear.py (the same on quantized weights, and their
+dequantization for prefill), attention.py (split-K decode attention), delta.py (the
 Gated DeltaNet decode step), scan.py (the chunked gated delta scan of prefill)."""

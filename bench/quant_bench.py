@@ -1,0 +1,130 @@
+"""Quantized weights on CUDA against bf16, random weights built on the device (no files), one command:
+
+    python bench/quant_bench.py [--big qwen3.5-27b] [--formats bf16,Q4_K,AWQ,FP8]
+        [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--new 128] [--prefill 2048]
+    python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
+
+For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
+median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
+the GPU memory the model takes once built and the peak over the run; then the small shapes in
+Q4_K against bf16. Formats (bench/shapes.py, random_quantized_model): Q4_K = every linear in Q4_K
+(Q5_0 where K is not whole 256-weight blocks, as llama.cpp's Q4_K_M falls back), the LM head in
+Q6_K and the embedding table in Q4_K blocks, as a Q4_K_M file holds them; AWQ = 4-bit groups of 128
+(the layout AWQ and GPTQ checkpoints are repacked into); FP8 = e4m3 with 128 x 128 block scales;
+AWQ and FP8 keep the embedding and an untied LM head in bf16, as their checkpoints do. "read GB" is
+what a decode step reads (the weights less the embedding table); floor = read GB / 4.3 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from decode_bench import bench_shape  # noqa: E402
+from shapes import random_model, random_quantized_model  # noqa: E402
+
+
+def run(name: str, fmt: str, args, device) -> dict:
+    from models.formats.quant import weight_formats
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    dtype = torch.bfloat16
+    model = random_model(name, device, dtype) if fmt == "bf16" else random_quantized_model(name, fmt, device, dtype)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    formats = weight_formats(model)
+    embed = model.model.embed_tokens
+    embed_bytes = sum(t.numel() * t.element_size() for t in list(embed.parameters()) + list(embed.buffers()))
+    tied = getattr(model.config, "tie_embeddings", False)
+    read = sum(formats.values()) - (0 if tied else embed_bytes)
+    rec = bench_shape(name, device, dtype, "on", args.prompt, args.new, args.prefill, 1, model=model)
+    rec.update(format=fmt, formats_gb={k: round(v / 1e9, 3) for k, v in formats.items()},
+               read_gb=round(read / 1e9, 3), held_gb=round(held / 1e9, 2))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+CONFIGS = [(2, 4, 1024), (4, 4, 256), (4, 4, 1024), (4, 8, 1024), (8, 4, 512), (8, 8, 1024), (16, 8, 512),
+           (16, 8, 1024)]
+
+
+def sweep(device) -> None:
+    """The dequant-GEMV alone on matrices of the big shape, per format and config (BLOCK_N,
+    num_warps, most weights a step): microseconds a call (CUDA events over 100 calls replayed
+    from a CUDA graph) and TB/s of the weight's bytes."""
+    from models.kernels.cuda import qlinear
+    from shapes import random_quant_linear
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, 17408, device=device, dtype=torch.bfloat16)
+    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in CONFIGS))
+    for fmt in ("Q4_K", "AWQ", "FP8"):
+        for n, k in ((10240, 5120), (5120, 17408)):
+            lin = random_quant_linear(fmt, n, k, device, gen)
+            qw, xk = lin.qweight(), x[:, :k].contiguous()
+            cells = []
+            for config in CONFIGS:
+                qlinear.gemv(xk, qw, config=config)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(100):
+                        qlinear.gemv(xk, qw, config=config)
+                g.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) * 1e3 / 100
+                cells.append(f"{us:.0f}/{qw.nbytes() / us / 1e6:.2f}")
+                del g
+            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells), flush=True)
+            del lin, qw
+            torch.cuda.empty_cache()
+    print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--big", default="qwen3.5-27b")
+    ap.add_argument("--formats", default="bf16,Q4_K,AWQ,FP8")
+    ap.add_argument("--small", default="smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    if args.sweep:
+        sweep(device)
+        return
+    jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
+    jobs += [(s, f) for s in args.small.split(",") if s for f in ("bf16", "Q4_K")]
+    rows = []
+    for name, fmt in jobs:
+        rec = run(name, fmt, args, device)
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    print(f"\n{'shape':14}{'format':>7}{'decode tok/s':>14}{'floor':>7}{'% floor':>8}{'prefill tok/s':>15}"
+          f"{'vs bf16':>8}{'weights GB':>11}{'read GB':>9}{'held GB':>9}{'peak GB':>9}")
+    bf16 = {r["model"]: r for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        floor = 4.3 / r["read_gb"]
+        b = bf16.get(r["model"])
+        pf = r.get("prefill_tok_s", 0) / b["prefill_tok_s"] if b and b.get("prefill_tok_s") else 0
+        print(f"{r['model']:14}{r['format']:>7}{r['decode_tok_s']:>14.1f}{floor * 1e3:>7.0f}"
+              f"{r['decode_tok_s'] / (floor * 1e3) * 100:>7.0f}%{r.get('prefill_tok_s', 0):>15.0f}{pf:>7.2f}x"
+              f"{r['weight_gb']:>11.2f}{r['read_gb']:>9.2f}{r['held_gb']:>9.2f}{r.get('peak_mem_gb', 0):>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""CUDA: quantized checkpoints stay quantized on the GPU (GGUF blocks as stored: quant.BlockLinear /
+BlockEmbedding; HF FP8 / AWQ / GPTQ: hf_quant's linears) and compute what the dequantized fp32
+model computes, on tiny checkpoints of each format written here.
+
+Documented tolerances, against the same file loaded dequantized (every weight widened to fp32):
+  - fp32 model, whole-prompt forward (rows dequantized by the kernel in fp32, then the GEMM):
+    max |logit difference| <= 1e-4 x the largest |logit|;
+  - fp32 model, decode steps in a CUDA graph (the dequant-GEMV: fp32 sums in another order):
+    <= 1e-4 x the largest |logit|, the same greedy tokens as the dequantized model;
+  - bf16 model, decode steps in a CUDA graph: <= 5e-2 x the largest |logit| (bf16 activations),
+    and the same tokens with graphs on and off;
+  - GPU memory: the quantized weights take their file's bytes (+ 5% and 1 MB for norms and the
+    allocator).
+"""
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from engine.config import SamplingConfig
+from engine.reference import full_logits
+from engine.session import DecodeSession
+from models.formats import gguf_blocks, quant
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+Q4_K_M = {"attn_v.weight": Q.Q6_K, "ffn_down.weight": Q.Q6_K}
+GGUF_CASES = [("llama", Q.Q4_0, None, Q.Q8_0), ("qwen2", Q.Q4_1, None, Q.Q4_0),
+              ("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0),
+              ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K), ("qwen2", Q.Q5_K, None, Q.Q4_K),
+              ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen2", Q.Q8_0, None, Q.Q8_0)]
+IDS = [f"{k}-{q.name}-embd_{e.name}" for k, q, t, e in GGUF_CASES]
+
+
+def tiny_gguf(tmp_path, kind, linear, types, embed):
+    from test_block_quant import tiny_gguf as write
+    return write(tmp_path, kind, linear, types, embed)
+
+
+def step_logits(lm, dtype, graph, prompt, steps):
+    s = DecodeSession(lm.model, max_context=256, device=CUDA, dtype=dtype, cuda_graph=graph)
+    s.prefill(prompt)
+    return torch.stack([s.step(t)[-1].float() for t in steps])
+
+
+def greedy(lm, dtype, graph, prompt):
+    s = DecodeSession(lm.model, max_context=256, device=CUDA, dtype=dtype, cuda_graph=graph)
+    return list(s.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=24)))
+
+
+def close(a, b, rel):
+    return float((a - b).abs().max()) <= rel * float(b.abs().max())
+
+
+def check_against_dequantized(path, quantized_types, ref_path=None):
+    ref = models.load(ref_path or path, CUDA, torch.float32)
+    q32 = models.load(path, CUDA, torch.float32, quantized=True)
+    kinds = {name for name in q32.weight_bytes if name.isupper()}
+    assert kinds >= set(quantized_types), (kinds, quantized_types)
+    prompt, steps = list(range(3, 60)), [5, 9, 200, 7, 7, 31, 4, 100]
+    a, b = full_logits(q32.model, prompt, CUDA), full_logits(ref.model, prompt, CUDA)
+    assert close(a, b, 1e-4) and torch.equal(a.argmax(-1), b.argmax(-1))
+    assert close(step_logits(q32, torch.float32, "on", prompt, steps),
+                 step_logits(ref, torch.float32, "off", prompt, steps), 1e-4)
+    assert greedy(q32, torch.float32, "on", prompt) == greedy(ref, torch.float32, "off", prompt)
+    del q32
+    q16 = models.load(path, CUDA, torch.bfloat16, quantized=True)
+    assert close(step_logits(q16, torch.bfloat16, "on", prompt, steps),
+                 step_logits(ref, torch.float32, "off", prompt, steps), 5e-2)
+    assert greedy(q16, torch.bfloat16, "on", prompt) == greedy(q16, torch.bfloat16, "off", prompt)
+    return q16
+
+
+@pytest.mark.parametrize("kind,linear,types,embed", GGUF_CASES, ids=IDS)
+def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, kind, linear, types, embed):
+    path = tiny_gguf(tmp_path, kind, linear, types, embed)
+    names = {linear.name, embed.name} | {t.name for t in (types or {}).values()}
+    q16 = check_against_dequantized(path, names)
+    layer = q16.model.model.layers[0]
+    mlp = layer.mlp
+    assert isinstance(mlp.gate_up_proj, quant.BlockLinear) and mlp.gate_up_proj.blocks.is_cuda  # fused, as stored
+    assert isinstance(q16.model.model.embed_tokens, quant.BlockEmbedding)
+    assert q16.weight_format.startswith("GGUF ") and linear.name in q16.weight_format
+
+
+def test_gguf_on_cuda_takes_the_files_bytes(tmp_path):
+    """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's."""
+    import gguf
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
+    reader = gguf.GGUFReader(path)
+    file_bytes = {}
+    for t in reader.tensors:
+        name = gguf_blocks.type_name(int(t.tensor_type))
+        file_bytes[name] = file_bytes.get(name, 0) + int(t.n_bytes)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    lm = models.load(path, CUDA, torch.bfloat16, quantized=True)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before
+    got = lm.weight_bytes
+    for name in ("Q4_K", "Q6_K"):
+        assert got[name] == file_bytes[name], (name, got[name], file_bytes[name])
+    quantized = sum(v for k, v in file_bytes.items() if k.startswith("Q"))
+    f32 = file_bytes.get("F32", 0)
+    assert used <= 1.05 * (quantized + f32 // 2) + (1 << 20), (used, quantized)
+
+
+HF_CASES = [("llama", "fp8"), ("qwen2", "awq"), ("llama", "gptq"), ("qwen2", "gptq_asym"), ("qwen3_5", "fp8"),
+            ("qwen3_5", "gptq_v2")]
+
+
+@pytest.mark.parametrize("kind,method", HF_CASES, ids=[f"{k}-{m}" for k, m in HF_CASES])
+def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method):
+    from models.formats import hf_quant
+    from tiny_hf_quant import write_quantized
+    qdir, rdir = write_quantized(kind, str(tmp_path), method)
+    name = {"fp8": "FP8", "awq": "AWQ"}.get(method, "GPTQ")
+    q16 = check_against_dequantized(qdir, {name}, rdir)
+    linears = [m for m in q16.model.modules() if isinstance(m, (hf_quant.Fp8Linear, hf_quant.GroupInt4Linear))]
+    assert linears and all(m.qweight().data.is_cuda for m in linears)
+    assert name in q16.weight_format
