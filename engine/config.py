@@ -123,7 +123,8 @@ class EngineConfig(_Validated):
     cuda_graph: str = setting("auto", _choice("auto", "on", "off"))
     compile: str = setting("off", _choice("off", "on"))
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
-    quantized: str = setting("auto", _choice("auto", "off"))
+    # a GGUF's blocks: kept on the CPU by auto; on CUDA by on (the Triton block kernels)
+    quantized: str = setting("auto", _choice("auto", "on", "off"))
     # turn-boundary checkpoints of hybrid state: on the device, then spilled to (pinned) host memory
     checkpoint_mib: Any = setting("auto", _int_or_auto(0, 1 << 20, "auto, 0 (no checkpoints) or a size in MiB"))
     checkpoint_host_mib: Any = setting("auto", _int_or_auto(0, 1 << 20, "auto, 0 (no spilling) or a size in MiB"))
