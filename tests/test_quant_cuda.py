@@ -41,7 +41,8 @@ def tiny_gguf(tmp_path, kind, linear, types, embed):
 def step_logits(lm, dtype, graph, prompt, steps):
     s = DecodeSession(lm.model, max_context=256, device=CUDA, dtype=dtype, cuda_graph=graph)
     s.prefill(prompt)
-    return torch.stack([s.step(t)[-1].float() for t in steps])
+    # a copy of each step's row: with the graph on, step() returns the graph's one output buffer
+    return torch.stack([s.step(t)[-1].float().clone() for t in steps])
 
 
 def greedy(lm, dtype, graph, prompt):
