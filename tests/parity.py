@@ -52,3 +52,19 @@ def check_split_prefill(lm):
     s = session(lm)
     parts = [s.prefill(ids[a:b], all_logits=True) for a, b in SPLITS]
     assert (torch.cat(parts) - whole).abs().max() <= TOL
+
+
+def check_second_turn(lm):
+    """A second turn that extends the first reply continues from the live state (no re-prefill of
+    the shared part) and decodes what a cold session and the reference forward do."""
+    from engine import reference
+    from engine.config import SamplingConfig
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
+    s = session(lm)
+    first = rand_ids(30, 4)
+    reply = list(s.generate(first, greedy))
+    second = first + reply + rand_ids(9, 5)
+    warm = list(s.generate(second, greedy))
+    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
+    assert warm == list(session(lm).generate(second, greedy))
+    assert warm == reference.greedy(lm.model, second, len(warm))

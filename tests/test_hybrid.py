@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import models
-from engine import reference
 from engine.config import SamplingConfig
 from models.architectures import gated_delta, qwen3_5
-from parity import LENGTHS, TOL, check_decode, check_prefill, check_split_prefill, hf_logits, rand_ids, session
+from parity import (LENGTHS, TOL, check_decode, check_prefill, check_second_turn, check_split_prefill, hf_logits,
+                    rand_ids, session)
 
 KINDS = ["qwen3_5", "qwen3_next", "lfm2", "olmo_hybrid", "qwen3_5_moe"]
 
@@ -86,15 +86,7 @@ def test_generate_twice_on_one_session_is_identical(hybrids, kind, cfg):
 @pytest.mark.parametrize("kind", KINDS)
 def test_second_turn_appended_equals_cold_run(hybrids, kind):
     lm, _ = hybrids[kind]
-    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
-    s = session(lm)
-    first = rand_ids(30, 4)
-    reply = list(s.generate(first, greedy))
-    second = first + reply + rand_ids(9, 5)
-    warm = list(s.generate(second, greedy))
-    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
-    assert warm == list(session(lm).generate(second, greedy))
-    assert warm == reference.greedy(lm.model, second, len(warm))
+    check_second_turn(lm)
 
 
 def test_non_extension_prompt_falls_back_to_reset(hybrids):

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import models
-from engine import reference, state as state_mod
+from engine import state as state_mod
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
 from models.architectures import mamba2
-from test_hybrid import TOL, hf_logits, rand_ids, session
+from parity import TOL, check_second_turn, hf_logits, rand_ids, session
 
 KINDS = ["nemotron_h", "granitemoehybrid"]
 
@@ -80,15 +80,7 @@ def test_model_prefill_forms_agree(hybrids, kind, monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 def test_second_turn_appended_equals_cold_run(hybrids, kind):
     lm, _, _ = hybrids[kind]
-    greedy = SamplingConfig(temperature=0, max_new_tokens=10)
-    s = session(lm)
-    first = rand_ids(30, 4)
-    reply = list(s.generate(first, greedy))
-    second = first + reply + rand_ids(9, 5)
-    warm = list(s.generate(second, greedy))
-    assert s.last_stats.reused_tokens == len(first) + len(reply) - 1  # continued from the live state
-    assert warm == list(session(lm).generate(second, greedy))
-    assert warm == reference.greedy(lm.model, second, len(warm))
+    check_second_turn(lm)
 
 
 def two_generations(lm):
