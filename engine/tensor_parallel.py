@@ -89,6 +89,7 @@ class Group:
             self.procs.append(p)
             self._last_words[p.name] = reader
         self._closing = False
+        self._end_lock = threading.RLock()
         self._ready = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
         atexit.register(self.close)
@@ -119,10 +120,13 @@ class Group:
                         self._fail(f"tensor-parallel worker {rank} stopped responding for {HANG_SECONDS:.0f} s")
 
     def _ended(self, p) -> None:
+        # the watchdog and rank 0's main thread (a failed collective) may both get here: the first
+        # reaps the worker and ends the chat; the other waits on the lock until then
+        self._end_lock.acquire()
         p.join(1.0)
         code = p.exitcode
         why = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exit code {code}")
+               else f"exit code {code}" if code is not None else "exit status unknown")
         reader = self._last_words[p.name]
         if reader.poll(0.2):  # its last words, where it had time to say them
             with contextlib.suppress(EOFError, OSError):
@@ -138,7 +142,8 @@ class Group:
 
     def _fail(self, message: str) -> None:
         """From the watchdog: the chat cannot go on (rank 0 may be inside a collective that will
-        never complete), so it ends here, workers first."""
+        never complete), so it ends here, workers first. Never returns."""
+        self._end_lock.acquire()  # (held until the exit: one line, from one thread)
         self._closing = True
         for p in self.procs:
             if p.is_alive():
