@@ -69,24 +69,17 @@ SHAPES = {
 }
 
 
-@torch.no_grad()
-def random_model(name: str, device, dtype, seed: int = 0, shard=None):
-    """shard (models.sharding.Shard): that rank's slices of the shape, with its collectives."""
-    if shard is None:
-        model, _ = models.build_model(dict(SHAPES[name]))
-    else:
-        full, _, plan = models.config_plan(dict(SHAPES[name]), shard.world)
-        model = models.local_model(full, plan, shard)
-        seed += shard.rank
-    # one device tensor per weight, assigned as models.materialize assigns a checkpoint's (Module.to_empty
-    # took 2.1 s for the 0.8B-like model's 321 weights on an H200 host, this 0.01 s)
+def _random_parameters(model, device, dtype, gen) -> None:
+    """Every parameter still on the meta device (or left unquantized) becomes one device tensor,
+    assigned as models.materialize assigns a checkpoint's (Module.to_empty took 2.1 s for the
+    0.8B-like model's 321 weights on an H200 host, this 0.01 s), filled: norms at their neutral
+    value (0 where the weight is zero-centred, applied as 1 + w, else 1), A_log uniform in [0, 2),
+    dt_bias 1, the rest normal with std 0.02."""
     for module in model.modules():
         for leaf, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
                                                               requires_grad=False)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    # norms at their neutral value: 0 where the weight is zero-centred (applied as 1 + w), else 1
     centred = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "offset", 0.0) != 0.0}
     for pname, p in model.named_parameters():
         if "norm" in pname:
@@ -97,6 +90,18 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+
+
+@torch.no_grad()
+def random_model(name: str, device, dtype, seed: int = 0, shard=None):
+    """shard (models.sharding.Shard): that rank's slices of the shape, with its collectives."""
+    if shard is None:
+        model, _ = models.build_model(dict(SHAPES[name]))
+    else:
+        full, _, plan = models.config_plan(dict(SHAPES[name]), shard.world)
+        model = models.local_model(full, plan, shard)
+        seed += shard.rank
+    _random_parameters(model, device, dtype, torch.Generator(device=device).manual_seed(seed))
     if model.config.tie_embeddings and shard is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
@@ -167,21 +172,7 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
         model.model.embed_tokens = emb
         if model.config.tie_embeddings:
             model.lm_head = emb.as_linear()
-    for module in model.modules():
-        for leaf, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
-                                                              requires_grad=False)
-    for pname, p in model.named_parameters():
-        if "norm" in pname:
-            p.fill_(0.0 if getattr(model.config, "layer_types", None) and not pname.endswith("linear_attn.norm.weight")
-                    else 1.0)
-        elif pname.endswith("A_log"):
-            p.uniform_(0.0, 2.0, generator=gen)
-        elif pname.endswith("dt_bias"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+    _random_parameters(model, device, dtype, gen)
     if model.config.tie_embeddings and not gguf:
         model.lm_head.weight = model.model.embed_tokens.weight
     for m in model.modules():
