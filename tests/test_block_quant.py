@@ -20,6 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import models
 from models.formats import gguf_blocks, quant
 from test_gguf_blocks import QUANTIZED, bits, random_blocks
+from tiny_gguf import mapped_spans
 
 BLOCK = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
@@ -137,13 +138,7 @@ def test_blocks_are_the_files_mapped_pages(tmp_path):
     mapping of the file itself; llama's permuted Q/K rows are the exception (copied)."""
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     lm = models.load(path, quantized=True)
-    spans = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == path:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                spans.append((lo, hi))
+    spans = mapped_spans(path)
     assert spans
 
     def mapped(t):

@@ -46,6 +46,33 @@ def send_checked(c: ChatController, op: tuple) -> TurnResult | None:
     return r
 
 
+def run_ops(c: ChatController, ops) -> None:
+    """A fresh conversation, then each op: ("send", text), ("retry",), ("undo",) or ("reset",)
+    (the conversation forgotten, the cache kept); every reply checked against a cold session's."""
+    c.reset()
+    for op in ops:
+        if op[0] == "undo":
+            c.undo()
+        elif op[0] == "reset":
+            c.reset_conversation(keep_cache=True)
+        else:
+            send_checked(c, op)
+
+
+def check_undo_and_retry(c: ChatController) -> None:
+    """/retry of the last turn prefills nothing (its prompt's checkpoint holds the logits); /undo
+    then a new message restores the checkpoint after turn 1 and prefills only the gap."""
+    list(c.send("alpha", TurnResult([])))
+    list(c.send("beta", TurnResult([])))
+    r = TurnResult([])
+    list(c.send(c.pop_for_retry(), r))
+    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
+    c.undo()
+    r = TurnResult([])
+    list(c.send("gamma", r))
+    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
+
+
 OPS = st.lists(st.one_of(st.tuples(st.just("send"), st.sampled_from(WORDS)), st.just(("undo",)),
                          st.just(("retry",)), st.just(("reset",))), min_size=3, max_size=9)
 
@@ -59,15 +86,7 @@ def test_property_every_generation_equals_a_cold_session(ckpts, kind, temperatur
                                                                      HealthCheck.too_slow])
     @given(OPS)
     def run(ops):
-        c.reset()
-        for op in ops:
-            if op[0] == "undo":
-                c.undo()
-                continue
-            if op[0] == "reset":
-                c.reset_conversation(keep_cache=True)
-                continue
-            send_checked(c, op)
+        run_ops(c, ops)
     run()
 
 
@@ -95,16 +114,7 @@ def test_hybrid_turn_four_prefills_only_new_tokens(ckpts, kind):
 
 @pytest.mark.parametrize("kind", HYBRIDS)
 def test_hybrid_undo_and_retry_restore_checkpoints(ckpts, kind):
-    c = controller(ckpts[kind], temperature="0")
-    list(c.send("alpha", TurnResult([])))
-    list(c.send("beta", TurnResult([])))
-    r = TurnResult([])
-    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
-    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
-    c.undo()
-    r = TurnResult([])
-    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
-    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
+    check_undo_and_retry(controller(ckpts[kind], temperature="0"))
 
 
 def test_checkpoint_bytes_shown(ckpts):

@@ -14,6 +14,7 @@ import torch
 import models
 from engine.config import SamplingConfig
 from parity import TOL, rand_ids, session
+from tiny_gguf import mapped_spans
 
 # kind → (tiny.py overrides the converter needs, converter options, the GGUF architecture)
 CASES = {
@@ -85,17 +86,6 @@ def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, 
     ids = rand_ids(40, 3)
     a, b = session(ref).prefill(ids, all_logits=True), session(q).prefill(ids, all_logits=True)
     assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
-
-
-def mapped_spans(path):
-    spans = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5] == path:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                spans.append((lo, hi))
-    return spans
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])

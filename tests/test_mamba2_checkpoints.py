@@ -4,8 +4,7 @@ resets equals a cold session's (the property test of tests/test_checkpoints.py),
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from chat.turn import TurnResult
-from test_checkpoints import OPS, controller, send_checked
+from test_checkpoints import OPS, check_undo_and_retry, controller, run_ops
 
 KINDS = ["nemotron_h", "granitemoehybrid"]
 
@@ -24,14 +23,7 @@ def test_property_every_generation_equals_a_cold_session(ckpts, kind):
                                                                     HealthCheck.too_slow])
     @given(OPS)
     def run(ops):
-        c.reset()
-        for op in ops:
-            if op[0] == "undo":
-                c.undo()
-            elif op[0] == "reset":
-                c.reset_conversation(keep_cache=True)
-            else:
-                send_checked(c, op)
+        run_ops(c, ops)
     run()
 
 
@@ -39,12 +31,4 @@ def test_property_every_generation_equals_a_cold_session(ckpts, kind):
 def test_undo_and_retry_restore_checkpoints(ckpts, kind):
     c = controller(ckpts[kind], temperature="0")
     assert c.session.state.has_fixed_state
-    list(c.send("alpha", TurnResult([])))
-    list(c.send("beta", TurnResult([])))
-    r = TurnResult([])
-    list(c.send(c.pop_for_retry(), r))  # /retry: the prompt's checkpoint holds the logits
-    assert r.stats.prefilled_tokens == 0 and r.stats.reused_tokens == len(r.prompt_ids)
-    c.undo()
-    r = TurnResult([])
-    list(c.send("gamma", r))  # after /undo: restore the checkpoint after turn 1, prefill the gap only
-    assert 0 < r.stats.reused_tokens and r.stats.prefilled_tokens < len(r.prompt_ids) - 10
+    check_undo_and_retry(c)

@@ -145,3 +145,16 @@ def requantize(src: str, dst: str, types: dict[str, Q]) -> str:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def mapped_spans(path: str) -> list[tuple[int, int]]:
+    """The address ranges where this process maps the file `path` (/proc/self/maps): a tensor
+    whose data lies inside one is a view of the file's pages, not a copy."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == path:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi))
+    return spans
