@@ -317,10 +317,11 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 def _compiled_kernels() -> int:
     """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
     from models.kernels.cuda import (attention as cuda_attention, base as cuda_base, delta as cuda_delta,
-                                     linear as cuda_linear, scan as cuda_scan)
+                                     linear as cuda_linear, moe as cuda_moe, scan as cuda_scan)
     kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
                cuda_delta._conv_step_kernel, cuda_delta._delta_step_kernel, cuda_attention._split_kernel,
-               cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel]
+               cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel, cuda_moe._route_kernel,
+               cuda_moe._gate_up_kernel, cuda_moe._down_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -337,8 +338,10 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
     over = dict(hidden_size=96, intermediate_size=160, head_dim=32)
     if kind in ("qwen3_5", "qwen3_5_moe"):
         over.update(linear_key_head_dim=16, linear_value_head_dim=16)  # the scan kernel's sizes
-    if kind in ("qwen3_5_moe", "qwen3_moe"):  # the MoE kernels' sizes (constants of their compiles)
+    if kind == "qwen3_5_moe":  # the MoE kernels' sizes (constants of their compiles), apart for each model:
         over.update(moe_intermediate_size=48, shared_expert_intermediate_size=80)
+    if kind == "qwen3_moe":  # its other kernels are the llama case's, compiled there
+        over.update(moe_intermediate_size=56)
     lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", torch.bfloat16)
     before = _compiled_kernels()
     s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")

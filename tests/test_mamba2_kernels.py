@@ -75,9 +75,9 @@ def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
 
 
 def _compiled_ssd_kernels() -> int:
-    from models.kernels.cuda import experts, ssd
+    from models.kernels.cuda import moe, ssd
     kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
-               experts._route_kernel, experts._up_kernel, experts._down_kernel]
+               moe._route_kernel, moe._gate_up_kernel, moe._down_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -107,8 +107,8 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
     started = _compiled_ssd_kernels()
     assert started > before or not cuda_base.can_precompile()
     calls = []
-    from models.kernels.cuda import experts
-    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (experts, "decode"), (experts, "route")):
+    from models.kernels.cuda import moe
+    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (moe, "experts"), (moe, "route")):
         real, key = getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}"
         monkeypatch.setattr(mod, name, lambda *a, real=real, key=key, **k: calls.append(key) or real(*a, **k))
     g = torch.Generator().manual_seed(4)
@@ -123,7 +123,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
                         cuda_graph="off")
     calls.clear()
     assert [list(off.generate(p, cfg)) for p in prompts] == tokens
-    assert {"ssd.decode", "experts.decode", "experts.route"} <= set(calls)  # the eager step ran the decode kernels
+    assert {"ssd.decode", "moe.experts", "moe.route"} <= set(calls)  # the eager step ran the decode kernels
     cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
     first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
                               dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
@@ -139,7 +139,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.kernels.cuda import experts, ssd
+    from models.kernels.cuda import moe, ssd
     cases = [
         (ssd._chunk_scan_kernel, dict(out="*fp32", c_dec="*fp32", chunk_states="*fp32", chunk_decay="*fp32",
                                       state="*fp32", n="i32"),
@@ -151,50 +151,14 @@ def test_kernels_compile_for_hopper_without_a_gpu():
          dict(KM1=3, KP=4, BLOCK=256, HAS_BIAS=True, PDL=True)),
         (ssd._group_norm_kernel, dict(gated="*fp32", weight="*bf16", out="*bf16", eps="fp32"),
          dict(GS=3072, BLOCK=4096, PDL=True)),
-        (experts._route_kernel, dict(logits="*fp32", idx_out="*i64", w_out="*fp32"),
-         dict(E=64, EP=64, TOPK=6, KP=8, PDL=True)),
-        (experts._up_kernel, dict(x="*bf16", gate_up="*bf16", idx="*i64", act="*fp32"),
-         dict(H=1536, I=512, BR=16, BK=256, PDL=True)),
-        (experts._down_kernel, dict(act="*fp32", down="*bf16", idx="*i64", weights="*fp32", out="*bf16"),
-         dict(H=1536, I=512, TOPK=6, BR=16, BK=256, PDL=True)),
+        (moe._route_kernel, dict(logits="*bf16", idx_out="*i64", w_out="*fp32", E="i32"),
+         dict(TOP_K=6, BLOCK_E=64, NORM=True, PDL=True)),
+        (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
+         dict(I=512, H=1536, TOP_K=6, BLOCK_N=8, BLOCK_K=256, PDL=True)),
+        (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
+                                shared_gate="*bf16", out="*bf16", stride_e="i32"),
+         dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=512, PDL=True)),
     ]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_expert_decode_kernels_match_the_torch_experts(device):
-    from models.architectures.qwen3_5 import Experts
-    from models.kernels.cuda import experts
-    g = torch.Generator().manual_seed(5)
-    E, I, H, k = 6, 48, 80, 3  # sizes off the kernels' block multiples
-    cfg = type("cfg", (), dict(num_experts=E, moe_intermediate_size=I, hidden_size=H))
-    ex = Experts(cfg)
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.2)
-        ex.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.2)
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)) if device == "cuda" else ((torch.float32, 1e-4),):
-        ex = ex.to(device=device, dtype=dtype)
-        x = torch.randn(1, H, generator=g).to(device, dtype)
-        idx = torch.tensor([[4, 0, 5]], device=device)
-        w = torch.tensor([[0.5, 0.3, 0.2]], device=device)
-        ref = ex(x, idx, w).float()
-        out = experts.decode(x, ex.gate_up_proj, ex.down_proj, idx, w)
-        assert out.dtype == dtype and (out.float() - ref).abs().max() <= tol * max(1.0, ref.abs().max())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_route_kernel_matches_the_torch_router(device):
-    from models.architectures.qwen3_5 import Router
-    from models.kernels.cuda import experts
-    for E, k, seed in ((64, 6, 0), (40, 3, 1), (8, 2, 2)):
-        g = torch.Generator().manual_seed(seed)
-        router = Router(type("cfg", (), dict(num_experts=E, hidden_size=16, experts_per_tok=k, norm_topk_prob=True)))
-        with torch.no_grad():
-            router.weight.copy_(torch.randn(E, 16, generator=g))
-        router = router.to(device)
-        x = torch.randn(1, 16, generator=g).to(device)
-        ref_idx, ref_w = router(x)
-        idx, w = experts.route(torch.nn.functional.linear(x, router.weight).float().contiguous(), k)
-        assert torch.equal(idx, ref_idx) and (w - ref_w).abs().max() <= 1e-6

@@ -6,8 +6,9 @@ embeddings times `embedding_multiplier`, each branch times `residual_multiplier`
 the stream, logits divided by `logits_scaling`. The model declares each layer's state; the
 engine's StateManager owns it. Checkpoint names (`input_linear`, `output_linear`, `router.layer`)
 map to ours in `checkpoint_names`; the experts and router are moe.py's (their top-k softmax,
-renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them as the
-two kernels of kernels/cuda/experts.py, and a multi-token forward as two grouped GEMMs.
+renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them through
+kernels/cuda/moe.py (routing in one launch, the experts in two, as the Qwen MoE models), and a
+multi-token forward as two grouped GEMMs.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, experts as cuda_experts, linear as cuda_linear
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
 from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
@@ -103,11 +104,14 @@ class RoutedExperts(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x):
-        if cuda_base.usable(x):  # one token: the router's GEMV, the top-k softmax, the experts read in place
+        ex = self.experts
+        if cuda_base.usable(x) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous():
+            # one token: the router's GEMV (rounded to x's dtype, as the torch form), the top k on the
+            # device, the chosen experts read where they are stored
             x = x.contiguous()
-            logits = cuda_linear.gemv(x, self.router.weight, out_dtype=torch.float32)
-            idx, weights = cuda_experts.route(logits, self.router.top_k)
-            return cuda_experts.decode(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights)
+            logits = cuda_linear.gemv(x, self.router.weight)
+            idx, weights = cuda_moe.route(logits, self.router.top_k, self.router.norm_topk, ex.gate_up_proj.shape[0])
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
         idx, weights = self.router(x)
         return self.experts(x, idx, weights)  # many tokens: grouped GEMMs where they serve (moe.py)
 
