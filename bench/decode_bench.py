@@ -42,14 +42,17 @@ def sync(device):
 
 
 def active_bytes(model) -> int:
-    """The weight bytes one decoded token reads: all of them, but of each MoE layer's routed
-    experts only the top k (the bandwidth floor of an MoE model)."""
-    from models.architectures.moe import SparseMoe
+    """The weight bytes one decoded token reads: all of them, but of each MoE block's routed
+    experts only the top k (the bandwidth floor of an MoE model). An MoE block is any module
+    holding moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H)."""
+    from models.architectures.moe import Experts, Router
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, SparseMoe):
-            ex = sum(p.numel() * p.element_size() for p in m.experts.parameters())
-            total -= ex - ex * m.gate.top_k // m.experts.gate_up_proj.shape[0]
+        ex_mod = getattr(m, "experts", None)
+        router = next((r for r in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(r, Router)), None)
+        if isinstance(ex_mod, Experts) and router is not None:
+            ex = sum(p.numel() * p.element_size() for p in ex_mod.parameters())
+            total -= ex - ex * router.top_k // ex_mod.gate_up_proj.shape[0]
     return total
 
 

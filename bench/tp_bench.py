@@ -2,13 +2,17 @@
 in one command.
 
     python3 bench/tp_bench.py SHAPE [--tp 1 2] [--prompt 128] [--new 256] [--runs 3] [--device cuda|cpu]
+        [--timeout SECONDS]
 
 Each size runs in its own processes (rank 0 here in a child, N-1 more; NCCL on CUDA, gloo on the
 CPU), every rank holding random weights of its slices of the shape (bench/shapes.py) in bf16
 (fp32 on the CPU), CUDA graph on, as the chat runs them (engine/tensor_parallel.py: rank 0
 chooses, the others follow). Size 1 is the one-device session itself, no collectives. Prints per
 size the decode tokens/s (median of `--runs` greedy replies after a random prompt), whether
-the runs' tokens were identical, GPU memory per rank, and the ratio to the first size.
+the runs' tokens were identical, GPU memory per rank, and the ratio to the first size. Each rank
+prints its stages to stderr with the seconds since it started (process group up, weights built,
+session ready, each run), so that a size that never finishes shows where it stopped; `--timeout`
+ends such a size (its ranks killed) and goes on to the next.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +37,12 @@ def rank_main(rank, world, init, args, out):
     from models.sharding import Shard
     from shapes import SHAPES, random_model
 
+    t0 = time.perf_counter()
+
+    def stage(what):
+        print(f"[tp_bench] tensor_parallel {world} rank {rank}: {what} at {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -44,11 +55,19 @@ def rank_main(rank, world, init, args, out):
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
                                 **({"device_id": device} if cuda else {}))
         link = Link(dist.new_group(backend="gloo"), follower=rank != 0)
+        stage("process group up")
     model = random_model(args.shape, device, dtype, shard=Shard(rank, world) if world > 1 else None)
+    if cuda:
+        torch.cuda.synchronize(device)
+        stage(f"weights built ({torch.cuda.memory_allocated(device) / 2**30:.1f} GiB)")
+    else:
+        stage("weights built")
     session = DecodeSession(model, max_context=args.prompt + args.new + 8, device=device, dtype=dtype,
                             cuda_graph="on" if cuda else "off", cpu_kernel="off", link=link)
+    stage("session ready (kernels compiled, graph captured)")
     if link is not None:
         dist.barrier(group=link.group)
+        stage("all ranks ready")
     if rank != 0:
         serve(session, link)
         dist.destroy_process_group()
@@ -62,6 +81,7 @@ def rank_main(rank, world, init, args, out):
         session.reset() if link is None else chat.reset()
         replies.append(list(chat.generate(prompt, cfg)))
         speeds.append(session.last_stats.decode_tps)
+        stage(f"run {len(speeds)}: {speeds[-1]:.1f} tok/s")
     gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     out.put((statistics.median(speeds), all(r == replies[0] for r in replies), len(replies[0]), gib))
     if link is not None:
@@ -70,6 +90,7 @@ def rank_main(rank, world, init, args, out):
 
 
 def run_size(args, world):
+    """(tok/s, runs identical, tokens, GiB a rank), or None where the size ran past --timeout."""
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.SimpleQueue()
     init = "file://" + os.path.join(tempfile.mkdtemp(prefix="tp-bench-"), "rendezvous")
@@ -78,8 +99,17 @@ def run_size(args, world):
         p.start()
     import multiprocessing.connection
     waiting = {p.sentinel: p for p in procs}
+    deadline = time.monotonic() + args.timeout if args.timeout else None
     while waiting:  # a rank that fails leaves the others inside a collective: stop them
-        for s in multiprocessing.connection.wait(list(waiting)):
+        left = None if deadline is None else deadline - time.monotonic()
+        ready = multiprocessing.connection.wait(list(waiting), timeout=left) if left is None or left > 0 else []
+        if not ready:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.join()
+            return None
+        for s in ready:
             p = waiting.pop(s)
             p.join()
             if p.exitcode:
@@ -97,10 +127,16 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--timeout", type=float, default=0, help="seconds a size may take (0: no limit)")
     args = ap.parse_args()
     first = None
     for world in args.tp:
-        tps, same, n, gib = run_size(args, world)
+        result = run_size(args, world)
+        if result is None:
+            print(f"{args.shape} tensor_parallel {world}: no result within {args.timeout:.0f} s (its ranks' last "
+                  f"stages are above, on stderr)", flush=True)
+            continue
+        tps, same, n, gib = result
         first = first or tps
         print(f"{args.shape} tensor_parallel {world}: decode {tps:.1f} tok/s ({n} tokens, median of {args.runs}; "
               f"runs identical: {same}; GPU memory {gib:.1f} GiB a rank) = {tps / first:.2f}x tensor_parallel "
