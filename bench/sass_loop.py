@@ -1,0 +1,115 @@
+"""Instructions per weight in the main loop of the dequant-GEMV (models/kernels/cuda/qlinear.py),
+read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
+
+    python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
+
+Needs Triton (its ptxas and nvdisasm compile and disassemble for Hopper; no device). For each
+format, compiles `_qgemv_kernel` as `gemv` would launch it on an [n, k] weight (plain input, no
+norm, bias or SwiGLU), finds the main loop (the longest backward branch) and prints its
+instructions per thread, the weights a program decodes per iteration, instructions per weight
+(loop instructions x threads / weights), the loop's global loads, and its commonest opcodes.
+
+Why it matters: an H200 issues ~3.3e13 thread-instructions a second (132 SMs x 4 schedulers x 32
+lanes x 1.98 GHz), and its bandwidth delivers ~8.6e12 4-bit weights a second, so a 4-bit GEMV
+bound by bandwidth can afford ~4 instructions a weight, all of them issuing. BAR/LDS/STS in the
+loop are layout conversions through shared memory (each a barrier for the program's warps).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
+
+
+def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tuple[str, int]:
+    """(the SASS text, weights a program decodes per iteration of its main loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import qlinear
+    fid, nbytes, _, _, L = qlinear.FORMATS[fmt]
+    w, s = qlinear._step(fmt, k, most, n * k // 2 <= qlinear.WHOLE_STEP_BYTES)
+    sig = dict(x="*bf16", w="*fp8e4nv" if fmt == "FP8" else "*u8",
+               sc_ptr={"FP8": "*fp32", "INT4": "*fp16"}.get(fmt, "*u8"), z_ptr="*u8", bias="*bf16", out="*bf16",
+               N="i32", K="i32", stride_w="i32", stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16",
+               eps="fp32")
+    const = dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=128 if fmt in ("FP8", "INT4") else 1, HAS_BIAS=False,
+                 SWIGLU=False, NORM=False, HAS_RES=False, EVEN=k % w == 0, STEPS=triton.cdiv(k, w), BLOCK_N=bn,
+                 PDL=True)
+    names = list(sig)  # what the launcher specializes on: pointers and ints divisible by 16
+    aligned = [x for x in ("x", "w", "sc_ptr", "z_ptr", "out", "N", "K", "stride_w", "stride_s")
+               if x not in ("N", "K", "stride_w") or {"N": n, "K": k, "stride_w": k}[x] % 16 == 0]
+    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
+    src = ASTSource(fn=qlinear._qgemv_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
+                    attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    return text, w * bn
+
+
+def main_loop(text: str) -> list[str]:
+    """The instructions of the longest backward branch's body."""
+    lines = text.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            nxt = next((x for x in lines[i + 1:] if ADDR.search(x)), None)
+            if nxt:
+                labels[m.group(1)] = int(ADDR.search(nxt).group(1), 16)
+    code = [x for x in lines if ADDR.search(x)]
+    best = None
+    for line in code:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        at = int(ADDR.search(line).group(1), 16)
+        if m and labels.get(m.group(1), at + 1) < at and (best is None or at - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], at)
+    if best is None:
+        return []
+    return [x for x in code if best[0] <= int(ADDR.search(x).group(1), 16) <= best[1]]
+
+
+def opcode(line: str) -> str:
+    m = re.search(r"\s(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line.split("*/", 1)[1])
+    return m.group(2) if m else "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8"])
+    ap.add_argument("--n", type=int, default=10240)
+    ap.add_argument("--k", type=int, default=5120)
+    ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
+    a = ap.parse_args()
+    from models.kernels.cuda import qlinear
+    bn, warps, most = map(int, a.config.split("x")) if a.config else qlinear.pick_config(a.n)
+    print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step)")
+    for fmt in a.formats:
+        text, weights = compile_sass(fmt, a.n, a.k, bn, warps, most)
+        body = main_loop(text)
+        if not body:
+            print(f"{fmt:>5}: no loop (one step covers the row)")
+            continue
+        ops = collections.Counter(opcode(x) for x in body)
+        loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
+        print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
+              f"{len(body) * warps * 32 / weights:.2f} a weight; global loads {loads}; "
+              + ", ".join(f"{o} {c}" for o, c in ops.most_common(10)))
+
+
+if __name__ == "__main__":
+    main()
