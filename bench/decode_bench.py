@@ -4,7 +4,8 @@
         [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--max-context N] [--hf hf.jsonl]
         [--hf-script PATH/hf_baseline.py] [--graph-check] [--startup NAME]
 
-MoE shapes (qwen3.5-35b-a3b, qwen3-30b-a3b): the floor counts only the top-k experts a token reads.
+The floor (weight bytes a token reads / 4.3 TB/s) leaves out an untied embedding table, and of MoE
+shapes (qwen3.5-35b-a3b, qwen3-30b-a3b, granite-4.0-h-tiny) counts only the top-k experts.
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
 of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
@@ -42,11 +43,15 @@ def sync(device):
 
 
 def active_bytes(model) -> int:
-    """The weight bytes one decoded token reads: all of them, but of each MoE block's routed
-    experts only the top k (the bandwidth floor of an MoE model). An MoE block is any module
-    holding moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H)."""
+    """The weight bytes one decoded token reads: all of them but an untied embedding table (a
+    token reads one row of it; as quant_bench.py's floor), and of each MoE block's routed experts
+    only the top k (the bandwidth floor of an MoE model). An MoE block is any module holding
+    moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H)."""
     from models.architectures.moe import Experts, Router
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and not getattr(getattr(model, "config", None), "tie_embeddings", False):
+        total -= sum(p.numel() * p.element_size() for p in embed.parameters())
     for m in model.modules():
         ex_mod = getattr(m, "experts", None)
         router = next((r for r in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(r, Router)), None)

@@ -25,29 +25,46 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
 
+def weight(fmt: str, n: int, k: int):
+    """A random [n, k] QWeight of `fmt` on the CPU (GGUF types, AWQ for INT4, FP8), as the loaders
+    and bench/shapes.py build them: the strides the kernel is launched with are its own."""
+    import torch
+
+    from models.formats import gguf_blocks, quant
+    from shapes import _GGUF_SCALES, _random_blocks, random_quant_linear
+    gen = torch.Generator().manual_seed(0)
+    if fmt in ("INT4", "AWQ", "FP8"):
+        return random_quant_linear("AWQ" if fmt == "INT4" else fmt, n, k, "cpu", gen).qweight()
+    if fmt not in _GGUF_SCALES:
+        raise SystemExit(f"no random weight for {fmt!r} (formats: {', '.join(sorted(_GGUF_SCALES))}, INT4, FP8)")
+    return quant.BlockLinear(_random_blocks(fmt, n, k, "cpu", gen), gguf_blocks.TYPES[fmt]).qweight()
+
+
 def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tuple[str, int]:
-    """(the SASS text, weights a program decodes per iteration of its main loop)."""
+    """(the SASS text, weights a program decodes per iteration of its main loop), for the launch
+    qlinear.gemv makes on that weight (its constants, and the integer arguments the launcher
+    specializes as divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import qlinear
-    fid, nbytes, _, _, L = qlinear.FORMATS[fmt]
-    w, s = qlinear._step(fmt, k, most, n * k // 2 <= qlinear.WHOLE_STEP_BYTES)
-    sig = dict(x="*bf16", w="*fp8e4nv" if fmt == "FP8" else "*u8",
-               sc_ptr={"FP8": "*fp32", "INT4": "*fp16"}.get(fmt, "*u8"), z_ptr="*u8", bias="*bf16", out="*bf16",
-               N="i32", K="i32", stride_w="i32", stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16",
-               eps="fp32")
-    const = dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=128 if fmt in ("FP8", "INT4") else 1, HAS_BIAS=False,
-                 SWIGLU=False, NORM=False, HAS_RES=False, EVEN=k % w == 0, STEPS=triton.cdiv(k, w), BLOCK_N=bn,
-                 PDL=True)
-    names = list(sig)  # what the launcher specializes on: pointers and ints divisible by 16
-    aligned = [x for x in ("x", "w", "sc_ptr", "z_ptr", "out", "N", "K", "stride_w", "stride_s")
-               if x not in ("N", "K", "stride_w") or {"N": n, "K": k, "stride_w": k}[x] % 16 == 0]
+    qw = weight(fmt, n, k)
+    (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
+    dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
+    sig = dict(x="*bf16", w="*" + dtype[str(qw.data.dtype).split(".")[1]], sc_ptr="*" + dtype[str(sc.dtype).split(".")[1]],
+               z_ptr="*" + dtype[str(z.dtype).split(".")[1]], bias="*bf16", out="*bf16", N="i32", K="i32",
+               stride_w="i32", stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
+    const.update(HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False, STEPS=triton.cdiv(qw.k, const["W"]),
+                 BLOCK_N=bn, PDL=True)
+    ints = dict(N=qw.n, K=qw.k, stride_w=qw.data.stride(0), stride_s=stride_s)
+    names = list(sig)  # pointers are 16-byte aligned (torch's allocations); ints where they divide
+    aligned = ["x", "w", "sc_ptr", "z_ptr", "out"] + [x for x, v in ints.items() if v % 16 == 0]
     attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
     src = ASTSource(fn=qlinear._qgemv_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
                     attrs=attrs)
@@ -58,7 +75,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
         with open(path, "wb") as f:
             f.write(cubin)
         text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    return text, w * bn
+    return text, const["W"] * bn
 
 
 def main_loop(text: str) -> list[str]:
@@ -74,7 +91,7 @@ def main_loop(text: str) -> list[str]:
     code = [x for x in lines if ADDR.search(x)]
     best = None
     for line in code:
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        m = re.search(r"BRA(?:\.\w+)*\s+.*?`\((\.L_x_\d+)\)", line)
         at = int(ADDR.search(line).group(1), 16)
         if m and labels.get(m.group(1), at + 1) < at and (best is None or at - labels[m.group(1)] > best[1] - best[0]):
             best = (labels[m.group(1)], at)

@@ -10,8 +10,8 @@ CPU), every rank holding random weights of its slices of the shape (bench/shapes
 chooses, the others follow). Size 1 is the one-device session itself, no collectives. Prints per
 size the decode tokens/s (median of `--runs` greedy replies after a random prompt), whether
 the runs' tokens were identical, GPU memory per rank, and the ratio to the first size. Each rank
-prints its stages to stderr with the seconds since it started (process group up, weights built,
-session ready, each run), so that a size that never finishes shows where it stopped; `--timeout`
+prints its stages to stderr with the seconds since its rank function began, after the spawn and
+the imports (process group up, weights built, session ready, each run), so that a size that never finishes shows where it stopped; `--timeout`
 ends such a size (its ranks killed) and goes on to the next.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def rank_main(rank, world, init, args, out):
         stage("weights built")
     session = DecodeSession(model, max_context=args.prompt + args.new + 8, device=device, dtype=dtype,
                             cuda_graph="on" if cuda else "off", cpu_kernel="off", link=link)
-    stage("session ready (kernels compiled, graph captured)")
+    stage("session ready (kernels compiled, graph captured)" if cuda else "session ready")
     if link is not None:
         dist.barrier(group=link.group)
         stage("all ranks ready")
@@ -108,6 +108,10 @@ def run_size(args, world):
                 q.kill()
             for q in procs:
                 q.join()
+            if not out.empty():  # rank 0 finished; a rank hung on its way out (a process group's teardown)
+                print(f"[tp_bench] tensor_parallel {world}: the result came, then a rank did not exit within "
+                      f"{args.timeout:.0f} s", file=sys.stderr, flush=True)
+                return out.get()
             return None
         for s in ready:
             p = waiting.pop(s)
@@ -129,7 +133,7 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=0, help="seconds a size may take (0: no limit)")
     args = ap.parse_args()
-    first = None
+    first = first_world = None
     for world in args.tp:
         result = run_size(args, world)
         if result is None:
@@ -137,10 +141,11 @@ def main():
                   f"stages are above, on stderr)", flush=True)
             continue
         tps, same, n, gib = result
-        first = first or tps
+        if first is None:
+            first, first_world = tps, world
         print(f"{args.shape} tensor_parallel {world}: decode {tps:.1f} tok/s ({n} tokens, median of {args.runs}; "
               f"runs identical: {same}; GPU memory {gib:.1f} GiB a rank) = {tps / first:.2f}x tensor_parallel "
-              f"{args.tp[0]}", flush=True)
+              f"{first_world}", flush=True)
 
 
 if __name__ == "__main__":
