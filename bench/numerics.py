@@ -2,6 +2,7 @@
 
     python bench/numerics.py --model FILE.gguf [--device cuda] [--prompts 32] [--tokens 64]
         [--variants ours-auto,ours-bf16,ours-fp16,ours-fp32,hf-bf16,hf-fp32] [--json OUT.json]
+        [--reference hf-fp32] [--llama-python PYTHON] [--show N]
 
 Every variant decodes the same prompt ids (our chat template and tokenizer, one user message
 each) greedily for exactly --tokens tokens (end-of-turn tokens do not stop it, so every reply has
@@ -9,7 +10,12 @@ the same length). The reference is transformers in fp32 on the same file (its ow
 TF32 off). For each variant: the mean number of tokens before the first divergence from the
 reference (--tokens where none), the share of replies identical to it, and the first-token
 agreement. Ours run through `chat.runtime.open_runtime` with the settings a user gets
-(`ours-auto` = the defaults). Speed is not measured here.
+(`ours-auto` = the defaults; `ours-dequantized` = fp32 with `quantized: off`, the file's weights
+dequantized at load). `llama-cpp` is llama.cpp on the same file and the same prompt ids, greedy,
+in a child process of `--llama-python` (a Python that can import llama_cpp; never a
+dependency); `--reference` takes any variant as the reference (`llama-cpp` for a quantized file
+beside llama.cpp). `--show N` prints the first N prompts' replies of every variant as text.
+Speed is not measured here.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ PROMPTS = [
 ]
 
 ALL = ["ours-auto", "ours-bf16", "ours-fp16", "ours-fp32", "hf-bf16", "hf-fp32"]
+OURS_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "dequantized": "float32"}
 
 
 def prompt_ids(model_path: str, n: int) -> tuple[list[list[int]], list[int]]:
@@ -79,18 +86,20 @@ def prompt_ids(model_path: str, n: int) -> tuple[list[list[int]], list[int]]:
     return out, list(ckpt.eos_ids)
 
 
-def ours(model_path: str, device: str, dtype: str, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], str]:
+def ours(model_path: str, device: str, dtype: str, prompts: list[list[int]], tokens: int,
+         quantized: str = "auto") -> tuple[list[list[int]], str]:
     from chat.runtime import open_runtime
     from chat.settings import load_settings
     from engine.config import SamplingConfig
-    settings = load_settings(None, env={}, overrides={"model": model_path, "device": device, "dtype": dtype})
+    settings = load_settings(None, env={}, overrides={"model": model_path, "device": device, "dtype": dtype,
+                                                      "quantized": quantized})
     rt = open_runtime(settings)
     cfg = SamplingConfig(temperature=0, max_new_tokens=tokens)
     replies = []
     for ids in prompts:
         rt.session.reset()
         replies.append(list(rt.session.generate(ids, cfg, stop_ids=())))
-    why = f"{str(rt.dtype).replace('torch.', '')} ({rt.dtype_reason})"
+    why = f"{str(rt.dtype).replace('torch.', '')} ({rt.dtype_reason}; quantized: {quantized})"
     del rt
     torch.cuda.empty_cache() if device == "cuda" else None
     return replies, why
@@ -129,6 +138,40 @@ def hf(model_path: str, device: str, dtype: str, prompts: list[list[int]], token
     return replies, f"transformers {dtype}"
 
 
+LLAMA_CHILD = """
+import json, sys
+from llama_cpp import Llama
+a = json.loads(sys.stdin.read())
+llm = Llama(model_path=a["path"], n_ctx=max(len(p) for p in a["prompts"]) + a["tokens"] + 8,
+            n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False)
+out = []
+for ids in a["prompts"]:
+    llm.reset()
+    llm.eval(ids)
+    seq = []
+    for _ in range(a["tokens"]):
+        tok = int(llm.sample(temp=0.0))
+        seq.append(tok)
+        llm.eval([tok])
+    out.append(seq)
+print(json.dumps(out))
+"""
+
+
+def llama_cpp(python: str, model_path: str, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], str]:
+    """llama.cpp's greedy replies on the same file and prompt ids, in a child process of `python`."""
+    import subprocess
+
+    import models
+    threads = max(1, min(os.cpu_count() or 1, 16))
+    proc = subprocess.run([python, "-c", LLAMA_CHILD], input=json.dumps(
+        {"path": models.resolve(model_path), "prompts": prompts, "tokens": tokens, "threads": threads}),
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama.cpp child failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), "llama.cpp (its CPU kernels)"
+
+
 def agreement(replies: list[list[int]], ref: list[list[int]]) -> dict:
     before = []
     for a, b in zip(replies, ref):
@@ -147,22 +190,37 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--variants", default=",".join(ALL))
     p.add_argument("--json")
+    p.add_argument("--reference", default="hf-fp32", help="the variant the others are compared with")
+    p.add_argument("--llama-python", help="a Python that can import llama_cpp (the llama-cpp variant)")
+    p.add_argument("--show", type=int, default=0, help="print the first N prompts' replies of every variant")
     args = p.parse_args()
     prompts, _ = prompt_ids(args.model, args.prompts)
+    variants = args.variants.split(",")
+    if args.reference not in variants:
+        variants.insert(0, args.reference)
+    if "llama-cpp" in variants and not args.llama_python:
+        raise SystemExit("the llama-cpp variant needs --llama-python (a Python that can import llama_cpp)")
+
+    def run(v: str) -> tuple[list[list[int]], str]:
+        if v == "llama-cpp":
+            return llama_cpp(args.llama_python, args.model, prompts, args.tokens)
+        who, _, dt = v.partition("-")
+        if who == "ours" and dt in OURS_DTYPES:
+            return ours(args.model, args.device, OURS_DTYPES[dt], prompts, args.tokens,
+                        "off" if dt == "dequantized" else "auto")
+        if who == "hf" and dt in ("bf16", "fp16", "fp32"):
+            return hf(args.model, args.device, dt, prompts, args.tokens)
+        raise SystemExit(f"unknown variant {v!r} (ours-auto|bf16|fp16|fp32|dequantized, hf-bf16|fp16|fp32, llama-cpp)")
+
     t0 = time.perf_counter()
-    ref, _ = hf(args.model, args.device, "fp32", prompts, args.tokens)
-    print(f"reference: transformers fp32 on {args.device}, {len(prompts)} prompts x {args.tokens} tokens "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    rows = []
-    for v in args.variants.split(","):
-        who, dt = v.split("-")
+    ref, ref_what = run(args.reference)
+    print(f"reference: {args.reference} ({ref_what}) on {args.device}, {len(prompts)} prompts x {args.tokens} "
+          f"tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows, texts = [], {}
+    for v in variants:
         t0 = time.perf_counter()
-        if who == "ours":
-            replies, what = ours(args.model, args.device, {"auto": "auto", "bf16": "bfloat16", "fp16": "float16",
-                                                          "fp32": "float32"}[dt], prompts, args.tokens)
-        else:
-            replies, what = (ref, "transformers fp32 (the reference)") if dt == "fp32" else \
-                hf(args.model, args.device, dt, prompts, args.tokens)
+        replies, what = (ref, f"{ref_what} (the reference)") if v == args.reference else run(v)
+        texts[v] = replies
         row = {"variant": v, "dtype": what, **agreement(replies, ref), "seconds": time.perf_counter() - t0}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -171,6 +229,13 @@ def main() -> int:
     for r in rows:
         print(f"| {r['variant']} | {r['dtype']} | {r['mean_tokens_before_divergence']:.1f} | "
               f"{r['identical_share']:.0%} | {r['first_token_share']:.0%} |")
+    if args.show:
+        import models
+        tok = models.read_checkpoint(models.resolve(args.model)).tokenizer
+        for i in range(min(args.show, len(prompts))):
+            print(f"\n### {PROMPTS[i % len(PROMPTS)]}")
+            for v, replies in texts.items():
+                print(f"- {v}: {tok.decode(replies[i])!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,5 +1,11 @@
-"""Requantize a GGUF into llama.cpp's Q4_K_M mix, for benchmarks where llama.cpp's quantizer is
-not at hand: `python bench/requantize.py [--model smollm2] [--out FILE]`.
+"""Requantize a GGUF into llama.cpp's Q4_K_M mix:
+`python bench/requantize.py [--model smollm2] [--out FILE] [--llama-python PYTHON]`.
+
+With `--llama-python` (a Python that can import llama_cpp, a test- and bench-time reference,
+never a dependency), llama.cpp's own quantizer writes the file: the source's dequantized weights
+go into an F32 GGUF (every tensor F32, the metadata as it is), which `llama_model_quantize`
+(after `llama_backend_init()`) turns into Q4_K_M in a child process, with llama.cpp's searched
+scales. Without it, the rules below write it here:
 
 The type of each tensor follows llama.cpp's rules for Q4_K_M (llama-quant.cpp): Q4_K by
 default; Q6_K for the output (the token embedding when the head is tied) and for attn_v and
@@ -85,7 +91,9 @@ def q4_k_m_type(name: str, n_layers: int, tied: bool) -> str:
     return "Q4_K"
 
 
-def requantize(src: str, out: str) -> dict[str, int]:
+def requantize(src: str, out: str, f32: bool = False) -> dict[str, int]:
+    """Writes `out` from the GGUF `src`: in the Q4_K_M mix, or with f32 every tensor in F32 (the
+    input llama.cpp's quantizer takes). Returns how many tensors of each type it wrote."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
@@ -113,7 +121,7 @@ def requantize(src: str, out: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if w.ndim != 2:
+        if w.ndim != 2 or f32:
             writer.add_tensor(t.name, w)
             counts["F32"] = counts.get("F32", 0) + 1
             continue
@@ -135,14 +143,51 @@ def requantize(src: str, out: str) -> dict[str, int]:
     return counts
 
 
+LLAMA_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def llama_quantize(python: str, src: str, out: str) -> None:
+    """llama.cpp's quantizer (in `python`, a child process) writes `out` in Q4_K_M from `src`'s weights."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        f32 = os.path.join(d, "f32.gguf")
+        requantize(src, f32, f32=True)
+        tmp = out + ".part"
+        proc = subprocess.run([python, "-c", LLAMA_QUANTIZE, f32, tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"llama_model_quantize failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--out", default=os.path.expanduser("~/.cache/chat/SmolLM2-135M-Instruct.Q4_K_M.gguf"))
+    p.add_argument("--out", default=None, help="default ~/.cache/chat/SmolLM2-135M-Instruct.Q4_K_M.gguf "
+                   "(.llama-Q4_K_M.gguf with --llama-python)")
+    p.add_argument("--llama-python", default=None, help="quantize with llama.cpp's quantizer, in this Python")
     a = p.parse_args()
     from models import resolve
-    counts = requantize(resolve(a.model), a.out)
-    print(f"{a.out}: {os.path.getsize(a.out) / 1e6:.1f} MB;", ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    src = resolve(a.model)
+    if a.llama_python:
+        out = a.out or os.path.expanduser("~/.cache/chat/SmolLM2-135M-Instruct.llama-Q4_K_M.gguf")
+        llama_quantize(a.llama_python, src, out)
+        import gguf
+        counts: dict[str, int] = {}
+        for t in gguf.GGUFReader(out).tensors:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    else:
+        out = a.out or os.path.expanduser("~/.cache/chat/SmolLM2-135M-Instruct.Q4_K_M.gguf")
+        counts = requantize(src, out)
+    print(f"{out}: {os.path.getsize(out) / 1e6:.1f} MB;", ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
 
 
 if __name__ == "__main__":
