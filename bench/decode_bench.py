@@ -46,12 +46,14 @@ def active_bytes(model) -> int:
     """The weight bytes one decoded token reads: all of them but an untied embedding table (a
     token reads one row of it; as quant_bench.py's floor), and of each MoE block's routed experts
     only the top k (the bandwidth floor of an MoE model). An MoE block is any module holding
-    moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H)."""
+    moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H).
+    Weights in any format: weight_formats' bytes (quantized blocks included)."""
     from models.architectures.moe import Experts, Router
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    from models.formats.quant import weight_formats
+    total = sum(weight_formats(model).values())
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is not None and not getattr(getattr(model, "config", None), "tie_embeddings", False):
-        total -= sum(p.numel() * p.element_size() for p in embed.parameters())
+        total -= sum(t.numel() * t.element_size() for t in list(embed.parameters()) + list(embed.buffers()))
     for m in model.modules():
         ex_mod = getattr(m, "experts", None)
         router = next((r for r in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(r, Router)), None)

@@ -41,13 +41,9 @@ def run(name: str, fmt: str, args, device) -> dict:
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
     formats = weight_formats(model)
-    embed = model.model.embed_tokens
-    embed_bytes = sum(t.numel() * t.element_size() for t in list(embed.parameters()) + list(embed.buffers()))
-    tied = getattr(model.config, "tie_embeddings", False)
-    read = sum(formats.values()) - (0 if tied else embed_bytes)
     rec = bench_shape(name, device, dtype, "on", args.prompt, args.new, args.prefill, 1, model=model)
     rec.update(format=fmt, formats_gb={k: round(v / 1e9, 3) for k, v in formats.items()},
-               read_gb=round(read / 1e9, 3), held_gb=round(held / 1e9, 2))
+               read_gb=rec["active_gb"], held_gb=round(held / 1e9, 2))  # read: decode_bench.active_bytes
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -82,7 +82,7 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
         shard = Shard(0, eng.tensor_parallel)
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
     # auto: blocks on the CPU; on CUDA a GGUF is dequantized unless quantized: on asks for the
-    # Triton block kernels (bench/RESULTS.md: not yet the default there, 2026-11-30)
+    # Triton block kernels (on the H200 they decode slower than bf16: bench/RESULTS.md, set I)
     keep = eng.quantized == "on" or (eng.quantized == "auto" and device.type == "cpu")
     loaded = models.load(eng.model, device, dtype, quantized=keep, shard=shard)
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
