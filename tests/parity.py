@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+import models
 from engine.session import DecodeSession
 
 TOL = 1e-4
@@ -27,6 +28,24 @@ def rand_ids(n, seed=0):
 def hf_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
+
+
+def load_with_hf(tmp_path_factory, kinds) -> dict:
+    """kind → (our model, the transformers model it was written from), tiny.py's seed-0 checkpoints."""
+    from tiny import hf_model, write_checkpoint
+    out = {}
+    for kind in kinds:
+        hf = hf_model(kind)
+        out[kind] = (models.load(write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)), hf)
+    return out
+
+
+def check_prefill_forms(lm, module, monkeypatch):
+    """The model's multi-token forward in `module`'s chunked form (the default) against its naive one."""
+    ids = rand_ids(70, 9)
+    chunked = session(lm).prefill(ids, all_logits=True)
+    monkeypatch.setattr(module, "PREFILL_FORM", "naive")
+    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
 
 
 def check_prefill(lm, hf, length):

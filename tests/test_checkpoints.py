@@ -80,10 +80,14 @@ OPS = st.lists(st.one_of(st.tuples(st.just("send"), st.sampled_from(WORDS)), st.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_property_every_generation_equals_a_cold_session(ckpts, kind, temperature):
-    c = controller(ckpts[kind], temperature=temperature, seed="3")
+    check_property(controller(ckpts[kind], temperature=temperature, seed="3"), 12)
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                     HealthCheck.too_slow])
+
+def check_property(c, examples: int) -> None:
+    """Hypothesis's op lists (sends, /undo, /retry, resets) on one controller: run_ops checks every
+    generation against a cold session."""
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                           HealthCheck.too_slow])
     @given(OPS)
     def run(ops):
         run_ops(c, ops)

@@ -5,11 +5,10 @@ does. The converter is told the tiny tokenizer's pre-tokenizer (gpt-2): it recog
 published tokenizers by hash. llama.cpp's converter cannot write conv biases (LFM2 has none).
 """
 import pytest
-import torch
 
 import models
 from engine.config import SamplingConfig
-from engine.session import DecodeSession
+from parity import hf_logits, rand_ids, session
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +21,6 @@ def pair(tmp_path_factory):
     return models.load(d), models.load(gguf), hf
 
 
-def session(lm):
-    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32)
-
-
 def test_converted_file_declares_the_layers_and_state_of_the_checkpoint(pair):
     hf_dir, from_gguf, _ = pair
     assert from_gguf.model_type == "lfm2"
@@ -36,9 +31,8 @@ def test_converted_file_declares_the_layers_and_state_of_the_checkpoint(pair):
 
 def test_logits_match_transformers(pair):
     _, from_gguf, hf = pair
-    ids = torch.randint(3, 300, (77,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
+    ids = rand_ids(77, 3)
+    ref = hf_logits(hf, ids)
     assert (session(from_gguf).prefill(ids, all_logits=True) - ref).abs().max() <= 1e-4
 
 
@@ -55,11 +49,10 @@ def test_q8_0_conversion_runs_on_its_blocks(pair, tmp_path):
     """llama.cpp's q8_0 output: the projections stay in their blocks on the CPU (the conv weight,
     3 taps a row, stays float), and the logits stay near the f32 file's."""
     from llama_cpp_tree import convert
-    from tiny import hf_model, write_checkpoint
-    d = write_checkpoint("lfm2", str(tmp_path / "hf"), model=hf_model("lfm2", conv_bias=False))
-    q8 = models.load(convert(d, str(tmp_path / "lfm2-q8_0.gguf"), "q8_0", pre="gpt-2"), quantized=True)
+    hf_dir = pair[0].source  # the fixture's HF directory
+    q8 = models.load(convert(hf_dir, str(tmp_path / "lfm2-q8_0.gguf"), "q8_0", pre="gpt-2"), quantized=True)
     assert "Q8_0" in q8.weight_format
-    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = rand_ids(40, 4)
     ref = session(pair[1]).prefill(ids, all_logits=True)
     # (8-bit weights, and the tied Q8_0 head's bf16 activations (quant.py), move them by ~5% of the
     # largest; a wrong layout moves them by about the largest itself)

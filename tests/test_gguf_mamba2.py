@@ -8,34 +8,13 @@ GGUF tokenizer rebuilds it from the file). The tensor layouts are what these tes
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import models
 from engine.config import SamplingConfig
-from test_hybrid import TOL, hf_logits, rand_ids, session
-
-CONVERT = """import os, runpy, sys
-root = sys.argv.pop(1)
-sys.path[:0] = [os.path.join(root, "gguf-py"), root]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv[0] = os.path.join(root, "convert_hf_to_gguf.py")
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def convert(hf_dir: str, out: str, outtype: str = "f32") -> str:
-    from llama_cpp_tree import tree
-    root = tree()
-    r = subprocess.run([sys.executable, "-c", CONVERT, root, hf_dir, "--outfile", out, "--outtype", outtype],
-                       capture_output=True, text=True, env=dict(os.environ, NO_LOCAL_GGUF=""))
-    if r.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-3000:]}")
-    return out
-
+from llama_cpp_tree import convert
+from parity import TOL, hf_logits, rand_ids, session
 
 def as_released(path: str, kind: str) -> None:
     """config.json as the released Granite 4.0-H checkpoints write it (transformers 5 saves its own
@@ -60,7 +39,7 @@ def pair(request, tmp_path_factory):
     hf = hf_model(kind, seed=2, **over)
     d = write_checkpoint(kind, str(tmp_path_factory.mktemp(request.param)), model=hf)
     as_released(d, kind)
-    gguf = convert(d, str(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"))
+    gguf = convert(d, str(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"), "f32", pre="gpt-2")
     return request.param, models.load(d), models.load(gguf), hf
 
 
@@ -105,7 +84,7 @@ def test_q8_0_granite_gguf_runs_in_its_blocks(tmp_path):
     hf = hf_model("granitemoehybrid", seed=3, position_embedding_type="nope")
     d = write_checkpoint("granitemoehybrid", str(tmp_path / "hf"), model=hf)
     as_released(d, "granitemoehybrid")
-    path = convert(d, str(tmp_path / "q8.gguf"), "q8_0")
+    path = convert(d, str(tmp_path / "q8.gguf"), "q8_0", pre="gpt-2")
     blocks, plain = models.load(path, quantized=True), models.load(path)
     assert "Q8_0" in blocks.weight_format
     ids = rand_ids(40, 15)

@@ -8,21 +8,15 @@ import torch
 import models
 from engine.config import SamplingConfig
 from models.architectures import gated_delta, qwen3_5
-from parity import (LENGTHS, TOL, check_decode, check_prefill, check_second_turn, check_split_prefill, hf_logits,
-                    rand_ids, session)
+from parity import (LENGTHS, TOL, check_decode, check_prefill, check_prefill_forms, check_second_turn,
+                    check_split_prefill, hf_logits, load_with_hf, rand_ids, session)
 
 KINDS = ["qwen3_5", "qwen3_next", "lfm2", "olmo_hybrid", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
-    from tiny import hf_model, write_checkpoint
-    out = {}
-    for kind in KINDS:
-        hf = hf_model(kind)
-        path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)
-        out[kind] = (models.load(path), hf)
-    return out
+    return load_with_hf(tmp_path_factory, KINDS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -62,11 +56,7 @@ def test_chunked_equals_naive_from_nonzero_state(T):
 
 
 def test_model_prefill_forms_agree(hybrids, monkeypatch):
-    lm, _ = hybrids["qwen3_5"]
-    ids = rand_ids(70, 9)
-    chunked = session(lm).prefill(ids, all_logits=True)
-    monkeypatch.setattr(qwen3_5, "PREFILL_FORM", "naive")
-    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
+    check_prefill_forms(hybrids["qwen3_5"][0], qwen3_5, monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)

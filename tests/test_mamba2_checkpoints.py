@@ -2,9 +2,8 @@
 resets equals a cold session's (the property test of tests/test_checkpoints.py), and /undo and
 /retry restore checkpoints instead of re-prefilling."""
 import pytest
-from hypothesis import HealthCheck, given, settings
 
-from test_checkpoints import OPS, check_undo_and_retry, controller, run_ops
+from test_checkpoints import check_property, check_undo_and_retry, controller
 
 KINDS = ["nemotron_h", "granitemoehybrid"]
 
@@ -17,14 +16,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_property_every_generation_equals_a_cold_session(ckpts, kind):
-    c = controller(ckpts[kind], temperature="0.8", seed="3")
-
-    @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
-    @given(OPS)
-    def run(ops):
-        run_ops(c, ops)
-    run()
+    check_property(controller(ckpts[kind], temperature="0.8", seed="3"), 5)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,40 +9,26 @@ from engine import state as state_mod
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
 from models.architectures import mamba2
-from parity import TOL, check_second_turn, hf_logits, rand_ids, session
+from parity import (LENGTHS, TOL, check_decode, check_prefill, check_prefill_forms, check_second_turn,
+                    check_split_prefill, hf_logits, load_with_hf, rand_ids, session)
 
 KINDS = ["nemotron_h", "granitemoehybrid"]
 
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
-    from tiny import hf_model, write_checkpoint
-    out = {}
-    for kind in KINDS:
-        hf = hf_model(kind)
-        path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf)
-        out[kind] = (models.load(path), hf, path)
-    return out
+    return load_with_hf(tmp_path_factory, KINDS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("length", LENGTHS)
 def test_prefill_logits_match_transformers(hybrids, kind, length):
-    lm, hf, _ = hybrids[kind]
-    ids = rand_ids(length, length)
-    assert (session(lm).prefill(ids, all_logits=True) - hf_logits(hf, ids)).abs().max() <= TOL
+    check_prefill(*hybrids[kind], length)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_steps_match_transformers(hybrids, kind):
-    lm, hf, _ = hybrids[kind]
-    s = session(lm)
-    seq = rand_ids(37, 5)
-    logits = s.prefill(seq)
-    for _ in range(16):
-        seq.append(int(logits[-1].argmax()))
-        logits = s.step(seq[-1])
-        assert (logits[-1] - hf_logits(hf, seq)[-1]).abs().max() <= TOL
+    check_decode(*hybrids[kind])
 
 
 def test_granite_without_positional_encoding_matches_transformers(tmp_path):
@@ -60,26 +46,17 @@ def test_granite_without_positional_encoding_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_split_prefill_equals_one_prefill(hybrids, kind):
-    lm, _, _ = hybrids[kind]
-    ids = rand_ids(150, 7)
-    whole = session(lm).prefill(ids, all_logits=True)
-    s = session(lm)
-    parts = [s.prefill(ids[a:b], all_logits=True) for a, b in [(0, 13), (13, 14), (14, 79), (79, 150)]]
-    assert (torch.cat(parts) - whole).abs().max() <= TOL
+    check_split_prefill(hybrids[kind][0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_prefill_forms_agree(hybrids, kind, monkeypatch):
-    lm, _, _ = hybrids[kind]
-    ids = rand_ids(70, 9)
-    chunked = session(lm).prefill(ids, all_logits=True)
-    monkeypatch.setattr(mamba2, "PREFILL_FORM", "naive")
-    assert (session(lm).prefill(ids, all_logits=True) - chunked).abs().max() <= TOL
+    check_prefill_forms(hybrids[kind][0], mamba2, monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_second_turn_appended_equals_cold_run(hybrids, kind):
-    lm, _, _ = hybrids[kind]
+    lm, _ = hybrids[kind]
     check_second_turn(lm)
 
 

@@ -58,15 +58,22 @@ def drive(tmp_path, path, world, script, *flags, check=True):
 def test_two_ranks_give_one_ranks_replies(dirs, kind, tmp_path):
     one = drive(tmp_path, dirs[kind], 1, SCRIPT)
     two = drive(tmp_path, dirs[kind], 2, SCRIPT)
-    assert [c.get("tokens") for c in one] == [c.get("tokens") for c in two]
     assert [c.get("length") for c in one] == [c.get("length") for c in two]
     assert len(one[2]["tokens"]) == 3 and one[3]["tokens"][:3] == one[2]["tokens"]
+    assert same_replies(one, two, 1e-5) >= 4
+
+
+def same_replies(one: list[dict], two: list[dict], tol: float) -> int:
+    """The driver's answers under 1 and N ranks: the same tokens, and logits within tol where
+    both returned them. Returns how many logit rows it compared (a check that compared none
+    proves nothing)."""
+    assert [c.get("tokens") for c in one] == [c.get("tokens") for c in two]
     compared = 0
     for a, b in zip(one, two):
         if a.get("logits") is not None:
-            assert max(abs(x - y) for x, y in zip(a["logits"], b["logits"])) <= 1e-5
+            assert max(abs(x - y) for x, y in zip(a["logits"], b["logits"])) <= tol
             compared += 1
-    assert compared >= 4
+    return compared
 
 
 def test_ranks_agree_on_one_checkpoint_ring(dirs, tmp_path):
