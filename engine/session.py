@@ -356,6 +356,7 @@ class DecodeSession:
         link = self.link
         following = link is not None and link.follower
         agreed_end = False
+        t1 = None  # set once the first token is known (a follower may be stopped before it)
         try:
             token = link.receive() if following else self._choose(sampler, logits[-1], forced, 0, stats, mask)
             t1 = time.perf_counter()
@@ -393,7 +394,8 @@ class DecodeSession:
         finally:
             if link is not None and not following and not agreed_end:
                 link.stop()
-        stats.decode_seconds = time.perf_counter() - t1
+        if t1 is not None:
+            stats.decode_seconds = time.perf_counter() - t1
 
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,

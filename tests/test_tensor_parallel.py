@@ -26,6 +26,8 @@ SCRIPT = [
     {"op": "generate", "prompt": P + [11, 12, 13, 14, 15]},
     {"op": "generate", "prompt": P + [11, 12, 13, 60, 61, 62], "take": 3},
     {"op": "generate", "prompt": P + [11, 12, 13, 60, 61, 62]},
+    {"op": "generate", "prompt": P + [11, 12, 80], "take": 0},
+    {"op": "generate", "prompt": P + [11, 12, 80]},
     {"op": "rollback_to", "n": 9},
     {"op": "generate", "prompt": P + [11, 70], "temperature": 0.9, "seed": 3},
     {"op": "reset"},

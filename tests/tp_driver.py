@@ -8,7 +8,8 @@ Opens the runtime as `chat` does (chat/runtime.py: the workers start, every rank
 on the CPU (or CUDA: one GPU a rank), runs the script's session calls and prints one JSON list: per call, the tokens a
 generation gave (with the next-token logits its prompt left in its checkpoint, where one holds
 them), or the length a rollback reached. Script calls: {"op": "generate", "prompt": [...],
-"temperature": T, "seed": S, "max_new": N, "take": K (stop after K tokens, as Ctrl-C does)},
+"temperature": T, "seed": S, "max_new": N, "take": K (stop after K tokens, as Ctrl-C does; 0:
+Ctrl-C while the prompt is prefilled)},
 {"op": "rollback_to", "n": N}, {"op": "reset"}.
 
 Spawned workers run this file's top level too (multiprocessing's spawn imports the parent's main
@@ -69,6 +70,8 @@ def main():
                                  top_p=1.0, min_p=0.0, max_new_tokens=call.get("max_new", 12))
             gen = s.generate(call["prompt"], cfg)
             tokens = []
+            if call.get("take") == 0:
+                interrupt_before_the_first_token(s, gen)
             for t in gen:
                 tokens.append(t)
                 if len(tokens) == call.get("take", -1):
@@ -82,6 +85,37 @@ def main():
             s.reset()
             out.append({})
     print(json.dumps(out))
+
+
+def interrupt_before_the_first_token(s, gen) -> None:
+    """Ctrl-C while the prompt is prefilled: rank 0 takes the SIGINT inside its held region (a
+    real signal, to its real handler) and closes the reply before its first token, so the workers
+    are told to stop while they wait for that token. One rank: the same state, by prefilling,
+    choosing the first token and closing there."""
+    import contextlib
+
+    from engine import tensor_parallel
+    if not isinstance(s, tensor_parallel.ParallelSession):
+        next(gen)
+        gen.close()
+        return
+    real = tensor_parallel._held_sigint
+
+    @contextlib.contextmanager
+    def interrupted():
+        with real() as pending:
+            os.kill(os.getpid(), signal.SIGINT)
+            yield pending
+
+    tensor_parallel._held_sigint = interrupted
+    try:
+        next(gen)
+        raise AssertionError("the reply went on after Ctrl-C")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        tensor_parallel._held_sigint = real
+        gen.close()
 
 
 if __name__ == "__main__":
