@@ -63,6 +63,17 @@ class Plan:
     rank0: str = r"$^"  # tensors (fullmatch) kept on rank 0 and zero elsewhere: row-parallel biases
 
 
+def expert_splits(layer: str, expert_width: int, shared_width: int = 0) -> tuple[Split, ...]:
+    """An MoE MLP (moe.SparseMoe) split by width: each routed expert's gate/up rows and down
+    columns, and the shared expert's where there is one; the router is replicated."""
+    splits = (Split(layer + r"mlp\.experts\.gate_up_proj", 1, (expert_width, expert_width)),
+              Split(layer + r"mlp\.experts\.down_proj", 2, (expert_width,)))
+    if shared_width:
+        splits += (Split(layer + r"mlp\.shared_expert\.(gate|up)_proj\.weight", 0, (shared_width,)),
+                   Split(layer + r"mlp\.shared_expert\.down_proj\.weight", 1, (shared_width,)))
+    return splits
+
+
 def divisible(what: dict[str, int], world: int) -> None:
     """Raise ShardingError naming the first count that `world` does not divide."""
     for name, n in what.items():

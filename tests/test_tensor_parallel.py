@@ -38,9 +38,10 @@ SCRIPT = [
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """Dense (tied head, q/k/v biases), hybrid (Gated DeltaNet; weights large enough that state
-    left over changes the tokens) and MoE hybrid checkpoints."""
+    left over changes the tokens), MoE hybrid and MoE (Qwen3-MoE: routed experts, no shared one)
+    checkpoints."""
     out = {}
-    for kind, over in (("qwen2", {}), ("qwen3_5", {"initializer_range": 0.3}), ("qwen3_next", {})):
+    for kind, over in (("qwen2", {}), ("qwen3_5", {"initializer_range": 0.3}), ("qwen3_next", {}), ("qwen3_moe", {})):
         out[kind] = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind, **over))
     return out
 
@@ -56,7 +57,7 @@ def drive(tmp_path, path, world, script, *flags, check=True):
     return proc
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "qwen3_next", "qwen3_moe"])
 def test_two_ranks_give_one_ranks_replies(dirs, kind, tmp_path):
     one = drive(tmp_path, dirs[kind], 1, SCRIPT)
     two = drive(tmp_path, dirs[kind], 2, SCRIPT)

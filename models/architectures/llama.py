@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..sharding import Plan, Split, divisible
+from ..sharding import Plan, Split, divisible, expert_splits
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
 from .moe import SparseMoe, num_experts, stack_experts
@@ -160,11 +160,15 @@ def from_hf_config(c: dict, flags: dict) -> LlamaForCausalLM:
 
 
 def tensor_parallel_plan(cfg: LlamaConfig, world: int) -> Plan:
-    """Heads, KV heads and the MLP's width split over `world` ranks (models/sharding.py)."""
-    divisible({"attention heads": cfg.num_heads, "key/value heads": cfg.num_kv_heads,
-               "MLP width": cfg.intermediate_size}, world)
-    H, KV, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    local = replace(cfg, num_heads=H // world, num_kv_heads=KV // world, intermediate_size=I // world)
+    """Heads, KV heads, the MLP's width and (Qwen3-MoE) each expert's width split over `world`
+    ranks (models/sharding.py); routers replicated."""
+    H, KV, D, I, MI = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.moe_intermediate_size
+    counts = {"attention heads": H, "key/value heads": KV, "MLP width": I}
+    if cfg.num_experts:
+        counts["expert width"] = MI
+    divisible(counts, world)
+    local = replace(cfg, num_heads=H // world, num_kv_heads=KV // world, intermediate_size=I // world,
+                    moe_intermediate_size=MI // world)
     layer = r"model\.layers\.\d+\."
     return Plan(local, (
         Split(layer + r"self_attn\.q_proj\.(weight|bias)", 0, (H * D,)),
@@ -172,4 +176,5 @@ def tensor_parallel_plan(cfg: LlamaConfig, world: int) -> Plan:
         Split(layer + r"self_attn\.o_proj\.weight", 1, (H * D,)),
         Split(layer + r"mlp\.(gate|up)_proj\.weight", 0, (I,)),
         Split(layer + r"mlp\.down_proj\.weight", 1, (I,)),
+        *expert_splits(layer, MI),
     ), reduce_after=layer + r"(self_attn|mlp)")

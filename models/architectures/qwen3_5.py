@@ -18,7 +18,7 @@ from torch import nn
 
 from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta
-from ..sharding import Plan, Split, divisible
+from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
 from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
@@ -327,8 +327,5 @@ def tensor_parallel_plan(cfg: HybridConfig, world: int) -> Plan:
         Split(layer + r"linear_attn\.out_proj\.weight", 1, (nv * dv,)),
         Split(layer + r"mlp\.(gate|up)_proj\.weight", 0, (I,)),
         Split(layer + r"mlp\.down_proj\.weight", 1, (I,)),
-        Split(layer + r"mlp\.experts\.gate_up_proj", 1, (MI, MI)),
-        Split(layer + r"mlp\.experts\.down_proj", 2, (MI,)),
-        Split(layer + r"mlp\.shared_expert\.(gate|up)_proj\.weight", 0, (SI,)),
-        Split(layer + r"mlp\.shared_expert\.down_proj\.weight", 1, (SI,)),
+        *expert_splits(layer, MI, SI),
     ), reduce_after=layer + r"(self_attn|linear_attn|mlp)", rank0=layer + r"self_attn\.o_proj\.bias")
