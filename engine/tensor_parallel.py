@@ -312,6 +312,7 @@ def _worker(rank: int, world: int, init: str, engine: dict, device_type: str, dt
         from models.sharding import Shard
 
         from .config import EngineConfig
+        from .device import physical_cores
         from .session import open_session
 
         eng = EngineConfig(**engine)
@@ -319,7 +320,7 @@ def _worker(rank: int, world: int, init: str, engine: dict, device_type: str, dt
         if device_type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, (eng.threads or os.cpu_count() or 1) // world))
+            torch.set_num_threads(max(1, (eng.threads or physical_cores()) // world))  # rank 0's rule
         dist.init_process_group(_backend(device_type), init_method=init, rank=rank, world_size=world, timeout=FOREVER,
                                 **({"device_id": device} if device_type == "cuda" else {}))
         link = Link(dist.new_group(backend="gloo", timeout=FOREVER), follower=True)
