@@ -120,4 +120,5 @@ def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method
     q16 = check_against_dequantized(qdir, {name}, rdir)
     linears = [m for m in q16.model.modules() if isinstance(m, (hf_quant.Fp8Linear, hf_quant.GroupInt4Linear))]
     assert linears and all(m.qweight().data.is_cuda for m in linears)
+    assert all(m.planar for m in linears if isinstance(m, hf_quant.GroupInt4Linear))  # INT4P on CUDA
     assert name in q16.weight_format

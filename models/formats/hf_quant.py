@@ -225,6 +225,39 @@ class Fp8Linear(QuantLinear):
         return y if out_dtype is None else y.to(out_dtype)
 
 
+INT4P_ROWS = 4  # rows interleaved in the INT4P layout (models/kernels/cuda/qplanar.py)
+
+
+def repack_int4p(qw: QWeight) -> QWeight:
+    """INT4 as stored (byte 16r + l: weight 32r + l low, 32r + 16 + l high) → INT4P, the layout of
+    models/kernels/cuda/qplanar.py's kernels (described there). Any device; done once at load."""
+    if qw.fmt != "INT4" or qw.group % 8 or qw.k % qw.group:
+        raise ValueError(f"INT4P takes INT4 weights in whole groups of a multiple of 8 ({qw.fmt}, group {qw.group})")
+    n, k, g = qw.n, qw.k, qw.group
+    b = qw.data.reshape(n, k // 32, 1, 16)
+    codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k // g, 8, g // 8).to(torch.int32)  # [n, group, j, m]
+    shifts = (4 * torch.arange(8, device=codes.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
+    words = (codes << shifts).sum(2, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).reshape(n, k // 8)
+    scale = qw.scales.float()
+    aux = torch.stack([16.0 * scale, scale * (16.0 + qw.zeros.float())], -1)  # [n, K/G, 2]
+    pad = -n % INT4P_ROWS
+    words = torch.nn.functional.pad(words, (0, 0, 0, pad)).reshape(-1, INT4P_ROWS, k // 8).transpose(1, 2)
+    aux = torch.nn.functional.pad(aux, (0, 0, 0, 0, 0, pad)).reshape(-1, INT4P_ROWS, k // g, 2).permute(0, 2, 3, 1)
+    return QWeight("INT4P", words.contiguous(), n, k, aux.contiguous(), None, g)
+
+
+def dequantize_int4p(pw: QWeight) -> torch.Tensor:
+    """The fp64 [N, K] weights an INT4P QWeight encodes (the tests' oracle of the repack)."""
+    n, k, g = pw.n, pw.k, pw.group
+    w = pw.data.transpose(1, 2).reshape(-1, k // 8)[:n].reshape(n, k // g, 1, g // 8)
+    shifts = (4 * torch.arange(8, device=w.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
+    codes = ((w >> shifts) & 15).double()  # [n, group, j, m]: weight g/8 j + m of the group
+    aux = pw.scales.permute(0, 3, 1, 2).reshape(-1, k // g, 2)[:n].double()
+    s16, c = aux[..., 0], aux[..., 1]  # 16 s and s (16 + z): s z = c - 16 s
+    return (s16[:, :, None, None] / 16 * codes - (c - s16)[:, :, None, None]).reshape(n, k)
+
+
 class GroupInt4Linear(QuantLinear):
     """y = x @ W.T (+ bias) for AWQ / GPTQ 4-bit weights repacked as QWeight's INT4."""
 
@@ -239,22 +272,40 @@ class GroupInt4Linear(QuantLinear):
         self.register_buffer("zeros", zeros)
         self.register_parameter("bias", None)
 
+    planar = False  # True once to_planar() replaced the stored layout by INT4P
+
+    def to_planar(self) -> bool:
+        """The weights repacked as INT4P for CUDA's GEMV (models/kernels/cuda/qplanar.py), the
+        stored layout freed; once, after fusion. False where the groups do not allow it."""
+        if self.planar or self.group % 8 or self.in_features % self.group:
+            return self.planar
+        pw = repack_int4p(self.qweight())
+        del self.packed, self.scales, self.zeros
+        self.register_buffer("words", pw.data)
+        self.register_buffer("aux", pw.scales)
+        self.planar = True
+        return True
+
     def qweight(self) -> QWeight:
+        if self.planar:
+            return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, None, self.group)
         return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
                                self.group)
 
     def format_tensors(self):
-        return self.fmt, [self.packed, self.scales, self.zeros]
+        return self.fmt, [self.words, self.aux] if self.planar else [self.packed, self.scales, self.zeros]
 
     @classmethod
     def concat(cls, parts: list["GroupInt4Linear"]) -> "GroupInt4Linear | None":
         p0 = parts[0]
-        if any(p.group != p0.group or p.fmt != p0.fmt for p in parts):
+        if any(p.group != p0.group or p.fmt != p0.fmt or p.planar for p in parts):
             return None
         return with_bias(cls(p0.fmt, torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
                              torch.cat([p.zeros for p in parts]), p0.group, [s for p in parts for s in p.sizes]), parts)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if self.planar:
+            return dequantize_int4p(self.qweight()).to(dtype)
         n, k = self.out_features, self.in_features
         b = self.packed.reshape(n, k // 32, 1, 16)
         codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)

@@ -249,6 +249,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     if leftover:
         raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
     fuse(model)
+    if device.type == "cuda":
+        repack_for_cuda(model)
     model.eval()
     _release_freed_memory()
 
@@ -290,6 +292,16 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to do
+
+
+def repack_for_cuda(model: torch.nn.Module) -> None:
+    """After fusion, on CUDA: 4-bit AWQ/GPTQ linears into the INT4P layout their GEMV reads
+    (models/kernels/cuda/qplanar.py), where the Triton kernels are in use."""
+    if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
+        return
+    for m in model.modules():
+        if isinstance(m, hf_quant.GroupInt4Linear):
+            m.to_planar()
 
 
 def fuse(model: torch.nn.Module) -> None:
