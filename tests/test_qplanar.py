@@ -50,7 +50,8 @@ def test_repack_refuses_what_it_cannot_hold():
 
 
 @pytest.mark.parametrize("n,k,group,swiglu,bias", [(37, 1024, 128, False, False), (40, 2048, 128, True, True),
-                                                   (22, 512, 64, False, True), (8, 128, 128, True, False)])
+                                                   (22, 512, 64, False, True), (8, 128, 128, True, False),
+                                                   (14, 256, 128, True, True)])
 def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias):
     from models.kernels.cuda import qplanar
     lin = int4_linear(n, k, group, 1, device)

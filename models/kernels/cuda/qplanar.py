@@ -154,10 +154,12 @@ def pick_config(n: int, k: int, group: int) -> tuple[int, int, int]:
 def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] contiguous; pw an INT4P QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the
-    gate rows first; N/2 a multiple of R) in out_dtype (x's by default)."""
+    gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default)."""
     n_out = pw.n // 2 if swiglu else pw.n
-    if swiglu and n_out % R:
-        raise ValueError(f"SwiGLU halves of {n_out} rows are not whole blocks of {R}")
+    if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
+        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config)
+        gate, up = both[:, :n_out], both[:, n_out:]
+        return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
     rows, warps, kw = config or pick_config(n_out, pw.k, pw.group)
     if (pw.k // 8) % kw or kw % (pw.group // 8) or rows % R:
         raise ValueError(f"config {rows} rows x {kw} words a step does not fit K = {pw.k}, group {pw.group}")
