@@ -1,5 +1,5 @@
 """Instructions per weight in the main loop of the dequant-GEMVs (models/kernels/cuda/qlinear.py;
-qplanar.py's for INT4P, AWQ/GPTQ weights repacked),
+qplanar.py's for INT4P and Q4KP, AWQ/GPTQ and Q4_K weights repacked),
 read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
 
     python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
@@ -55,8 +55,8 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import qlinear
-    if fmt == "INT4P":
-        return _compile_planar(n, k, bn, warps, most)
+    if fmt in ("INT4P", "Q4KP"):
+        return _compile_planar(fmt, n, k, bn, warps, most)
     qw = weight(fmt, n, k)
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
@@ -75,21 +75,24 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     return _disassemble(cubin), const["W"] * bn
 
 
-def _compile_planar(n: int, k: int, rows: int, warps: int, kw: int) -> tuple[str, int]:
-    """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight (config: rows a program,
-    num_warps, words a step)."""
+def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int) -> tuple[str, int]:
+    """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight or the Q4KP repack of a Q4_K
+    one (config: rows a program, num_warps, words a step)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from models.formats import planar
     from models.kernels.cuda import qplanar
-    pw = qplanar.repack(weight("INT4", n, k))
-    sig = dict(x="*bf16", w="*i32", aux="*fp32", bias="*bf16", out="*bf16", N="i32", stride_w="i32", stride_a="i32")
-    const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, HAS_BIAS=False, SWIGLU=False,
-                 PDL=True, INTERPRETED=False)
-    ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0))
+    pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    sig = dict(x="*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
+               bias="*bf16", out="*bf16", N="i32", stride_w="i32", stride_a="i32", stride_z="i32")
+    const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, FMT=qplanar.FMTS[fmt],
+                 HAS_BIAS=False, SWIGLU=False, PDL=True, INTERPRETED=False)
+    ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)
-    aligned = ["x", "w", "aux", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]
     attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
     src = ASTSource(fn=qplanar._planar_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}},
                     constexprs=const, attrs=attrs)
@@ -136,7 +139,7 @@ def opcode(line: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P"])
+    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP"])
     ap.add_argument("--n", type=int, default=10240)
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
@@ -147,7 +150,7 @@ def main() -> None:
     print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
           f"INT4P: qplanar.pick_config's rows x num_warps x words a step)")
     for fmt in a.formats:
-        cfg = qplanar.pick_config(a.n, a.k, 128) if fmt == "INT4P" else (bn, warps, most)
+        cfg = qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32) if fmt in qplanar.FMTS else (bn, warps, most)
         text, weights = compile_sass(fmt, a.n, a.k, *cfg)
         body = main_loop(text)
         if not body:

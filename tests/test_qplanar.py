@@ -109,20 +109,83 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
                     reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GEMV (its inline LOP3 included, which the interpreter does not run) and the dequantize
-    kernel compile to sm_90 binaries at the 27B-like sizes (Triton's own ptxas, no device)."""
+    kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import qplanar
-    gemv_sig = dict(x="*bf16", w="*i32", aux="*fp32", bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                    stride_a="i32")
-    cases = [(qplanar._planar_gemv_kernel, gemv_sig,
-              dict(G=128, KW=64, STEPS=10, BLOCKS=4, HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
-             for swiglu in (False, True)]
-    cases.append((qplanar._planar_dequant_kernel,
-                  dict(w="*i32", aux="*fp32", out="*bf16", start="i32", stop="i32", stride_w="i32", stride_a="i32",
-                       stride_o="i32"), dict(G=128, BLOCK_N=16)))
+    cases = []
+    for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
+        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
+                   stride_a="i32", stride_z="i32")
+        cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4, FMT=fmt,
+                                                          HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True)]
+        cases.append((qplanar._planar_dequant_kernel,
+                      dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
+                           stride_a="i32", stride_z="i32", stride_o="i32"),
+                      dict(G=32 if fmt else 128, FMT=fmt, BLOCK_N=16)))
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+def q4k_weight(n, k, seed, device):
+    """(QWeight of random Q4_K blocks with the benchmarks' scales, its fp64 oracle weights)."""
+    import sys
+    from models.formats import gguf_blocks
+    from models.formats.quant import QWeight
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from shapes import _random_blocks
+    raw = _random_blocks("Q4_K", n, k, "cpu", torch.Generator().manual_seed(seed))
+    return QWeight("Q4_K", raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES["Q4_K"]).double()
+
+
+@pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
+def test_q4k_repack_keeps_every_weight(n, k):
+    from models.formats import planar
+    qw, ref = q4k_weight(n, k, 0, "cpu")
+    pw = planar.repack_q4k(qw)
+    assert pw.fmt == "Q4KP" and pw.data.shape == (-(-n // planar.ROWS), k // 8, planar.ROWS)
+    assert torch.equal(planar.dequantize_q4kp(pw), ref)  # every value exact (d sc and dmin m in fp32)
+    rows = -(-n // planar.ROWS) * planar.ROWS  # 4.625 bits a weight (Q4_K: 4.5), rows padded to whole blocks
+    assert pw.nbytes() == rows * (k // 2 + k // 256 * 4 + k // 32 * 2)
+
+
+@pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
+def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu):
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    qw, w = q4k_weight(n, k, 1, device)
+    pw = planar.repack_q4k(qw)
+    w = w.to(device)
+    out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
+    assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        xd = x.double()
+        ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
+        if swiglu:
+            g, u = ref[:, :n // 2], ref[:, n // 2:]
+            ref = g / (1 + torch.exp(-g)) * u
+            scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
+        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype)
+        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+def test_a_q4_k_linear_takes_the_planar_layout():
+    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K: Q4KP with the blocks freed,
+    the same outputs on the torch path, its bytes counted as Q4_K; other types keep their blocks."""
+    from models.formats import gguf_blocks, quant
+    qw, _ = q4k_weight(20, 512, 6, "cpu")
+    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q4_K"])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
+    ref = lin(x)
+    assert lin.to_planar() and lin.qweight().fmt == "Q4KP" and not hasattr(lin, "blocks")
+    assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    assert quant.weight_formats(lin) == {"Q4_K": 20 * (256 + 8 + 32)}
+    assert quant.BlockLinear.concat([lin, lin]) is None
+    q8 = quant.BlockLinear(torch.zeros(4, 34, dtype=torch.uint8), gguf_blocks.TYPES["Q8_0"])
+    assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"

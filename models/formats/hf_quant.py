@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError
+from .planar import dequantize_int4p, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
@@ -223,39 +224,6 @@ class Fp8Linear(QuantLinear):
             return self.cuda_forward(x, out_dtype)
         y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
-
-
-INT4P_ROWS = 4  # rows interleaved in the INT4P layout (models/kernels/cuda/qplanar.py)
-
-
-def repack_int4p(qw: QWeight) -> QWeight:
-    """INT4 as stored (byte 16r + l: weight 32r + l low, 32r + 16 + l high) → INT4P, the layout of
-    models/kernels/cuda/qplanar.py's kernels (described there). Any device; done once at load."""
-    if qw.fmt != "INT4" or qw.group % 8 or qw.k % qw.group:
-        raise ValueError(f"INT4P takes INT4 weights in whole groups of a multiple of 8 ({qw.fmt}, group {qw.group})")
-    n, k, g = qw.n, qw.k, qw.group
-    b = qw.data.reshape(n, k // 32, 1, 16)
-    codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k // g, 8, g // 8).to(torch.int32)  # [n, group, j, m]
-    shifts = (4 * torch.arange(8, device=codes.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
-    words = (codes << shifts).sum(2, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).reshape(n, k // 8)
-    scale = qw.scales.float()
-    aux = torch.stack([16.0 * scale, scale * (16.0 + qw.zeros.float())], -1)  # [n, K/G, 2]
-    pad = -n % INT4P_ROWS
-    words = torch.nn.functional.pad(words, (0, 0, 0, pad)).reshape(-1, INT4P_ROWS, k // 8).transpose(1, 2)
-    aux = torch.nn.functional.pad(aux, (0, 0, 0, 0, 0, pad)).reshape(-1, INT4P_ROWS, k // g, 2).permute(0, 2, 3, 1)
-    return QWeight("INT4P", words.contiguous(), n, k, aux.contiguous(), None, g)
-
-
-def dequantize_int4p(pw: QWeight) -> torch.Tensor:
-    """The fp64 [N, K] weights an INT4P QWeight encodes (the tests' oracle of the repack)."""
-    n, k, g = pw.n, pw.k, pw.group
-    w = pw.data.transpose(1, 2).reshape(-1, k // 8)[:n].reshape(n, k // g, 1, g // 8)
-    shifts = (4 * torch.arange(8, device=w.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
-    codes = ((w >> shifts) & 15).double()  # [n, group, j, m]: weight g/8 j + m of the group
-    aux = pw.scales.permute(0, 3, 1, 2).reshape(-1, k // g, 2)[:n].double()
-    s16, c = aux[..., 0], aux[..., 1]  # 16 s and s (16 + z): s z = c - 16 s
-    return (s16[:, :, None, None] / 16 * codes - (c - s16)[:, :, None, None]).reshape(n, k)
 
 
 class GroupInt4Linear(QuantLinear):

@@ -295,12 +295,17 @@ def _release_freed_memory() -> None:
 
 
 def repack_for_cuda(model: torch.nn.Module) -> None:
-    """After fusion, on CUDA: 4-bit AWQ/GPTQ linears into the INT4P layout their GEMV reads
-    (models/kernels/cuda/qplanar.py), where the Triton kernels are in use."""
+    """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
+    INT4P and Q4_K linears into Q4KP, the layouts models/kernels/cuda/qplanar.py's GEMV reads
+    (formats/planar.py). A head that shares its blocks with the embedding keeps them."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
+    shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
     for m in model.modules():
         if isinstance(m, hf_quant.GroupInt4Linear):
+            m.to_planar()
+        elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
+                and m.blocks.untyped_storage().data_ptr() not in shared:
             m.to_planar()
 
 

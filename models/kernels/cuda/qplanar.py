@@ -1,28 +1,23 @@
-"""A dequant-GEMV for 4-bit group-quantized weights (AWQ / GPTQ) in a layout repacked for it at
-load: fewer instructions a weight than qlinear.py's kernel, which decodes the stored layout.
+"""Dequant-GEMVs for 4-bit weights in layouts repacked for them at load (models/formats/planar.py):
+AWQ/GPTQ groups as INT4P and GGUF Q4_K as Q4KP. Fewer instructions a weight than qlinear.py's
+kernels, which decode the stored layouts.
 
-Layout ("INT4P"), for the [N, K] codes of groups of G weights along K (the checkpoint's group,
-128 for AWQ and GPTQ):
-- within a group, int32 word m (0 <= m < G/8) holds in its nibble j (bits 4j..4j+3) the code of
-  weight G/8 * j + m: a word's eight codes share the group's scale and zero, and the input a
-  nibble meets, x[g G + G/8 j + m], runs contiguously along m for each j;
-- rows are interleaved by R = 4: `data` is [ceil(N/R), K/8, R], word m of row n at
-  [n // R, m, n % R] (rows past N are zero). A thread's four contiguous words are four rows'
-  same word, so the input it loads and converts serves four rows;
-- `scales` holds, interleaved the same way, [ceil(N/R), K/G, 2, R] fp32: (16 * scale,
-  scale * (16 + zero)) per row and group.
+The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
+INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the code of weight
+G/8 j + m, so a word's eight codes share their group's scale and offset, and the input a nibble
+meets, x[g G + G/8 j + m], runs contiguously along m; rows are interleaved by R = 4, so a
+thread's four contiguous words are four rows' same word and the input it loads and converts
+serves four rows. Scales: INT4P (16 s, s (16 + z)) in fp32 per row and group; Q4KP Q4_K's own
+(d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8).
 
-The layout's repack and its torch oracle live with the other AWQ/GPTQ code (formats/hf_quant.py:
-`repack_int4p`, `dequantize_int4p`, re-exported here as `repack` and `dequantize`), since the
-formats import no kernel.
-
-Contract: `gemv(x, pw)` equals x @ W^T for W[n, k] = scale * (code - zero) (as
-hf_quant.Int4GroupTensor dequantizes), accumulated in fp32 and rounded once. Each code becomes
-the float 1 + code/16 by bit operations alone (the code moved into the top of the mantissa of
-1.0: a shift and one three-input logic op), multiplied into a running sum over the word's
-nibbles; sum_j (code_j - zero) x_j = 16 sum_j (1 + code_j/16) x_j - (16 + zero) sum_j x_j, so the
-scale and zero cost two FMAs a word and no instruction converts an integer to a float.
-`bench/sass_loop.py` counts the instructions a weight of the compiled loop.
+Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
+(as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
+float 1 + code/16 by bit operations alone (the code moved into the top of the mantissa of 1.0: a
+shift and one three-input logic op), multiplied into a running sum over the word's nibbles; as
+sum_j (s code_j - offset) x_j = 16 s sum_j (1 + code_j/16) x_j - (16 s + offset) sum_j x_j, the
+scales cost two FMAs a word and no instruction converts an integer to a float.
+`dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
+instructions a weight of the compiled loop.
 """
 from __future__ import annotations
 
@@ -32,10 +27,12 @@ import torch
 
 from . import base as cuda_base
 from .base import launch, triton
-from ...formats.hf_quant import INT4P_ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
-
-__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config"]
+from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
+
+__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config", "FMTS"]
+
+FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
 
 
 if triton is not None:
@@ -65,21 +62,37 @@ if triton is not None:
         return ws, xs
 
     @triton.jit
-    def _rows_dot(x, w, aux, rb, gi, wi, ri, step, stride_w, stride_a, G: tl.constexpr, NG: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
+        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's as stored;
+        Q4KP's from (d, dmin) of the super-block and (sc, m) of the sub-block."""
+        if FMT == 0:
+            s16 = tl.load(aux + rb * stride_a + grp * 8 + ri)
+            c = tl.load(aux + rb * stride_a + grp * 8 + 4 + ri)
+        else:
+            sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
+            mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
+            d = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri).to(tl.float32)
+            dmin = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri).to(tl.float32)
+            s16 = 16.0 * d * sc
+            c = s16 + dmin * mn
+        return s16, c
+
+    @triton.jit
+    def _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
+                  NG: tl.constexpr, FMT: tl.constexpr, INTERPRETED: tl.constexpr):
         """A step's contribution [BB, NG, GW, R] for row blocks rb."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
-        s16 = tl.load(aux + rb * stride_a + grp * 8 + ri)
-        c = tl.load(aux + rb * stride_a + grp * 8 + 4 + ri)
+        s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
         ws, xs = _group_sums(words, x, grp * G + wi, GW, INTERPRETED)
         return s16 * ws - c * xs
 
     @triton.jit
-    def _planar_gemv_kernel(x, w, aux, bias, out, N, stride_w, stride_a, G: tl.constexpr, KW: tl.constexpr,
-                            STEPS: tl.constexpr, BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            SWIGLU: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, G: tl.constexpr,
+                            KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr, FMT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
         GW: tl.constexpr = G // 8  # words a group
         NG: tl.constexpr = KW // GW  # groups a step
         pid = tl.program_id(0)
@@ -96,9 +109,11 @@ if triton is not None:
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
         for step in range(STEPS):
-            acc += _rows_dot(x, w, aux, rb, gi, wi, ri, step, stride_w, stride_a, G, NG, INTERPRETED)
+            acc += _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
+                             INTERPRETED)
             if SWIGLU:
-                acc_up += _rows_dot(x, w, aux, up_rb, gi, wi, ri, step, stride_w, stride_a, G, NG, INTERPRETED)
+                acc_up += _rows_dot(x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG,
+                                    FMT, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
         rows = tl.minimum(n, N - 1)
@@ -114,17 +129,17 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _planar_dequant_kernel(w, aux, out, start, stop, stride_w, stride_a, stride_o, G: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
-        """Rows start..stop of W, one group of G weights a program: W = (16 s / 16) code - (c - 16 s)."""
+    def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
+                               G: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rows start..stop of W, one group of G weights a program: W = s code - offset."""
         GW: tl.constexpr = G // 8
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         g = tl.program_id(1)
         n = tl.minimum(start + i, stop - 1).to(tl.int64)
         wi = tl.arange(0, GW)[None, :]
         words = tl.load(w + (n // 4) * stride_w + (g * GW + wi) * 4 + n % 4)
-        s16 = tl.load(aux + (n // 4) * stride_a + g * 8 + n % 4)
-        off = tl.load(aux + (n // 4) * stride_a + g * 8 + 4 + n % 4) - s16  # s z, exact
+        s16, c = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)
+        off = c - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where c did not round
         scale = s16 * 0.0625
         o = out + i.to(tl.int64) * stride_o + g * G + wi
         m = start + i < stop
@@ -140,14 +155,18 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     rows = stop - start
     out = torch.empty(rows, pw.k, dtype=dtype, device=pw.data.device) if out is None else out
     bn = 16
-    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), pw.k // pw.group), pw.data, pw.scales, out, start, stop,
-           pw.data.stride(0), pw.scales.stride(0), out.stride(0), G=pw.group, BLOCK_N=bn, num_warps=4)
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), pw.k // pw.group), pw.data, pw.scales, z, out, start,
+           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), G=pw.group,
+           FMT=FMTS[pw.fmt], BLOCK_N=bn, num_warps=4)
     return out
 
 
 def pick_config(n: int, k: int, group: int) -> tuple[int, int, int]:
-    """(rows a program, num_warps, words a step). Not measured on a GPU yet."""
-    kw = 64 if (k // 8) % 64 == 0 and 64 % (group // 8) == 0 else group // 8
+    """(rows a program, num_warps, words a step): 16 rows, 4 warps and the most words a step up to
+    64 that divide a row and hold whole groups. Not measured on a GPU yet (quant_bench.py --sweep)."""
+    gw = group // 8
+    kw = next(w for w in (64, 32, 16, 8, 4, 2, 1) if (k // 8) % w == 0 and w % gw == 0)
     return 16, 4, kw
 
 
@@ -164,8 +183,10 @@ def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu:
     if (pw.k // 8) % kw or kw % (pw.group // 8) or rows % R:
         raise ValueError(f"config {rows} rows x {kw} words a step does not fit K = {pw.k}, group {pw.group}")
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows),), x, pw.data, pw.scales,
-           bias if bias is not None else x, out, n_out, pw.data.stride(0), pw.scales.stride(0), G=pw.group, KW=kw,
-           STEPS=pw.k // 8 // kw, BLOCKS=rows // R, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows),), x, pw.data, pw.scales, z,
+           bias if bias is not None else x, out, n_out, pw.data.stride(0), pw.scales.stride(0), z.stride(0),
+           G=pw.group, KW=kw, STEPS=pw.k // 8 // kw, BLOCKS=rows // R, FMT=FMTS[pw.fmt],
+           HAS_BIAS=bias is not None, SWIGLU=swiglu,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
     return out
