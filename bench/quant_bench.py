@@ -7,7 +7,9 @@
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
 the GPU memory the model takes once built and the peak over the run; then the small shapes in
-Q4_K against bf16. Formats (bench/shapes.py, random_quantized_model): Q4_K = every linear in Q4_K
+Q4_K against bf16. Q4_K and AWQ run as the loader leaves them on CUDA (repacked into Q4KP and
+INT4P for models/kernels/cuda/qplanar.py); Q4_K-stored and AWQ-stored keep the stored layouts
+(qlinear.py's kernel). Formats (bench/shapes.py, random_quantized_model): Q4_K = every linear in Q4_K
 (Q5_0 where K is not whole 256-weight blocks, as llama.cpp's Q4_K_M falls back), the LM head in
 Q6_K and the embedding table in Q4_K blocks, as a Q4_K_M file holds them; AWQ = 4-bit groups of 128
 (the layout AWQ and GPTQ checkpoints are repacked into); FP8 = e4m3 with 128 x 128 block scales;
@@ -37,7 +39,13 @@ def run(name: str, fmt: str, args, device) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     dtype = torch.bfloat16
-    model = random_model(name, device, dtype) if fmt == "bf16" else random_quantized_model(name, fmt, device, dtype)
+    if fmt == "bf16":
+        model = random_model(name, device, dtype)
+    else:  # as the loader leaves them on CUDA (AWQ as INT4P, Q4_K as Q4KP: qplanar.py); "-stored": the stored layouts
+        model = random_quantized_model(name, fmt.removesuffix("-stored"), device, dtype)
+        if not fmt.endswith("-stored"):
+            from models.formats.loader import repack_for_cuda
+            repack_for_cuda(model)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
     formats = weight_formats(model)
@@ -87,12 +95,50 @@ def sweep(device) -> None:
             del lin, qw
             torch.cuda.empty_cache()
     print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_CONFIGS))
+    for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k)):
+        for n, k in ((10240, 5120), (5120, 17408)):
+            pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
+            xk = x[:, :k].contiguous()
+            cells = []
+            for config in PLANAR_CONFIGS:
+                if (k // 8) % config[2] or config[2] % (pw.group // 8):
+                    cells.append("-")
+                    continue
+                us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config))
+                cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
+            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells), flush=True)
+            pw = None
+            torch.cuda.empty_cache()
+    print("(INT4P and Q4KP columns: rows a program x num_warps x words a step)")
+
+
+PLANAR_CONFIGS = [(16, 4, 64), (8, 4, 64), (32, 4, 64), (16, 4, 128), (16, 8, 128), (32, 8, 64), (64, 8, 64),
+                  (16, 2, 64)]
+
+
+def _graph_us(call) -> float:
+    """Microseconds a call: 100 calls captured in a CUDA graph, one replay timed by CUDA events."""
+    call()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(100):
+            call()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 100
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--big", default="qwen3.5-27b")
-    ap.add_argument("--formats", default="bf16,Q4_K,AWQ,FP8")
+    ap.add_argument("--formats", default="bf16,Q4_K,Q4_K-stored,AWQ,AWQ-stored,FP8")
     ap.add_argument("--small", default="smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)

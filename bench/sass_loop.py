@@ -1,4 +1,5 @@
-"""Instructions per weight in the main loop of the dequant-GEMV (models/kernels/cuda/qlinear.py),
+"""Instructions per weight in the main loop of the dequant-GEMVs (models/kernels/cuda/qlinear.py;
+qplanar.py's for INT4P and Q4KP, AWQ/GPTQ and Q4_K weights repacked),
 read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
 
     python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
@@ -54,6 +55,8 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import qlinear
+    if fmt in ("INT4P", "Q4KP"):
+        return _compile_planar(fmt, n, k, bn, warps, most)
     qw = weight(fmt, n, k)
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
@@ -69,13 +72,42 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     src = ASTSource(fn=qlinear._qgemv_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
                     attrs=attrs)
     cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), const["W"] * bn
+
+
+def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int) -> tuple[str, int]:
+    """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight or the Q4KP repack of a Q4_K
+    one (config: rows a program, num_warps, words a step)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    sig = dict(x="*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
+               bias="*bf16", out="*bf16", N="i32", stride_w="i32", stride_a="i32", stride_z="i32")
+    const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, FMT=qplanar.FMTS[fmt],
+                 HAS_BIAS=False, SWIGLU=False, PDL=True, INTERPRETED=False)
+    ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
+    names = list(sig)
+    aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
+    src = ASTSource(fn=qplanar._planar_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                    constexprs=const, attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), rows * kw * 8
+
+
+def _disassemble(cubin: bytes) -> str:
+    import triton
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    return text, const["W"] * bn
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
 
 
 def main_loop(text: str) -> list[str]:
@@ -107,16 +139,19 @@ def opcode(line: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8"])
+    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP"])
     ap.add_argument("--n", type=int, default=10240)
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
     a = ap.parse_args()
     from models.kernels.cuda import qlinear
+    from models.kernels.cuda import qplanar
     bn, warps, most = map(int, a.config.split("x")) if a.config else qlinear.pick_config(a.n)
-    print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step)")
+    print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
+          f"INT4P: qplanar.pick_config's rows x num_warps x words a step)")
     for fmt in a.formats:
-        text, weights = compile_sass(fmt, a.n, a.k, bn, warps, most)
+        cfg = qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32) if fmt in qplanar.FMTS else (bn, warps, most)
+        text, weights = compile_sass(fmt, a.n, a.k, *cfg)
         body = main_loop(text)
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")

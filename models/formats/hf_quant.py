@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError
+from .planar import dequantize_int4p, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
@@ -239,22 +240,40 @@ class GroupInt4Linear(QuantLinear):
         self.register_buffer("zeros", zeros)
         self.register_parameter("bias", None)
 
+    planar = False  # True once to_planar() replaced the stored layout by INT4P
+
+    def to_planar(self) -> bool:
+        """The weights repacked as INT4P for CUDA's GEMV (models/kernels/cuda/qplanar.py), the
+        stored layout freed; once, after fusion. False where the groups do not allow it."""
+        if self.planar or self.group % 8 or self.in_features % self.group:
+            return self.planar
+        pw = repack_int4p(self.qweight())
+        del self.packed, self.scales, self.zeros
+        self.register_buffer("words", pw.data)
+        self.register_buffer("aux", pw.scales)
+        self.planar = True
+        return True
+
     def qweight(self) -> QWeight:
+        if self.planar:
+            return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, None, self.group)
         return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
                                self.group)
 
     def format_tensors(self):
-        return self.fmt, [self.packed, self.scales, self.zeros]
+        return self.fmt, [self.words, self.aux] if self.planar else [self.packed, self.scales, self.zeros]
 
     @classmethod
     def concat(cls, parts: list["GroupInt4Linear"]) -> "GroupInt4Linear | None":
         p0 = parts[0]
-        if any(p.group != p0.group or p.fmt != p0.fmt for p in parts):
+        if any(p.group != p0.group or p.fmt != p0.fmt or p.planar for p in parts):
             return None
         return with_bias(cls(p0.fmt, torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
                              torch.cat([p.zeros for p in parts]), p0.group, [s for p in parts for s in p.sizes]), parts)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if self.planar:
+            return dequantize_int4p(self.qweight()).to(dtype)
         n, k = self.out_features, self.in_features
         b = self.packed.reshape(n, k // 32, 1, 16)
         codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)

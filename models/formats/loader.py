@@ -249,6 +249,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     if leftover:
         raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
     fuse(model)
+    if device.type == "cuda":
+        repack_for_cuda(model)
     model.eval()
     _release_freed_memory()
 
@@ -290,6 +292,21 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to do
+
+
+def repack_for_cuda(model: torch.nn.Module) -> None:
+    """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
+    INT4P and Q4_K linears into Q4KP, the layouts models/kernels/cuda/qplanar.py's GEMV reads
+    (formats/planar.py). A head that shares its blocks with the embedding keeps them."""
+    if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
+        return
+    shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
+    for m in model.modules():
+        if isinstance(m, hf_quant.GroupInt4Linear):
+            m.to_planar()
+        elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
+                and m.blocks.untyped_storage().data_ptr() not in shared:
+            m.to_planar()
 
 
 def fuse(model: torch.nn.Module) -> None:

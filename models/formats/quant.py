@@ -349,22 +349,47 @@ class BlockLinear(QuantLinear):
     def concat(cls, parts: list["BlockLinear"]) -> "BlockLinear | None":
         """Rows of several linears that read the same input, as one (on CUDA, where the GEMV
         reads any rows; the C++ step reads each matrix): None where types or devices differ."""
-        if not all(p.blocks.is_cuda and p.ggml_type == parts[0].ggml_type for p in parts):
+        if not all(not p.planar and p.blocks.is_cuda and p.ggml_type == parts[0].ggml_type for p in parts):
             return None
         return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
                              [s for p in parts for s in p.sizes]), parts)
 
+    planar = False  # True once to_planar() replaced the blocks by Q4KP (formats/planar.py)
+
+    def to_planar(self) -> bool:
+        """Q4_K on CUDA: the blocks repacked as Q4KP for qplanar.py's GEMV (4.625 bits a weight
+        against 4.5), the blocks freed; once, after fusion. False for other types."""
+        from . import planar
+        if self.planar or self.ggml_type != gguf_blocks.TYPES["Q4_K"] or self.in_features % 256:
+            return self.planar
+        pw = planar.repack_q4k(self.qweight())
+        del self.blocks
+        self.register_buffer("words", pw.data)
+        self.register_buffer("dd", pw.scales)
+        self.register_buffer("sm", pw.zeros)
+        self.planar = True
+        return True
+
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors that hold the weights (the blocks, or Q4KP's three)."""
+        return [self.words, self.dd, self.sm] if self.planar else [self.blocks]
+
     def qweight(self) -> QWeight:
+        if self.planar:
+            return QWeight("Q4KP", self.words, self.out_features, self.in_features, self.dd, self.sm, 32)
         return QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        if self.planar:
+            from . import planar
+            return planar.dequantize_q4kp_rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
             return self.dequant_kernel(raw, self.ggml_type)
         return gguf_blocks.dequantize(raw, self.ggml_type)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.blocks.is_cuda and self.cuda_serves(x):
+        if self.stored()[0].is_cuda and self.cuda_serves(x):
             return self.cuda_forward(x, out_dtype)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
@@ -467,7 +492,9 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
             out[name] = out.get(name, 0) + t.untyped_storage().nbytes()
 
     for m in model.modules():
-        if isinstance(m, (BlockLinear, BlockEmbedding)):
+        if isinstance(m, BlockLinear):
+            add(gguf_blocks.type_name(m.ggml_type), m.stored())
+        elif isinstance(m, BlockEmbedding):
             add(gguf_blocks.type_name(m.ggml_type), [m.blocks])
         elif isinstance(m, BlockExperts):
             for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):

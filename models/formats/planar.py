@@ -1,0 +1,102 @@
+"""Weights repacked at load for CUDA's planar dequant-GEMVs (models/kernels/cuda/qplanar.py, which
+describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, and each layout's torch
+oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
+QWeight in gives the class of the QWeight out.
+
+Both layouts hold the codes the same way: per group of G weights (G = the checkpoint's group for
+INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in nibble j the code of weight
+G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], row n's word at
+[n // ROWS, m, n % ROWS]. They differ in the scales:
+- INT4P: `scales` fp32 [ceil(N/ROWS), K/G, 2, ROWS] = (16 s, s (16 + z)) (weight = s (q - z));
+- Q4KP: `scales` fp16 [ceil(N/ROWS), K/256, 2, ROWS] = (d, dmin) per super-block and `zeros`
+  uint8 [ceil(N/ROWS), K/32, 2, ROWS] = (sc, m) per sub-block (weight = d sc q - dmin m, as
+  Q4_K's), 4.625 bits a weight against Q4_K's 4.5.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gguf_blocks
+
+ROWS = 4  # rows interleaved
+
+
+def _words(codes: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
+    """codes [n, k] (0..15) → the interleaved words [ceil(n/ROWS), k/8, ROWS] int32."""
+    c = codes.reshape(n, k // g, 8, g // 8).to(torch.int32)  # [n, group, j, m]: weight g/8 j + m
+    shifts = (4 * torch.arange(8, device=c.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
+    words = (c << shifts).sum(2, dtype=torch.int64)  # the nibbles are disjoint: the sum is their OR
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).reshape(n, k // 8)
+    words = torch.nn.functional.pad(words, (0, 0, 0, -n % ROWS))
+    return words.reshape(-1, ROWS, k // 8).transpose(1, 2).contiguous()
+
+
+def _interleave(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, groups, 2] → [ceil(n/ROWS), groups, 2, ROWS]."""
+    t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, -n % ROWS))
+    return t.reshape(-1, ROWS, *t.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+
+def _uninterleave(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[ceil(n/ROWS), groups, 2, ROWS] → [n, groups, 2]."""
+    return t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])[:n]
+
+
+def _codes(data: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
+    """The interleaved words → codes [n, k/g, 8, g/8] (j, m: weight g/8 j + m of each group)."""
+    w = data.transpose(1, 2).reshape(-1, k // 8)[:n].reshape(n, k // g, 1, g // 8)
+    shifts = (4 * torch.arange(8, device=w.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
+    return (w >> shifts) & 15
+
+
+def repack_int4p(qw):
+    """INT4 as stored (byte 16r + l: weight 32r + l low, 32r + 16 + l high) → INT4P. Any device;
+    done once at load."""
+    if qw.fmt != "INT4" or qw.group % 8 or qw.k % qw.group:
+        raise ValueError(f"INT4P takes INT4 weights in whole groups of a multiple of 8 ({qw.fmt}, group {qw.group})")
+    n, k, g = qw.n, qw.k, qw.group
+    b = qw.data.reshape(n, k // 32, 1, 16)
+    codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)
+    scale = qw.scales.float()
+    aux = torch.stack([16.0 * scale, scale * (16.0 + qw.zeros.float())], -1)  # [n, K/G, 2]
+    return type(qw)("INT4P", _words(codes, n, k, g), n, k, _interleave(aux, n), None, g)
+
+
+def dequantize_int4p(pw) -> torch.Tensor:
+    """The fp64 [N, K] weights an INT4P QWeight encodes."""
+    n, k, g = pw.n, pw.k, pw.group
+    codes = _codes(pw.data, n, k, g).double()
+    aux = _uninterleave(pw.scales, n).double()
+    s16, c = aux[..., 0], aux[..., 1]  # 16 s and s (16 + z): s z = c - 16 s
+    return (s16[:, :, None, None] / 16 * codes - (c - s16)[:, :, None, None]).reshape(n, k)
+
+
+def repack_q4k(qw):
+    """GGUF Q4_K blocks ([N, K/256 * 144] uint8) → Q4KP. Any device; done once at load."""
+    if qw.fmt != "Q4_K" or qw.k % 256:
+        raise ValueError(f"Q4KP takes Q4_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+    n, k = qw.n, qw.k
+    b = qw.data.reshape(n * (k // 256), 144)
+    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)  # d, dmin
+    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])  # [n * supers, 8] each
+    sm = torch.stack([sc, mn], -1).reshape(n, k // 32, 2)
+    q = b[:, 16:].reshape(-1, 4, 1, 32)  # per pair of sub-blocks: low nibbles the first, high the second
+    codes = torch.cat([q & 15, q >> 4], 2).reshape(n, k)
+    return type(qw)("Q4KP", _words(codes, n, k, 32), n, k, _interleave(dd, n), _interleave(sm, n), 32)
+
+
+def dequantize_q4kp(pw) -> torch.Tensor:
+    """The fp64 [N, K] weights a Q4KP QWeight encodes (d sc q - dmin m, as gguf_blocks' Q4_K)."""
+    n, k = pw.n, pw.k
+    codes = _codes(pw.data, n, k, 32).double()  # [n, sub-blocks, 8, 4]
+    dd = _uninterleave(pw.scales, n).double().repeat_interleave(8, 1)  # [n, sub-blocks, 2]
+    sm = _uninterleave(pw.zeros, n).double()
+    s, off = dd[..., 0] * sm[..., 0], dd[..., 1] * sm[..., 1]
+    return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
+
+
+def dequantize_q4kp_rows(pw, start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop of dequantize_q4kp(pw), decoding only the row blocks that hold them."""
+    b0, b1 = start // ROWS, -(-stop // ROWS)
+    part = type(pw)("Q4KP", pw.data[b0:b1], (b1 - b0) * ROWS, pw.k, pw.scales[b0:b1], pw.zeros[b0:b1], 32)
+    return dequantize_q4kp(part)[start - b0 * ROWS:stop - b0 * ROWS]

@@ -1,0 +1,192 @@
+"""Dequant-GEMVs for 4-bit weights in layouts repacked for them at load (models/formats/planar.py):
+AWQ/GPTQ groups as INT4P and GGUF Q4_K as Q4KP. Fewer instructions a weight than qlinear.py's
+kernels, which decode the stored layouts.
+
+The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
+INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the code of weight
+G/8 j + m, so a word's eight codes share their group's scale and offset, and the input a nibble
+meets, x[g G + G/8 j + m], runs contiguously along m; rows are interleaved by R = 4, so a
+thread's four contiguous words are four rows' same word and the input it loads and converts
+serves four rows. Scales: INT4P (16 s, s (16 + z)) in fp32 per row and group; Q4KP Q4_K's own
+(d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8).
+
+Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
+(as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
+float 1 + code/16 by bit operations alone (the code moved into the top of the mantissa of 1.0: a
+shift and one three-input logic op), multiplied into a running sum over the word's nibbles; as
+sum_j (s code_j - offset) x_j = 16 s sum_j (1 + code_j/16) x_j - (16 s + offset) sum_j x_j, the
+scales cost two FMAs a word and no instruction converts an integer to a float.
+`dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
+instructions a weight of the compiled loop.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import base as cuda_base
+from .base import launch, triton
+from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
+from ...formats.quant import QWeight
+
+__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config", "FMTS"]
+
+FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _group_sums(words, x, xb, GW: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Per word of the tile [.., GW, R]: sum_j (1 + code_j/16) x_j, and per input position
+        [.., GW, 1]: sum_j x_j."""
+        ws = tl.zeros(words.shape, dtype=tl.float32)
+        xs = tl.zeros(xb.shape, dtype=tl.float32)
+        mask = tl.full(words.shape, 15 << 19, tl.int32)
+        one = tl.full(words.shape, 0x3F800000, tl.int32)
+        for j in tl.static_range(8):
+            xj = tl.load(x + xb + j * GW).to(tl.float32)
+            if 4 * j <= 19:  # code j into bits 19..22, the mantissa's top four
+                moved = words << (19 - 4 * j)
+            else:
+                moved = words >> (4 * j - 19)
+            if INTERPRETED:
+                bits = (moved & mask) | one
+            else:  # (moved & mask) | one in one LOP3: the constants in registers (a LOP3 takes one immediate)
+                bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [moved, mask, one],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            ws += bits.to(tl.float32, bitcast=True) * xj
+            xs += xj
+        return ws, xs
+
+    @triton.jit
+    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
+        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's as stored;
+        Q4KP's from (d, dmin) of the super-block and (sc, m) of the sub-block."""
+        if FMT == 0:
+            s16 = tl.load(aux + rb * stride_a + grp * 8 + ri)
+            c = tl.load(aux + rb * stride_a + grp * 8 + 4 + ri)
+        else:
+            sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
+            mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
+            d = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri).to(tl.float32)
+            dmin = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri).to(tl.float32)
+            s16 = 16.0 * d * sc
+            c = s16 + dmin * mn
+        return s16, c
+
+    @triton.jit
+    def _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
+                  NG: tl.constexpr, FMT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """A step's contribution [BB, NG, GW, R] for row blocks rb."""
+        GW: tl.constexpr = G // 8
+        grp = step * NG + gi
+        words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
+        s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        ws, xs = _group_sums(words, x, grp * G + wi, GW, INTERPRETED)
+        return s16 * ws - c * xs
+
+    @triton.jit
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, G: tl.constexpr,
+                            KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr, FMT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+        GW: tl.constexpr = G // 8  # words a group
+        NG: tl.constexpr = KW // GW  # groups a step
+        pid = tl.program_id(0)
+        b = pid * BLOCKS + tl.arange(0, BLOCKS)  # row blocks (R rows each)
+        last = (N - 1) // 4
+        rb = tl.minimum(b, last).to(tl.int64)[:, None, None, None]
+        gi = tl.arange(0, NG)[None, :, None, None]
+        wi = tl.arange(0, GW)[None, None, :, None]
+        ri = tl.arange(0, 4)[None, None, None, :]
+        up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
+        acc_up = acc
+        for step in range(STEPS):
+            acc += _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
+                             INTERPRETED)
+            if SWIGLU:
+                acc_up += _rows_dot(x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG,
+                                    FMT, INTERPRETED)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
+        n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
+        rows = tl.minimum(n, N - 1)
+        if HAS_BIAS:
+            y += tl.load(bias + rows).to(tl.float32)
+        if SWIGLU:
+            up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
+            if HAS_BIAS:
+                up += tl.load(bias + rows + N).to(tl.float32)
+            y = y / (1.0 + tl.exp(-y)) * up
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
+
+
+if triton is not None:
+    @triton.jit
+    def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
+                               G: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rows start..stop of W, one group of G weights a program: W = s code - offset."""
+        GW: tl.constexpr = G // 8
+        i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        g = tl.program_id(1)
+        n = tl.minimum(start + i, stop - 1).to(tl.int64)
+        wi = tl.arange(0, GW)[None, :]
+        words = tl.load(w + (n // 4) * stride_w + (g * GW + wi) * 4 + n % 4)
+        s16, c = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)
+        off = c - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where c did not round
+        scale = s16 * 0.0625
+        o = out + i.to(tl.int64) * stride_o + g * G + wi
+        m = start + i < stop
+        for j in tl.static_range(8):
+            code = ((words >> (4 * j)) & 15).to(tl.float32)
+            tl.store(o + j * GW, (scale * code - off).to(out.dtype.element_ty), mask=m)
+
+
+def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows start..stop of W in `dtype` ([stop - start, K]; into `out` where given, rows of unit
+    stride along K): each weight scale * code - scale * zero in fp32, rounded once."""
+    rows = stop - start
+    out = torch.empty(rows, pw.k, dtype=dtype, device=pw.data.device) if out is None else out
+    bn = 16
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), pw.k // pw.group), pw.data, pw.scales, z, out, start,
+           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), G=pw.group,
+           FMT=FMTS[pw.fmt], BLOCK_N=bn, num_warps=4)
+    return out
+
+
+def pick_config(n: int, k: int, group: int) -> tuple[int, int, int]:
+    """(rows a program, num_warps, words a step): 16 rows, 4 warps and the most words a step up to
+    64 that divide a row and hold whole groups. Not measured on a GPU yet (quant_bench.py --sweep)."""
+    gw = group // 8
+    kw = next(w for w in (64, 32, 16, 8, 4, 2, 1) if (k // 8) % w == 0 and w % gw == 0)
+    return 16, 4, kw
+
+
+def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] contiguous; pw an INT4P QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the
+    gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default)."""
+    n_out = pw.n // 2 if swiglu else pw.n
+    if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
+        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config)
+        gate, up = both[:, :n_out], both[:, n_out:]
+        return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
+    rows, warps, kw = config or pick_config(n_out, pw.k, pw.group)
+    if (pw.k // 8) % kw or kw % (pw.group // 8) or rows % R:
+        raise ValueError(f"config {rows} rows x {kw} words a step does not fit K = {pw.k}, group {pw.group}")
+    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows),), x, pw.data, pw.scales, z,
+           bias if bias is not None else x, out, n_out, pw.data.stride(0), pw.scales.stride(0), z.stride(0),
+           G=pw.group, KW=kw, STEPS=pw.k // 8 // kw, BLOCKS=rows // R, FMT=FMTS[pw.fmt],
+           HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+    return out

@@ -1,0 +1,191 @@
+"""models/kernels/cuda/qplanar.py: the INT4P repack against the weights AWQ/GPTQ's INT4 encodes,
+and its dequant-GEMV against the dequantized product, on CUDA (`gpu`) and under Triton's
+interpreter on the CPU (TRITON_INTERPRET=1 with a Triton on PYTHONPATH; skipped otherwise).
+Tolerance: |y - ref| <= 1e-5 * scale + (bf16 output: 2^-8 |ref|), scale = |x| @ |W|^T."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from models.formats import hf_quant
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "interpreter"])
+def device(request):
+    from models.kernels.cuda import base
+    if request.param == "interpreter":
+        if os.environ.get("TRITON_INTERPRET") != "1" or not base.ENABLED:
+            pytest.skip("Triton's interpreter: set TRITON_INTERPRET=1 (and a Triton on PYTHONPATH)")
+        return torch.device("cpu")
+    if not base.ENABLED:
+        pytest.skip("Triton is not installed here")
+    return torch.device("cuda")
+
+
+def int4_linear(n, k, group, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g)
+    return hf_quant.GroupInt4Linear("AWQ", packed, scales, zeros, group).to(device)
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (33, 1024, 128), (18, 512, 64)])
+def test_repack_keeps_every_weight(n, k, group):
+    from models.kernels.cuda import qplanar
+    lin = int4_linear(n, k, group, 0, "cpu")
+    pw = qplanar.repack(lin.qweight())
+    assert pw.data.dtype == torch.int32 and pw.data.shape == (-(-n // qplanar.R), k // 8, qplanar.R)
+    ref = lin.dequantize(torch.float64)
+    assert torch.allclose(qplanar.dequantize(pw), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_repack_refuses_what_it_cannot_hold():
+    from models.formats.quant import QWeight
+    from models.kernels.cuda import qplanar
+    with pytest.raises(ValueError, match="INT4P"):
+        qplanar.repack(QWeight("INT4", torch.zeros(4, 8, dtype=torch.uint8), 4, 16, torch.zeros(4, 4).half(),
+                               torch.zeros(4, 4, dtype=torch.uint8), 4))
+
+
+@pytest.mark.parametrize("n,k,group,swiglu,bias", [(37, 1024, 128, False, False), (40, 2048, 128, True, True),
+                                                   (22, 512, 64, False, True), (8, 128, 128, True, False),
+                                                   (14, 256, 128, True, True)])
+def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias):
+    from models.kernels.cuda import qplanar
+    lin = int4_linear(n, k, group, 1, device)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device) if bias else None
+    pw = qplanar.repack(lin.qweight())
+    w = lin.dequantize(torch.float64)
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        xd = x.double()
+        ref = xd @ w.t() + (b.double() if b is not None else 0)
+        scale = xd.abs() @ w.abs().t() + (b.double().abs() if b is not None else 0)
+        if swiglu:
+            half = n // 2
+            g, u = ref[:, :half], ref[:, half:]
+            ref = g / (1 + torch.exp(-g)) * u
+            scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
+        out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype)
+        err = (out.double() - ref).abs()
+        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert bool((err <= tol).all()), float((err - tol).max())
+
+
+@pytest.mark.parametrize("n,k,group,start,stop", [(37, 1024, 128, 0, 37), (37, 256, 128, 5, 30), (18, 512, 64, 3, 18)])
+def test_dequantize_kernel_is_the_oracle(device, n, k, group, start, stop):
+    from models.kernels.cuda import qplanar
+    lin = int4_linear(n, k, group, 4, device)
+    pw = qplanar.repack(lin.qweight())
+    ref = lin.dequantize(torch.float64)[start:stop]
+    out = qplanar.dequantize_rows(pw, start, stop, torch.float32)
+    assert torch.allclose(out.double(), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    if device.type == "cuda":  # bf16: the fp32 value rounded once
+        assert torch.equal(qplanar.dequantize_rows(pw, start, stop, torch.bfloat16), out.to(torch.bfloat16))
+
+
+def test_a_fused_linear_takes_the_planar_layout_after_fusion():
+    """to_planar() (the loader's step on CUDA, after fusion) on a fused linear: INT4P with the
+    stored layout freed, the same outputs and splits (the torch path here), and no fusing after."""
+    parts = [int4_linear(n, 256, 128, seed, "cpu") for n, seed in ((24, 5), (8, 6), (9, 7))]
+    fused = hf_quant.GroupInt4Linear.concat(parts)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    ref = fused(x)
+    assert fused.to_planar() and fused.qweight().fmt == "INT4P" and not hasattr(fused, "packed")
+    assert hf_quant.GroupInt4Linear.concat([fused, parts[0]]) is None
+    out = fused(x)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    assert [t.shape[-1] for t in fused.split(x)] == [24, 8, 9]
+    odd = int4_linear(8, 96, 32, 9, "cpu")  # groups of 32 over 96: whole groups, a multiple of 8
+    assert odd.to_planar()
+    bad = hf_quant.GroupInt4Linear("GPTQ", torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 4).half(),
+                                   torch.zeros(4, 4, dtype=torch.uint8), 4)  # groups of 4: not whole words
+    assert not bad.to_planar() and bad.qweight().fmt == "INT4"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs Triton (not interpreted)")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The GEMV (its inline LOP3 included, which the interpreter does not run) and the dequantize
+    kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import qplanar
+    cases = []
+    for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
+        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
+                   stride_a="i32", stride_z="i32")
+        cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4, FMT=fmt,
+                                                          HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True)]
+        cases.append((qplanar._planar_dequant_kernel,
+                      dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
+                           stride_a="i32", stride_z="i32", stride_o="i32"),
+                      dict(G=32 if fmt else 128, FMT=fmt, BLOCK_N=16)))
+    for fn, sig, const in cases:
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+def q4k_weight(n, k, seed, device):
+    """(QWeight of random Q4_K blocks with the benchmarks' scales, its fp64 oracle weights)."""
+    import sys
+    from models.formats import gguf_blocks
+    from models.formats.quant import QWeight
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from shapes import _random_blocks
+    raw = _random_blocks("Q4_K", n, k, "cpu", torch.Generator().manual_seed(seed))
+    return QWeight("Q4_K", raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES["Q4_K"]).double()
+
+
+@pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
+def test_q4k_repack_keeps_every_weight(n, k):
+    from models.formats import planar
+    qw, ref = q4k_weight(n, k, 0, "cpu")
+    pw = planar.repack_q4k(qw)
+    assert pw.fmt == "Q4KP" and pw.data.shape == (-(-n // planar.ROWS), k // 8, planar.ROWS)
+    assert torch.equal(planar.dequantize_q4kp(pw), ref)  # every value exact (d sc and dmin m in fp32)
+    rows = -(-n // planar.ROWS) * planar.ROWS  # 4.625 bits a weight (Q4_K: 4.5), rows padded to whole blocks
+    assert pw.nbytes() == rows * (k // 2 + k // 256 * 4 + k // 32 * 2)
+
+
+@pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
+def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu):
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    qw, w = q4k_weight(n, k, 1, device)
+    pw = planar.repack_q4k(qw)
+    w = w.to(device)
+    out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
+    assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        xd = x.double()
+        ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
+        if swiglu:
+            g, u = ref[:, :n // 2], ref[:, n // 2:]
+            ref = g / (1 + torch.exp(-g)) * u
+            scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
+        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype)
+        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+def test_a_q4_k_linear_takes_the_planar_layout():
+    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K: Q4KP with the blocks freed,
+    the same outputs on the torch path, its bytes counted as Q4_K; other types keep their blocks."""
+    from models.formats import gguf_blocks, quant
+    qw, _ = q4k_weight(20, 512, 6, "cpu")
+    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q4_K"])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
+    ref = lin(x)
+    assert lin.to_planar() and lin.qweight().fmt == "Q4KP" and not hasattr(lin, "blocks")
+    assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    assert quant.weight_formats(lin) == {"Q4_K": 20 * (256 + 8 + 32)}
+    assert quant.BlockLinear.concat([lin, lin]) is None
+    q8 = quant.BlockLinear(torch.zeros(4, 34, dtype=torch.uint8), gguf_blocks.TYPES["Q8_0"])
+    assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"
