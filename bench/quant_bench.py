@@ -97,26 +97,29 @@ def sweep(device) -> None:
     print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
     from models.formats import planar
     from models.kernels.cuda import qplanar
-    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_CONFIGS))
+    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_CONFIGS)
+          + f"{'picked':>13}")
     for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k)):
-        for n, k in ((10240, 5120), (5120, 17408)):
+        for n, k in ((10240, 5120), (5120, 17408), (34816, 5120)):
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
             cells = []
-            for config in PLANAR_CONFIGS:
-                if (k // 8) % config[2] or config[2] % (pw.group // 8):
+            for config in PLANAR_CONFIGS + [qplanar.pick_config(n, k, pw.group)]:
+                steps = (k // 8) // config[2]
+                if (k // 8) % config[2] or config[2] % (pw.group // 8) or steps % config[3]:
                     cells.append("-")
                     continue
                 us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config))
                 cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
-            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells), flush=True)
+            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
+                  + f"  (picked {'x'.join(map(str, qplanar.pick_config(n, k, pw.group)))})", flush=True)
             pw = None
             torch.cuda.empty_cache()
-    print("(INT4P and Q4KP columns: rows a program x num_warps x words a step)")
+    print("(INT4P and Q4KP columns: rows a program x num_warps x words a step x K split in)")
 
 
-PLANAR_CONFIGS = [(16, 4, 64), (8, 4, 64), (32, 4, 64), (16, 4, 128), (16, 8, 128), (32, 8, 64), (64, 8, 64),
-                  (16, 2, 64)]
+PLANAR_CONFIGS = [(8, 4, 64, 1), (4, 4, 64, 1), (8, 4, 128, 1), (4, 4, 128, 1), (8, 2, 64, 1), (8, 4, 64, 2),
+                  (8, 4, 64, 4), (8, 4, 32, 4), (4, 2, 64, 4), (8, 4, 128, 4), (16, 8, 128, 2), (16, 8, 128, 1)]
 
 
 def _graph_us(call) -> float:

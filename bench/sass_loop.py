@@ -75,7 +75,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     return _disassemble(cubin), const["W"] * bn
 
 
-def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int) -> tuple[str, int]:
+def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, split: int = 1) -> tuple[str, int]:
     """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight or the Q4KP repack of a Q4_K
     one (config: rows a program, num_warps, words a step)."""
     import triton
@@ -87,12 +87,12 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int) ->
     pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
     z = pw.zeros if pw.zeros is not None else pw.scales
     sig = dict(x="*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
-               bias="*bf16", out="*bf16", N="i32", stride_w="i32", stride_a="i32", stride_z="i32")
-    const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, FMT=qplanar.FMTS[fmt],
+               bias="*bf16", out="*bf16", part="*fp32", N="i32", stride_w="i32", stride_a="i32", stride_z="i32")
+    const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, FMT=qplanar.FMTS[fmt],
                  HAS_BIAS=False, SWIGLU=False, PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)
-    aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    aligned = ["x", "w", "aux", "aux2", "out", "part"] + [x for x, v in ints.items() if v % 16 == 0]
     attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
     src = ASTSource(fn=qplanar._planar_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}},
                     constexprs=const, attrs=attrs)
@@ -150,7 +150,7 @@ def main() -> None:
     print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
           f"INT4P: qplanar.pick_config's rows x num_warps x words a step)")
     for fmt in a.formats:
-        cfg = qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32) if fmt in qplanar.FMTS else (bn, warps, most)
+        cfg = qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3] if fmt in qplanar.FMTS else (bn, warps, most)
         text, weights = compile_sass(fmt, a.n, a.k, *cfg)
         body = main_loop(text)
         if not body:

@@ -117,15 +117,18 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from models.kernels.cuda import qplanar
     cases = []
     for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
-        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                   stride_a="i32", stride_z="i32")
-        cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4, FMT=fmt,
-                                                          HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True)]
+        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", N="i32",
+                   stride_w="i32", stride_a="i32", stride_z="i32")
+        cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
+                                                          SPLIT=split, FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu,
+                                                          PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True) for split in (1, 2)]
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),
                       dict(G=32 if fmt else 128, FMT=fmt, BLOCK_N=16)))
+    cases.append((qplanar._reduce_kernel, dict(part="*fp32", bias="*bf16", out="*bf16", N="i32"),
+                  dict(SPLIT=4, HAS_BIAS=True, SWIGLU=True, PDL=True, BLOCK=1024)))
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
@@ -189,3 +192,32 @@ def test_a_q4_k_linear_takes_the_planar_layout():
     assert quant.BlockLinear.concat([lin, lin]) is None
     q8 = quant.BlockLinear(torch.zeros(4, 34, dtype=torch.uint8), gguf_blocks.TYPES["Q8_0"])
     assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"
+
+
+@pytest.mark.parametrize("fmt,split,swiglu,bias", [("INT4P", 2, False, True), ("INT4P", 4, True, True),
+                                                   ("Q4KP", 2, True, False), ("Q4KP", 8, False, False)])
+def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias):
+    """K split across programs (pick_config's choice where a grid is small): the partial sums,
+    reduced in order by a second kernel, give the one-launch kernel's product up to fp32
+    reassociation, bias and SwiGLU applied alike; the same bits on every call."""
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    n, k = 40, 2048
+    pw = planar.repack_int4p(int4_linear(n, k, 128, 5, device).qweight()) if fmt == "INT4P" else \
+        planar.repack_q4k(q4k_weight(n, k, 5, device)[0])
+    b = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(device) if bias else None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(device)
+    whole = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, 1))
+    parts = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split))
+    assert torch.allclose(parts, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()))
+    assert torch.equal(parts, qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split)))
+    with pytest.raises(ValueError, match="K split in 3"):
+        qplanar.gemv(x, pw, b, config=(8, 4, 16, 3))
+
+
+def test_pick_config_splits_k_only_where_the_grid_is_small():
+    from models.kernels.cuda import qplanar
+    assert qplanar.pick_config(34816, 5120, 128)[3] == 1  # 4,352 programs already
+    rows, _, kw, split = qplanar.pick_config(5120, 17408, 128)
+    assert 5120 // rows * split >= 2048 and (17408 // 8 // kw) % split == 0
+    assert qplanar.pick_config(8, 256, 32)[3] == 1  # too few steps to split

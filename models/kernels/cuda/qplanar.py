@@ -89,13 +89,17 @@ if triton is not None:
         return s16 * ws - c * xs
 
     @triton.jit
-    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, G: tl.constexpr,
-                            KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr, FMT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
-                            INTERPRETED: tl.constexpr):
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, N, stride_w, stride_a, stride_z,
+                            G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
+                            SPLIT: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Rows BLOCKS R a program (axis 0); SPLIT > 1: program (i, s) sums the s-th of SPLIT equal
+        runs of STEPS // SPLIT steps into part[s] (part[SPLIT + s]: the up rows'), for _reduce_kernel."""
         GW: tl.constexpr = G // 8  # words a group
         NG: tl.constexpr = KW // GW  # groups a step
+        RUN: tl.constexpr = STEPS // SPLIT
         pid = tl.program_id(0)
+        first = tl.program_id(1) * RUN
         b = pid * BLOCKS + tl.arange(0, BLOCKS)  # row blocks (R rows each)
         last = (N - 1) // 4
         rb = tl.minimum(b, last).to(tl.int64)[:, None, None, None]
@@ -108,7 +112,8 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
-        for step in range(STEPS):
+        for i in range(RUN):
+            step = first + i
             acc += _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
                              INTERPRETED)
             if SWIGLU:
@@ -116,6 +121,12 @@ if triton is not None:
                                     FMT, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
+        if SPLIT > 1:
+            at = part + tl.program_id(1) * N + n
+            tl.store(at, y, mask=n < N)
+            if SWIGLU:
+                tl.store(at + SPLIT * N, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=n < N)
+            return
         rows = tl.minimum(n, N - 1)
         if HAS_BIAS:
             y += tl.load(bias + rows).to(tl.float32)
@@ -125,6 +136,31 @@ if triton is not None:
                 up += tl.load(bias + rows + N).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * up
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
+
+
+    @triton.jit
+    def _reduce_kernel(part, bias, out, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                       PDL: tl.constexpr, BLOCK: tl.constexpr):
+        """out = the sum of part's SPLIT rows in their order (deterministic, unlike atomics), then
+        the bias and SwiGLU as the one-launch kernel applies them."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = n < N
+        y = tl.load(part + n, mask=m, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(part + s * N + n, mask=m, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias + n, mask=m, other=0.0).to(tl.float32)
+        if SWIGLU:
+            up = tl.load(part + SPLIT * N + n, mask=m, other=0.0)
+            for s in tl.static_range(1, SPLIT):
+                up += tl.load(part + (SPLIT + s) * N + n, mask=m, other=0.0)
+            if HAS_BIAS:
+                up += tl.load(bias + n + N, mask=m, other=0.0).to(tl.float32)
+            y = y / (1.0 + tl.exp(-y)) * up
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=m)
 
 
 if triton is not None:
@@ -162,12 +198,24 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     return out
 
 
-def pick_config(n: int, k: int, group: int) -> tuple[int, int, int]:
-    """(rows a program, num_warps, words a step): 16 rows, 4 warps and the most words a step up to
-    64 that divide a row and hold whole groups. Not measured on a GPU yet (quant_bench.py --sweep)."""
-    gw = group // 8
-    kw = next(w for w in (64, 32, 16, 8, 4, 2, 1) if (k // 8) % w == 0 and w % gw == 0)
-    return 16, 4, kw
+def pick_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
+    """(rows a program, num_warps, words a step, K split in): 8 rows and 4 warps; K split in the
+    fewest parts (up to 16) that give the grid ~2,048 programs (16 an SM of an H200: one program's
+    loads alone leave the memory idle), each part of at least 4 steps; the most words a step, of
+    64, 32 or 16, that divide a row into whole groups and the steps into those parts."""
+    gw, words, rows = group // 8, k // 8, 8
+    want = 1
+    while -(-n // rows) * want < 2048 and want < 16:
+        want *= 2
+    split = want
+    while split >= 1:
+        for kw in (64, 32, 16):
+            if words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and \
+                    (split == 1 or words // kw // split >= 4):
+                return rows, 4, kw, split
+        split //= 2
+    kw = next(w for w in (64, 32, 16, 8, 4, 2, 1) if words % w == 0 and w % gw == 0)
+    return rows, 4, kw, 1
 
 
 def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
@@ -179,14 +227,22 @@ def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu:
         both = gemv(x, pw, bias, out_dtype=torch.float32, config=config)
         gate, up = both[:, :n_out], both[:, n_out:]
         return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
-    rows, warps, kw = config or pick_config(n_out, pw.k, pw.group)
-    if (pw.k // 8) % kw or kw % (pw.group // 8) or rows % R:
-        raise ValueError(f"config {rows} rows x {kw} words a step does not fit K = {pw.k}, group {pw.group}")
+    rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group)
+    steps = pw.k // 8 // kw if (pw.k // 8) % kw == 0 else 0
+    if not steps or kw % (pw.group // 8) or rows % R or steps % split:
+        raise ValueError(f"config {rows} rows x {kw} words a step, K split in {split}, does not fit "
+                         f"K = {pw.k}, group {pw.group}")
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
-    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows),), x, pw.data, pw.scales, z,
-           bias if bias is not None else x, out, n_out, pw.data.stride(0), pw.scales.stride(0), z.stride(0),
-           G=pw.group, KW=kw, STEPS=pw.k // 8 // kw, BLOCKS=rows // R, FMT=FMTS[pw.fmt],
-           HAS_BIAS=bias is not None, SWIGLU=swiglu,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+    b = bias if bias is not None else x
+    part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
+        if split > 1 else out
+    options = cuda_base.pdl(x)
+    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows), split), x, pw.data, pw.scales, z, b, out, part, n_out,
+           pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps,
+           BLOCKS=rows // R, SPLIT=split, FMT=FMTS[pw.fmt], HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **options)
+    if split > 1:
+        launch(_reduce_kernel, (triton.cdiv(n_out, 1024),), part, b, out, n_out, SPLIT=split,
+               HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=1024, num_warps=4, **options)
     return out
