@@ -200,21 +200,20 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
 
 def pick_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
     """(rows a program, num_warps, words a step, K split in): 8 rows and 4 warps; K split in the
-    fewest parts (up to 16) that give the grid ~2,048 programs (16 an SM of an H200: one program's
-    loads alone leave the memory idle), each part of at least 4 steps; the most words a step, of
-    64, 32 or 16, that divide a row into whole groups and the steps into those parts."""
+    most parts, up to the fewest that give the grid ~8,192 programs, of at least 4 steps each;
+    32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
+    those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
+    loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
+    1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120])."""
     gw, words, rows = group // 8, k // 8, 8
     want = 1
-    while -(-n // rows) * want < 2048 and want < 16:
+    while -(-n // rows) * want < 8192 and want < 16:
         want *= 2
-    split = want
-    while split >= 1:
-        for kw in (64, 32, 16):
-            if words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and \
-                    (split == 1 or words // kw // split >= 4):
-                return rows, 4, kw, split
-        split //= 2
-    kw = next(w for w in (64, 32, 16, 8, 4, 2, 1) if words % w == 0 and w % gw == 0)
+    splits = [want >> i for i in range(want.bit_length())]
+    for split, kw in [(s, w) for s in splits for w in (32, 64)] + [(s, 16) for s in splits]:
+        if words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and (split == 1 or words // kw // split >= 4):
+            return rows, 4, kw, split
+    kw = next(w for w in (32, 64, 16, 8, 4, 2, 1) if words % w == 0 and w % gw == 0)
     return rows, 4, kw, 1
 
 
