@@ -101,6 +101,10 @@ def run_size(args, world):
     waiting = {p.sentinel: p for p in procs}
     deadline = time.monotonic() + args.timeout if args.timeout else None
     while waiting:  # a rank that fails leaves the others inside a collective: stop them
+        if procs[0].sentinel not in waiting and not procs[0].exitcode:  # rank 0 done: the others get 10 s
+            # to leave, as the chat's close() gives its workers (a process group's teardown on two H200s
+            # outlasted 200 s on 2026-12-01, after the result came)
+            deadline = min(deadline or float("inf"), time.monotonic() + 10)
         left = None if deadline is None else deadline - time.monotonic()
         ready = multiprocessing.connection.wait(list(waiting), timeout=left) if left is None or left > 0 else []
         if not ready:
@@ -109,8 +113,8 @@ def run_size(args, world):
             for q in procs:
                 q.join()
             if not out.empty():  # rank 0 finished; a rank hung on its way out (a process group's teardown)
-                print(f"[tp_bench] tensor_parallel {world}: the result came, then a rank did not exit within "
-                      f"{args.timeout:.0f} s", file=sys.stderr, flush=True)
+                print(f"[tp_bench] tensor_parallel {world}: the result came, then a rank did not exit in time "
+                      f"(killed)", file=sys.stderr, flush=True)
                 return out.get()
             return None
         for s in ready:

