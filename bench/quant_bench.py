@@ -77,22 +77,10 @@ def sweep(device) -> None:
             qw, xk = lin.qweight(), x[:, :k].contiguous()
             cells = []
             for config in CONFIGS:
-                qlinear.gemv(xk, qw, config=config)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(100):
-                        qlinear.gemv(xk, qw, config=config)
-                g.replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                us = start.elapsed_time(end) * 1e3 / 100
+                us = _graph_us(lambda: qlinear.gemv(xk, qw, config=config))
                 cells.append(f"{us:.0f}/{qw.nbytes() / us / 1e6:.2f}")
-                del g
             print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells), flush=True)
-            del lin, qw
+            lin = qw = None
             torch.cuda.empty_cache()
     print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
     from models.formats import planar

@@ -38,3 +38,18 @@ def smollm2_path():
 def smollm2():
     import models
     return models.load("smollm2")
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "interpreter"])
+def device(request):
+    """A Triton kernel test's device: CUDA (gpu-marked), or the CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, a Triton importable), skipped where neither is at hand. Test files of
+    kernels that take it by this name: test_quant_kernels.py, test_qplanar.py."""
+    from models.kernels.cuda import base
+    if request.param == "interpreter":
+        if os.environ.get("TRITON_INTERPRET") != "1" or not base.ENABLED:
+            pytest.skip("Triton's interpreter: set TRITON_INTERPRET=1 (and a Triton on PYTHONPATH)")
+        return torch.device("cpu")
+    if not base.ENABLED:
+        pytest.skip("Triton is not installed here")
+    return torch.device("cuda")

@@ -11,18 +11,6 @@ import torch
 from models.formats import hf_quant
 
 
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "interpreter"])
-def device(request):
-    from models.kernels.cuda import base
-    if request.param == "interpreter":
-        if os.environ.get("TRITON_INTERPRET") != "1" or not base.ENABLED:
-            pytest.skip("Triton's interpreter: set TRITON_INTERPRET=1 (and a Triton on PYTHONPATH)")
-        return torch.device("cpu")
-    if not base.ENABLED:
-        pytest.skip("Triton is not installed here")
-    return torch.device("cuda")
-
-
 def int4_linear(n, k, group, seed, device):
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)

@@ -14,7 +14,6 @@ scale = |x| @ |W|^T (the sum of the products' magnitudes):
   - many rows (prefill: rows dequantized to bf16, then torch's GEMM): <= 1e-2 * scale (bf16
     weights and inputs: a 2^-9 relative rounding each).
 """
-import os
 
 import numpy as np
 import pytest
@@ -24,16 +23,6 @@ from gguf import GGMLQuantizationType as Q
 
 from models.formats import gguf_blocks, quant
 from test_gguf_blocks import QUANTIZED, random_blocks
-
-
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "interpreter"])
-def device(request):
-    if request.param == "interpreter":
-        from models.kernels.cuda import base
-        if os.environ.get("TRITON_INTERPRET") != "1" or not base.ENABLED:
-            pytest.skip("Triton's interpreter: set TRITON_INTERPRET=1 (and a Triton on PYTHONPATH)")
-        return torch.device("cpu")
-    return torch.device("cuda")
 
 
 def gguf_weight(qtype, rows, seed, device):
