@@ -99,3 +99,42 @@ def test_weight_format_names_the_formats_and_bytes(tmp_path):
     assert fmt["FP8"] == 128 * 256 + 4 * 1 * 2  # e4m3 bytes and one fp32 scale per 128 x 128 block
     text = LoadedModel.weight_format.fget(lm)
     assert text.startswith("float32 ") and " + FP8 0.0 MB" in text and "GGUF" not in text
+
+
+def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
+    """A NormedRow (a deferred RMSNorm, kernels.cuda.linear) reaching a quantized linear whose
+    format or row length the CUDA kernels do not take: the torch form materializes it and
+    computes; the kernels are never called (they would read weights they cannot decode)."""
+    from models.formats.quant import QuantLinear
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 6, 256, 128
+    lin = hf_quant.GroupInt4Linear("AWQ", torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                                   (torch.rand(n, k // group, generator=g) * 0.02).half(),
+                                   torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g), group)
+    called = []
+
+    class Kernels:  # the kernels' interface, taking nothing
+        @staticmethod
+        def fits(fmt, k):
+            return False
+
+        @staticmethod
+        def usable(x):
+            return True
+
+        @staticmethod
+        def gemv(*a, **kw):
+            called.append(1)
+            raise AssertionError("the kernels were handed a weight they do not fit")
+
+    class Row:  # a NormedRow's interface: not a tensor, materialized on demand
+        def __init__(self, h):
+            self.h, self.shape, self.dtype = h, h.shape, h.dtype
+
+        def materialize(self):
+            return self.h
+
+    monkeypatch.setattr(QuantLinear, "kernels", Kernels)
+    h = torch.randn(1, k, generator=g)
+    assert not lin.cuda_serves(Row(h))
+    assert torch.allclose(lin(Row(h)), torch.nn.functional.linear(h, lin.dequantize()), atol=1e-5) and not called

@@ -105,8 +105,9 @@ def test_delta_decode_kernel_takes_olmos_beta_scale_under_the_interpreter(monkey
 def test_attention_decode_branch_writes_the_cache_the_kernel_reads(tmp_path, monkeypatch):
     """The one-token branch that hands the split-K kernel its query (CUDA only) on the CPU, with a
     torch stand-in of the kernel's contract (attend slots 0..positions[0]): decode steps still
-    match transformers, so the branch writes k and v where the kernel reads them."""
-    from models.architectures import olmo_hybrid
+    match transformers, so the branch (layers.rope_and_attend, nemotron_h's too) writes k and v
+    where the kernel reads them."""
+    from models.architectures import layers
     from models.architectures.layers import attend_cached
     from tiny import hf_model, write_checkpoint
     hf = hf_model("olmo_hybrid")
@@ -117,6 +118,6 @@ def test_attention_decode_branch_writes_the_cache_the_kernel_reads(tmp_path, mon
         calls.append(1)
         return attend_cached(q, k_cache, v_cache, int(positions[0]) + 1, None)
 
-    monkeypatch.setattr(olmo_hybrid.cuda_base, "attention_usable", lambda x, d: x.shape[0] == 1)
-    monkeypatch.setattr(olmo_hybrid.cuda_attention, "decode", kernel_contract)
+    monkeypatch.setattr(layers.cuda_base, "attention_usable", lambda x, d: x.shape[0] == 1)
+    monkeypatch.setattr(layers.cuda_attention, "decode", kernel_contract)
     assert parity(hf, path, n=33) <= 1e-4 and calls

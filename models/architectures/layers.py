@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
-from ..kernels.cuda import base as cuda_base, linear as cuda_linear
+from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
 from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
 
 
@@ -280,6 +280,22 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     k_cache.index_copy_(1, positions, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
     v_cache.index_copy_(1, positions, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
     return attend_cached(q, k_cache, v_cache, kv_len, mask)
+
+
+def rope_and_attend(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    rope: "Rope | None", cos, sin, kv, kv_len: int, mask) -> torch.Tensor:
+    """The GQA attention of the plain layers (nemotron_h, olmo_hybrid): q [H, T, D], k and v
+    [KVH, T, D], RoPE applied to q and k where `rope` is given; k and v written into the cache
+    kv at `positions`. One token on CUDA (attention_usable: CausalLM then built no mask): the
+    Triton decode kernel, which reads the live length from `positions`; else cached_attention.
+    Returns [T, H*D]."""
+    if rope is not None:
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    if cuda_base.attention_usable(x, q.shape[-1]):
+        kv[0].index_copy_(1, positions, k.to(kv[0].dtype))
+        kv[1].index_copy_(1, positions, v.to(kv[1].dtype))
+        return cuda_attention.decode(q.contiguous(), kv[0], kv[1], positions)
+    return cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask)
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
-from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, add_norm, cached_attention
+from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, add_norm, rope_and_attend
 from .mamba2 import Mamba2Mixer
 from .state_spec import AttentionState, FixedState, StateView
 
@@ -111,15 +110,9 @@ class Attention(QKVProjections):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k = q.view(T, self.nh, self.d).transpose(0, 1), k.view(T, self.nkv, self.d).transpose(0, 1)
-        if self.rope:
-            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         v = v.view(T, self.nkv, self.d).transpose(0, 1)
-        if cuda_base.attention_usable(x, self.d):
-            # CausalLM built no mask for this step: the kernel reads the live length from positions
-            kv[0].index_copy_(1, positions, k.to(kv[0].dtype))
-            kv[1].index_copy_(1, positions, v.to(kv[1].dtype))
-            return self.o_proj(cuda_attention.decode(q.contiguous(), kv[0], kv[1], positions))
-        return self.o_proj(cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask))
+        return self.o_proj(rope_and_attend(x, q, k, v, positions, rope if self.rope else None, cos, sin, kv, kv_len,
+                                           mask))
 
 
 class ReluSquaredMLP(nn.Module):

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
-from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, cached_attention
+from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, rope_and_attend
 from .qwen3_5 import GatedDeltaNet, HybridConfig
 from .state_spec import AttentionState, StateView
 
@@ -67,15 +66,9 @@ class OlmoAttention(QKVProjections):
         q, k, v = self.project_qkv(x)
         q = self.q_norm(q).view(T, self.nh, self.d).transpose(0, 1)
         k = self.k_norm(k).view(T, self.nkv, self.d).transpose(0, 1)
-        if self.rope:
-            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         v = v.view(T, self.nkv, self.d).transpose(0, 1)
-        if T == 1 and cuda_base.attention_usable(x, self.d):
-            # the split-K kernel reads the live length from `positions` (the forward built no mask)
-            kv[0].index_copy_(1, positions, k.to(kv[0].dtype))
-            kv[1].index_copy_(1, positions, v.to(kv[1].dtype))
-            return self.o_proj(cuda_attention.decode(q.contiguous(), kv[0], kv[1], positions))
-        return self.o_proj(cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask))
+        return self.o_proj(rope_and_attend(x, q, k, v, positions, rope if self.rope else None, cos, sin, kv, kv_len,
+                                           mask))
 
 
 class OlmoHybridLayer(nn.Module):

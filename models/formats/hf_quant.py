@@ -222,6 +222,7 @@ class Fp8Linear(QuantLinear):
     def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.cuda_serves(x):
             return self.cuda_forward(x, out_dtype)
+        x = self.plain(x)
         y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
 
@@ -282,5 +283,6 @@ class GroupInt4Linear(QuantLinear):
     def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.cuda_serves(x):
             return self.cuda_forward(x, out_dtype)
+        x = self.plain(x)
         y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)

@@ -272,10 +272,18 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def cuda_serves(self, x) -> bool:
+        """Whether cuda_forward takes x: the kernels imported, this format and row length among
+        theirs, and x rows on CUDA they serve (a NormedRow always is one). A NormedRow they do not
+        take, the torch forward materializes (`plain`)."""
         k = self.kernels
-        if k is None:
+        if k is None or not k.fits(self.qweight().fmt, self.in_features):
             return False
-        return not isinstance(x, torch.Tensor) or (k.usable(x) and k.fits(self.qweight().fmt, self.in_features))
+        return not isinstance(x, torch.Tensor) or k.usable(x)
+
+    @staticmethod
+    def plain(x) -> torch.Tensor:
+        """x as a tensor: a NormedRow (kernels.cuda.linear) normed, and its stream written, now."""
+        return x if isinstance(x, torch.Tensor) else x.materialize()
 
     def cuda_forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         k, qw = self.kernels, self.qweight()
@@ -391,6 +399,7 @@ class BlockLinear(QuantLinear):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.stored()[0].is_cuda and self.cuda_serves(x):
             return self.cuda_forward(x, out_dtype)
+        x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
             y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type)

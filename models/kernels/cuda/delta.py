@@ -30,8 +30,10 @@ if triton is not None:
     # slower on both hybrid shapes (bench/RESULTS.md, "Measurements behind the kernels' design").
 
     @triton.jit
-    def _conv_step_kernel(x, state, weight, out, C, KM1: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+    def _conv_step_kernel(x, state, weight, bias, out, C, KM1: tl.constexpr, KP: tl.constexpr,
+                          BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        """The depthwise causal conv step of C channels (with Mamba2's bias where HAS_BIAS) and
+        SiLU into `out` (fp32), the window in `state` [C, K-1] shifted by one. ssd.py's too."""
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cm = c < C
         j = tl.arange(0, KP)  # window column: 0..K-2 the stored window, K-1 the new input
@@ -41,6 +43,8 @@ if triton is not None:
         new = tl.load(x + c, mask=cm, other=0.0)
         win = tl.where(j[None, :] == KM1, new[:, None].to(tl.float32), old.to(tl.float32))
         y = tl.sum(win * w.to(tl.float32), axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias + c, mask=cm, other=0.0).to(tl.float32)
         tl.store(out + c, y / (1.0 + tl.exp(-y)), mask=cm)
         # the window moves by one: column j takes column j + 1 (the state row keeps its dtype)
         shifted = tl.load(state + c[:, None] * KM1 + j[None, :] + 1,
@@ -94,8 +98,8 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     k = conv_weight.shape[-1]
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
-    launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, act, conv_dim,
-           KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, **cuda_base.pdl(proj))
+    launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, conv_weight, act,
+           conv_dim, KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, HAS_BIAS=False, **cuda_base.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
            conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5, float(beta_scale),

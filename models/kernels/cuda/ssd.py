@@ -32,27 +32,7 @@ if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
-
-    @triton.jit
-    def _conv_step_kernel(x, state, weight, bias, out, C, KM1: tl.constexpr, KP: tl.constexpr,
-                          BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cm = c < C
-        j = tl.arange(0, KP)  # window column: 0..K-2 the stored window, K-1 the new input
-        w = tl.load(weight + c[:, None] * (KM1 + 1) + j[None, :], mask=cm[:, None] & (j[None, :] <= KM1), other=0.0)
-        old = tl.load(state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
-        _pdl_enter(PDL)
-        new = tl.load(x + c, mask=cm, other=0.0)
-        win = tl.where(j[None, :] == KM1, new[:, None].to(tl.float32), old.to(tl.float32))
-        y = tl.sum(win * w.to(tl.float32), axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias + c, mask=cm, other=0.0).to(tl.float32)
-        tl.store(out + c, y / (1.0 + tl.exp(-y)), mask=cm)
-        # the window moves by one: column j takes column j + 1 (the state row keeps its dtype)
-        shifted = tl.load(state + c[:, None] * KM1 + j[None, :] + 1,
-                          mask=cm[:, None] & (j[None, :] + 1 < KM1), other=0.0)
-        shifted = tl.where(j[None, :] == KM1 - 1, new[:, None].to(shifted.dtype), shifted)
-        tl.store(state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
+    from .delta import _conv_step_kernel  # the conv step, with the bias Mamba2's conv has
 
     @triton.jit
     def _ssm_step_kernel(act, proj, ssm, A, dt_bias, D, gated, dt_off, dt_lo, dt_hi,
