@@ -1,4 +1,6 @@
-"""CUDA: graphs on vs off give identical tokens across generations on one reused session."""
+"""CUDA: graphs on vs off give identical tokens across generations on one reused session, and the
+Triton kernels keep the logits close to the torch forms: the dense, Qwen3.5, LFM2 and OLMo-Hybrid
+models; each kernel against its torch form; the session's start-up compiles every kernel."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def gpu_models(tmp_path_factory):
     from tiny import hf_model, write_checkpoint
     out = {}
-    for kind in ("llama", "qwen3", "qwen3_5"):
+    for kind in ("llama", "qwen3", "qwen3_5", "lfm2", "olmo_hybrid"):
         path = write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind))
         out[kind] = models.load(path, "cuda", torch.bfloat16)
     return out
@@ -27,7 +29,7 @@ def generations(lm, graph, prompts, cfg):
     return [list(s.generate(p, cfg)) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "lfm2", "olmo_hybrid"])
 def test_graphs_on_off_identical(gpu_models, kind):
     lm = gpu_models[kind]
     g = torch.Generator().manual_seed(0)
@@ -214,26 +216,11 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
     """The two-kernel DeltaNet step against GatedDeltaNet's torch form, over several tokens from
     the same states: outputs, the conv window and the fp32 recurrent state."""
     from models.kernels.cuda import base as cuda_base
-    from models.architectures.qwen3_5 import GatedDeltaNet, HybridConfig
+    from test_olmo_hybrid import delta_layer_and_states
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
-    cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),
-                       num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4, rotary_dim=16, rms_eps=1e-6,
-                       max_position=64, tie_embeddings=False, attention_bias=False, lin_k_heads=nk,
-                       lin_v_heads=nv, lin_k_dim=128, lin_v_dim=64, conv_kernel=4)
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(cfg)
-    with torch.no_grad():
-        layer.A_log.uniform_(0, 2)
-        layer.norm.weight.uniform_(0.5, 1.5)
-        for lin in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj):
-            lin.weight.normal_(0, 0.05)
-    layer = layer.to(dev, bf)
-    layer.reset_buffers(dev)
-    layer.fuse()
-    spec = dict((name, (shape, dt)) for name, shape, dt in layer.state().tensors)
-    states = {name: torch.randn(shape, device=dev, dtype=dt or bf) * 0.3 for name, (shape, dt) in spec.items()}
+    layer, states = delta_layer_and_states(dev, bf, nk=nk, nv=nv, dk=128, dv=64, olmo=False)
     xs = torch.randn(5, 1, 256, device=dev, dtype=bf)
 
     def run():
@@ -250,7 +237,7 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
     assert torch.allclose(st_f["recurrent"], st_p["recurrent"], atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "lfm2", "olmo_hybrid"])
 def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch, kind):
     from models.kernels.cuda import base as cuda_base
     if not cuda_base.ENABLED:
@@ -390,3 +377,31 @@ def test_model_logits_are_fp32_on_cuda(gpu_models):
         for logits in (s.prefill(list(range(3, 20))), s.step(5)):
             assert logits.dtype == torch.float32
             assert bool((logits.to(torch.bfloat16).float() != logits).any())
+
+
+def test_lfm2_session_start_compiles_every_kernel_a_conversation_runs(tmp_path):
+    """As test_session_start_compiles_every_kernel_a_conversation_runs, with the short-conv
+    kernel: after the session's start-up precompile no prompt length, later turn or decode step
+    compiles another kernel.
+    Shapes no other test uses (hidden 96: head size 32)."""
+    from models.kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
+    from tiny import write_checkpoint
+    if not cuda_base.ENABLED or not hasattr(cuda_base.triton, "AsyncCompileMode"):
+        pytest.skip("needs Triton >= 3.4")
+
+    def compiled():
+        k = cuda_shortconv._short_conv_step_kernel
+        return _compiled_kernels() + sum(len(caches[0]) for caches in k.device_caches.values())
+
+    lm = models.load(write_checkpoint("lfm2", str(tmp_path), hidden_size=96, intermediate_size=240,
+                                      num_attention_heads=3, num_key_value_heads=1), "cuda", torch.bfloat16)
+    before = compiled()
+    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = compiled()
+    assert started > before
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    tokens = [list(s.generate(p, cfg)) for p in prompts]
+    list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))
+    assert compiled() == started

@@ -45,13 +45,16 @@ def test_unpaired_linear_heads_are_refused():
         config_from_hf(c)
 
 
-def delta_layer_and_states(device, dtype):
-    """A GatedDeltaNet as OLMo-Hybrid configures it (beta = 2 sigmoid(b), gated-norm eps 1e-5)."""
+def delta_layer_and_states(device, dtype, nk=2, nv=2, dk=64, dv=128, olmo=True):
+    """A GatedDeltaNet (hidden 256) with random weights and random states: as OLMo-Hybrid
+    configures it (beta = 2 sigmoid(b), gated-norm eps 1e-5), or as Qwen3.5 does (olmo=False).
+    tests/test_gpu.py's DeltaNet kernel test takes it too."""
     from models.architectures.qwen3_5 import GatedDeltaNet, HybridConfig
     cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),
                        num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4, rotary_dim=16, rms_eps=1e-6,
-                       max_position=64, tie_embeddings=False, attention_bias=False, lin_k_heads=2, lin_v_heads=2,
-                       lin_k_dim=64, lin_v_dim=128, conv_kernel=4, beta_scale=2.0, linear_norm_eps=1e-5)
+                       max_position=64, tie_embeddings=False, attention_bias=False, lin_k_heads=nk, lin_v_heads=nv,
+                       lin_k_dim=dk, lin_v_dim=dv, conv_kernel=4,
+                       **(dict(beta_scale=2.0, linear_norm_eps=1e-5) if olmo else {}))
     torch.manual_seed(0)
     layer = GatedDeltaNet(cfg)
     with torch.no_grad():
