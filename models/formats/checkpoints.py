@@ -274,16 +274,23 @@ def _mamba2_fixups(tensors: dict) -> None:
         elif name.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
             tensors[name] = t.reshape(-1)
         elif name.endswith("block_sparse_moe.experts.gate"):
-            from . import quant
             base = name[: -len("gate")]
-            up, down = tensors.pop(base + "up"), tensors.pop(base + "down")
             del tensors[name]
-            if all(isinstance(x, quant.GgufTensor) for x in (t, up, down)):
-                tensors[base[:-1]] = quant.GgufExperts(t, up, down)  # kept in their blocks (the CPU)
-                continue
-            t, up, down = [x.dequantize() if isinstance(x, quant.GgufTensor) else x for x in (t, up, down)]
-            tensors[base + "gate_up_proj"] = torch.cat([t, up], dim=1)
-            tensors[base + "down_proj"] = down
+            _join_experts(tensors, base, t, tensors.pop(base + "up"), tensors.pop(base + "down"))
+
+
+def _join_experts(tensors: dict, base: str, gate, up, down) -> None:
+    """Into `tensors`: a layer's routed experts stored apart as GGUF writes them (gate and up
+    [E, I, H], down [E, H, I]; `base` ends with "experts."): one GgufExperts entry named after the
+    module, its blocks kept, where all three are GGUF tensors; else gate_up_proj [E, 2I, H]
+    and down_proj, dequantized."""
+    from . import quant
+    if all(isinstance(x, quant.GgufTensor) for x in (gate, up, down)):
+        tensors[base[:-1]] = quant.GgufExperts(gate, up, down)
+        return
+    gate, up, down = [x.dequantize() if isinstance(x, quant.GgufTensor) else x for x in (gate, up, down)]
+    tensors[base + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+    tensors[base + "down_proj"] = down
 
 
 def _tiled_to_grouped(t, dim: int, nk: int, nv: int, head: int):
@@ -309,15 +316,7 @@ def _gguf_values(config: dict, tensors: dict) -> None:
     from . import quant
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_proj")]:
         base = name[: -len("gate_proj")]
-        gate, up = tensors.pop(name), tensors.pop(base + "up_proj")
-        if all(isinstance(t, quant.GgufTensor) for t in (gate, up, tensors[base + "down_proj"])):
-            # kept in their blocks: the layer's experts module is built from the three at once
-            tensors[base[:-1]] = quant.GgufExperts(gate, up, tensors.pop(base + "down_proj"))
-            continue
-        gate, up = [t.dequantize() if isinstance(t, quant.GgufTensor) else t for t in (gate, up)]
-        if isinstance(tensors[base + "down_proj"], quant.GgufTensor):
-            tensors[base + "down_proj"] = tensors[base + "down_proj"].dequantize()
-        tensors[base + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+        _join_experts(tensors, base, tensors.pop(name), tensors.pop(base + "up_proj"), tensors.pop(base + "down_proj"))
     if config["model_type"] not in _HYBRIDS:
         return
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
