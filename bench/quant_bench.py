@@ -1,7 +1,7 @@
 """Quantized weights on CUDA against bf16, random weights built on the device (no files), one command:
 
     python bench/quant_bench.py [--big qwen3.5-27b] [--formats bf16,Q4_K,AWQ,FP8]
-        [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--new 128] [--prefill 2048]
+        [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--small-formats bf16,Q4_K] [--new 128] [--prefill 2048]
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--big", default="qwen3.5-27b")
     ap.add_argument("--formats", default="bf16,Q4_K,Q4_K-stored,AWQ,AWQ-stored,FP8")
     ap.add_argument("--small", default="smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b")
+    ap.add_argument("--small-formats", default="bf16,Q4_K", help="the small shapes' formats (Q4_K-stored: the blocks as stored)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -141,7 +142,7 @@ def main() -> None:
         sweep(device)
         return
     jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
-    jobs += [(s, f) for s in args.small.split(",") if s for f in ("bf16", "Q4_K")]
+    jobs += [(s, f) for s in args.small.split(",") if s for f in args.small_formats.split(",") if f]
     rows = []
     for name, fmt in jobs:
         rec = run(name, fmt, args, device)
