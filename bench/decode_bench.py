@@ -46,10 +46,10 @@ def active_bytes(model) -> int:
     """The weight bytes one decoded token reads: all of them but an untied embedding table (a
     token reads one row of it; as quant_bench.py's floor), and of each MoE block's routed experts
     only the top k (the bandwidth floor of an MoE model). An MoE block is any module holding
-    moe.Experts beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H).
+    experts (moe.Experts, or quant.py's BlockExperts / PlanarExperts) beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H).
     Weights in any format: weight_formats' bytes (quantized blocks included)."""
     from models.architectures.moe import Experts, Router
-    from models.formats.quant import weight_formats
+    from models.formats.quant import BlockExperts, PlanarExperts, weight_formats
     total = sum(weight_formats(model).values())
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is not None and not getattr(getattr(model, "config", None), "tie_embeddings", False):
@@ -57,9 +57,9 @@ def active_bytes(model) -> int:
     for m in model.modules():
         ex_mod = getattr(m, "experts", None)
         router = next((r for r in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(r, Router)), None)
-        if isinstance(ex_mod, Experts) and router is not None:
-            ex = sum(p.numel() * p.element_size() for p in ex_mod.parameters())
-            total -= ex - ex * router.top_k // ex_mod.gate_up_proj.shape[0]
+        if isinstance(ex_mod, (Experts, BlockExperts, PlanarExperts)) and router is not None:
+            ex = sum(t.numel() * t.element_size() for t in list(ex_mod.parameters()) + list(ex_mod.buffers()))
+            total -= ex - ex * router.top_k // router.weight.shape[0]
     return total
 
 

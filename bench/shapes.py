@@ -149,9 +149,31 @@ def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Modul
 
 
 @torch.no_grad()
+def _q4_k_experts(model, device, gen) -> None:
+    """In place: each moe.Experts as the loader leaves a Q4_K GGUF's experts on CUDA
+    (quant.PlanarExperts, both halves Q4KP), from random Q4_K blocks; experts whose sizes are not
+    whole super-blocks stay dense (random_model's weights)."""
+    from models.architectures.moe import Experts
+    from models.formats import planar, quant
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, Experts):
+                continue
+            e, i2, h = child.gate_up_proj.shape
+            if h % 256 or (i2 // 2) % 256:
+                continue
+            ex = quant.PlanarExperts(e, h, i2 // 2)
+            ex.keep_planar("gate_up", planar.repack_q4k(quant.QWeight("Q4_K", _random_blocks("Q4_K", e * i2, h, device, gen),
+                                                                      e * i2, h)))
+            ex.keep_planar("down", planar.repack_q4k(quant.QWeight("Q4_K", _random_blocks("Q4_K", e * h, i2 // 2, device,
+                                                                                          gen), e * h, i2 // 2)))
+            setattr(module, child_name, ex)
+
+
 def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
     """The shape with every linear in `fmt` (see random_quant_linear), the rest as random_model.
-    Q4_K, as a Q4_K_M file: the LM head in Q6_K and the embedding table in Q4_K blocks; AWQ and
+    Q4_K, as a Q4_K_M file: the LM head in Q6_K and the embedding table in Q4_K blocks, routed
+    experts as PlanarExperts (Q4KP, as the loader repacks a Q4_K GGUF's on CUDA); AWQ and
     FP8, as their checkpoints: embedding and LM head in `dtype`."""
     from models.formats import gguf_blocks, quant
     model, _ = models.build_model(dict(SHAPES[name]))
@@ -165,6 +187,7 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
                 q = random_quant_linear("Q6_K" if head else fmt, child.out_features, child.in_features, device, gen)
                 setattr(module, child_name, q)
     if gguf:
+        _q4_k_experts(model, device, gen)
         n, k = model.model.embed_tokens.weight.shape
         kind = "Q4_K" if k % 256 == 0 else "Q5_0"
         emb = quant.BlockEmbedding(_random_blocks(kind, n, k, device, gen), ggml_type=gguf_blocks.TYPES[kind])

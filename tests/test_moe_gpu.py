@@ -148,3 +148,38 @@ def test_decode_step_reads_no_value_on_the_host(moe_models):
         layer(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("down_type,shared", [("Q4_K", 256), ("Q6_K", 256), ("Q4_K", 0)])
+def test_q4_k_experts_decode_on_the_device_as_their_torch_form(down_type, shared, monkeypatch):
+    """A layer whose routed experts come from a GGUF in Q4_K (quant.PlanarExperts, as the loader
+    builds them on CUDA; a Q6_K down half dense, as in Q4_K_M files): one token through the
+    routing and qplanar.py's expert GEMVs (kernels/cuda/moe.py's down launch for a dense half),
+    with no host sync, against the torch form on the same weights (the same experts chosen)."""
+    kernels()
+    from models.formats import quant
+    from models.kernels.cuda import base as cuda_base
+    from test_qplanar import gguf_experts
+    E, H, I, k = 8, 256, 256, 3
+    m = bf16_layer(E, H, I, k, shared, True, seed=1)
+    m.experts = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type), torch.device("cuda"), torch.bfloat16)
+    models.fuse(m)
+    assert moe.decode_serves(m.experts)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for _ in range(20):  # an input with no tie at k (both forms then choose the same experts)
+        x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            probs = torch.nn.functional.linear(x, m.gate.weight).float().softmax(-1).sort(descending=True).values
+        if probs[0, k - 1] != probs[0, k]:
+            break
+    with torch.no_grad():
+        fused = m(x).float()  # (the kernels compiled; then again, with no host sync allowed: the same bits)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = m(x).float()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(fused, again)
+        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        plain = m(x).float()
+    assert float((fused - plain).abs().max()) <= 0.02 * float(plain.abs().max())

@@ -105,18 +105,27 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from models.kernels.cuda import qplanar
     cases = []
     for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
-        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", N="i32",
-                   stride_w="i32", stride_a="i32", stride_z="i32")
+        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
+                   N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
-                                                          SPLIT=split, FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu,
-                                                          PDL=True, INTERPRETED=False))
+                                                          SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
+                                                          HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
                   for swiglu in (False, True) for split in (1, 2)]
+        # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
+        cases += [(qplanar._planar_gemv_kernel, {**sig, "x": x_type, "out": "*fp32"},
+                   dict(G=32 if fmt else 128, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
+                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
+                  for swiglu, x_type in ((True, "*bf16"), (False, "*fp32"))]
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),
                       dict(G=32 if fmt else 128, FMT=fmt, BLOCK_N=16)))
-    cases.append((qplanar._reduce_kernel, dict(part="*fp32", bias="*bf16", out="*bf16", N="i32"),
-                  dict(SPLIT=4, HAS_BIAS=True, SWIGLU=True, PDL=True, BLOCK=1024)))
+    reduce_sig = dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16", shared_gate="*bf16", out="*bf16",
+                      N="i32")
+    cases += [(qplanar._reduce_kernel, reduce_sig, dict(PARTS=4, HAS_BIAS=True, SWIGLU=True, WEIGHTED=False,
+                                                        SHARED=False, PDL=True, BLOCK=1024)),
+              (qplanar._reduce_kernel, reduce_sig, dict(PARTS=8, HAS_BIAS=False, SWIGLU=False, WEIGHTED=True,
+                                                        SHARED=True, PDL=True, BLOCK=1024))]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
@@ -209,3 +218,76 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     rows, _, kw, split = qplanar.pick_config(5120, 17408, 128)
     assert 5120 // rows * split >= 2048 and (17408 // 8 // kw) % split == 0
     assert qplanar.pick_config(8, 256, 32)[3] == 1  # too few steps to split
+
+
+def gguf_experts(E, I, H, down_type="Q4_K", seed=0):
+    """A layer's routed experts as a GGUF stores them (quant.GgufExperts): gate and up [E, I, H]
+    in Q4_K, down [E, H, I] in `down_type` (Q4_K, or Q6_K as a Q4_K_M file's down experts)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from models.formats import quant
+    from tiny_gguf import random_k_blocks
+
+    def t(qtype, rows, cols, s):
+        raw = random_k_blocks(qtype, E * rows, cols, 0.05, seed=seed + s)
+        return quant.GgufTensor(int(qtype), raw.reshape(E, rows, -1))
+    return quant.GgufExperts(t(Q.Q4_K, I, H, 0), t(Q.Q4_K, I, H, 1), t(Q[down_type], H, I, 2))
+
+
+def test_expert_gemvs_are_the_chosen_experts_products(device):
+    """qplanar.experts_gate_up / experts_down read only the experts idx names (idx on the
+    device), each slot against its own input row, and sum the slots in their order with the
+    routing weights and a shared expert's output: against the fp64 oracle of the same blocks."""
+    from models.formats import planar, quant
+    from models.kernels.cuda import qplanar
+    E, I, H = 5, 256, 256
+    ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H), device, torch.float32)
+    gu, dn = ex.qweight("gate_up"), ex.qweight("down")
+    assert gu is not None and dn is not None and gu.fmt == dn.fmt == "Q4KP"
+    w_gu, w_dn = planar.dequantize_q4kp(gu).reshape(E, 2 * I, H), planar.dequantize_q4kp(dn).reshape(E, H, I)
+    g = torch.Generator().manual_seed(4)
+    idx = torch.tensor([[3, 0, 4]]).to(device)
+    weights = torch.tensor([[0.5, 0.3, 0.2]]).to(device)
+    shared, sg = torch.randn(1, H, generator=g).to(device), torch.tensor([[0.7]]).to(device)
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = torch.randn(1, H, generator=g).to(device, dtype)
+        h = qplanar.experts_gate_up(x, gu, idx, E)
+        xd, ref_h, scale_h = x.double().cpu(), [], []
+        for e in idx[0].tolist():
+            gate, up = (w_gu[e] @ xd[0]).chunk(2)
+            ref_h.append(gate / (1 + torch.exp(-gate)) * up)
+            sg_, su = (w_gu[e].abs() @ xd[0].abs()).chunk(2)
+            scale_h.append(sg_ * (1 + up.abs()) + su * (1 + gate.abs()))
+        ref_h, scale_h = torch.stack(ref_h), torch.stack(scale_h)
+        assert h.shape == (3, I) and h.dtype == torch.float32
+        assert bool(((h.double().cpu() - ref_h).abs() <= 1e-5 * scale_h).all())
+        out = qplanar.experts_down(h, dn, idx, weights, E, dtype, shared, sg)
+        hd, wd = h.double().cpu(), weights.double().cpu()[0]
+        parts = [wd[s] * (w_dn[e] @ hd[s]) for s, e in enumerate(idx[0].tolist())]
+        ref = sum(parts) + shared.double().cpu()[0] / (1 + torch.exp(-sg.double().cpu()[0, 0]))
+        scale = sum(wd[s] * (w_dn[e].abs() @ hd[s].abs()) for s, e in enumerate(idx[0].tolist())) + 1
+        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert out.shape == (1, H) and out.dtype == dtype
+        assert bool(((out.double().cpu()[0] - ref).abs() <= tol).all())
+        assert torch.equal(out, qplanar.experts_down(h, dn, idx, weights, E, dtype, shared, sg))
+
+
+@pytest.mark.parametrize("down_type", ["Q4_K", "Q6_K"])
+def test_planar_experts_compute_what_the_files_blocks_do(down_type):
+    """PlanarExperts (the CUDA form of a GGUF's experts, built here on the CPU) against
+    BlockExperts (the CPU's, on the file's blocks) for several tokens: Q4_K halves repacked,
+    a Q6_K down half dense (a Q4_K_M file's); the bytes counted as Q4_K and the dense dtype."""
+    from models.formats import quant
+    t = gguf_experts(6, 256, 256, down_type)
+    planar_ex = quant.PlanarExperts.from_gguf(t, torch.device("cpu"), torch.float32)
+    assert (planar_ex.qweight("down") is None) == (down_type != "Q4_K")
+    assert hasattr(planar_ex, "down_proj") == (down_type != "Q4_K") and not hasattr(planar_ex, "gate_up_proj")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=g)
+    idx = torch.tensor([[1, 5], [5, 0], [2, 1], [1, 3]])
+    w = torch.rand(4, 2, generator=g)
+    ref = quant.BlockExperts(t)(x, idx, w)
+    assert torch.allclose(planar_ex(x, idx, w), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    formats = quant.weight_formats(planar_ex)
+    assert formats["Q4_K"] == sum(b.numel() * b.element_size() for b in planar_ex.stored())
+    assert ("float32" in formats) == (down_type != "Q4_K")

@@ -23,6 +23,7 @@ from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
 from .nemotron_h import Attention, float_value, layer_kinds
+from . import moe
 from .moe import Experts, Router
 from .state_spec import AttentionState, StateView
 
@@ -104,14 +105,14 @@ class RoutedExperts(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x):
-        ex = self.experts
-        if cuda_base.usable(x) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous():
+        if cuda_base.usable(x) and moe.decode_serves(self.experts):
             # one token: the router's GEMV (rounded to x's dtype, as the torch form), the top k on the
             # device, the chosen experts read where they are stored
             x = x.contiguous()
             logits = cuda_linear.gemv(x, self.router.weight)
-            idx, weights = cuda_moe.route(logits, self.router.top_k, self.router.norm_topk, ex.gate_up_proj.shape[0])
-            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
+            idx, weights = cuda_moe.route(logits, self.router.top_k, self.router.norm_topk,
+                                          self.router.weight.shape[0])
+            return moe.decode_experts(x, self.experts, idx, weights)
         idx, weights = self.router(x)
         return self.experts(x, idx, weights)  # many tokens: grouped GEMMs where they serve (moe.py)
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
+from ..formats.quant import PlanarExperts
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe, qplanar
 from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
@@ -75,6 +76,29 @@ class Experts(nn.Module):
         return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
 
+def decode_serves(ex: nn.Module) -> bool:
+    """Whether the CUDA decode kernels read these experts: moe.Experts' contiguous 3D weights, or
+    PlanarExperts (its Q4_K halves through qplanar.py's expert GEMVs)."""
+    if isinstance(ex, PlanarExperts):
+        return True
+    return isinstance(ex, Experts) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous()
+
+
+def decode_experts(x: torch.Tensor, ex: nn.Module, idx: torch.Tensor, weights: torch.Tensor,
+                   shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One token's routed experts on CUDA (decode_serves(ex)): x [1, H] contiguous, idx and weights
+    [1, k] from cuda_moe.route; plus shared * sigmoid(shared_gate) where given. Each half of
+    PlanarExperts through qplanar.py where planar, else through kernels/cuda/moe.py's launch for it
+    (h, the fp32 intermediate, passes between them); moe.Experts through cuda_moe.experts."""
+    if not isinstance(ex, PlanarExperts):
+        return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, shared_gate)
+    gu, dn, E = ex.qweight("gate_up"), ex.qweight("down"), ex.num_experts
+    h = qplanar.experts_gate_up(x, gu, idx, E) if gu is not None else cuda_moe.experts_gate_up(x, ex.gate_up_proj, idx)
+    if dn is not None:
+        return qplanar.experts_down(h, dn, idx, weights, E, x.dtype, shared, shared_gate)
+    return cuda_moe.experts_down(h, ex.down_proj, idx, weights, x.dtype, shared, shared_gate)
+
+
 class Router(nn.Module):
     """Softmax over all experts in fp32, then the top k (renormalised to sum 1 if norm_topk)."""
 
@@ -105,8 +129,7 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ex = self.experts
-        if cuda_base.usable(x) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous():
+        if cuda_base.usable(x) and decode_serves(self.experts):
             return self.decode_cuda(x)
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
@@ -128,7 +151,7 @@ class SparseMoe(nn.Module):
         launches, with the shared expert as one more of them where its weights allow (else its
         output is added in the second one's epilogue)."""
         x = x.contiguous()
-        E = self.experts.gate_up_proj.shape[0]
+        E = self.gate.weight.shape[0]
         if hasattr(self, "router_rows"):
             logits = cuda_linear.gemv(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
             gate = logits[:, E:]
@@ -138,8 +161,10 @@ class SparseMoe(nn.Module):
         idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
         ex = self.experts
         if not hasattr(self, "shared_expert"):
-            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights)
+            return decode_experts(x, ex, idx, weights)
         se = self.shared_expert
+        if isinstance(ex, PlanarExperts):
+            return decode_experts(x, ex, idx, weights, se(x), gate)
         gu, dn = getattr(se, "gate_up_proj", None), se.down_proj
         if (isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:]
                 and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous()):

@@ -208,14 +208,10 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.GgufExperts):
-            if device.type == "cuda":  # the CUDA MoE kernels read bf16/fp16 experts: dequantized here
-                module = model.get_submodule(name)
-                gate, up, down = (x.dequantize() for x in (t.gate, t.up, t.down))
-                module.gate_up_proj = torch.nn.Parameter(torch.cat([gate, up], dim=1).to(device, dtype),
-                                                         requires_grad=False)
-                module.down_proj = torch.nn.Parameter(down.to(device, dtype), requires_grad=False)
-                continue
-            setattr(model.get_submodule(owner), leaf, quant.BlockExperts(t))
+            # CUDA: Q4_K halves repacked for qplanar.py's expert GEMVs, the others dequantized for
+            # moe.py's kernels; the CPU keeps the file's blocks
+            experts = quant.PlanarExperts.from_gguf(t, device, dtype) if device.type == "cuda" else quant.BlockExperts(t)
+            setattr(model.get_submodule(owner), leaf, experts)
             continue
         if isinstance(t, hf_quant.QuantizedTensor):
             # CUDA keeps them quantized for its kernels; the CPU widens them (the fp32 reference)

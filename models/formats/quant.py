@@ -456,6 +456,82 @@ class BlockExperts(nn.Module):
         return out
 
 
+class PlanarExperts(nn.Module):
+    """Routed SwiGLU experts of a GGUF on CUDA, what moe.Experts computes: each half, the fused
+    [gate; up] rows [E, 2I, H] and the down rows [E, H, I], repacked as Q4KP where the file holds
+    it in Q4_K with whole super-blocks (formats/planar.py: the E experts' rows as one matrix,
+    expert e's from row e * rows), else dequantized to the model's dtype as moe.Experts holds it
+    (`gate_up_proj`, `down_proj`: a Q4_K_M file's Q6_K down experts). The decode step
+    (architectures/moe.py) reads only the chosen experts on the device; more tokens take each
+    chosen expert's rows dequantized (the CUDA kernels where imported, else planar's oracle)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.planar_halves: dict[str, tuple[str, int, int, int]] = {}  # half: (fmt, n, k, group)
+
+    @classmethod
+    def from_gguf(cls, t: "GgufExperts", device: torch.device, dtype: torch.dtype) -> "PlanarExperts":
+        from . import planar
+        e, i, h = t.gate.shape
+        m = cls(e, h, i)
+        q4k = gguf_blocks.TYPES["Q4_K"]
+        if t.gate.ggml_type == t.up.ggml_type == q4k and h % 256 == 0 and i % planar.ROWS == 0:
+            blocks = torch.cat([t.gate.blocks(), t.up.blocks()], 1).to(device).reshape(e * 2 * i, -1)
+            m.keep_planar("gate_up", planar.repack_q4k(QWeight("Q4_K", blocks, e * 2 * i, h)))
+        else:
+            m.gate_up_proj = nn.Parameter(torch.cat([t.gate.dequantize(), t.up.dequantize()], 1).to(device, dtype),
+                                          requires_grad=False)
+        if t.down.ggml_type == q4k and i % 256 == 0 and h % planar.ROWS == 0:
+            m.keep_planar("down", planar.repack_q4k(QWeight("Q4_K", t.down.blocks().to(device).reshape(e * h, -1), e * h,
+                                                            i)))
+        else:
+            m.down_proj = nn.Parameter(t.down.dequantize().to(device, dtype), requires_grad=False)
+        return m
+
+    def keep_planar(self, half: str, pw: QWeight) -> None:
+        """Hold `pw` ([E rows, K], planar) as "gate_up" ([gate; up] rows of each expert) or "down"."""
+        for name, tensor in (("words", pw.data), ("dd", pw.scales), ("sm", pw.zeros)):
+            self.register_buffer(f"{half}_{name}", tensor)
+        self.planar_halves[half] = (pw.fmt, pw.n, pw.k, pw.group)
+
+    def qweight(self, half: str) -> QWeight | None:
+        """The planar QWeight of "gate_up" or "down" (its buffers as they are now), or None
+        where that half is dense."""
+        if half not in self.planar_halves:
+            return None
+        fmt, n, k, group = self.planar_halves[half]
+        return QWeight(fmt, getattr(self, f"{half}_words"), n, k, getattr(self, f"{half}_dd"), getattr(self, f"{half}_sm"),
+                       group)
+
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors of the planar halves (the dense ones are parameters)."""
+        return [getattr(self, f"{half}_{name}") for half in self.planar_halves for name in ("words", "dd", "sm")]
+
+    def _rows(self, half: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        dense = getattr(self, "gate_up_proj" if half == "gate_up" else "down_proj", None)
+        if dense is not None:
+            return dense[e].to(dtype)
+        pw = self.qweight(half)
+        rows = pw.n // self.num_experts
+        k = QuantLinear.kernels
+        if k is not None and pw.data.is_cuda and k.usable(pw.data):
+            return k.dequantize(pw, e * rows, (e + 1) * rows, dtype)
+        from . import planar
+        return planar.dequantize_q4kp_rows(pw, e * rows, (e + 1) * rows).to(dtype)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen
+        ones, each expert's rows dequantized (moe.Experts' loop on these weights)."""
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self._rows("gate_up", e, x.dtype)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self._rows("down", e, x.dtype)) * weights[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
     (exactly gguf-py's values; on CUDA by the Triton kernel, in `out_dtype`: the model's)."""
@@ -508,6 +584,8 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         elif isinstance(m, BlockExperts):
             for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):
                 add(gguf_blocks.type_name(ggml_type), [blocks])
+        elif isinstance(m, PlanarExperts):
+            add("Q4_K", m.stored())  # (a dense half: a parameter, counted below)
         elif hasattr(m, "format_tensors"):  # hf_quant's linears: (format name, its tensors)
             name, tensors = m.format_tensors()
             add(name, tensors)

@@ -133,16 +133,36 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: tor
     in x's dtype. Block sizes: 8 output rows per program (512 programs for gate/up and 256 for
     down at the 35B-A3B shape, to fill the SMs), gate/up walking H in steps of `block_k`, down
     reading each expert's rows (I <= 512) whole."""
+    h = experts_gate_up(x, gate_up, idx, shared_gate_up, block_n, block_k)
+    return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, block_n)
+
+
+def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
+                    shared_gate_up: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256) -> torch.Tensor:
+    """The first launch of `experts`: h [k (+1 with shared_gate_up), I] fp32, silu(gate) * up of
+    each chosen expert (then the shared one's)."""
     E, I2, H = gate_up.shape
     I, k = I2 // 2, idx.shape[-1]
-    mode = 2 if shared_gate_up is not None else 1 if shared is not None else 0
-    h = torch.empty(k + (mode == 2), I, dtype=torch.float32, device=x.device)
-    opts = cuda_base.pdl(x)
-    launch(_gate_up_kernel, (k + (mode == 2), triton.cdiv(I, block_n)), x, gate_up, idx, h,
-           shared_gate_up if mode == 2 else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
-           BLOCK_K=block_k, num_warps=8, **opts)
-    out = torch.empty(1, H, dtype=x.dtype, device=x.device)
-    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else x,
-           shared_down if mode == 2 else down, shared_gate if mode else x, out, down.stride(0), I=I, H=H, TOP_K=k,
-           SHARED=mode, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8, **opts)
+    extra = shared_gate_up is not None
+    h = torch.empty(k + extra, I, dtype=torch.float32, device=x.device)
+    launch(_gate_up_kernel, (k + extra, triton.cdiv(I, block_n)), x, gate_up, idx, h,
+           shared_gate_up if extra else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
+           BLOCK_K=block_k, num_warps=8, **cuda_base.pdl(x))
+    return h
+
+
+def experts_down(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                 out_dtype: torch.dtype, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                 shared_down: torch.Tensor | None = None, block_n: int = 8) -> torch.Tensor:
+    """The second launch of `experts`: sum_k w_k down_e(h_k) [1, H] in out_dtype, from any h [k, I]
+    fp32 (qplanar.experts' too), the shared expert's as `experts` takes it (shared_down: its
+    intermediate is h's row k)."""
+    E, H, I = down.shape
+    k = idx.shape[-1]
+    mode = 2 if shared_down is not None else 1 if shared is not None else 0
+    out = torch.empty(1, H, dtype=out_dtype, device=h.device)
+    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
+           shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H, TOP_K=k,
+           SHARED=mode, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8,
+           **cuda_base.pdl(h))
     return out

@@ -30,7 +30,8 @@ from .base import launch, triton
 from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
 
-__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config", "FMTS"]
+__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config", "FMTS", "experts_gate_up",
+           "experts_down"]
 
 FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
 
@@ -89,27 +90,38 @@ if triton is not None:
         return s16 * ws - c * xs
 
     @triton.jit
-    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, N, stride_w, stride_a, stride_z,
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
                             G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
-                            SPLIT: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Rows BLOCKS R a program (axis 0); SPLIT > 1: program (i, s) sums the s-th of SPLIT equal
-        runs of STEPS // SPLIT steps into part[s] (part[SPLIT + s]: the up rows'), for _reduce_kernel."""
+                            SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+        """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
+        SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
+        idx[s] (rows_e rows an expert, expert e's from row e rows_e) against row s of x (stride_x
+        apart), its output row s of `out`. PARTIAL: the fp32 sums go to part[s] (part[SPLIT + s]:
+        the up rows') for _reduce_kernel instead of the epilogue."""
         GW: tl.constexpr = G // 8  # words a group
         NG: tl.constexpr = KW // GW  # groups a step
         RUN: tl.constexpr = STEPS // SPLIT
         pid = tl.program_id(0)
-        first = tl.program_id(1) * RUN
         b = pid * BLOCKS + tl.arange(0, BLOCKS)  # row blocks (R rows each)
         last = (N - 1) // 4
         rb = tl.minimum(b, last).to(tl.int64)[:, None, None, None]
         gi = tl.arange(0, NG)[None, :, None, None]
         wi = tl.arange(0, GW)[None, None, :, None]
         ri = tl.arange(0, 4)[None, None, None, :]
-        up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+        if EXPERTS:  # (idx and x come from the kernels before: read after the wait)
+            slot = tl.program_id(1)
+            rb += tl.load(idx + slot).to(tl.int64) * (rows_e // 4)
+            x += slot * stride_x
+            out += slot * N
+            first = slot * 0
+        else:
+            first = tl.program_id(1) * RUN
+        up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
         for i in range(RUN):
@@ -121,7 +133,7 @@ if triton is not None:
                                     FMT, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
-        if SPLIT > 1:
+        if PARTIAL:
             at = part + tl.program_id(1) * N + n
             tl.store(at, y, mask=n < N)
             if SWIGLU:
@@ -137,29 +149,37 @@ if triton is not None:
             y = y / (1.0 + tl.exp(-y)) * up
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
-
     @triton.jit
-    def _reduce_kernel(part, bias, out, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                       PDL: tl.constexpr, BLOCK: tl.constexpr):
-        """out = the sum of part's SPLIT rows in their order (deterministic, unlike atomics), then
-        the bias and SwiGLU as the one-launch kernel applies them."""
+    def _reduce_kernel(part, bias, weights, shared, shared_gate, out, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        """out = the sum of part's PARTS rows in their order (deterministic, unlike atomics), each
+        times weights[s] where WEIGHTED (the experts' routing weights); then the bias and SwiGLU
+        as the one-launch kernel applies them; SHARED: plus shared * sigmoid(shared_gate) (a
+        shared expert's output and its gate's logit)."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = n < N
-        y = tl.load(part + n, mask=m, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(part + s * N + n, mask=m, other=0.0)
+        y = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(PARTS):
+            p = tl.load(part + s * N + n, mask=m, other=0.0)
+            if WEIGHTED:
+                p = p * tl.load(weights + s)
+            y += p
         if HAS_BIAS:
             y += tl.load(bias + n, mask=m, other=0.0).to(tl.float32)
         if SWIGLU:
-            up = tl.load(part + SPLIT * N + n, mask=m, other=0.0)
-            for s in tl.static_range(1, SPLIT):
-                up += tl.load(part + (SPLIT + s) * N + n, mask=m, other=0.0)
+            up = tl.load(part + PARTS * N + n, mask=m, other=0.0)
+            for s in tl.static_range(1, PARTS):
+                up += tl.load(part + (PARTS + s) * N + n, mask=m, other=0.0)
             if HAS_BIAS:
                 up += tl.load(bias + n + N, mask=m, other=0.0).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * up
+        if SHARED:
+            sg = tl.load(shared_gate).to(tl.float32)
+            y += tl.load(shared + n, mask=m, other=0.0).to(tl.float32) / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=m)
 
 
@@ -232,16 +252,70 @@ def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu:
         raise ValueError(f"config {rows} rows x {kw} words a step, K split in {split}, does not fit "
                          f"K = {pw.k}, group {pw.group}")
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    z = pw.zeros if pw.zeros is not None else pw.scales
     b = bias if bias is not None else x
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
-    options = cuda_base.pdl(x)
-    launch(_planar_gemv_kernel, (triton.cdiv(n_out, rows), split), x, pw.data, pw.scales, z, b, out, part, n_out,
-           pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps,
-           BLOCKS=rows // R, SPLIT=split, FMT=FMTS[pw.fmt], HAS_BIAS=bias is not None, SWIGLU=swiglu,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **options)
+    _launch(x, pw, (triton.cdiv(n_out, rows), split), b, out, part, x, n_out, 0, 0, kw, steps, rows, warps,
+            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu)
     if split > 1:
-        launch(_reduce_kernel, (triton.cdiv(n_out, 1024),), part, b, out, n_out, SPLIT=split,
-               HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=1024, num_warps=4, **options)
+        _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
+    return out
+
+
+def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
+            experts, partial, has_bias, swiglu) -> None:
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
+           pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
+           SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+
+
+def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
+            shared_gate=None) -> None:
+    launch(_reduce_kernel, (triton.cdiv(n, 1024),), part, bias if bias is not None else part,
+           weights if weights is not None else part, shared if shared is not None else part,
+           shared_gate if shared_gate is not None else part, out, n, PARTS=parts, HAS_BIAS=bias is not None,
+           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=1024, num_warps=4,
+           **cuda_base.pdl(part))
+
+
+def _expert_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
+    """pick_config's rows, warps and words a step, unsplit (the top k experts fill axis 1)."""
+    rows, warps, kw, _ = pick_config(n, k, group)
+    return rows, warps, kw, (k // 8) // kw
+
+
+def experts_gate_up(x: torch.Tensor, pw: QWeight, idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """x [1, H] contiguous; pw the experts' fused [gate; up] rows as one planar QWeight
+    [E 2I, H] (expert e's 2I rows from row 2I e, gate rows first); idx [1, k] int64 (on the
+    device). Returns h [k, I] fp32: silu(gate_e x) * up_e x for e = idx[s], in one launch."""
+    rows_e = pw.n // num_experts
+    n_out, k = rows_e // 2, idx.shape[-1]
+    if rows_e * num_experts != pw.n or n_out % R:
+        raise ValueError(f"{pw.n} rows do not hold {num_experts} experts of whole [gate; up] row blocks")
+    rows, warps, kw, steps = _expert_config(n_out, pw.k, pw.group)
+    h = torch.empty(k, n_out, dtype=torch.float32, device=x.device)
+    _launch(x, pw, (triton.cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
+            split=1, experts=True, partial=False, has_bias=False, swiglu=True)
+    return h
+
+
+def experts_down(h: torch.Tensor, pw: QWeight, idx: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                 out_dtype: torch.dtype, shared: torch.Tensor | None = None,
+                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """h [k, I] fp32 contiguous (experts_gate_up's, or moe.experts_gate_up's); pw the experts'
+    down rows as one planar QWeight [E H, I]; weights [1, k] fp32. Returns [1, H] in out_dtype:
+    sum_s weights[s] down_{idx[s]} h[s], summed in slot order by a second launch, plus
+    shared * sigmoid(shared_gate) where given (a shared expert's output [1, H] and logit [1, 1])."""
+    rows_e = pw.n // num_experts
+    k = idx.shape[-1]
+    if rows_e * num_experts != pw.n or rows_e % R:
+        raise ValueError(f"{pw.n} rows do not hold {num_experts} experts of whole row blocks")
+    rows, warps, kw, steps = _expert_config(rows_e, pw.k, pw.group)
+    part = torch.empty(k, rows_e, dtype=torch.float32, device=h.device)
+    out = torch.empty(1, rows_e, dtype=out_dtype, device=h.device)
+    _launch(h, pw, (triton.cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, h.stride(0), kw, steps, rows,
+            warps, split=1, experts=True, partial=True, has_bias=False, swiglu=False)
+    _reduce(part, k, out, rows_e, weights=weights, shared=shared, shared_gate=shared_gate)
     return out
