@@ -145,14 +145,20 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=10240)
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
+    ap.add_argument("--planar-config", default=None,
+                    help="INT4P / Q4KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
     a = ap.parse_args()
     from models.kernels.cuda import qlinear
     from models.kernels.cuda import qplanar
     bn, warps, most = map(int, a.config.split("x")) if a.config else qlinear.pick_config(a.n)
     print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
-          f"INT4P: qplanar.pick_config's rows x num_warps x words a step)")
+          f"INT4P / Q4KP: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
     for fmt in a.formats:
-        cfg = qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3] if fmt in qplanar.FMTS else (bn, warps, most)
+        if fmt in qplanar.FMTS:
+            cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
+                qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3]
+        else:
+            cfg = (bn, warps, most)
         text, weights = compile_sass(fmt, a.n, a.k, *cfg)
         body = main_loop(text)
         if not body:
@@ -161,7 +167,7 @@ def main() -> None:
         ops = collections.Counter(opcode(x) for x in body)
         loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
         print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
-              f"{len(body) * warps * 32 / weights:.2f} a weight; global loads {loads}; "
+              f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; "
               + ", ".join(f"{o} {c}" for o, c in ops.most_common(10)))
 
 
