@@ -312,6 +312,23 @@ def _compiled_kernels() -> int:
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
+def _start_compiles_what_a_conversation_runs(lm, compiled):
+    """A graph session on lm, whose start compiles kernels (compiled() grows), then a conversation
+    of several prompt lengths, decode steps and a later turn (a masked prefill) that compiles
+    none. Returns (prompts, their replies, the later turn's reply, the sampling config)."""
+    before = compiled()
+    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
+    started = compiled()
+    assert started > before
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    tokens = [list(s.generate(p, cfg)) for p in prompts]
+    later = list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))
+    assert compiled() == started
+    return prompts, tokens, later, cfg
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe"])
 def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monkeypatch, kind):
     """The session compiles (side by side) the kernels of prefill and decode when it starts: no
@@ -330,16 +347,7 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
     if kind == "qwen3_moe":  # its other kernels are the llama case's, compiled there
         over.update(moe_intermediate_size=56)
     lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", torch.bfloat16)
-    before = _compiled_kernels()
-    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
-    started = _compiled_kernels()
-    assert started > before
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
-    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
-    tokens = [list(s.generate(p, cfg)) for p in prompts]
-    later = list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))  # a later turn: masked prefill
-    assert _compiled_kernels() == started
+    prompts, tokens, later, cfg = _start_compiles_what_a_conversation_runs(lm, _compiled_kernels)
     monkeypatch.setattr(cuda_base, "PRECOMPILE_ENABLED", False)  # a session started without them
     fresh = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph="on")
@@ -395,13 +403,4 @@ def test_lfm2_session_start_compiles_every_kernel_a_conversation_runs(tmp_path):
 
     lm = models.load(write_checkpoint("lfm2", str(tmp_path), hidden_size=96, intermediate_size=240,
                                       num_attention_heads=3, num_key_value_heads=1), "cuda", torch.bfloat16)
-    before = compiled()
-    s = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=torch.bfloat16, cuda_graph="on")
-    started = compiled()
-    assert started > before
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 16, 64, 65, 130)]
-    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
-    tokens = [list(s.generate(p, cfg)) for p in prompts]
-    list(s.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg))
-    assert compiled() == started
+    _start_compiles_what_a_conversation_runs(lm, compiled)
