@@ -83,7 +83,9 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
     ref_idx, ref_w = m.gate(x)
     assert idx.tolist() == ref_idx.tolist(), (idx, ref_idx)
     assert (w - ref_w).abs().max() <= 1e-6
-    blocks = {"block_n": 16, "block_k": 16} if E == 8 else {}  # several K steps; the defaults
+    # several K steps, rolled and unrolled; else pick_config's
+    blocks = {"config": ((16, 16, 8, 1), (16, 16, 8, 2)) if shared == 48 else ((16, 16, 8, 2), (8, 16, 4, 1))} \
+        if E == 8 else {}
     ref = m(x)
     se = m.shared_expert if shared else None
     ways = [{}] if not shared else [

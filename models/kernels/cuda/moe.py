@@ -54,7 +54,7 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         k = tl.program_id(0)  # TOP_K: the shared expert (when the launch has that program)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < I
@@ -66,7 +66,7 @@ if triton is not None:
             rows = shared_w + n[:, None] * H
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < H
             xv = tl.load(x + kk, mask=km, other=0.0).to(tl.float32)
@@ -78,10 +78,11 @@ if triton is not None:
         tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.jit
-    def _down_rows(h, rows, n, nm, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_rows(h, rows, n, nm, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UNROLL: tl.constexpr):
         """sum_j rows[n, j] * h[j] for the program's rows, in fp32."""
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in tl.range(0, I, BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < I
             hv = tl.load(h + kk, mask=km, other=0.0)
@@ -92,20 +93,20 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, I: tl.constexpr,
                      H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < H
         _pdl_enter(PDL)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             e = tl.load(idx + k).to(tl.int64)
-            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K)
+            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
         if SHARED > 0:
             sg = tl.load(shared_gate).to(tl.float32)
             if SHARED == 1:  # the shared expert's output, computed apart
                 s = tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
             else:  # its intermediate is row TOP_K of h: its down rows here
-                s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K)
+                s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
             y += s / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
@@ -122,47 +123,56 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     return idx, w
 
 
+def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """((rows a program, K a step, num_warps, unroll) of gate/up, the same of down) for experts
+    of hidden size H and intermediate I: 8 rows and 8 warps, gate/up walking H 256 at a time and
+    down I whole (at most 512 a step, in a power of 2 that divides I: I = 768 reads 3 x 256, not
+    2 x 512 half masked), loops not unrolled."""
+    down_k = min(512, I & -I)
+    return (8, 256, 8, 1), (8, max(down_k, 16), 8, 1)
+
+
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-            block_n: int = 8, block_k: int = 256) -> torch.Tensor:
+            config=None) -> torch.Tensor:
     """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
     int64, weights [1, k] fp32. The shared expert, where there is one: shared_gate [1, 1] (its
     gate's logit) and either its weights, shared_gate_up [2I, H] and shared_down [H, I] (the same
     I: it runs as one more program of each launch), or its output `shared` [1, H]. Returns [1, H]
-    in x's dtype. Block sizes: 8 output rows per program (512 programs for gate/up and 256 for
-    down at the 35B-A3B shape, to fill the SMs), gate/up walking H in steps of `block_k`, down
-    reading each expert's rows (I <= 512) whole."""
-    h = experts_gate_up(x, gate_up, idx, shared_gate_up, block_n, block_k)
-    return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, block_n)
+    in x's dtype. `config`: pick_config's pair by default."""
+    gu_config, down_config = config or pick_config(gate_up.shape[2], down.shape[2])
+    h = experts_gate_up(x, gate_up, idx, shared_gate_up, gu_config)
+    return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, down_config)
 
 
 def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
-                    shared_gate_up: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256) -> torch.Tensor:
+                    shared_gate_up: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """The first launch of `experts`: h [k (+1 with shared_gate_up), I] fp32, silu(gate) * up of
     each chosen expert (then the shared one's)."""
     E, I2, H = gate_up.shape
     I, k = I2 // 2, idx.shape[-1]
+    block_n, block_k, warps, unroll = config or pick_config(H, I)[0]
     extra = shared_gate_up is not None
     h = torch.empty(k + extra, I, dtype=torch.float32, device=x.device)
     launch(_gate_up_kernel, (k + extra, triton.cdiv(I, block_n)), x, gate_up, idx, h,
            shared_gate_up if extra else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
-           BLOCK_K=block_k, num_warps=8, **cuda_base.pdl(x))
+           BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(x))
     return h
 
 
 def experts_down(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                  out_dtype: torch.dtype, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-                 shared_down: torch.Tensor | None = None, block_n: int = 8) -> torch.Tensor:
+                 shared_down: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """The second launch of `experts`: sum_k w_k down_e(h_k) [1, H] in out_dtype, from any h [k, I]
     fp32 (qplanar.experts' too), the shared expert's as `experts` takes it (shared_down: its
     intermediate is h's row k)."""
     E, H, I = down.shape
     k = idx.shape[-1]
+    block_n, block_k, warps, unroll = config or pick_config(H, I)[1]
     mode = 2 if shared_down is not None else 1 if shared is not None else 0
     out = torch.empty(1, H, dtype=out_dtype, device=h.device)
     launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
            shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H, TOP_K=k,
-           SHARED=mode, BLOCK_N=block_n, BLOCK_K=min(512, triton.next_power_of_2(I)), num_warps=8,
-           **cuda_base.pdl(h))
+           SHARED=mode, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
     return out
