@@ -26,6 +26,9 @@ SHAPES = {  # (K, N) of each linear in one decoder layer, and the LM head
     "qwen2.5-0.5b": [(896, 1152), (896, 896), (896, 9728), (4864, 896), (896, 151936)],
     "qwen3.5-0.8b": [(1024, 8224), (2048, 1024), (1024, 5120), (1024, 7168), (3584, 1024), (1024, 248320)],
     "qwen3.5-27b": [(5120, 16480), (6144, 5120), (5120, 14336), (5120, 34816), (17408, 5120)],
+    # the MoE shapes' dense GEMVs (their experts: bench/moe_sweep.py)
+    "qwen3.5-35b-a3b": [(2048, 12352), (4096, 2048), (2048, 9216), (2048, 257), (2048, 248320)],
+    "qwen3-30b-a3b": [(2048, 5120), (4096, 2048), (2048, 128), (2048, 151936)],
 }
 
 
@@ -57,21 +60,22 @@ def time_calls(fn, weights, x, reps=5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(list(SHAPES)[:4]))
     ap.add_argument("--quick", action="store_true", help="only the configs pick_config would choose, and cuBLAS")
+    ap.add_argument("--matrix", help="only this K x N matrix (e.g. 5120x248320, an LM head), under --shapes' name")
     a = ap.parse_args()
     dev = torch.device("cuda")
     configs = [c for c in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512), (4, 8)) if c[0] * c[1] <= 16384]
     for name in a.shapes.split(","):
-        for K, N in SHAPES[name]:
+        for K, N in ([tuple(map(int, a.matrix.split("x")))] if a.matrix else SHAPES[name]):
             size = K * N * 2
             n = max(2, min(64, (256 << 20) // size))
             weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
             row = {"cublas": time_calls(lambda x, w: F.linear(x, w), weights, x)}
-            cands = [cuda_linear.pick_config(K, N)] if a.quick else configs
-            for bn, bk, nw in cands:
+            cands = [cuda_linear.pick_config(K, N)] + ([] if a.quick else configs)
+            for bn, bk, nw in dict.fromkeys(cands):
                 out = cuda_linear.gemv(x, weights[0], config=(bn, bk, nw))
                 assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2), (K, N, bn, bk, nw)
                 row[(bn, bk, nw)] = time_calls(lambda x, w: cuda_linear.gemv(x, w, config=(bn, bk, nw)), weights, x)
