@@ -3,6 +3,7 @@
     python bench/quant_bench.py [--big qwen3.5-27b] [--formats bf16,Q4_K,AWQ,FP8]
         [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--small-formats bf16,Q4_K] [--new 128] [--prefill 2048]
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
+    python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -83,33 +84,39 @@ def sweep(device) -> None:
             lin = qw = None
             torch.cuda.empty_cache()
     print("(each cell: microseconds a call / TB/s; columns: BLOCK_N x num_warps x most weights a step)")
+    sweep_planar(device, x, gen)
+
+
+def sweep_planar(device, x, gen) -> None:
+    """qplanar.py's GEMV per (rows a program, num_warps) with pick_config's words a step and K
+    split for them, on the bf16 input as given (A16) and as int8 (A8, quantize_input's launch
+    included), on the big shape's matrices."""
     from models.formats import planar
     from models.kernels.cuda import qplanar
-    print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_CONFIGS)
+    from shapes import random_quant_linear
+    print(f"\n{'format':>8}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_TILES)
           + f"{'picked':>13}")
     for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k)):
         for n, k in ((10240, 5120), (5120, 17408), (34816, 5120)):
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
-            cells = []
-            for config in PLANAR_CONFIGS + [qplanar.pick_config(n, k, pw.group)]:
-                steps = (k // 8) // config[2]
-                if (k // 8) % config[2] or config[2] % (pw.group // 8) or steps % config[3]:
-                    cells.append("-")
-                    continue
-                us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config))
-                cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
-            print(f"{fmt:>6}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
-                  + f"  (picked {'x'.join(map(str, qplanar.pick_config(n, k, pw.group)))})", flush=True)
+            for int8 in (False, True):
+                cells = []
+                picked = qplanar.pick_config(n, k, pw.group)
+                for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:
+                    us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config, int8=int8))
+                    cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
+                print(f"{fmt + ('-A8' if int8 else ''):>8}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
+                      + f"  (picked {'x'.join(map(str, picked))})", flush=True)
             pw = None
             torch.cuda.empty_cache()
-    print("(INT4P and Q4KP columns: rows a program x num_warps x words a step x K split in)")
+    print("(columns: rows a program x num_warps, with pick_config's words a step and K split for them; "
+          "a cell: microseconds a call / TB/s of the weight's bytes)")
 
 
-# (rows a program, warps, words a step, K split in): J2's best (8x4x32x4) and its neighbours; 2 warps
-# over the same tile cut the loop to 4.4-4.7 instructions a weight against 5.9 (sm_90 SASS, bench/RESULTS.md)
-PLANAR_CONFIGS = [(8, 4, 32, 4), (8, 4, 32, 2), (8, 4, 32, 1), (8, 2, 32, 4), (8, 2, 32, 2), (16, 2, 32, 4),
-                  (16, 2, 32, 2), (16, 4, 32, 4), (8, 4, 64, 2), (8, 2, 64, 2), (16, 4, 64, 2), (16, 8, 128, 1)]
+# (rows a program, warps): J2's best (8 x 4) and the tiles with fewer instructions a weight in the
+# SASS (bench/sass_loop.py: 2 warps over the same tile, or twice the rows)
+PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
 
 
 def _graph_us(call) -> float:
@@ -138,10 +145,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
+    ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
         sweep(device)
+        return
+    if args.sweep_planar:
+        sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
+                     torch.Generator(device=device).manual_seed(0))
         return
     jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
     jobs += [(s, f) for s in args.small.split(",") if s for f in args.small_formats.split(",") if f]

@@ -46,7 +46,7 @@ def weight(fmt: str, n: int, k: int):
     return quant.BlockLinear(_random_blocks(fmt, n, k, "cpu", gen), gguf_blocks.TYPES[fmt]).qweight()
 
 
-def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tuple[str, int]:
+def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8: bool = False) -> tuple[str, int]:
     """(the SASS text, weights a program decodes per iteration of its main loop), for the launch
     qlinear.gemv makes on that weight (its constants, and the integer arguments the launcher
     specializes as divisible by 16)."""
@@ -56,7 +56,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
 
     from models.kernels.cuda import qlinear
     if fmt in ("INT4P", "Q4KP"):
-        return _compile_planar(fmt, n, k, bn, warps, most)
+        return _compile_planar(fmt, n, k, bn, warps, most, int8=int8)
     qw = weight(fmt, n, k)
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
@@ -75,9 +75,10 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int) -> tu
     return _disassemble(cubin), const["W"] * bn
 
 
-def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, split: int = 1) -> tuple[str, int]:
+def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, split: int = 1,
+                    int8: bool = False) -> tuple[str, int]:
     """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight or the Q4KP repack of a Q4_K
-    one (config: rows a program, num_warps, words a step)."""
+    one (config: rows a program, num_warps, words a step); int8: on quantize_input's int8 inputs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -86,12 +87,12 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     from models.kernels.cuda import qplanar
     pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
     z = pw.zeros if pw.zeros is not None else pw.scales
-    sig = dict(x="*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
+    sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
                bias="*bf16", out="*bf16", part="*fp32", idx="*i64", N="i32", rows_e="i32", stride_x="i32",
                stride_w="i32", stride_a="i32", stride_z="i32")
     const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, EXPERTS=False,
                  PARTIAL=split > 1, FMT=qplanar.FMTS[fmt],
-                 HAS_BIAS=False, SWIGLU=False, PDL=True, INTERPRETED=False)
+                 HAS_BIAS=False, SWIGLU=False, A8=int8, PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)
     aligned = ["x", "w", "aux", "aux2", "out", "part"] + [x for x, v in ints.items() if v % 16 == 0]
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
     ap.add_argument("--planar-config", default=None,
                     help="INT4P / Q4KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
+    ap.add_argument("--int8", action="store_true", help="INT4P / Q4KP: the GEMV on int8 inputs (DP4A)")
     a = ap.parse_args()
     from models.kernels.cuda import qlinear
     from models.kernels.cuda import qplanar
@@ -159,12 +161,14 @@ def main() -> None:
                 qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3]
         else:
             cfg = (bn, warps, most)
-        text, weights = compile_sass(fmt, a.n, a.k, *cfg)
+        text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
         body = main_loop(text)
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")
             continue
         ops = collections.Counter(opcode(x) for x in body)
+        if a.int8 and fmt in qplanar.FMTS:  # ptxas unrolls this loop: each step of it holds two DP4As a word
+            weights *= max(1, round(ops["IDP"] / (2 * cfg[0] * cfg[2] / (cfg[1] * 32))))
         loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
         print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
               f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; "

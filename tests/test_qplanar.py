@@ -1,5 +1,6 @@
 """models/kernels/cuda/qplanar.py: the INT4P repack against the weights AWQ/GPTQ's INT4 encodes,
-and its dequant-GEMV against the dequantized product, on CUDA (`gpu`) and under Triton's
+and its dequant-GEMV against the dequantized product (of the input rounded to int8 per group,
+x~, where the GEMV takes int8 inputs), on CUDA (`gpu`) and under Triton's
 interpreter on the CPU (TRITON_INTERPRET=1 with a Triton on PYTHONPATH; skipped otherwise).
 Tolerance: |y - ref| <= 1e-5 * scale + (bf16 output: 2^-8 |ref|), scale = |x| @ |W|^T."""
 import importlib.util
@@ -37,10 +38,42 @@ def test_repack_refuses_what_it_cannot_hold():
                                torch.zeros(4, 4, dtype=torch.uint8), 4))
 
 
+@pytest.mark.parametrize("k,group", [(512, 32), (1024, 128), (256, 64)])
+def test_quantize_input_packs_the_reference(device, k, group):
+    """quantize_input's buffer holds, at word position g G/8 + m, the int8 codes of the inputs the
+    even and the odd nibbles meet (bytes j / 2 of j = 0, 2, 4, 6 and 1, 3, 5, 7: input g G + G/8 j
+    + m), dx sum_j q and dx / 16, for quantized_reference's x~ = q dx; a zero group stays zero,
+    the largest input of a group is +-127 dx, and |x~ - x| <= dx / 2."""
+    from models.kernels.cuda import qplanar
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, k, generator=g) * torch.logspace(-3, 3, k // group).repeat_interleave(group)
+    x[1, :group] = 0
+    x[2, 5] = 1e4
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        xq = qplanar.quantize_input(x.to(device, dtype), group).cpu()
+        ref = qplanar.quantized_reference(x.to(dtype), group)
+        assert xq.shape == (3, 4, k // 8)
+        gw = group // 8
+        codes = torch.zeros(3, k, dtype=torch.int64)
+        for j in range(8):
+            byte = (xq[:, j % 2] >> (8 * (j // 2))) & 255
+            byte = torch.where(byte > 127, byte - 256, byte)
+            pos = torch.arange(k // 8)
+            codes[:, (pos // gw) * group + gw * j + pos % gw] = byte.long()
+        dx = xq[:, 3].view(torch.float32).double().reshape(3, -1, gw)[..., 0].repeat_interleave(group, 1) * 16
+        assert torch.equal(codes * dx, ref)
+        sums = codes.reshape(3, k // group, 8, gw).sum(2).reshape(3, -1)
+        assert torch.equal(xq[:, 2].view(torch.float32), sums.float() * (xq[:, 3].view(torch.float32) * 16))
+        assert bool((codes[1, :group] == 0).all()) and int(codes[2].abs().max()) == 127
+        assert bool(((ref - x.to(dtype).double()).abs() <= dx / 2 * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n,k,group,swiglu,bias", [(37, 1024, 128, False, False), (40, 2048, 128, True, True),
                                                    (22, 512, 64, False, True), (8, 128, 128, True, False),
                                                    (14, 256, 128, True, True)])
-def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias):
+def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8):
+    """Against x @ W^T in fp64, or x~ @ W^T with int8 inputs (x~ = quantized_reference(x))."""
     from models.kernels.cuda import qplanar
     lin = int4_linear(n, k, group, 1, device)
     b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device) if bias else None
@@ -48,7 +81,7 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias):
     w = lin.dequantize(torch.float64)
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-        xd = x.double()
+        xd = qplanar.quantized_reference(x, group).to(device) if int8 else x.double()
         ref = xd @ w.t() + (b.double() if b is not None else 0)
         scale = xd.abs() @ w.abs().t() + (b.double().abs() if b is not None else 0)
         if swiglu:
@@ -56,7 +89,7 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias):
             g, u = ref[:, :half], ref[:, half:]
             ref = g / (1 + torch.exp(-g)) * u
             scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
-        out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype)
+        out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype, int8=int8)
         err = (out.double() - ref).abs()
         tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
         assert bool((err <= tol).all()), float((err - tol).max())
@@ -96,8 +129,8 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The GEMV (its inline LOP3 included, which the interpreter does not run) and the dequantize
-    kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
+    """The GEMV (its inline LOP3 and DP4A included, which the interpreter does not run) on either
+    input, the input's int8 quantizer and the dequantize kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -107,15 +140,19 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
                    N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
-        cases += [(qplanar._planar_gemv_kernel, sig, dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
+        cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
+                   dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
                                                           SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
-                                                          HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for split in (1, 2)]
+                                                          HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True,
+                                                          INTERPRETED=False))
+                  for swiglu in (False, True) for split in (1, 2) for a8 in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
-        cases += [(qplanar._planar_gemv_kernel, {**sig, "x": x_type, "out": "*fp32"},
+        cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
                    dict(G=32 if fmt else 128, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
-                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, PDL=True, INTERPRETED=False))
-                  for swiglu, x_type in ((True, "*bf16"), (False, "*fp32"))]
+                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True, INTERPRETED=False))
+                  for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
+        cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
+                      dict(G=32 if fmt else 128, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),
@@ -153,8 +190,9 @@ def test_q4k_repack_keeps_every_weight(n, k):
     assert pw.nbytes() == rows * (k // 2 + k // 256 * 4 + k // 32 * 2)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
-def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu):
+def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):
     from models.formats import planar
     from models.kernels.cuda import qplanar
     qw, w = q4k_weight(n, k, 1, device)
@@ -164,13 +202,13 @@ def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu):
     assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-        xd = x.double()
+        xd = qplanar.quantized_reference(x, 32).to(device) if int8 else x.double()
         ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
         if swiglu:
             g, u = ref[:, :n // 2], ref[:, n // 2:]
             ref = g / (1 + torch.exp(-g)) * u
             scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
-        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype)
+        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
         tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
         assert bool(((y.double() - ref).abs() <= tol).all())
 
@@ -234,12 +272,15 @@ def gguf_experts(E, I, H, down_type="Q4_K", seed=0):
     return quant.GgufExperts(t(Q.Q4_K, I, H, 0), t(Q.Q4_K, I, H, 1), t(Q[down_type], H, I, 2))
 
 
-def test_expert_gemvs_are_the_chosen_experts_products(device):
+@pytest.mark.parametrize("int8", [False, True])
+def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch):
     """qplanar.experts_gate_up / experts_down read only the experts idx names (idx on the
     device), each slot against its own input row, and sum the slots in their order with the
-    routing weights and a shared expert's output: against the fp64 oracle of the same blocks."""
+    routing weights and a shared expert's output: against the fp64 oracle of the same blocks
+    (of the int8 inputs x~ and h~, where the kernels take them)."""
     from models.formats import planar, quant
     from models.kernels.cuda import qplanar
+    monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype: int8)
     E, I, H = 5, 256, 256
     ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H), device, torch.float32)
     gu, dn = ex.qweight("gate_up"), ex.qweight("down")
@@ -253,7 +294,8 @@ def test_expert_gemvs_are_the_chosen_experts_products(device):
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, H, generator=g).to(device, dtype)
         h = qplanar.experts_gate_up(x, gu, idx, E)
-        xd, ref_h, scale_h = x.double().cpu(), [], []
+        xd = qplanar.quantized_reference(x.cpu(), 32) if int8 else x.double().cpu()
+        ref_h, scale_h = [], []
         for e in idx[0].tolist():
             gate, up = (w_gu[e] @ xd[0]).chunk(2)
             ref_h.append(gate / (1 + torch.exp(-gate)) * up)
@@ -263,7 +305,8 @@ def test_expert_gemvs_are_the_chosen_experts_products(device):
         assert h.shape == (3, I) and h.dtype == torch.float32
         assert bool(((h.double().cpu() - ref_h).abs() <= 1e-5 * scale_h).all())
         out = qplanar.experts_down(h, dn, idx, weights, E, dtype, shared, sg)
-        hd, wd = h.double().cpu(), weights.double().cpu()[0]
+        hd = qplanar.quantized_reference(h.cpu(), 32) if int8 else h.double().cpu()
+        wd = weights.double().cpu()[0]
         parts = [wd[s] * (w_dn[e] @ hd[s]) for s, e in enumerate(idx[0].tolist())]
         ref = sum(parts) + shared.double().cpu()[0] / (1 + torch.exp(-sg.double().cpu()[0, 0]))
         scale = sum(wd[s] * (w_dn[e].abs() @ hd[s].abs()) for s, e in enumerate(idx[0].tolist())) + 1

@@ -16,6 +16,13 @@ float 1 + code/16 by bit operations alone (the code moved into the top of the ma
 shift and one three-input logic op), multiplied into a running sum over the word's nibbles; as
 sum_j (s code_j - offset) x_j = 16 s sum_j (1 + code_j/16) x_j - (16 s + offset) sum_j x_j, the
 scales cost two FMAs a word and no instruction converts an integer to a float.
+
+Int8 inputs (int8_inputs: 16-bit models by default, as llama.cpp's CUDA GEMVs quantize theirs):
+quantize_input first rounds each group of the input to int8 with one scale (x~ = q dx), in the
+order the nibbles meet them, and the GEMV then equals x~ @ W^T: per word, the even and the odd
+nibbles masked out in place (four codes a register, a byte each) go through two DP4As against
+the packed inputs, so a word costs about five integer instructions and two FMAs instead of three
+instructions a weight.
 `dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
 instructions a weight of the compiled loop.
 """
@@ -30,14 +37,15 @@ from .base import launch, triton
 from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
 
-__all__ = ["R", "repack", "dequantize", "gemv", "dequantize_rows", "pick_config", "FMTS", "experts_gate_up",
-           "experts_down"]
+__all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "quantized_reference", "int8_inputs",
+           "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
 FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
 
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _group_sums(words, x, xb, GW: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -79,21 +87,90 @@ if triton is not None:
         return s16, c
 
     @triton.jit
-    def _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
-                  NG: tl.constexpr, FMT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """A step's contribution [BB, NG, GW, R] for row blocks rb."""
+    def _dp4a_pair(lo, xe, hi, xo, INTERPRETED: tl.constexpr):
+        """sum over the four bytes b of lo_b xe_b + hi_b xo_b (lo, hi: unsigned codes; xe, xo:
+        signed int8 inputs): two DP4As."""
+        if INTERPRETED:
+            acc = tl.zeros(lo.shape, dtype=tl.int32)
+            for b in tl.static_range(4):
+                acc += ((lo >> (8 * b)) & 255) * ((xe << (24 - 8 * b)) >> 24)
+                acc += ((hi >> (8 * b)) & 255) * ((xo << (24 - 8 * b)) >> 24)
+            return acc
+        return tl.inline_asm_elementwise("{ dp4a.u32.s32 $0, $1, $2, 0; dp4a.u32.s32 $0, $3, $4, $0; }",
+                                         "=r,r,r,r,r", [lo, xe, hi, xo], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
+                  NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+        """acc [BB, NG, GW, R] plus a step's contribution for row blocks rb. A8: x is
+        quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
+        the words' input sums dx sum_j q_j and the groups' dx / 16)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
         s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
+            p = grp * GW + wi
+            xe = tl.load(x + p)
+            xo = tl.load(x + KW8 + p)
+            xs = tl.load(x + 2 * KW8 + p).to(tl.float32, bitcast=True)
+            xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
+            isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
+            acc += s16 * (isum.to(tl.float32) * xd16 + xs)
+            return acc - c * xs
         ws, xs = _group_sums(words, x, grp * G + wi, GW, INTERPRETED)
-        return s16 * ws - c * xs
+        return acc + (s16 * ws - c * xs)
+
+    @triton.jit
+    def _quantize_kernel(x, out, stride_x, n_groups, G: tl.constexpr, GB: tl.constexpr, KW8: tl.constexpr,
+                         PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Row program_id(1) of x, groups GB a program: per group of G inputs, dx = amax / 127 and
+        q = round-half-even(x 127 / amax) (int8); out [4, KW8] int32 per row: at word position
+        g G/8 + m, the bytes q[g G + G/8 j + m] for j = 0, 2, 4, 6 (the even nibbles' inputs), for
+        j = 1, 3, 5, 7, then dx sum_j q and dx / 16 (fp32 bits)."""
+        GW: tl.constexpr = G // 8
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(1)
+        g = tl.program_id(0) * GB + tl.arange(0, GB)[:, None]
+        m = tl.arange(0, GW)[None, :]
+        ok = (g < n_groups) & (m < GW)
+        src = x + row * stride_x + g * G + m
+        amax = tl.zeros((GB, GW), dtype=tl.float32)
+        for j in tl.static_range(8):
+            amax = tl.maximum(amax, tl.abs(tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32)))
+        amax = tl.max(amax, axis=1)[:, None]
+        inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
+        dx = tl.div_rn(amax, 127.0)
+        even = tl.zeros((GB, GW), dtype=tl.int32)
+        odd = tl.zeros((GB, GW), dtype=tl.int32)
+        qsum = tl.zeros((GB, GW), dtype=tl.int32)
+        for j in tl.static_range(8):
+            y = tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32) * inv
+            if INTERPRETED:  # round half to even by adding and taking away 1.5 2^23 (|y| <= 127)
+                y = (y + 12582912.0) - 12582912.0
+            else:
+                y = libdevice.rint(y)
+            q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32)
+            qsum += q
+            if j % 2 == 0:
+                even = even | ((q & 255) << (8 * (j // 2)))
+            else:
+                odd = odd | ((q & 255) << (8 * (j // 2)))
+        dst = out + row * 4 * KW8 + g * GW + m
+        tl.store(dst, even, mask=ok)
+        tl.store(dst + KW8, odd, mask=ok)
+        tl.store(dst + 2 * KW8, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(dst + 3 * KW8, (dx * 0.0625 + tl.zeros((GB, GW), dtype=tl.float32)).to(tl.int32, bitcast=True),
+                 mask=ok)
 
     @triton.jit
     def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
                             G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
                             SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PDL: tl.constexpr,
                             INTERPRETED: tl.constexpr):
         """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
         SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
@@ -126,11 +203,11 @@ if triton is not None:
         acc_up = acc
         for i in range(RUN):
             step = first + i
-            acc += _rows_dot(x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
-                             INTERPRETED)
+            acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT, A8,
+                            STEPS * KW, INTERPRETED)
             if SWIGLU:
-                acc_up += _rows_dot(x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG,
-                                    FMT, INTERPRETED)
+                acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
+                                   NG, FMT, A8, STEPS * KW, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
         if PARTIAL:
@@ -218,32 +295,64 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     return out
 
 
-def pick_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
+def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 4) -> tuple[int, int, int, int]:
     """(rows a program, num_warps, words a step, K split in): 8 rows and 4 warps; K split in the
     most parts, up to the fewest that give the grid ~8,192 programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
     those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120])."""
-    gw, words, rows = group // 8, k // 8, 8
+    gw, words = group // 8, k // 8
     want = 1
     while -(-n // rows) * want < 8192 and want < 16:
         want *= 2
     splits = [want >> i for i in range(want.bit_length())]
     for split, kw in [(s, w) for s in splits for w in (32, 64)] + [(s, 16) for s in splits]:
         if words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and (split == 1 or words // kw // split >= 4):
-            return rows, 4, kw, split
+            return rows, warps, kw, split
     kw = next(w for w in (32, 64, 16, 8, 4, 2, 1) if words % w == 0 and w % gw == 0)
-    return rows, 4, kw, 1
+    return rows, warps, kw, 1
+
+
+def int8_inputs(dtype: torch.dtype) -> bool:
+    """Whether the GEMVs of a model computing in `dtype` take their inputs as int8 per group
+    (quantize_input; DP4A against the codes), as llama.cpp's CUDA GEMVs take theirs: for 16-bit
+    models, whose inputs already carry 8 bits of mantissa, unless CHAT_PLANAR_A16=1; an fp32 model
+    (the reference form) keeps its inputs as given, each code turned into a float."""
+    return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
+
+
+def quantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [S, K] (rows of unit stride along K) → int32 [S, 4, K/8] (_quantize_kernel's layout):
+    per group of `group` inputs, q = round(x 127 / amax) as int8 and dx = amax / 127, so the
+    GEMVs compute with x~ = q dx (quantized_reference)."""
+    S, K = x.shape
+    out = torch.empty(S, 4, K // 8, dtype=torch.int32, device=x.device)
+    n_groups, gb = K // group, 4
+    launch(_quantize_kernel, (triton.cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
+           KW8=K // 8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
+    return out
+
+
+def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The x~ = q dx the int8-input GEMVs compute with (quantize_input), in fp64, from x [S, K]."""
+    g = x.float().reshape(x.shape[0], -1, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(g * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
 def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
+         int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous; pw an INT4P QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the
-    gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default)."""
+    gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default).
+    int8 (int8_inputs(x.dtype) by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
+    int8 = int8_inputs(x.dtype) if int8 is None else int8
     if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
-        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config)
+        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8)
         gate, up = both[:, :n_out], both[:, n_out:]
         return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
     rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group)
@@ -255,19 +364,20 @@ def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu:
     b = bias if bias is not None else x
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
-    _launch(x, pw, (triton.cdiv(n_out, rows), split), b, out, part, x, n_out, 0, 0, kw, steps, rows, warps,
-            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu)
+    src = quantize_input(x, pw.group) if int8 else x
+    _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, x, n_out, 0, 0, kw, steps, rows, warps,
+            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     if split > 1:
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
     return out
 
 
 def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
-            experts, partial, has_bias, swiglu) -> None:
+            experts, partial, has_bias, swiglu, int8) -> None:
     z = pw.zeros if pw.zeros is not None else pw.scales
     launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
            pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
-           SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu,
+           SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
@@ -296,8 +406,10 @@ def experts_gate_up(x: torch.Tensor, pw: QWeight, idx: torch.Tensor, num_experts
         raise ValueError(f"{pw.n} rows do not hold {num_experts} experts of whole [gate; up] row blocks")
     rows, warps, kw, steps = _expert_config(n_out, pw.k, pw.group)
     h = torch.empty(k, n_out, dtype=torch.float32, device=x.device)
-    _launch(x, pw, (triton.cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
-            split=1, experts=True, partial=False, has_bias=False, swiglu=True)
+    int8 = int8_inputs(x.dtype)
+    src = quantize_input(x, pw.group) if int8 else x
+    _launch(src, pw, (triton.cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
+            split=1, experts=True, partial=False, has_bias=False, swiglu=True, int8=int8)
     return h
 
 
@@ -315,7 +427,9 @@ def experts_down(h: torch.Tensor, pw: QWeight, idx: torch.Tensor, weights: torch
     rows, warps, kw, steps = _expert_config(rows_e, pw.k, pw.group)
     part = torch.empty(k, rows_e, dtype=torch.float32, device=h.device)
     out = torch.empty(1, rows_e, dtype=out_dtype, device=h.device)
-    _launch(h, pw, (triton.cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, h.stride(0), kw, steps, rows,
-            warps, split=1, experts=True, partial=True, has_bias=False, swiglu=False)
+    int8 = int8_inputs(out_dtype)  # (h is fp32 in every model: the model's dtype decides)
+    src = quantize_input(h, pw.group) if int8 else h
+    _launch(src, pw, (triton.cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, src.stride(0), kw, steps,
+            rows, warps, split=1, experts=True, partial=True, has_bias=False, swiglu=False, int8=int8)
     _reduce(part, k, out, rows_e, weights=weights, shared=shared, shared_gate=shared_gate)
     return out
