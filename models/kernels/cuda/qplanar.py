@@ -295,13 +295,16 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     return out
 
 
-def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 4) -> tuple[int, int, int, int]:
-    """(rows a program, num_warps, words a step, K split in): 8 rows and 4 warps; K split in the
+def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tuple[int, int, int, int]:
+    """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
     most parts, up to the fewest that give the grid ~8,192 programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
     those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
-    1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120])."""
+    1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
+    2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
+    but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
+    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.02-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
     want = 1
     while -(-n // rows) * want < 8192 and want < 16:
