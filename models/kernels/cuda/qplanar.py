@@ -304,7 +304,7 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tu
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
     but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
-    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.02-2.60 and 1.81-2.10 at 4 warps."""
+    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
     want = 1
     while -(-n // rows) * want < 8192 and want < 16:
