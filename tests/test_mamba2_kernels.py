@@ -151,12 +151,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (ssd._group_norm_kernel, dict(gated="*fp32", weight="*bf16", out="*bf16", eps="fp32"),
          dict(GS=3072, BLOCK=4096, PDL=True)),
         (moe._route_kernel, dict(logits="*bf16", idx_out="*i64", w_out="*fp32", E="i32"),
-         dict(TOP_K=6, BLOCK_E=64, NORM=True, PDL=True)),
+         dict(TOP_K=6, BLOCK_E=64, BLOCK_K=8, NORM=True, PDL=True)),
         (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
-         dict(I=512, H=1536, TOP_K=6, BLOCK_N=8, BLOCK_K=256, PDL=True)),
+         dict(I=512, H=1536, TOP_K=6, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
                                 shared_gate="*bf16", out="*bf16", stride_e="i32"),
-         dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=512, PDL=True)),
+         dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
     ]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)

@@ -29,28 +29,32 @@ if triton is not None:
     from .base import _pdl_enter
 
     @triton.jit
-    def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM: tl.constexpr, PDL: tl.constexpr):
+        """One pass of TOP_K (max, lowest id at the max) reductions; the chosen weights stay in
+        registers until their sum is known (launched with one warp: the reductions are shuffles)."""
         _pdl_enter(PDL)
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(e < E, p, -1.0)
-        total = 1.0
-        if NORM:  # a first pass for the sum of the k largest (kept in registers, no reload)
-            total = 0.0
-            q = p
-            for k in tl.static_range(TOP_K):
-                best = tl.max(q, axis=0)
-                total += best
-                q = tl.where(e == tl.min(tl.where(q == best, e, BLOCK_E), axis=0), -1.0, q)
+        slots = tl.arange(0, BLOCK_K)
+        chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
         for k in tl.static_range(TOP_K):
             best = tl.max(p, axis=0)
             i = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)  # the lowest id among equals
-            tl.store(idx_out + k, i.to(tl.int64))
-            tl.store(w_out + k, best / total)
+            chosen = tl.where(slots == k, best, chosen)
+            ids = tl.where(slots == k, i.to(tl.int64), ids)
             p = tl.where(e == i, -1.0, p)
+        if NORM:  # (summed in slot order, as the torch form's sum over the top k)
+            total = 0.0
+            for k in tl.static_range(TOP_K):
+                total += tl.sum(tl.where(slots == k, chosen, 0.0), axis=0)
+            chosen = chosen / total
+        tl.store(idx_out + slots, ids, mask=slots < TOP_K)
+        tl.store(w_out + slots, chosen, mask=slots < TOP_K)
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -119,7 +123,7 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     idx = torch.empty(1, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(1, top_k, dtype=torch.float32, device=logits.device)
     launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-           NORM=renormalise, num_warps=4, **cuda_base.pdl(logits))
+           BLOCK_K=triton.next_power_of_2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
     return idx, w
 
 
