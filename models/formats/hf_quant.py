@@ -219,13 +219,6 @@ class Fp8Linear(QuantLinear):
         s = self.scale.repeat_interleave(self.scale_rows, 0)[:self.out_features].repeat_interleave(128, 1)
         return (self.weight.float() * s[:, :self.in_features]).to(dtype)
 
-    def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.cuda_serves(x):
-            return self.cuda_forward(x, out_dtype)
-        x = self.plain(x)
-        y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y if out_dtype is None else y.to(out_dtype)
-
 
 class GroupInt4Linear(QuantLinear):
     """y = x @ W.T (+ bias) for AWQ / GPTQ 4-bit weights repacked as QWeight's INT4."""
@@ -279,10 +272,3 @@ class GroupInt4Linear(QuantLinear):
         b = self.packed.reshape(n, k // 32, 1, 16)
         codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)
         return Int4GroupTensor(self.fmt, codes, self.zeros, self.scales, self.group).dequantize(dtype)
-
-    def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.cuda_serves(x):
-            return self.cuda_forward(x, out_dtype)
-        x = self.plain(x)
-        y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y if out_dtype is None else y.to(out_dtype)

@@ -271,6 +271,18 @@ class QuantLinear(nn.Module):
     def qweight(self) -> QWeight:
         raise NotImplementedError
 
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The CUDA forms where they serve x, else torch's linear on the weights dequantized to
+        x's dtype (a subclass with its own CPU kernels overrides this)."""
+        if self.cuda_serves(x):
+            return self.cuda_forward(x, out_dtype)
+        x = self.plain(x)
+        y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if out_dtype is None else y.to(out_dtype)
+
     def cuda_serves(self, x) -> bool:
         """Whether cuda_forward takes x: the kernels imported, this format and row length among
         theirs, and x rows on CUDA they serve (a NormedRow always is one). A NormedRow they do not

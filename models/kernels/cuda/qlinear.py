@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import base as cuda_base
+from . import base as cuda_base, qplanar
 from .base import launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
@@ -52,7 +52,7 @@ WHOLE_STEP_BYTES = 8 << 20
 def fits(fmt: str, k: int) -> bool:
     """Whether the kernels take a row of k weights in this format (whole blocks; INT4P: qplanar.py's,
     whose repack checked its groups)."""
-    return fmt in ("INT4P", "Q4KP") or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
+    return fmt in qplanar.FMTS or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
 
 
 def _step(fmt: str, k: int, most: int = STEP_WEIGHTS, whole: bool = False) -> tuple[int, int]:
@@ -99,8 +99,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
     rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
     pick_config's by default (bench/quant_bench.py --sweep measures others)."""
-    if qw.fmt in ("INT4P", "Q4KP"):  # qplanar.py's GEMV: no norm prologue (the row is materialized first)
-        from . import qplanar
+    if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: no norm prologue (the row is materialized first)
         return qplanar.gemv(x.materialize() if isinstance(x, NormedRow) else x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
@@ -123,8 +122,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
 def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows start..stop of W in `dtype` ([stop - start, K], written into `out` where given: rows
     of unit stride along K)."""
-    if qw.fmt in ("INT4P", "Q4KP"):
-        from . import qplanar
+    if qw.fmt in qplanar.FMTS:
         return qplanar.dequantize_rows(qw, start, stop, dtype, out)
     rows = stop - start
     out = torch.empty(rows, qw.k, dtype=dtype, device=qw.data.device) if out is None else out
