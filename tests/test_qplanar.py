@@ -43,7 +43,7 @@ def test_quantize_input_packs_the_reference(device, k, group):
     """quantize_input's buffer holds, at word position g G/8 + m, the int8 codes of the inputs the
     even and the odd nibbles meet (bytes j / 2 of j = 0, 2, 4, 6 and 1, 3, 5, 7: input g G + G/8 j
     + m), dx sum_j q and dx / 16, for quantized_reference's x~ = q dx; a zero group stays zero,
-    the largest input of a group is +-127 dx, and |x~ - x| <= dx / 2."""
+    the largest input of a group is +-127 dx, and |x~ - x| <= dx / 2 (up to fp32 rounding)."""
     from models.kernels.cuda import qplanar
     g = torch.Generator().manual_seed(11)
     x = torch.randn(3, k, generator=g) * torch.logspace(-3, 3, k // group).repeat_interleave(group)
@@ -65,7 +65,8 @@ def test_quantize_input_packs_the_reference(device, k, group):
         sums = codes.reshape(3, k // group, 8, gw).sum(2).reshape(3, -1)
         assert torch.equal(xq[:, 2].view(torch.float32), sums.float() * (xq[:, 3].view(torch.float32) * 16))
         assert bool((codes[1, :group] == 0).all()) and int(codes[2].abs().max()) == 127
-        assert bool(((ref - x.to(dtype).double()).abs() <= dx / 2 * (1 + 1e-6)).all())
+        # (dx / 2, give or take the fp32 roundings of 127 / amax and of x 127 / amax: ~2^-23 of 127 dx)
+        assert bool(((ref - x.to(dtype).double()).abs() <= dx / 2 * (1 + 1e-4)).all())
 
 
 @pytest.mark.parametrize("int8", [False, True])
