@@ -138,7 +138,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.kernels.cuda import moe, ssd
+    from models.kernels.cuda import linear, moe, ssd
     cases = [
         (ssd._chunk_scan_kernel, dict(out="*fp32", c_dec="*fp32", chunk_states="*fp32", chunk_decay="*fp32",
                                       state="*fp32", n="i32"),
@@ -157,6 +157,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
                                 shared_gate="*bf16", out="*bf16", stride_e="i32"),
          dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
+        # the router's GEMV with the norm in its prologue, writing the normed row (linear.gemv_and_row)
+        (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+                                   res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16"),
+         dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, BLOCK_N=4,
+              BLOCK_K=2048, PDL=True)),
     ]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)

@@ -107,3 +107,30 @@ def test_triton_decode_kernels_under_the_interpreter_equal_the_torch_layer():
     r = subprocess.run([sys.executable, "-c", INTERPRETED, ROOT], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("res,K,N", [(True, 256, 24), (False, 200, 9), (True, 2048, 129)])
+def test_router_gemv_writes_the_normed_row(device, res, K, N):
+    """linear.gemv_and_row on a NormedRow (an MoE layer's router GEMV on CUDA, whose experts
+    read the normed row next): the row its prologue writes is add_rms_norm's up to the order its
+    mean square is summed in, the stream is x + res, the logits are the linear map of that row,
+    and a later materialize() returns that row (no add_rms_norm launch)."""
+    from models.kernels.cuda import base as cuda_base, linear as cuda_linear
+    if device.type != "cuda":
+        pytest.skip("the dense GEMV runs on CUDA only (Triton's interpreter takes no runtime bound for its K loop)")
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(1, K, generator=g).to(device, dtype)
+    r = torch.randn(1, K, generator=g).to(device, dtype) if res else None
+    nw = (torch.rand(K, generator=g) + 0.5).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    row = cuda_linear.NormedRow(x, r, nw, 1e-6)
+    logits, h = cuda_linear.gemv_and_row(row, w)
+    s, ref = cuda_base.add_rms_norm(x, r if res else torch.zeros_like(x), nw, 1e-6)
+    assert torch.equal(row.stream, s) and row.materialize() is h
+    assert bool(((h.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs()).all())  # one bf16 rounding
+    want = h.double() @ w.double().t()
+    assert bool(((logits.double() - want).abs() <= 1e-5 * (h.double().abs() @ w.double().abs().t())
+                 + 2 ** -8 * want.abs()).all())
+    plain, again = cuda_linear.gemv_and_row(h, w)
+    assert again is h and torch.equal(plain, cuda_linear.gemv(h, w))

@@ -127,8 +127,8 @@ class DecoderLayer(nn.Module):
         # adds the previous layer's MLP output first; h goes only into linears (defer: see add_norm)
         x, h = add_norm(x, self.input_layernorm, defer=True)
         a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        # the router reads h outside a Linear: an MoE MLP takes it materialized
-        x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=isinstance(self.mlp, SwiGLU))
+        # an MoE MLP's router GEMV writes the normed row its experts read (SparseMoe.decode_cuda)
+        x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
         return Residual(x, self.mlp(h))
 
 

@@ -128,7 +128,12 @@ class SparseMoe(nn.Module):
             self.shared_expert = SwiGLU(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
+        """x may be a NormedRow (a deferred norm, one row on CUDA: decode_layers_defer)."""
+        if isinstance(x, cuda_linear.NormedRow):
+            if decode_serves(self.experts):
+                return self.decode_cuda(x)
+            x = x.materialize()
         if cuda_base.usable(x) and decode_serves(self.experts):
             return self.decode_cuda(x)
         idx, weights = self.gate(x)
@@ -150,13 +155,14 @@ class SparseMoe(nn.Module):
         shared gate's too, where fused), the top k on the device, the chosen experts in two
         launches, with the shared expert as one more of them where its weights allow (else its
         output is added in the second one's epilogue)."""
-        x = x.contiguous()
+        x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
         E = self.gate.weight.shape[0]
+        # the router's GEMV normalizes a deferred row in its prologue and writes it for the experts
         if hasattr(self, "router_rows"):
-            logits = cuda_linear.gemv(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
+            logits, x = cuda_linear.gemv_and_row(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
             gate = logits[:, E:]
         else:
-            logits = cuda_linear.gemv(x, self.gate.weight)
+            logits, x = cuda_linear.gemv_and_row(x, self.gate.weight)
             gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
         idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
         ex = self.experts

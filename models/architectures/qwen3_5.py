@@ -254,7 +254,7 @@ class HybridLayer(nn.Module):
             h = self.linear_attn(h, state.fixed(i))
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, SwiGLU))
+        x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
         return Residual(x, self.mlp(h))
 
 

@@ -40,8 +40,8 @@ if triton is not None:
         return xr.to(tl.float32), xr.to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, HAS_BIAS: tl.constexpr,
-                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, HAS_BIAS: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_OUT: tl.constexpr,
                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,6 +81,16 @@ if triton is not None:
             r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
             y = y * r
             y_up = y_up * r
+            if NORM_OUT:  # program 0 also writes the normed row, as add_rms_norm computes it
+                if pid == 0:
+                    for k0 in range(0, K, BLOCK_K):
+                        kc = k0 + tl.arange(0, BLOCK_K)
+                        km = kc < K
+                        sf = tl.load(x + kc, mask=km, other=0.0)
+                        if HAS_RES:
+                            sf = (sf.to(tl.float32) + tl.load(res + kc, mask=km, other=0.0).to(tl.float32)).to(sf.dtype)
+                        h = sf.to(tl.float32) * r * tl.load(norm_w + kc, mask=km, other=0.0).to(tl.float32)
+                        tl.store(normed_out + kc, h.to(normed_out.dtype.element_ty), mask=km)
         if HAS_BIAS:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
         if SWIGLU:
@@ -142,12 +152,26 @@ class NormedRow:
         return self._h
 
 
+def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv(x, w), the input row as a tensor): a NormedRow's normed row written by the GEMV's
+    prologue where it runs there (no add_rms_norm launch: an MoE router's GEMV, whose input the
+    experts read next), else materialized."""
+    if isinstance(x, NormedRow) and x._h is None and w.numel() * w.element_size() <= PROLOGUE_MAX_BYTES:
+        x._h = torch.empty_like(x.x, dtype=x.out_dtype)
+        return gemv(x, w, normed_out=x._h), x._h
+    row = x.materialize() if isinstance(x, NormedRow) else x
+    return gemv(row, w), row
+
+
 def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
-         config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None,
+         normed_out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one), any float dtype; w [N, K] with contiguous
-    rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32)."""
+    rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32).
+    normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there."""
     N, K = w.shape
-    if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or x._h is not None):
+    if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or
+                                     (x._h is not None and normed_out is None)):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
@@ -158,6 +182,8 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
     launch(_gemv_kernel, (triton.cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
+        normed_out if normed_out is not None and pre is not None else out,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
-        EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
+        NORM_OUT=normed_out is not None and pre is not None, EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
     return out
