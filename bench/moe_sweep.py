@@ -15,9 +15,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from gemv_sweep import time_graph  # noqa: E402
 from models.kernels.cuda import moe  # noqa: E402
 
 SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
@@ -25,30 +27,6 @@ SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
     "qwen3-30b-a3b": (128, 2048, 768, 8, False),
     "qwen3-next-80b-a3b": (512, 2048, 512, 10, True),
 }
-
-
-def time_graph(fn, n_calls: int, reps: int = 5) -> float:
-    """Microseconds a call of fn(i) for i in range(n_calls), recorded in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / n_calls)
-    return best
 
 
 def main() -> None:
