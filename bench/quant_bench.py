@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from decode_bench import bench_shape  # noqa: E402
+from gemv_sweep import time_graph  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 
@@ -121,18 +122,7 @@ PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
 
 def _graph_us(call) -> float:
     """Microseconds a call: 100 calls captured in a CUDA graph, one replay timed by CUDA events."""
-    call()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(100):
-            call()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 100
+    return time_graph(lambda i: call(), 100, reps=1)
 
 
 def main() -> None:
