@@ -1,6 +1,6 @@
 """Where a decode step's time goes: kernels per step and the top kernels by GPU time.
 
-    python bench/profile_step.py NAME [--compile on] [--steps 20]
+    python bench/profile_step.py NAME [--compile on] [--steps 20] [--format bf16|Q4_K|AWQ|FP8]
 Profiles eager decode steps (the step a CUDA graph records) with torch.profiler and compares
 the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
 graph cannot remove, the busy time is what fusion must shrink.
@@ -37,9 +37,21 @@ def top_kernels(prof, per: int, n: int = 8) -> None:
         print(f"  {us / per / 1e3:7.3f} ms  {count / per:5.0f}x  {name}")
 
 
-def profile_prefill(name: str, n: int) -> None:
+def build(name: str, fmt: str, dev):
+    """The shape's random model in `fmt`: bf16, or quant_bench's formats as the loader leaves them
+    on CUDA (Q4_K and AWQ repacked for qplanar.py)."""
+    if fmt == "bf16":
+        return random_model(name, dev, torch.bfloat16)
+    from models.formats.loader import repack_for_cuda
+    from shapes import random_quantized_model
+    model = random_quantized_model(name, fmt, dev, torch.bfloat16)
+    repack_for_cuda(model)
+    return model
+
+
+def profile_prefill(name: str, n: int, fmt: str) -> None:
     dev = torch.device("cuda")
-    model = random_model(name, dev, torch.bfloat16)
+    model = build(name, fmt, dev)
     s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     for _ in range(2):
@@ -65,11 +77,13 @@ def main() -> None:
     ap.add_argument("--compile", default="off")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
+    ap.add_argument("--format", default="bf16", help="bf16, or a format of bench/quant_bench.py (Q4_K, AWQ, FP8)")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed")
     a = ap.parse_args()
     if a.prefill:
-        return profile_prefill(a.name, a.prefill)
+        return profile_prefill(a.name, a.prefill, a.format)
     dev = torch.device("cuda")
-    model = random_model(a.name, dev, torch.bfloat16)
+    model = build(a.name, a.format, dev)
     s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)
     s.prefill(list(range(1, 129)))
     for _ in range(5):
@@ -86,8 +100,8 @@ def main() -> None:
             s.step(7)
         torch.cuda.synchronize()
     s.graph = graph
-    print(f"{a.name} (compile={a.compile}): graph step {graph_ms:.3f} ms; its eager form:")
-    top_kernels(prof, a.steps)
+    print(f"{a.name} {a.format} (compile={a.compile}): graph step {graph_ms:.3f} ms; its eager form:")
+    top_kernels(prof, a.steps, a.top)
 
 if __name__ == "__main__":
     main()

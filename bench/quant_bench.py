@@ -4,6 +4,7 @@
         [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--small-formats bf16,Q4_K] [--new 128] [--prefill 2048]
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
+    python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -73,7 +74,7 @@ def sweep(device) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, 17408, device=device, dtype=torch.bfloat16)
     print(f"\n{'format':>6}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in CONFIGS))
-    for fmt in ("Q4_K", "AWQ", "FP8"):
+    for fmt in ("Q4_K", "AWQ"):  # (FP8: --sweep-fp8)
         for n, k in ((10240, 5120), (5120, 17408)):
             lin = random_quant_linear(fmt, n, k, device, gen)
             qw, xk = lin.qweight(), x[:, :k].contiguous()
@@ -115,6 +116,34 @@ def sweep_planar(device, x, gen) -> None:
           "a cell: microseconds a call / TB/s of the weight's bytes)")
 
 
+FP8_CONFIGS = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (1, 2, 4) for w in (4, 8)]
+
+
+def sweep_fp8(device, x, gen) -> None:
+    """fp8.py's GEMV per (BLOCK_N, 128-weight blocks a step, num_warps) and pick_config's, on the
+    big shape's matrices, beside linear.gemv on the same matrix in bf16 (the rate to beat per
+    weight: half the bytes should take about half the time)."""
+    from models.kernels.cuda import fp8, linear
+    from shapes import random_quant_linear
+    for n, k in ((10240, 5120), (5120, 17408), (34816, 5120), (248320, 5120)):
+        qw = random_quant_linear("FP8", n, k, device, gen).qweight()
+        xk = x[:, :k].contiguous()
+        wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+        bf16_us = _graph_us(lambda: linear.gemv(xk, wb))
+        wb = None
+        torch.cuda.empty_cache()
+        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS}
+        picked = fp8.pick_config(n, k)
+        best = min(cells, key=cells.get)
+        print(f"[{n}, {k}]: bf16 GEMV {bf16_us:.1f} us ({n * k * 2 / bf16_us / 1e6:.2f} TB/s); FP8 picked "
+              f"{'x'.join(map(str, picked))} {_graph_us(lambda: fp8.gemv(xk, qw)):.1f} us, best "
+              f"{'x'.join(map(str, best))} {cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
+        print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+        qw = None
+        torch.cuda.empty_cache()
+    print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")
+
+
 # (rows a program, warps): J2's best (8 x 4) and the tiles with fewer instructions a weight in the
 # SASS (bench/sass_loop.py: 2 warps over the same tile, or twice the rows)
 PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
@@ -136,6 +165,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
+    ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
@@ -144,6 +174,10 @@ def main() -> None:
     if args.sweep_planar:
         sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
                      torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_fp8:
+        sweep_fp8(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
+                  torch.Generator(device=device).manual_seed(0))
         return
     jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
     jobs += [(s, f) for s in args.small.split(",") if s for f in args.small_formats.split(",") if f]

@@ -1,5 +1,5 @@
 """Instructions per weight in the main loop of the dequant-GEMVs (models/kernels/cuda/qlinear.py;
-qplanar.py's for INT4P and Q4KP, AWQ/GPTQ and Q4_K weights repacked),
+qplanar.py's for INT4P and Q4KP, AWQ/GPTQ and Q4_K weights repacked; fp8.py's for FP8),
 read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
 
     python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
@@ -57,6 +57,8 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     from models.kernels.cuda import qlinear
     if fmt in ("INT4P", "Q4KP"):
         return _compile_planar(fmt, n, k, bn, warps, most, int8=int8)
+    if fmt == "FP8":
+        return _compile_fp8(n, k, bn, warps, most)
     qw = weight(fmt, n, k)
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
@@ -101,6 +103,29 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
                     constexprs=const, attrs=attrs)
     cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
     return _disassemble(cubin), rows * kw * 8
+
+
+def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int) -> tuple[str, int]:
+    """fp8.py's GEMV on an [n, k] FP8 weight of 128-row scales (config: BLOCK_N, 128-weight
+    blocks a step, num_warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import fp8
+    qw = weight("FP8", n, k)
+    sig = dict(x="*bf16", w="*fp8e4nv", sc="*fp32", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+               stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
+    const = dict(GROUP=qw.group, ROW_SCALES=qw.group % bn != 0, HAS_BIAS=False, SWIGLU=False, NORM=False,
+                 HAS_RES=False, EVEN=k % (nb * 128) == 0, STEPS=triton.cdiv(k, nb * 128), BLOCK_N=bn, NB=nb, PDL=True)
+    ints = dict(N=n, K=k, stride_w=qw.data.stride(0), stride_s=qw.scales.stride(0))
+    names = list(sig)
+    aligned = ["x", "w", "sc", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
+    src = ASTSource(fn=fp8._fp8_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
+                    attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), bn * nb * 128
 
 
 def _disassemble(cubin: bytes) -> str:
@@ -149,8 +174,10 @@ def main() -> None:
     ap.add_argument("--planar-config", default=None,
                     help="INT4P / Q4KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
     ap.add_argument("--int8", action="store_true", help="INT4P / Q4KP: the GEMV on int8 inputs (DP4A)")
+    ap.add_argument("--fp8-config", default=None,
+                    help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
     a = ap.parse_args()
-    from models.kernels.cuda import qlinear
+    from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
     bn, warps, most = map(int, a.config.split("x")) if a.config else qlinear.pick_config(a.n)
     print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
@@ -159,6 +186,8 @@ def main() -> None:
         if fmt in qplanar.FMTS:
             cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
                 qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3]
+        elif fmt == "FP8":
+            cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
         else:
             cfg = (bn, warps, most)
         text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
@@ -166,12 +195,13 @@ def main() -> None:
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")
             continue
+        warps = cfg[2] if fmt == "FP8" else cfg[1]
         ops = collections.Counter(opcode(x) for x in body)
         if a.int8 and fmt in qplanar.FMTS:  # ptxas unrolls this loop: each step of it holds two DP4As a word
             weights *= max(1, round(ops["IDP"] / (2 * cfg[0] * cfg[2] / (cfg[1] * 32))))
         loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
         print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
-              f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; "
+              f"{len(body) * warps * 32 / weights:.2f} a weight; global loads {loads}; "
               + ", ".join(f"{o} {c}" for o, c in ops.most_common(10)))
 
 

@@ -182,3 +182,33 @@ def test_rows_not_whole_steps(device, qtype):
     d = qlinear.dequantize(qw, 0, 9, torch.float32, out=out[:, :w.shape[1]])
     run = w.abs().reshape(9, -1, 16).amax(-1, keepdim=True).expand(-1, -1, 16).reshape(9, -1)
     assert torch.all((d.double() - w).abs() <= 1e-6 * run) and torch.all(out[:, w.shape[1]:] == 7.0)
+
+
+@pytest.mark.parametrize("config", [(4, 1, 4), (8, 2, 4), (16, 4, 8), (32, 8, 4)], ids=str)
+def test_fp8_gemv_configs(device, config):
+    """fp8.py's GEMV per (BLOCK_N, NB, warps): steps that divide the row or pad it (12 blocks),
+    scales shared by a program's rows or per row (fused parts of odd sizes; SwiGLU halves of 200
+    rows, whose up rows start inside a block of scales), a bias and the norm prologue."""
+    from models.kernels.cuda import fp8
+    from models.kernels.cuda.linear import NormedRow
+    g = torch.Generator().manual_seed(11)
+    lin, w = hf_weight("fp8", 264, 1536, 9, device)
+    x = torch.randn(1, 1536, generator=g).to(device)
+    bias = torch.randn(264, generator=g).to(device)
+    got = fp8.gemv(x, lin.qweight(), bias, out_dtype=torch.float32, config=config).double()
+    ref = x.double() @ w.t() + bias.double()
+    assert torch.all((got - ref).abs() <= 1e-5 * bound(x, w) + 1e-6 * bias.double().abs())
+    parts = [hf_weight("fp8", n, 1536, seed, device) for seed, n in enumerate([136, 6])]
+    fused = type(parts[0][0]).concat([p for p, _ in parts])
+    wf = torch.cat([w for _, w in parts])
+    got = fp8.gemv(x, fused.qweight(), out_dtype=torch.float32, config=config).double()
+    assert torch.all((got - x.double() @ wf.t()).abs() <= 1e-5 * bound(x, wf))
+    pair, wp = hf_weight("fp8", 400, 1536, 12, device)  # [gate; up], 200 rows each
+    res, nw = torch.randn(1, 1536, generator=g).to(device), torch.rand(1536, generator=g).to(device) + 0.5
+    row = NormedRow(x, res, nw, 1e-6)
+    got = fp8.gemv(row, pair.qweight(), swiglu=True, out_dtype=torch.float32, config=config).double()
+    assert torch.equal(row.stream, x + res)
+    h = F.rms_norm((x + res).double(), (1536,), nw.double(), 1e-6)
+    gate, up = (h @ wp.t()).chunk(2, dim=-1)
+    tol = 1e-5 * (bound(h, wp[:200]) * up.abs() + bound(h, wp[200:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
+    assert torch.all((got - F.silu(gate) * up).abs() <= tol)

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import base as cuda_base, qplanar
+from . import base as cuda_base, fp8, qplanar
 from .base import launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
@@ -98,7 +98,10 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
     rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
-    pick_config's by default (bench/quant_bench.py --sweep measures others)."""
+    pick_config's by default (bench/quant_bench.py --sweep measures others); FP8 and the planar
+    formats take their own kernels' (fp8.py, qplanar.py)."""
+    if qw.fmt == "FP8":
+        return fp8.gemv(x, qw, bias, swiglu, out_dtype, config)
     if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: no norm prologue (the row is materialized first)
         return qplanar.gemv(x.materialize() if isinstance(x, NormedRow) else x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
