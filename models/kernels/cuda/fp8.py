@@ -31,15 +31,13 @@ WHOLE_STEP_BYTES = 8 << 20
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, NB: 128-weight blocks a step, num_warps)."""
+    """(BLOCK_N, NB: 128-weight blocks a step, num_warps). 4 x 4 x 4 was the fastest of 24 configs
+    on each of the 27B-like shape's matrices, its LM head included (2.8-3.6 TB/s; bench/quant_bench.py
+    --sweep-fp8, bench/RESULTS.md set L); a small matrix is read in one step."""
     blocks = k // 128
     if n * k <= WHOLE_STEP_BYTES and blocks <= 32:
-        return (4 if n < 4096 else 8), triton.next_power_of_2(blocks), 4
-    if n >= 40000:  # LM heads
-        return 8, 4, 4
-    if n >= 4096:
-        return 16, 2, 8
-    return 8, 2, 4
+        return 4, triton.next_power_of_2(blocks), 4
+    return 4, 4, 4
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
@@ -98,9 +96,11 @@ if triton is not None:
         """The step's products per run [BN, 8 NB]: each run's sum of w * x (inside a thread),
         times its scale."""
         part = tl.sum(wv * xv[None, :, :], axis=2)
-        if ROW_SCALES:
-            return part * s
-        return part * s[None, :]
+        if ROW_SCALES:  # (one return: Triton types every return of a function alike)
+            out = part * s
+        else:
+            out = part * s[None, :]
+        return out
 
     @triton.jit
     def _fp8_gemv_kernel(x, w, sc, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
