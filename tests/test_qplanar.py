@@ -140,18 +140,17 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
-                   counts="*i32", N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
+                   N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
                    dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
-                                                          SPLIT=split, EXPERTS=False, PARTIAL=split > 1,
-                                                          FIXUP=fixup, FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8,
-                                                          PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for split, fixup in ((1, False), (2, False), (2, True))
-                  for a8 in (False, True)]
+                                                          SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
+                                                          HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True,
+                                                          INTERPRETED=False))
+                  for swiglu in (False, True) for split in (1, 2) for a8 in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
                    dict(G=32 if fmt else 128, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
-                        FIXUP=False, FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True, INTERPRETED=False))
+                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True, INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
                       dict(G=32 if fmt else 128, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
@@ -235,9 +234,8 @@ def test_a_q4_k_linear_takes_the_planar_layout():
                                                    ("Q4KP", 2, True, False), ("Q4KP", 8, False, False)])
 def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias):
     """K split across programs (pick_config's choice where a grid is small): the partial sums,
-    added in order by each row block's last program, give the one-launch kernel's product up to
-    fp32 reassociation, bias and SwiGLU applied alike; the same bits on every call, and as the
-    second-launch reduction (fixup=False) gives; the counts are zero again after each launch."""
+    reduced in order by a second kernel, give the one-launch kernel's product up to fp32
+    reassociation, bias and SwiGLU applied alike; the same bits on every call."""
     from models.formats import planar
     from models.kernels.cuda import qplanar
     n, k = 40, 2048
@@ -249,8 +247,6 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     parts = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split))
     assert torch.allclose(parts, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()))
     assert torch.equal(parts, qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split)))
-    assert torch.equal(parts, qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split), fixup=False))
-    assert not qplanar._COUNTS[x.device].any()
     with pytest.raises(ValueError, match="K split in 3"):
         qplanar.gemv(x, pw, b, config=(8, 4, 16, 3))
 
@@ -285,7 +281,7 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch)
     (of the int8 inputs x~ and h~, where the kernels take them)."""
     from models.formats import planar, quant
     from models.kernels.cuda import qplanar
-    monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype, nbytes=None: int8)
+    monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype: int8)
     E, I, H = 5, 256, 256
     ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H), device, torch.float32)
     gu, dn = ex.qweight("gate_up"), ex.qweight("down")
@@ -340,16 +336,3 @@ def test_planar_experts_compute_what_the_files_blocks_do(down_type):
     formats = quant.weight_formats(planar_ex)
     assert formats["Q4_K"] == sum(b.numel() * b.element_size() for b in planar_ex.stored())
     assert ("float32" in formats) == (down_type != "Q4_K")
-
-
-def test_int8_inputs_only_where_they_pay(monkeypatch):
-    """16-bit models' GEMVs on int8 inputs above A8_MIN_BYTES (and the routed experts' always);
-    fp32 models and CHAT_PLANAR_A16=1 never."""
-    from models.kernels.cuda import qplanar
-    monkeypatch.delenv("CHAT_PLANAR_A16", raising=False)
-    big = qplanar.A8_MIN_BYTES + 1
-    assert qplanar.int8_inputs(torch.bfloat16, big) and qplanar.int8_inputs(torch.float16, None)
-    assert not qplanar.int8_inputs(torch.bfloat16, qplanar.A8_MIN_BYTES)
-    assert not qplanar.int8_inputs(torch.float32, big)
-    monkeypatch.setenv("CHAT_PLANAR_A16", "1")
-    assert not qplanar.int8_inputs(torch.bfloat16, big) and not qplanar.int8_inputs(torch.bfloat16, None)

@@ -167,18 +167,16 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
-    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, counts, N, rows_e, stride_x, stride_w, stride_a,
-                            stride_z, G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
-                            SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FIXUP: tl.constexpr,
-                            FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr,
-                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
+                            G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
+                            SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PDL: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
         """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
         SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
         idx[s] (rows_e rows an expert, expert e's from row e rows_e) against row s of x (stride_x
         apart), its output row s of `out`. PARTIAL: the fp32 sums go to part[s] (part[SPLIT + s]:
-        the up rows'); then, FIXUP, the last of the SPLIT programs of a row block to finish (a
-        count per row block in `counts`, zero between launches) sums them in order and applies the
-        epilogue, as _reduce_kernel would in a launch of its own; else _reduce_kernel does."""
+        the up rows') for _reduce_kernel instead of the epilogue."""
         GW: tl.constexpr = G // 8  # words a group
         NG: tl.constexpr = KW // GW  # groups a step
         RUN: tl.constexpr = STEPS // SPLIT
@@ -211,37 +209,22 @@ if triton is not None:
                 acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
                                    NG, FMT, A8, STEPS * KW, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
-        up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
-        done = n < N  # the rows whose epilogue this program applies
         if PARTIAL:
             at = part + tl.program_id(1) * N + n
             tl.store(at, y, mask=n < N)
             if SWIGLU:
-                tl.store(at + SPLIT * N, up, mask=n < N)
-            if FIXUP:
-                # Every thread's stores precede the count (the barrier), the count releases them
-                # and acquires the others' (acq_rel at GPU scope): the SPLIT-th to count reads all.
-                tl.debug_barrier()
-                last = tl.atomic_add(counts + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-                done = done & last
-                y = tl.zeros_like(y)
-                up = tl.zeros_like(up)
-                for s in tl.static_range(SPLIT):  # in order, as _reduce_kernel sums: the same bits
-                    y += tl.load(part + s * N + n, mask=done, other=0.0, cache_modifier=".cg")
-                    if SWIGLU:
-                        up += tl.load(part + (SPLIT + s) * N + n, mask=done, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(counts + pid, 0, mask=last)  # zero again for the next launch
-            else:  # (_reduce_kernel's launch applies it)
-                done = n < 0
+                tl.store(at + SPLIT * N, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=n < N)
+            return
         rows = tl.minimum(n, N - 1)
         if HAS_BIAS:
             y += tl.load(bias + rows).to(tl.float32)
         if SWIGLU:
+            up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
             if HAS_BIAS:
                 up += tl.load(bias + rows + N).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * up
-        tl.store(out + n, y.to(out.dtype.element_ty), mask=done)
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
     @triton.jit
     def _reduce_kernel(part, bias, weights, shared, shared_gate, out, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -334,21 +317,12 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tu
     return rows, warps, kw, 1
 
 
-# Matrices up to this size take their input as given (A16) even in 16-bit models: a launch-bound
-# matrix gains less from int8 inputs than quantize_input's launch costs (at ~2 TB/s against ~1.4,
-# int8 inputs save ~2 us on 8 MB; a launch in a small model's step costs about that).
-A8_MIN_BYTES = 8 << 20
-
-
-def int8_inputs(dtype: torch.dtype, nbytes: int | None = None) -> bool:
+def int8_inputs(dtype: torch.dtype) -> bool:
     """Whether the GEMVs of a model computing in `dtype` take their inputs as int8 per group
     (quantize_input; DP4A against the codes), as llama.cpp's CUDA GEMVs take theirs: for 16-bit
-    models, whose inputs already carry 8 bits of mantissa, on matrices of more than A8_MIN_BYTES
-    (nbytes: the bytes the launch reads; None: the routed experts' launches, always), unless
-    CHAT_PLANAR_A16=1; an fp32 model (the reference form) keeps its inputs as given, each code
-    turned into a float."""
-    return (dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
-            and (nbytes is None or nbytes > A8_MIN_BYTES))
+    models, whose inputs already carry 8 bits of mantissa, unless CHAT_PLANAR_A16=1; an fp32 model
+    (the reference form) keeps its inputs as given, each code turned into a float."""
+    return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
 
 
 def quantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -374,16 +348,14 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
-         int8: bool | None = None, fixup: bool = True) -> torch.Tensor:
+         int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous; pw an INT4P QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the
     gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default).
-    int8 (int8_inputs(x.dtype, pw.nbytes()) by default): against x~ = quantized_reference(x) instead of x.
-    K split in parts (the config's): the parts' sums added in order by the last program of a row
-    block to finish, or with fixup=False by a second launch (_reduce_kernel): the same bits."""
+    int8 (int8_inputs(x.dtype) by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
-    int8 = int8_inputs(x.dtype, pw.nbytes()) if int8 is None else int8
+    int8 = int8_inputs(x.dtype) if int8 is None else int8
     if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
-        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8, fixup=fixup)
+        both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8)
         gate, up = both[:, :n_out], both[:, n_out:]
         return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
     rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group)
@@ -396,41 +368,19 @@ def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu:
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
     src = quantize_input(x, pw.group) if int8 else x
-    grid = (triton.cdiv(n_out, rows), split)
-    counts = _counts(x.device, grid[0]) if split > 1 and fixup else None
-    _launch(src, pw, grid, b, out, part, x, n_out, 0, 0, kw, steps, rows, warps, split=split, experts=False,
-            partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8, counts=counts)
-    if split > 1 and counts is None:
+    _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, x, n_out, 0, 0, kw, steps, rows, warps,
+            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
+    if split > 1:
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
     return out
 
 
-# Per device: the split GEMVs' counts of finished programs per row block (zero between launches:
-# each launch's last programs zero theirs). Launches on one stream do not overlap where they use
-# them (a PDL launch waits for its predecessor before it starts counting).
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-COUNTS_SIZE = 1 << 16
-
-
-def _counts(device: torch.device, programs: int) -> torch.Tensor | None:
-    """The count buffer, or None (reduce in a launch of its own) where a grid has more row blocks
-    than it holds, or where it would first be allocated inside a CUDA graph capture (a graph's
-    pool must not hold it: the eager warm-up before capture allocates it)."""
-    c = _COUNTS.get(device)
-    if c is None:
-        if programs > COUNTS_SIZE or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        c = _COUNTS[device] = torch.zeros(COUNTS_SIZE, dtype=torch.int32, device=device)
-    return c if programs <= COUNTS_SIZE else None
-
-
 def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
-            experts, partial, has_bias, swiglu, int8, counts=None) -> None:
+            experts, partial, has_bias, swiglu, int8) -> None:
     z = pw.zeros if pw.zeros is not None else pw.scales
-    launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx,
-           counts if counts is not None else part, n, rows_e, stride_x, pw.data.stride(0), pw.scales.stride(0),
-           z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R, SPLIT=split, EXPERTS=experts,
-           PARTIAL=partial, FIXUP=counts is not None, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
+    launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
+           pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
+           SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
