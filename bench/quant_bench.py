@@ -116,7 +116,7 @@ def sweep_planar(device, x, gen) -> None:
           "a cell: microseconds a call / TB/s of the weight's bytes)")
 
 
-FP8_CONFIGS = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (1, 2, 4) for w in (4, 8)]
+FP8_CONFIGS = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (2, 4, 8, 16) for w in (1, 2, 4, 8) if bn * nb * 128 >= w * 512]
 
 
 def sweep_fp8(device, x, gen) -> None:
