@@ -89,7 +89,7 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     from models.kernels.cuda import qplanar
     pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
     z = pw.zeros if pw.zeros is not None else pw.scales
-    sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*fp32" if fmt == "INT4P" else "*fp16", aux2="*fp32" if fmt == "INT4P" else "*u8",
+    sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*fp16", aux2="*u8",
                bias="*bf16", out="*bf16", part="*fp32", idx="*i64", N="i32", rows_e="i32", stride_x="i32",
                stride_w="i32", stride_a="i32", stride_z="i32")
     const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, EXPERTS=False,

@@ -138,7 +138,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
     from models.kernels.cuda import qplanar
     cases = []
-    for fmt, aux, aux2 in ((0, "*fp32", "*fp32"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
+    for fmt, aux, aux2 in ((0, "*fp16", "*u8"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
                    N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},

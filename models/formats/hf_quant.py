@@ -245,17 +245,20 @@ class GroupInt4Linear(QuantLinear):
         del self.packed, self.scales, self.zeros
         self.register_buffer("words", pw.data)
         self.register_buffer("aux", pw.scales)
+        self.register_buffer("aux_zeros", pw.zeros)
         self.planar = True
         return True
 
     def qweight(self) -> QWeight:
         if self.planar:
-            return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, None, self.group)
+            return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, self.aux_zeros,
+                           self.group)
         return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
                                self.group)
 
     def format_tensors(self):
-        return self.fmt, [self.words, self.aux] if self.planar else [self.packed, self.scales, self.zeros]
+        return self.fmt, [self.words, self.aux, self.aux_zeros] if self.planar else [self.packed, self.scales,
+                                                                                        self.zeros]
 
     @classmethod
     def concat(cls, parts: list["GroupInt4Linear"]) -> "GroupInt4Linear | None":

@@ -7,7 +7,8 @@ Both layouts hold the codes the same way: per group of G weights (G = the checkp
 INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in nibble j the code of weight
 G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], row n's word at
 [n // ROWS, m, n % ROWS]. They differ in the scales:
-- INT4P: `scales` fp32 [ceil(N/ROWS), K/G, 2, ROWS] = (16 s, s (16 + z)) (weight = s (q - z));
+- INT4P: `scales` fp16 [ceil(N/ROWS), K/G, 1, ROWS] = s and `zeros` uint8 [ceil(N/ROWS), K/G, 1,
+  ROWS] = z per group (weight = s (q - z)), the checkpoint's own: 4.19 bits a weight at G = 128;
 - Q4KP: `scales` fp16 [ceil(N/ROWS), K/256, 2, ROWS] = (d, dmin) per super-block and `zeros`
   uint8 [ceil(N/ROWS), K/32, 2, ROWS] = (sc, m) per sub-block (weight = d sc q - dmin m, as
   Q4_K's), 4.625 bits a weight against Q4_K's 4.5.
@@ -32,13 +33,13 @@ def _words(codes: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
 
 
 def _interleave(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[n, groups, 2] → [ceil(n/ROWS), groups, 2, ROWS]."""
+    """[n, groups, c] → [ceil(n/ROWS), groups, c, ROWS]."""
     t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, -n % ROWS))
     return t.reshape(-1, ROWS, *t.shape[1:]).permute(0, 2, 3, 1).contiguous()
 
 
 def _uninterleave(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[ceil(n/ROWS), groups, 2, ROWS] → [n, groups, 2]."""
+    """[ceil(n/ROWS), groups, c, ROWS] → [n, groups, c]."""
     return t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])[:n]
 
 
@@ -57,18 +58,17 @@ def repack_int4p(qw):
     n, k, g = qw.n, qw.k, qw.group
     b = qw.data.reshape(n, k // 32, 1, 16)
     codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)
-    scale = qw.scales.float()
-    aux = torch.stack([16.0 * scale, scale * (16.0 + qw.zeros.float())], -1)  # [n, K/G, 2]
-    return type(qw)("INT4P", _words(codes, n, k, g), n, k, _interleave(aux, n), None, g)
+    return type(qw)("INT4P", _words(codes, n, k, g), n, k, _interleave(qw.scales.half()[..., None], n),
+                    _interleave(qw.zeros.to(torch.uint8)[..., None], n), g)
 
 
 def dequantize_int4p(pw) -> torch.Tensor:
     """The fp64 [N, K] weights an INT4P QWeight encodes."""
     n, k, g = pw.n, pw.k, pw.group
     codes = _codes(pw.data, n, k, g).double()
-    aux = _uninterleave(pw.scales, n).double()
-    s16, c = aux[..., 0], aux[..., 1]  # 16 s and s (16 + z): s z = c - 16 s
-    return (s16[:, :, None, None] / 16 * codes - (c - s16)[:, :, None, None]).reshape(n, k)
+    s = _uninterleave(pw.scales, n)[..., 0].double()[:, :, None, None]
+    z = _uninterleave(pw.zeros, n)[..., 0].double()[:, :, None, None]
+    return (s * codes - s * z).reshape(n, k)
 
 
 def repack_q4k(qw):

@@ -7,8 +7,8 @@ INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the
 G/8 j + m, so a word's eight codes share their group's scale and offset, and the input a nibble
 meets, x[g G + G/8 j + m], runs contiguously along m; rows are interleaved by R = 4, so a
 thread's four contiguous words are four rows' same word and the input it loads and converts
-serves four rows. Scales: INT4P (16 s, s (16 + z)) in fp32 per row and group; Q4KP Q4_K's own
-(d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8).
+serves four rows. Scales: INT4P the checkpoint's s (fp16) and z (uint8) per row and group; Q4KP
+Q4_K's own (d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8).
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
 (as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
@@ -72,11 +72,13 @@ if triton is not None:
 
     @triton.jit
     def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
-        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's as stored;
-        Q4KP's from (d, dmin) of the super-block and (sc, m) of the sub-block."""
+        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's from s and z
+        (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
+        dmin) of the super-block and (sc, m) of the sub-block."""
         if FMT == 0:
-            s16 = tl.load(aux + rb * stride_a + grp * 8 + ri)
-            c = tl.load(aux + rb * stride_a + grp * 8 + 4 + ri)
+            s = tl.load(aux + rb * stride_a + grp * 4 + ri).to(tl.float32)
+            s16 = 16.0 * s
+            c = s16 + s * tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.float32)
         else:
             sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
             mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
