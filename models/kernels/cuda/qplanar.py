@@ -265,18 +265,18 @@ if triton is not None:
 if triton is not None:
     @triton.jit
     def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
-                               G: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Rows start..stop of W, one group of G weights a program: W = s code - offset."""
+                               G: tl.constexpr, NG: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Rows start..stop of W, NG groups of G weights a program: W = s code - offset."""
         GW: tl.constexpr = G // 8
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        g = tl.program_id(1)
+        c = tl.arange(0, NG * GW)[None, :]  # a word of the program's groups
+        g = tl.program_id(1) * NG + c // GW
         n = tl.minimum(start + i, stop - 1).to(tl.int64)
-        wi = tl.arange(0, GW)[None, :]
-        words = tl.load(w + (n // 4) * stride_w + (g * GW + wi) * 4 + n % 4)
-        s16, c = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)
-        off = c - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where c did not round
+        words = tl.load(w + (n // 4) * stride_w + (tl.program_id(1) * NG * GW + c) * 4 + n % 4)
+        s16, cs = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)
+        off = cs - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where cs did not round
         scale = s16 * 0.0625
-        o = out + i.to(tl.int64) * stride_o + g * G + wi
+        o = out + i.to(tl.int64) * stride_o + g * G + c % GW
         m = start + i < stop
         for j in tl.static_range(8):
             code = ((words >> (4 * j)) & 15).to(tl.float32)
@@ -291,8 +291,12 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     out = torch.empty(rows, pw.k, dtype=dtype, device=pw.data.device) if out is None else out
     bn = 16
     z = pw.zeros if pw.zeros is not None else pw.scales
-    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), pw.k // pw.group), pw.data, pw.scales, z, out, start,
-           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), G=pw.group,
+    groups = pw.k // pw.group
+    ng = 1  # groups a program: up to 128 weights (Q4KP's 32-weight groups four at a time)
+    while ng * 2 * pw.group <= 128 and groups % (ng * 2) == 0:
+        ng *= 2
+    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
+           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), G=pw.group, NG=ng,
            FMT=FMTS[pw.fmt], BLOCK_N=bn, num_warps=4)
     return out
 
