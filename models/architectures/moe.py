@@ -129,13 +129,13 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
-        """x may be a NormedRow (a deferred norm, one row on CUDA: decode_layers_defer)."""
-        if isinstance(x, cuda_linear.NormedRow):
-            if decode_serves(self.experts):
-                return self.decode_cuda(x)
-            x = x.materialize()
-        if cuda_base.usable(x) and decode_serves(self.experts):
+        """x may be a NormedRow (a deferred norm, one row on CUDA: the decoder layer's add_norm
+        with defer), which the CUDA decode path takes as it is and the torch form materializes."""
+        row = isinstance(x, cuda_linear.NormedRow)
+        if decode_serves(self.experts) and (row or cuda_base.usable(x)):
             return self.decode_cuda(x)
+        if row:
+            x = x.materialize()
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):

@@ -139,6 +139,14 @@ class NormedRow:
         self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
         self._h: torch.Tensor | None = None
 
+    def row_for_prologue(self) -> torch.Tensor | None:
+        """Where the normed row is not computed yet: an empty tensor for it, now this row's, for
+        the GEMV whose prologue normalizes it to write (gemv's normed_out); else None."""
+        if self._h is not None:
+            return None
+        self._h = torch.empty_like(self.x, dtype=self.out_dtype)
+        return self._h
+
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
         if self._h is None:
@@ -156,9 +164,10 @@ def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.
     """(gemv(x, w), the input row as a tensor): a NormedRow's normed row written by the GEMV's
     prologue where it runs there (no add_rms_norm launch: an MoE router's GEMV, whose input the
     experts read next), else materialized."""
-    if isinstance(x, NormedRow) and x._h is None and w.numel() * w.element_size() <= PROLOGUE_MAX_BYTES:
-        x._h = torch.empty_like(x.x, dtype=x.out_dtype)
-        return gemv(x, w, normed_out=x._h), x._h
+    if isinstance(x, NormedRow) and w.numel() * w.element_size() <= PROLOGUE_MAX_BYTES:
+        h = x.row_for_prologue()
+        if h is not None:
+            return gemv(x, w, normed_out=h), h
     row = x.materialize() if isinstance(x, NormedRow) else x
     return gemv(row, w), row
 

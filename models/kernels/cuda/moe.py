@@ -48,7 +48,7 @@ if triton is not None:
             chosen = tl.where(slots == k, best, chosen)
             ids = tl.where(slots == k, i.to(tl.int64), ids)
             p = tl.where(e == i, -1.0, p)
-        if NORM:  # (summed in slot order, as the torch form's sum over the top k)
+        if NORM:  # (summed in slot order: the torch form's sum may add in another order, 1e-6 apart)
             total = 0.0
             for k in tl.static_range(TOP_K):
                 total += tl.sum(tl.where(slots == k, chosen, 0.0), axis=0)
