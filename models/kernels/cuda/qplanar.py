@@ -102,16 +102,23 @@ if triton is not None:
                                          "=r,r,r,r,r", [lo, xe, hi, xo], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
-                  NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-        """acc [BB, NG, GW, R] plus a step's contribution for row blocks rb. A8: x is
-        quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
-        the words' input sums dx sum_j q_j and the groups' dx / 16)."""
+    def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
+                    NG: tl.constexpr, FMT: tl.constexpr):
+        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
         s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        return words, s16, c
+
+    @triton.jit
+    def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
+                   KW8: tl.constexpr, INTERPRETED: tl.constexpr):
+        """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
+        quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
+        the words' input sums dx sum_j q_j and the groups' dx / 16)."""
+        GW: tl.constexpr = G // 8
+        grp = step * NG + gi
         if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
             p = grp * GW + wi
             xe = tl.load(x + p)
@@ -123,6 +130,14 @@ if triton is not None:
             return acc - c * xs
         ws, xs = _group_sums(words, x, grp * G + wi, GW, INTERPRETED)
         return acc + (s16 * ws - c * xs)
+
+    @triton.jit
+    def _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
+                  NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+        """acc plus a step's contribution for row blocks rb: its words read, then summed."""
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT)
+        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED)
 
     @triton.jit
     def _quantize_kernel(x, out, stride_x, n_groups, G: tl.constexpr, GB: tl.constexpr, KW8: tl.constexpr,
@@ -189,10 +204,11 @@ if triton is not None:
         gi = tl.arange(0, NG)[None, :, None, None]
         wi = tl.arange(0, GW)[None, None, :, None]
         ri = tl.arange(0, 4)[None, None, None, :]
-        if PDL:
+        if PDL:  # let the next kernel launch now: it reads its first weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         if EXPERTS:  # (idx and x come from the kernels before: read after the wait)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             slot = tl.program_id(1)
             rb += tl.load(idx + slot).to(tl.int64) * (rows_e // 4)
             x += slot * stride_x
@@ -201,9 +217,21 @@ if triton is not None:
         else:
             first = tl.program_id(1) * RUN
         up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
-        acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
+        # the first step's words before waiting on the previous kernel (no kernel writes weights;
+        # an expert's rows are known only after it): their latency leaves a launch-bound step's path
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G, NG, FMT)
+        if SWIGLU:
+            u_words, u_s16, u_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G,
+                                              NG, FMT)
+        if PDL and not EXPERTS:
+            tl.extra.cuda.gdc_wait()
+        acc = _words_dot(tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32), x, words, s16, c, gi, wi, first, G, NG, A8,
+                         STEPS * KW, INTERPRETED)
         acc_up = acc
-        for i in range(RUN):
+        if SWIGLU:
+            acc_up = _words_dot(tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32), x, u_words, u_s16, u_c, gi, wi, first,
+                                G, NG, A8, STEPS * KW, INTERPRETED)
+        for i in range(1, RUN):
             step = first + i
             acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT, A8,
                             STEPS * KW, INTERPRETED)
