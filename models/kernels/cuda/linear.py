@@ -109,8 +109,6 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
     an LM head's ~50-250k rows take short K steps."""
     whole = triton.next_power_of_2(K)
     if N * K * 2 <= WHOLE_K_MAX_BYTES and whole <= 4096:
-        if K == 2048 and N >= 4096:  # the 30B-A3B-like qkv: 6.19 us against 6.67 whole, 2026-12-01
-            return 4, 512, 4
         return (4 if N < 4096 else 8), whole, 8
     if N >= 40000:  # K = 2048 (the MoE shapes' heads): 140 us against 149 at (8, 64, 4), 2026-12-01
         return (8, 512, 4) if K >= 2048 else (8, 64, 4)
