@@ -9,8 +9,7 @@ whether its tokens equal the first's. Variants: base (the defaults), nopdl (no p
 dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
 wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
-with the prologue variants; k2048whole (K = 2048 GEMVs of 4-8k rows read whole, the pick before
-1ee11fb). (The fifth session's normcopy and late variants, the forms before
+with the prologue variants. (The fifth session's normcopy and late variants, the forms before
 its commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -30,17 +29,8 @@ from engine.session import DecodeSession  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-PICK = cuda_linear.pick_config
-
-
-def _k2048_whole(K: int, N: int) -> tuple[int, int, int]:
-    if K == 2048 and N >= 4096 and N * K * 2 <= cuda_linear.WHOLE_K_MAX_BYTES:
-        return 8, 2048, 8
-    return PICK(K, N)
-
-
 DEFAULTS = dict(pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
-                wholek=cuda_linear.WHOLE_K_MAX_BYTES, pick=PICK)
+                wholek=cuda_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -52,14 +42,13 @@ VARIANTS = {
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
-    "k2048whole": dict(pick=_k2048_whole),
 }
 
 
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    cuda_linear.WHOLE_K_MAX_BYTES, cuda_linear.pick_config = v["wholek"], v["pick"]
+    cuda_linear.WHOLE_K_MAX_BYTES = v["wholek"]
 
 
 def main() -> None:
