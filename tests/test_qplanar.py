@@ -338,3 +338,21 @@ def test_planar_experts_compute_what_the_files_blocks_do(down_type):
     formats = quant.weight_formats(planar_ex)
     assert formats["Q4_K"] == sum(b.numel() * b.element_size() for b in planar_ex.stored())
     assert ("float32" in formats) == (down_type != "Q4_K")
+
+
+def test_one_storage_holds_the_same_weights_in_one_allocation(device):
+    """planar.one_storage (what to_planar keeps): data, scales and zeros as views of one buffer,
+    each at a multiple of ALIGN bytes; the GEMV on it gives the same bits as on the separate tensors."""
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    lin = int4_linear(22, 384, 128, 8, device)  # 3 groups a row: the scales' bytes are not a multiple of 16
+    pw = qplanar.repack(lin.qweight())
+    one = planar.one_storage(pw)
+    parts = [one.data, one.scales, one.zeros]
+    assert len({t.untyped_storage().data_ptr() for t in parts}) == 1
+    assert all(t.data_ptr() % planar.ALIGN == 0 for t in parts)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(parts, [pw.data, pw.scales, pw.zeros]))
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(9)).to(device)
+    assert torch.equal(qplanar.gemv(x, one, int8=False), qplanar.gemv(x, pw, int8=False))
+    lin.to_planar()
+    assert len({t.untyped_storage().data_ptr() for t in lin.format_tensors()[1]}) == 1

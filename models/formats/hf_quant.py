@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError
-from .planar import dequantize_int4p, repack_int4p
+from .planar import dequantize_int4p, one_storage, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
@@ -241,7 +241,7 @@ class GroupInt4Linear(QuantLinear):
         stored layout freed; once, after fusion. False where the groups do not allow it."""
         if self.planar or self.group % 8 or self.in_features % self.group:
             return self.planar
-        pw = repack_int4p(self.qweight())
+        pw = one_storage(repack_int4p(self.qweight()))
         del self.packed, self.scales, self.zeros
         self.register_buffer("words", pw.data)
         self.register_buffer("aux", pw.scales)

@@ -382,7 +382,7 @@ class BlockLinear(QuantLinear):
         from . import planar
         if self.planar or self.ggml_type != gguf_blocks.TYPES["Q4_K"] or self.in_features % 256:
             return self.planar
-        pw = planar.repack_q4k(self.qweight())
+        pw = planar.one_storage(planar.repack_q4k(self.qweight()))
         del self.blocks
         self.register_buffer("words", pw.data)
         self.register_buffer("dd", pw.scales)
