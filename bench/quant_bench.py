@@ -134,9 +134,11 @@ def sweep_fp8(device, x, gen) -> None:
         torch.cuda.empty_cache()
         cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS}
         picked = fp8.pick_config(n, k)
+        if picked not in cells:  # (a small matrix's whole-row step is not among the configs)
+            cells[picked] = _graph_us(lambda: fp8.gemv(xk, qw))
         best = min(cells, key=cells.get)
         print(f"[{n}, {k}]: bf16 GEMV {bf16_us:.1f} us ({n * k * 2 / bf16_us / 1e6:.2f} TB/s); FP8 picked "
-              f"{'x'.join(map(str, picked))} {_graph_us(lambda: fp8.gemv(xk, qw)):.1f} us, best "
+              f"{'x'.join(map(str, picked))} {cells[picked]:.1f} us, best "
               f"{'x'.join(map(str, best))} {cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
         print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
         qw = None
