@@ -8,10 +8,9 @@ times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to t
 whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
 dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
-wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), wholek32
-with the prologue variants, and nolast (the attention merge and the MoE route in launches of
-their own, not in the last program of the launch before). (The normcopy and late variants, the
-forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
+wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
+with the prologue variants. (The fifth session's normcopy and late variants, the forms before
+its commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -31,11 +30,10 @@ from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa
 from shapes import random_model  # noqa: E402
 
 DEFAULTS = dict(pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
-                wholek=cuda_linear.WHOLE_K_MAX_BYTES, last=cuda_base.LAST_PROGRAM_ENABLED)
+                wholek=cuda_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
-    "nolast": dict(last=False),
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "notriton": dict(triton=False),
@@ -50,7 +48,7 @@ VARIANTS = {
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    cuda_linear.WHOLE_K_MAX_BYTES, cuda_base.LAST_PROGRAM_ENABLED = v["wholek"], v["last"]
+    cuda_linear.WHOLE_K_MAX_BYTES = v["wholek"]
 
 
 def main() -> None:

@@ -185,12 +185,11 @@ def test_qk_norm_partial_rope_kernel_matches_torch_forms():
 
 
 @pytest.mark.parametrize("H,KVH,D,S", [(9, 3, 64, 8192), (14, 2, 64, 600), (8, 2, 256, 300)])
-def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S, monkeypatch):
+def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
     """Live slots only (stale slots past the position hold garbage that must not leak in), at
     positions that leave slices empty, fill one block exactly, and span many slices. Compared
     with the torch form in fp32: its bf16 form rounds the scores before the softmax (the kernel
-    keeps them fp32), so on sharp softmaxes it is the less exact of the two. The slices merged
-    by each KV head's last program equal, bit for bit, those merged by a launch of their own."""
+    keeps them fp32), so on sharp softmaxes it is the less exact of the two."""
     from models.kernels.cuda import attention as cuda_attention, base as cuda_base
     from models.architectures.layers import decode_attention
     if not cuda_base.ENABLED:
@@ -210,11 +209,6 @@ def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S, monkeypatch):
         gated = cuda_attention.decode(q, kc, vc, p, gate[:, D:], 2 * D)
         want = ref * torch.sigmoid(gate.view(H, 2 * D)[:, D:].reshape(1, -1).float())
         assert torch.allclose(gated.float(), want, atol=2e-2, rtol=2e-2)
-        monkeypatch.setattr(cuda_base, "LAST_PROGRAM_ENABLED", False)  # the merge's launch of its own
-        assert torch.equal(out, cuda_attention.decode(q, kc, vc, p))
-        assert torch.equal(gated, cuda_attention.decode(q, kc, vc, p, gate[:, D:], 2 * D))
-        monkeypatch.setattr(cuda_base, "LAST_PROGRAM_ENABLED", True)
-    assert int(cuda_base.counts(dev).count_nonzero()) == 0  # each count zero again after its launch
 
 
 @pytest.mark.parametrize("nk,nv", [(2, 2), (2, 6)])

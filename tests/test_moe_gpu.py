@@ -49,36 +49,6 @@ def test_route_kernel_matches_softmax_topk(E):
             assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("E,H,k,extra", [(256, 2048, 8, 1), (128, 2048, 8, 0), (60, 1000, 5, 0), (8, 96, 2, 1)])
-def test_routed_gemv_routes_in_the_last_program(E, H, k, extra, monkeypatch):
-    """moe.routed_gemv: the router's GEMV whose last program routes (one launch) gives the logits,
-    the normed row and the ids of the GEMV then route (two launches), bit for bit, and their
-    weights within ulps, on a NormedRow (a decoder layer's deferred norm) and a plain row; rows past E (the shared
-    expert's gate) are not routed. Each count is zero again after the launch."""
-    cuda_moe = kernels()
-    from models.kernels.cuda import base as cuda_base, linear as cuda_linear
-    g = torch.Generator(device="cuda").manual_seed(E + H)
-    w = torch.randn(E + extra, H, device="cuda", generator=g).to(torch.bfloat16) * 0.05
-    if extra:  # the shared gate's row the largest: a route that read it would choose it
-        w[E:] = 0.5
-    for trial in range(6):
-        x = torch.randn(1, H, device="cuda", generator=g).to(torch.bfloat16)
-        res = torch.randn(1, H, device="cuda", generator=g).to(torch.bfloat16)
-        nw = torch.rand(H, device="cuda", generator=g) + 0.5
-        norm = trial % 2 == 0
-        got, want = [], []
-        for on, into in ((True, got), (False, want)):
-            monkeypatch.setattr(cuda_base, "LAST_PROGRAM_ENABLED", on)
-            src = cuda_linear.NormedRow(x, res, nw, 1e-6) if trial < 4 else x
-            into.extend(cuda_moe.routed_gemv(src, w, k, norm, E))
-        for a, b in zip(got[:3], want[:3]):  # logits, row, ids
-            assert torch.equal(a, b)
-        # the weights: the softmax's sums over other thread layouts (8 warps, not 1): ulps apart
-        assert torch.allclose(got[3], want[3], rtol=1e-6, atol=1e-7)
-        assert int(got[2].max()) < E
-    assert int(cuda_base.counts(torch.device("cuda", torch.cuda.current_device())).count_nonzero()) == 0
-
-
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
 def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypatch):
     cuda_moe = kernels()

@@ -158,13 +158,13 @@ class SparseMoe(nn.Module):
         x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
         E = self.gate.weight.shape[0]
         # the router's GEMV normalizes a deferred row in its prologue and writes it for the experts
-        fused = hasattr(self, "router_rows")  # [E + 1, H]: the last row the shared gate's
-        logits, x, idx, weights = cuda_moe.routed_gemv(x, self.router_rows if fused else self.gate.weight,
-                                                       self.gate.top_k, self.gate.norm_topk, E)
-        if fused:
+        if hasattr(self, "router_rows"):
+            logits, x = cuda_linear.gemv_and_row(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
             gate = logits[:, E:]
         else:
+            logits, x = cuda_linear.gemv_and_row(x, self.gate.weight)
             gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
         ex = self.experts
         if not hasattr(self, "shared_expert"):
             return decode_experts(x, ex, idx, weights)

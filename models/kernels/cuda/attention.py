@@ -7,11 +7,9 @@ The live length is read from the device, so one launch (and one CUDA graph) serv
 and reads only the live slots, not a padded bucket; the torch form (layers.decode_attention) needs
 a mask over a bucket and four kernels. Two launches: each program of the first takes one KV
 head's query group over one of NSPLIT slices of the live slots (flash-decoding: the slices run
-in parallel on a long context) and keeps a running max, sum and weighted value sum; then the
-slices are merged per head, by the last of a KV head's programs to finish (base.counts: one
-launch) or by a second launch, in the same arithmetic. The slices depend only on the position
-and the merge reads them in slice order whichever program merges, so results are the same run
-to run and between a graph and the eager step (the count decides who merges, not what is summed). Scores and softmax in fp32; the
+in parallel on a long context) and keeps a running max, sum and weighted value sum; the second
+merges the slices per head. The slices depend only on the position, so results are the same run
+to run and between a graph and the eager step (no atomics). Scores and softmax in fp32; the
 probabilities meet the values in bf16 on the tensor cores, as the torch form's bmm does.
 """
 from __future__ import annotations
@@ -24,11 +22,10 @@ from .base import launch, triton
 if triton is not None:
     import triton.language as tl
 
-    from .base import _last_program, _pdl_enter
+    from .base import _pdl_enter
 
     @triton.jit
     def _split_kernel(q, k_cache, v_cache, pos_ptr, m_out, l_out, acc_out, stride_kh, stride_vh, scale,
-                      counts, gate, out, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr, MERGE: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
                       BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
@@ -62,32 +59,22 @@ if triton is not None:
         tl.store(m_out + row, m, mask=gm)
         tl.store(l_out + row, l_sum, mask=gm)
         tl.store(acc_out + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
-        if MERGE:  # the last of this KV head's NSPLIT programs merges its query group's slices
-            if _last_program(counts, kvh, NSPLIT):
-                for i in tl.static_range(G):
-                    _merge_head(m_out, l_out, acc_out, gate, out, kvh * G + i, GATE_STRIDE, HAS_GATE, D, NSPLIT)
-
-    @triton.jit
-    def _merge_head(m_in, l_in, acc_in, gate, out, h, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr,
-                    D: tl.constexpr, NSPLIT: tl.constexpr):
-        """Head h's output from its NSPLIT slices (read at L2: other programs stored them)."""
-        sp = tl.arange(0, NSPLIT)
-        d = tl.arange(0, D)
-        m = tl.load(m_in + h * NSPLIT + sp, cache_modifier=".cg")
-        w = tl.exp(m - tl.max(m, axis=0))                          # empty slices: exp(-inf) = 0
-        total = tl.sum(tl.load(l_in + h * NSPLIT + sp, cache_modifier=".cg") * w, axis=0)
-        o = tl.sum(tl.load(acc_in + (h * NSPLIT + sp)[:, None] * D + d[None, :], cache_modifier=".cg") * w[:, None],
-                   axis=0) / total
-        if HAS_GATE:
-            z = tl.load(gate + h * GATE_STRIDE + d).to(tl.float32)
-            o = o / (1.0 + tl.exp(-z))
-        tl.store(out + h * D + d, o.to(out.dtype.element_ty))
 
     @triton.jit
     def _merge_kernel(m_in, l_in, acc_in, gate, out, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr,
                       D: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
-        _merge_head(m_in, l_in, acc_in, gate, out, tl.program_id(0), GATE_STRIDE, HAS_GATE, D, NSPLIT)
+        h = tl.program_id(0)
+        sp = tl.arange(0, NSPLIT)
+        d = tl.arange(0, D)
+        m = tl.load(m_in + h * NSPLIT + sp)
+        w = tl.exp(m - tl.max(m, axis=0))                          # empty slices: exp(-inf) = 0
+        total = tl.sum(tl.load(l_in + h * NSPLIT + sp) * w, axis=0)
+        o = tl.sum(tl.load(acc_in + (h * NSPLIT + sp)[:, None] * D + d[None, :]) * w[:, None], axis=0) / total
+        if HAS_GATE:
+            z = tl.load(gate + h * GATE_STRIDE + d).to(tl.float32)
+            o = o / (1.0 + tl.exp(-z))
+        tl.store(out + h * D + d, o.to(out.dtype.element_ty))
 
 
 def n_splits(max_context: int) -> int:
@@ -106,14 +93,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     m = torch.empty(H, ns, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(H, ns, D, dtype=torch.float32, device=q.device)
-    out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
-    counts = cuda_base.counts(q.device, kvh)
-    gate_args = dict(GATE_STRIDE=gate_stride, HAS_GATE=gate is not None, D=D, NSPLIT=ns)
-    g = gate if gate is not None else q
     launch(_split_kernel, (kvh, ns),
            q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
-           D ** -0.5, counts if counts is not None else m, g, out, MERGE=counts is not None, G=G,
-           GP=max(16, triton.next_power_of_2(G)), BLOCK_N=64, **gate_args, **cuda_base.pdl(q))
-    if counts is None:
-        launch(_merge_kernel, (H,), m, l_sum, acc, g, out, **gate_args, **cuda_base.pdl(q))
+           D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **cuda_base.pdl(q))
+    out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
+    launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
+           HAS_GATE=gate is not None, D=D, NSPLIT=ns, **cuda_base.pdl(q))
     return out

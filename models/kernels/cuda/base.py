@@ -125,31 +125,6 @@ def pdl(x: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-# The launches that finish in their last program (the decode attention's merge, the MoE route
-# after the router's GEMV) rather than in a launch of their own: a launch fewer each, whose
-# latency a one-token step pays in full. Off (bench/ab_decode.py's nolast): the second launch.
-LAST_PROGRAM_ENABLED = os.environ.get("CHAT_LAST_PROGRAM", "1").lower() not in ("0", "false", "off", "no")
-COUNTS_SIZE = 256
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def counts(device: torch.device, slots: int = 1) -> torch.Tensor | None:
-    """The int32 count buffer of the launches that finish in their last program (`_last_program`;
-    each count is zero between launches), or None where such a launch must take its two-launch
-    form: LAST_PROGRAM_ENABLED off, more slots than COUNTS_SIZE, or the buffer not allocated
-    before a CUDA graph capture (a graph's pool must not own it; the eager warm-up allocates it).
-    One buffer serves every launch on the device: launches on one stream count one after the
-    other (a PDL launch counts after its wait, when the launch before it has finished)."""
-    if not LAST_PROGRAM_ENABLED or slots > COUNTS_SIZE:
-        return None
-    c = _COUNTS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTS[device] = torch.zeros(COUNTS_SIZE, dtype=torch.int32, device=device)
-    return c
-
-
 def fits(*dims: int, least: int = 1) -> bool:
     """Whether per-head kernels take these sizes: powers of two (Triton's blocks), at least `least`."""
     return all(d >= least and d & (d - 1) == 0 for d in dims)
@@ -178,17 +153,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def _last_program(counts, slot, programs):
-        """Whether this program is the last of the `programs` that count at `slot` (after its own
-        stores): that one reads what the others stored with .cg loads and finishes the launch.
-        Every thread's stores precede the count (the barrier); the count releases them and
-        acquires the others' (acq_rel at GPU scope). The last one zeroes the count again."""
-        tl.debug_barrier()
-        last = tl.atomic_add(counts + slot, 1, sem="acq_rel", scope="gpu") == programs - 1
-        tl.atomic_xchg(counts + slot, 0, mask=last)
-        return last
 
     @triton.jit
     def _qk_rope_kv_kernel(src, cos, sin, pos_ptr, q_w, k_w, q_out, k_cache, v_cache, stride_kh, stride_vh, eps,

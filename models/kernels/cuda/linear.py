@@ -22,9 +22,6 @@ from .base import launch, triton
 if triton is not None:
     import triton.language as tl
 
-    from .base import _last_program
-    from .moe import _topk_route
-
     @triton.jit
     def _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                      EVEN: tl.constexpr):
@@ -43,11 +40,9 @@ if triton is not None:
         return xr.to(tl.float32), xr.to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, counts, idx_out, w_out, E,
-                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     NORM_OUT: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
+    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, HAS_BIAS: tl.constexpr,
+                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_OUT: tl.constexpr,
+                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -101,9 +96,6 @@ if triton is not None:
         if SWIGLU:
             y = y / (1.0 + tl.exp(-y)) * y_up
         tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
-        if ROUTE:  # an MoE router's GEMV: its last program routes the first E logits (moe.route)
-            if _last_program(counts, 0, tl.num_programs(0)):
-                _topk_route(out, idx_out, w_out, E, TOP_K, BLOCK_E, BLOCK_TOPK, NORM_TOPK)
 
 
 # Weights up to this size are read in one K step per program, all of it before the kernel waits
@@ -168,37 +160,24 @@ class NormedRow:
         return self._h
 
 
-def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor,
-                 route: "Route | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(x, w), the input row as a tensor): a NormedRow's normed row written by the GEMV's
     prologue where it runs there (no add_rms_norm launch: an MoE router's GEMV, whose input the
-    experts read next), else materialized. `route`: as gemv's."""
+    experts read next), else materialized."""
     if isinstance(x, NormedRow) and w.numel() * w.element_size() <= PROLOGUE_MAX_BYTES:
         h = x.row_for_prologue()
         if h is not None:
-            return gemv(x, w, normed_out=h, route=route), h
+            return gemv(x, w, normed_out=h), h
     row = x.materialize() if isinstance(x, NormedRow) else x
-    return gemv(row, w, route=route), row
-
-
-class Route:
-    """An MoE route for a router's GEMV to finish in its last program (moe.routed_gemv builds it):
-    the top_k of the first E logits (renormalised where asked) into idx [1, top_k] int64 and
-    weights [1, top_k] fp32, as moe.route computes them; counts: base.counts' buffer."""
-
-    def __init__(self, counts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, E: int, top_k: int,
-                 renormalise: bool):
-        self.counts, self.idx, self.weights, self.E = counts, idx, weights, E
-        self.top_k, self.renormalise = top_k, renormalise
+    return gemv(row, w), row
 
 
 def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
          config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None,
-         normed_out: torch.Tensor | None = None, route: Route | None = None) -> torch.Tensor:
+         normed_out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one), any float dtype; w [N, K] with contiguous
     rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32).
-    normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there.
-    route: the launch's last program also routes its logits (no swiglu, no bias)."""
+    normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there."""
     N, K = w.shape
     if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or
                                      (x._h is not None and normed_out is None)):
@@ -213,12 +192,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     launch(_gemv_kernel, (triton.cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         normed_out if normed_out is not None and pre is not None else out,
-        route.counts if route else out, route.idx if route else out, route.weights if route else out,
-        route.E if route else 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
         NORM_OUT=normed_out is not None and pre is not None, EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=warps, ROUTE=route is not None, TOP_K=route.top_k if route else 1,
-        BLOCK_E=triton.next_power_of_2(route.E) if route else 1,
-        BLOCK_TOPK=triton.next_power_of_2(route.top_k) if route else 1,
-        NORM_TOPK=route.renormalise if route else False, **cuda_base.pdl(src))
+        BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
     return out

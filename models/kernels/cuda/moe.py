@@ -4,8 +4,7 @@ Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with 
 models/architectures/moe.py):
 - route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
   (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
-  ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id. routed_gemv:
-  the router's GEMV and the route, computed by the GEMV's last program (one launch, not two).
+  ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id.
 - experts(x, gate_up, down, idx, weights, ...): sum_k w_k * down_e(silu(gate_e x) * up_e x) over
   the chosen experts e = idx[k], reading only their weights, in two launches: gate/up with SwiGLU
   (one program per expert and block of intermediate rows; the intermediate kept in fp32), then
@@ -32,18 +31,11 @@ if triton is not None:
     @triton.jit
     def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       NORM: tl.constexpr, PDL: tl.constexpr):
-        """route's launch of its own (one warp: the reductions are shuffles)."""
-        _pdl_enter(PDL)
-        _topk_route(logits, idx_out, w_out, E, TOP_K, BLOCK_E, BLOCK_K, NORM)
-
-    @triton.jit
-    def _topk_route(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NORM: tl.constexpr):
         """One pass of TOP_K (max, lowest id at the max) reductions; the chosen weights stay in
-        registers until their sum is known. The logits are read at L2 (the router GEMV's last
-        program calls this on what its other programs stored)."""
+        registers until their sum is known (launched with one warp: the reductions are shuffles)."""
+        _pdl_enter(PDL)
         e = tl.arange(0, BLOCK_E)
-        x = tl.load(logits + e, mask=e < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+        x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(e < E, p, -1.0)
@@ -133,24 +125,6 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
            BLOCK_K=triton.next_power_of_2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
     return idx, w
-
-
-def routed_gemv(x, w: torch.Tensor, top_k: int, renormalise: bool,
-                E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An MoE layer's router for one token: (logits [1, N] = linear.gemv_and_row's GEMV of x
-    (a tensor or a NormedRow) by the router's rows w [N >= E, H] (rows past E: the shared
-    expert's gate), the input row as a tensor, ids, weights as route computes them from the first
-    E logits). One launch where base.counts serves (the GEMV's last program routes), else two."""
-    from . import linear as cuda_linear  # (linear.py's router epilogue imports _topk_route from here)
-    device = x.device
-    counts = cuda_base.counts(device)
-    if counts is None:
-        logits, row = cuda_linear.gemv_and_row(x, w)
-        return (logits, row) + route(logits, top_k, renormalise, E)
-    idx = torch.empty(1, top_k, dtype=torch.int64, device=device)
-    weights = torch.empty(1, top_k, dtype=torch.float32, device=device)
-    logits, row = cuda_linear.gemv_and_row(x, w, cuda_linear.Route(counts, idx, weights, E, top_k, renormalise))
-    return logits, row, idx, weights
 
 
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
