@@ -9,8 +9,8 @@ whether its tokens equal the first's. Variants: base (the defaults), nopdl (no p
 dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
 wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
-with the prologue variants. (The fifth session's normcopy and late variants, the forms before
-its commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
+with the prologue variants. (The normcopy and late variants, the forms before commits a509cd5
+and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
