@@ -2,7 +2,8 @@
 
     python bench/decode_bench.py NAME [NAME ...] [--device cuda] [--graph auto|on|off]
         [--prompt 128] [--new 256] [--prefill 2048] [--runs 2] [--max-context N] [--hf hf.jsonl]
-        [--hf-script PATH/hf_baseline.py] [--graph-check] [--startup NAME]
+        [--hf-script PATH/hf_baseline.py] [--hf-variants eager,static,prefill] [--graph-check]
+        [--startup NAME]
 
 The floor (weight bytes a token reads / 4.3 TB/s) leaves out an untied embedding table, and of MoE
 shapes (qwen3.5-35b-a3b, qwen3-30b-a3b, granite-4.0-h-tiny) counts only the top-k experts.
@@ -152,7 +153,9 @@ def run_hf_baseline(a) -> None:
     static cache (which it compiles), and the prefill; a variant that fails or runs out of time
     leaves an error line, and the comparison takes the best of those that ran."""
     with open(a.hf, "w") as out:
-        for variant in ([], ["--static"], ["--prompt", str(a.prefill), "--new", "8", "--tag", "prefill"]):
+        variants = {"eager": [], "static": ["--static"],
+                    "prefill": ["--prompt", str(a.prefill), "--new", "8", "--tag", "prefill"]}
+        for variant in (variants[v] for v in a.hf_variants.split(",")):
             cmd = [sys.executable, a.hf_script, *a.names, "--prompt", str(a.prompt), "--new", str(a.new), *variant]
             tag = "prefill" if "--tag" in variant else ""
             try:
@@ -191,6 +194,8 @@ def main() -> None:
                                         "cache compiled, a --prefill-token prefill), write its lines to --hf "
                                         "(default hf.jsonl) and compare, all in one command")
     ap.add_argument("--hf-timeout", type=int, default=900, help="seconds per hf_baseline.py variant")
+    ap.add_argument("--hf-variants", default="eager,static,prefill",
+                    help="the hf_baseline.py runs of --hf-script, any of eager, static, prefill")
     ap.add_argument("--graph-check", action="store_true",
                     help="also decode with the graph off and stop with an error unless the tokens are the same")
     ap.add_argument("--startup", help="measure process start to ready-to-decode for this shape")

@@ -156,15 +156,17 @@ def test_gemv_norm_prologue_matches_add_norm_then_linear(res, K, N):
     assert torch.allclose(cuda_linear.NormedRow(x, r, nw, 1e-5).materialize().float(), h, atol=2e-2, rtol=1e-2)
 
 
-def test_qk_norm_partial_rope_kernel_matches_torch_forms():
+@pytest.mark.parametrize("T", [1, 3, 37])
+def test_qk_norm_partial_rope_kernel_matches_torch_forms(T):
     """Qwen3.5's gated attention: q heads 2D apart (each followed by its gate), zero-centred q/k
-    norms, RoPE over the first quarter of each head; three tokens (a prefill's form)."""
+    norms, RoPE over the first quarter of each head; one token (decode's form), and a prefill's
+    tokens in one partial block of 16 and in several."""
     from models.kernels.cuda import base as cuda_base
     from models.architectures.layers import Rope
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     dev, bf = torch.device("cuda"), torch.bfloat16
-    H, KVH, D, R, S, T = 8, 2, 256, 64, 32, 3
+    H, KVH, D, R, S = 8, 2, 256, 64, 64
     qkv = torch.randn(T, H * 2 * D + 2 * KVH * D, device=dev, dtype=bf)
     rope = Rope(D, 1e7, rotary_dim=R)
     rope.reset_buffers(dev)

@@ -97,6 +97,20 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
             continue  # (the kernel takes the shared expert as an expert only at the experts' size)
         out = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, **way, **blocks)
         assert (out - ref).abs().max() <= 1e-5, float((out - ref).abs().max())
+# the grouped prefill's kernels: the SwiGLU between its GEMMs and the weighted sum after them
+from models.kernels.cuda import base
+gu = torch.randn(37, 2 * 1500)
+g, u = gu.chunk(2, dim=-1)
+assert (base.silu_mul(gu) - F.silu(g) * u).abs().max() <= 1e-5
+for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
+    ys = torch.randn(T * k, H)
+    order = torch.randperm(T * k)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(T * k)
+    w = torch.rand(T, k)
+    y = torch.empty_like(ys)
+    y[order] = ys
+    assert (kernels.combine(ys, inv, w) - (y.view(T, k, -1) * w[..., None]).sum(1)).abs().max() <= 1e-5
 print("ok")
 """
 

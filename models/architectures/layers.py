@@ -163,7 +163,10 @@ class SwiGLU(nn.Module):
         if isinstance(x, cuda_linear.NormedRow):
             x = x.materialize()
         if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gu = self.gate_up_proj(x)
+            if cuda_base.prefill_usable(gu) and gu.dim() == 2 and gu.is_contiguous():
+                return self.down_proj(cuda_base.silu_mul(gu))  # one kernel, not silu's and mul's
+            gate, up = gu.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -61,15 +61,25 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
-        slot order (a fixed order: no atomics)."""
+        slot order (a fixed order: no atomics). On CUDA the SwiGLU between the GEMMs and the
+        weighted sum after them are one kernel each (cuda_base.silu_mul, cuda_moe.combine)."""
         T, k = idx.shape
+        E = self.gate_up_proj.shape[0]
         flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
+        # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
+        # (8 for int64), and a stable sort's order depends only on the keys' order
+        order = (flat.to(torch.int16) if E <= 1 << 15 else flat).argsort(stable=True)
         # (bincount would read its largest id on the host first; an integer scatter-add is exact)
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device)
         offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         xs = x[order // k]
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+        if cuda_base.prefill_usable(x):
+            ys = torch._grouped_mm(cuda_base.silu_mul(gu), self.down_proj.transpose(1, 2), offs=offs)
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(T * k, device=x.device)
+            return cuda_moe.combine(ys, inv, weights.float().contiguous())
+        gate, up = gu.chunk(2, dim=-1)
         ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         y = torch.empty_like(ys)
         y[order] = ys

@@ -9,7 +9,8 @@ forms. `CHAT_TRITON=0` turns them off.
   partial rotary) over the query and key heads of the fused QKV output, keys and values written
   into the caches at the positions read from the device (5 to 20 kernels -> 1), for one token
   (decode) or many (prefill: the queries come out in the [T, H, D] memory flash attention reads);
-- add_rms_norm: the residual add and the next RMSNorm over any number of rows (2 -> 1).
+- add_rms_norm: the residual add and the next RMSNorm over any number of rows (2 -> 1);
+- silu_mul: a SwiGLU's silu(gate) * up over any number of rows (2 -> 1; prefill's MLPs).
 cuda_linear.py (GEMVs, SwiGLU), cuda_attention.py, cuda_delta.py and cuda_scan.py hold the others.
 """
 from __future__ import annotations
@@ -154,46 +155,62 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _qk_rope_kv_kernel(src, cos, sin, pos_ptr, q_w, k_w, q_out, k_cache, v_cache, stride_kh, stride_vh, eps,
-                           src_row,
+                           src_row, T,
                            Q_STRIDE: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, H: tl.constexpr,
                            KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_T: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         head = tl.program_id(0)
-        t = tl.program_id(1)  # the token (one program per head and token)
+        # BLOCK_T tokens a program: one per program made a 2k-token prefill ~80k programs of one
+        # 128-wide row each, whose launch and load latencies, not bytes, set the time
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
         d = tl.arange(0, D)
-        pos = tl.load(pos_ptr + t)
-        src += t * src_row
-        cos += t * R
-        sin += t * R
+        m2 = tm[:, None]
+        pos = tl.load(pos_ptr + t, mask=tm, other=0)
+        row = src + t[:, None].to(tl.int64) * src_row
         off = tl.where(head < H, head * Q_STRIDE,
                        tl.where(head < H + KVH, K_OFF + (head - H) * D, V_OFF + (head - H - KVH) * D))
-        x = tl.load(src + off + d).to(tl.float32)
+        x = tl.load(row + off + d[None, :], mask=m2, other=0.0).to(tl.float32)
         if head < H + KVH:
             # rotate-half over the first R dims: roll(x, R/2) * signed sin; dims past R pass through
             rd = tl.where(d < R, (d + R // 2) % R, d)
-            rolled = tl.load(src + off + rd).to(tl.float32)
+            rolled = tl.load(row + off + rd[None, :], mask=m2, other=0.0).to(tl.float32)
             if NORM:  # the per-head RMSNorm first (the same factor scales x and its rolled copy)
-                r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+                r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
                 if head < H:
                     wx = tl.load(q_w + d).to(tl.float32)
                     wr = tl.load(q_w + rd).to(tl.float32)
                 else:
                     wx = tl.load(k_w + d).to(tl.float32)
                     wr = tl.load(k_w + rd).to(tl.float32)
-                x = x * r * wx
-                rolled = rolled * r * wr
-            c = tl.load(cos + d, mask=d < R, other=1.0).to(tl.float32)
-            s = tl.load(sin + d, mask=d < R, other=0.0).to(tl.float32)
+                x = x * r[:, None] * wx[None, :]
+                rolled = rolled * r[:, None] * wr[None, :]
+            cs = t[:, None] * R + d[None, :]
+            rm = m2 & (d[None, :] < R)
+            c = tl.load(cos + cs, mask=rm, other=1.0).to(tl.float32)
+            s = tl.load(sin + cs, mask=rm, other=0.0).to(tl.float32)
             y = x * c + rolled * s
             if head < H:
-                tl.store(q_out + (t * H + head) * D + d, y.to(q_out.dtype.element_ty))
+                tl.store(q_out + (t[:, None] * H + head) * D + d[None, :], y.to(q_out.dtype.element_ty), mask=m2)
             else:
-                tl.store(k_cache + (head - H) * stride_kh + pos * D + d, y.to(k_cache.dtype.element_ty))
+                tl.store(k_cache + (head - H) * stride_kh + pos[:, None] * D + d[None, :],
+                         y.to(k_cache.dtype.element_ty), mask=m2)
         else:
-            tl.store(v_cache + (head - H - KVH) * stride_vh + pos * D + d, x.to(v_cache.dtype.element_ty))
+            tl.store(v_cache + (head - H - KVH) * stride_vh + pos[:, None] * D + d[None, :],
+                     x.to(v_cache.dtype.element_ty), mask=m2)
+
+    @triton.jit(do_not_specialize=["N", "stride"])
+    def _silu_mul_kernel(gu, out, N, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < N
+        g = tl.load(gu + row * stride + c, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu + row * stride + N + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + row * N + c, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -228,12 +245,24 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     q_stride = q_stride or D
     q = torch.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     q_w, k_w = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
-    launch(_qk_rope_kv_kernel, (n_heads + 2 * n_kv, T),
+    block_t = 1 if T == 1 else 16  # (two compiled forms: decode's and prefill's)
+    launch(_qk_rope_kv_kernel, (n_heads + 2 * n_kv, triton.cdiv(T, block_t)),
         qkv, cos, sin, positions, q_w, k_w, q, k_cache, v_cache, k_cache.stride(0), v_cache.stride(0), eps,
-        qkv.stride(0),
+        qkv.stride(0), T,
         Q_STRIDE=q_stride, K_OFF=n_heads * q_stride, V_OFF=n_heads * q_stride + n_kv * D, H=n_heads, KVH=n_kv,
-        D=D, R=cos.shape[-1], NORM=norm_weights is not None, **pdl(qkv))
+        D=D, R=cos.shape[-1], NORM=norm_weights is not None, BLOCK_T=block_t, **pdl(qkv))
     return q.transpose(0, 1)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of gu [M, 2N] (rows contiguous): [M, N] in gu's dtype,
+    in fp32 and rounded once (the torch form, F.silu(gate) * up, is two kernels that round
+    twice and read the gate twice: ~12% of a 2k-token MoE prefill, bench/RESULTS.md)."""
+    M, N = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(M, N, dtype=gu.dtype, device=gu.device)
+    block = min(1024, triton.next_power_of_2(N))
+    launch(_silu_mul_kernel, (M, triton.cdiv(N, block)), gu, out, N, gu.stride(0), BLOCK=block, **pdl(gu))
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,

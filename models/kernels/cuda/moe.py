@@ -1,4 +1,5 @@
-"""Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync.
+"""Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync,
+and the last step of its grouped prefill.
 
 Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
 models/architectures/moe.py):
@@ -12,6 +13,8 @@ models/architectures/moe.py):
   run). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
   where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
+- combine(ys, inv, weights): the grouped prefill's per-token weighted sum of its k experts'
+  outputs, read where the grouped GEMM left them (expert order), in slot order: no atomics.
 Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
 are compile-time constants: one compile per model, none per prompt. The expert ids are read on
 the device, so the launches are recorded in the CUDA graph like any other.
@@ -55,6 +58,18 @@ if triton is not None:
             chosen = chosen / total
         tl.store(idx_out + slots, ids, mask=slots < TOP_K)
         tl.store(w_out + slots, chosen, mask=slots < TOP_K)
+
+    @triton.jit(do_not_specialize=["H"])
+    def _combine_kernel(ys, inv, weights, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            r = tl.load(inv + t * TOP_K + j)
+            acc += tl.load(weights + t * TOP_K + j) * tl.load(ys + r * H + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -113,6 +128,21 @@ if triton is not None:
                 s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
             y += s / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+
+
+def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The last step of the grouped prefill (moe.Experts.grouped): out[t] = sum_j weights[t, j] *
+    ys[inv[t k + j]] over j in slot order, in fp32, rounded once. ys [T k, H] contiguous: the
+    experts' outputs in expert order; inv [T k] int64: the row of ys holding each (token, slot)
+    pair; weights [T, k] fp32. Returns [T, H] in ys' dtype. The torch form (scatter back into
+    pair order, scale, sum over k) is three launches writing the T k rows twice."""
+    T, k = weights.shape
+    H = ys.shape[1]
+    out = torch.empty(T, H, dtype=ys.dtype, device=ys.device)
+    block = min(1024, triton.next_power_of_2(H))
+    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, out, H, TOP_K=k, BLOCK=block,
+           **cuda_base.pdl(ys))
+    return out
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
