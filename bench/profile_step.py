@@ -3,7 +3,9 @@
     python bench/profile_step.py NAME [--compile on] [--steps 20] [--format bf16|Q4_K|AWQ|FP8]
 Profiles eager decode steps (the step a CUDA graph records) with torch.profiler and compares
 the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
-graph cannot remove, the busy time is what fusion must shrink.
+graph cannot remove, the busy time is what fusion must shrink. `--prefill N`: one N-token
+prefill instead, with the time the host took to queue it and the lines where it waited on the
+device (torch.cuda's sync debug mode).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import argparse
 import os
 import sys
 import time
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +52,7 @@ def build(name: str, fmt: str, dev):
     return model
 
 
-def profile_prefill(name: str, n: int, fmt: str) -> None:
+def profile_prefill(name: str, n: int, fmt: str, top: int) -> None:
     dev = torch.device("cuda")
     model = build(name, fmt, dev)
     s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
@@ -59,16 +62,29 @@ def profile_prefill(name: str, n: int, fmt: str) -> None:
         s.prefill(ids)
     torch.cuda.synchronize()
     s.reset()
+    torch.cuda.synchronize()
     t = time.perf_counter()
     s.prefill(ids)
+    host = (time.perf_counter() - t) * 1e3  # until the host had queued it all (or waited on a sync)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) * 1e3
+    s.reset()
+    torch.cuda.synchronize()
+    # where the host waits on the device inside the prefill: each sync's line in our code
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.prefill(ids)
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     s.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         s.prefill(ids)
         torch.cuda.synchronize()
-    print(f"{name}: prefill of {n} tokens {wall:.2f} ms wall ({n / wall * 1e3:.0f} tok/s)")
-    top_kernels(prof, 1, 12)
+    print(f"{name}: prefill of {n} tokens {wall:.2f} ms wall ({n / wall * 1e3:.0f} tok/s); the host returned "
+          f"after {host:.2f} ms; {sum(syncs.values())} host syncs" + "".join(f"\n  sync at {k} x{v}" for k, v in
+                                                                               syncs.most_common(6)))
+    top_kernels(prof, 1, top)
 
 
 def main() -> None:
@@ -81,7 +97,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="kernels listed")
     a = ap.parse_args()
     if a.prefill:
-        return profile_prefill(a.name, a.prefill, a.format)
+        return profile_prefill(a.name, a.prefill, a.format, a.top)
     dev = torch.device("cuda")
     model = build(a.name, a.format, dev)
     s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)

@@ -305,12 +305,13 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 
 def _compiled_kernels() -> int:
     """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
-    from models.kernels.cuda import (attention as cuda_attention, base as cuda_base, delta as cuda_delta,
-                                     linear as cuda_linear, moe as cuda_moe, scan as cuda_scan)
+    from models.kernels.cuda import (attention as cuda_attention, base as cuda_base, conv as cuda_conv,
+                                     delta as cuda_delta, linear as cuda_linear, moe as cuda_moe, scan as cuda_scan)
     kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
-               cuda_delta._conv_step_kernel, cuda_delta._delta_step_kernel, cuda_attention._split_kernel,
-               cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel, cuda_moe._route_kernel,
-               cuda_moe._gate_up_kernel, cuda_moe._down_kernel]
+               cuda_base._silu_mul_kernel, cuda_conv._causal_conv_kernel, cuda_delta._conv_step_kernel,
+               cuda_delta._delta_step_kernel, cuda_attention._split_kernel, cuda_attention._merge_kernel,
+               cuda_scan._chunk_scan_kernel, cuda_moe._route_kernel, cuda_moe._gate_up_kernel, cuda_moe._down_kernel,
+               cuda_moe._combine_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 

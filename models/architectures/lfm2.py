@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
+from ..kernels.cuda import base as cuda_base, conv as cuda_conv, shortconv as cuda_shortconv
 from .causal_lm import Body, CausalLM
 from .layers import Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .llama import Attention
@@ -81,6 +81,8 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """Causal depthwise conv of T inputs continuing from the window `state` (updated in place).
     x: [T, C]; state: [C, K-1] (the last K-1 inputs, oldest first); weight: [C, K]. Returns [T, C]."""
+    if cuda_conv.usable(x, weight):  # one kernel, no copy of the window
+        return cuda_conv.causal_conv(x, state, weight, bias)
     window = torch.cat((state, x.t().to(state.dtype)), dim=1)  # [C, K-1+T]
     state.copy_(window[:, -state.shape[1]:])
     return F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0].t()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gated_delta
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta
+from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
 from .moe import SparseMoe, num_experts, stack_experts
@@ -171,12 +171,13 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.in_proj.split(x)
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        mixed = mixed.transpose(0, 1)                                       # [C, T]
         conv_state = st["conv"]
-        window = torch.cat((conv_state, mixed.to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
-        conv_state.copy_(window[:, -(self.kernel - 1):])
-        mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0])
-        mixed = mixed.transpose(0, 1)
+        if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
+            mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)
+        else:
+            window = torch.cat((conv_state, mixed.t().to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
+            conv_state.copy_(window[:, -(self.kernel - 1):])
+            mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0]).t()
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
         q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
         k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
