@@ -241,25 +241,29 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "lfm2", "olmo_hybrid"])
 def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monkeypatch, kind):
+    """The model in bf16 with the Triton kernels, against the same checkpoint in fp32 on the CPU:
+    within 5% of the largest logit (+ 0.05), or no farther than the torch forms in bf16 are (the
+    tiny OLMo-Hybrid's torch forms in bf16 were 0.22 from fp32, the kernels 0.16: they round less)."""
     from models.kernels.cuda import base as cuda_base
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     lm = gpu_models[kind]
     prompt = list(range(3, 40))
 
-    def step_logits():
-        s = DecodeSession(lm.model, max_context=96, device=torch.device("cuda"), dtype=torch.bfloat16,
-                          cuda_graph="off")
-        first = s.prefill(prompt)[-1]  # the prefill's kernels (RoPE + KV write, add + norm, scan)
+    def step_logits(model, device, dtype):
+        s = DecodeSession(model, max_context=96, device=torch.device(device), dtype=dtype, cuda_graph="off")
+        first = s.prefill(prompt)[-1]  # the prefill's kernels (RoPE + KV write, add + norm, conv, scan)
         steps = [s.step(t)[-1] for t in (5, 6, 7, 8)]
         # a later turn's prefill: from position 41, masked attention over the cached slots
         later = s.prefill(list(range(50, 62)), all_logits=True)
-        return torch.cat([torch.stack([first] + steps), later])
+        return torch.cat([torch.stack([first] + steps), later]).float().cpu()
 
-    fused = step_logits()
+    ref = step_logits(models.load(lm.source).model, "cpu", torch.float32)
+    fused = step_logits(lm.model, "cuda", torch.bfloat16)
     monkeypatch.setattr(cuda_base, "ENABLED", False)
-    plain = step_logits()
-    assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
+    plain = step_logits(lm.model, "cuda", torch.bfloat16)
+    err, err_plain = float((fused - ref).abs().max()), float((plain - ref).abs().max())
+    assert err <= max(0.05 * float(ref.abs().max()) + 0.05, err_plain), (err, err_plain)
 
 
 def test_triton_decode_needs_one_graph_and_matches_eager_over_long_positions(gpu_models):

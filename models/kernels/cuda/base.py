@@ -202,7 +202,7 @@ if triton is not None:
             tl.store(v_cache + (head - H - KVH) * stride_vh + pos[:, None] * D + d[None, :],
                      x.to(v_cache.dtype.element_ty), mask=m2)
 
-    @triton.jit(do_not_specialize=["N", "stride"])
+    @triton.jit
     def _silu_mul_kernel(gu, out, N, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)

@@ -26,7 +26,7 @@ if triton is not None:
 
     from .base import _pdl_enter
 
-    @triton.jit(do_not_specialize=["T", "C", "stride_x", "stride_sc", "stride_sk"])
+    @triton.jit(do_not_specialize=["T"])  # (C and the strides: the model's, one compile each)
     def _causal_conv_kernel(x, state, w, bias, out, T, C, stride_x, stride_sc, stride_sk, K: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             PDL: tl.constexpr):

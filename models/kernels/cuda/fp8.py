@@ -10,11 +10,11 @@ read before it waits on the previous kernel).
 Why its own kernel (qlinear.py's generic one decoded FP8 as [rows, 32-weight runs] tiles with a
 sum per run: 2.0-2.25 TB/s on the 27B-like matrices, bench/RESULTS.md I4b): this is linear.py's
 dense GEMV with e4m3 loads. A program owns BLOCK_N rows and walks K in steps of NB 128-weight
-blocks, keeping an fp32 product per weight slot (summed once at the end, no reduction per step).
-A block's scale multiplies the input, not the weights: where a program's rows share one 128-row
-block of scales (`GROUP` 128, BLOCK_N dividing it), the step's [NB, 128] input is scaled once and
-every weight costs a conversion and an FMA; where scales are per row (`GROUP` 1: fused linears
-whose parts end inside a block), each weight takes one multiply more.
+blocks; a thread sums each 16-weight run of a row inside its registers (a conversion and an FMA
+a weight), and the run's block scale multiplies that sum, into an fp32 partial per run (summed
+once at the end, no reduction per step). The scales are one row per program where its rows share
+one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row (ROW_SCALES: `GROUP`
+1, fused linears whose parts end inside a block, or SwiGLU halves not aligned to BLOCK_N).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from .base import launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
-# Matrices up to this size are read in one step per program (the whole row, before the PDL wait):
-# a small model's launch-bound step then waits on no weight.
+# Quantized matrices up to this size are read in one step per program (the whole row, before the
+# PDL wait), here and in qlinear.py: a small model's launch-bound step then waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
 
 

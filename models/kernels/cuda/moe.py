@@ -59,7 +59,7 @@ if triton is not None:
         tl.store(idx_out + slots, ids, mask=slots < TOP_K)
         tl.store(w_out + slots, chosen, mask=slots < TOP_K)
 
-    @triton.jit(do_not_specialize=["H"])
+    @triton.jit
     def _combine_kernel(ys, inv, weights, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)

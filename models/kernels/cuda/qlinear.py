@@ -44,9 +44,8 @@ FORMATS = {
 # each program has in flight, and a GEMV on the large models is bound by bytes in flight
 # (Little's law: ~3 MB across an H200 to reach its bandwidth).
 STEP_WEIGHTS = 1024
-# Matrices up to this size are decoded in one step of K where `STEP_WEIGHTS` allows: the whole
-# first step is read before the PDL wait, so a small model's launch-bound step waits on no weight.
-WHOLE_STEP_BYTES = 8 << 20
+# Matrices up to fp8.WHOLE_STEP_BYTES are decoded in one step of K where `STEP_WEIGHTS` allows.
+WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
 
 
 def fits(fmt: str, k: int) -> bool:
