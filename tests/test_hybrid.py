@@ -55,6 +55,49 @@ def test_chunked_equals_naive_from_nonzero_state(T):
         assert (s_step - s_naive).abs().max() <= 1e-6
 
 
+def test_chunked_takes_unrepeated_key_heads():
+    """chunked with Hk key heads (value head h reading key head h // (H / Hk)) equals chunked on
+    the key heads repeated to H (the layer passes them unrepeated: no copy on CUDA)."""
+    q, k, v, g, beta, s0 = gated_delta.example_inputs(70, 4, 16, 8, torch.device("cpu"))
+    qk, kk = q[:, ::2], k[:, ::2]
+    s_rep, s_un = s0.clone(), s0.clone()
+    rep = gated_delta.chunked(qk.repeat_interleave(2, 1), kk.repeat_interleave(2, 1), v, g, beta, s_rep, chunk=16)
+    assert torch.equal(gated_delta.chunked(qk, kk, v, g, beta, s_un, chunk=16), rep) and torch.equal(s_un, s_rep)
+
+
+PREPARE_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from models.architectures import gated_delta
+from models.kernels.cuda import scan
+for T, H, Hk, dk, dv, C in [(5, 4, 2, 32, 16, 16), (64, 3, 3, 16, 32, 16), (130, 4, 1, 16, 16, 32)]:
+    q, k, v, g, beta, _ = gated_delta.example_inputs(T, H, dk, dv, torch.device("cpu"), seed=T)
+    big = torch.randn(T, H, dv + 8)
+    big[..., :dv] = v
+    v = big[..., :dv]  # a slice of a wider projection, as the layer's v is
+    q, k = q[:, :Hk], k[:, :Hk]
+    want = gated_delta.chunk_terms(q, k, v, g, beta, C)
+    got = scan.prepare(q, k, v, g, beta, C)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max())), float((a - b).abs().max())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="Triton is not importable here")
+def test_chunk_prepare_kernel_under_the_interpreter_equals_the_torch_terms():
+    """cuda_scan.prepare (the chunks' terms in one kernel, CUDA prefill) against
+    gated_delta.chunk_terms, by Triton's interpreter on the CPU: partial chunks, unrepeated and
+    repeated key heads, v read from a strided slice."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", PREPARE_INTERPRETED, os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_model_prefill_forms_agree(hybrids, monkeypatch):
     check_prefill_forms(hybrids["qwen3_5"][0], qwen3_5, monkeypatch)
 

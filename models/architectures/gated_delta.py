@@ -51,46 +51,62 @@ def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q[:, None, :], state).transpose(0, 1)          # [1, H, dv]: q^T S
 
 
-def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
-    """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
-    `fused`: the scan as one Triton kernel (cuda_scan.chunk_scan, CUDA) instead of the loop."""
+def chunk_terms(q, k, v, g, beta, chunk: int) -> tuple[torch.Tensor, ...]:
+    """The per-chunk terms of `chunked` in torch (cuda_scan.prepare computes the same in one
+    kernel), fp32: (system [H, n, C, C]: (k_beta k^T) * decay, whose strict lower triangle is A
+    of (I + A) u = v_beta; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum:
+    k_beta * exp(cum), q_dec: q * exp(cum), k_dec: k * exp(cum_last - cum) [H, n, C, dk];
+    chunk_decay [H, n]). The prompt is padded to whole chunks (zero keys, beta 0 and decay
+    exp(0) = 1 leave the state untouched). q and k: as `chunked` takes them."""
+    H = v.shape[1]
+    if q.shape[1] != H:
+        q, k = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (q, k))
     T = q.shape[0]
     q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # [H, T, ...]
     pad = (chunk - T % chunk) % chunk
-    if pad:  # zero keys, beta 0 and decay exp(0) = 1 leave the state untouched
+    if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    H, L = q.shape[0], q.shape[1]
-    n = L // chunk
+    n = q.shape[1] // chunk
     q, k, v = (x.reshape(H, n, chunk, x.shape[-1]) for x in (q, k, v))
     g, beta = g.reshape(H, n, chunk), beta.reshape(H, n, chunk)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     cum = g.cumsum(-1)                                                  # [H, n, C]
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    # (I + A) u = v_beta with A strictly lower: the accumulated delta-rule corrections of a chunk
-    # (the solver reads only the strict lower triangle; unitriangular supplies the identity)
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    # one triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of
+    intra = (q @ k.transpose(-1, -2)) * decay                           # causal, diagonal included
+    return (system, intra, v_beta, k_beta * cum.exp()[..., None], q * cum.exp()[..., None],
+            k * (cum[..., -1:] - cum).exp()[..., None], cum[..., -1].exp())
+
+
+def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
+    """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
+    q and k may also come with Hk key heads, Hk dividing H (not repeated yet: value head h reads
+    key head h // (H / Hk)). `fused` (CUDA): the chunks' terms in one Triton kernel
+    (cuda_scan.prepare, reading q, k and v where they lie) and the scan in another
+    (cuda_scan.chunk_scan), around torch's triangular solve; else torch throughout."""
+    T, H = q.shape[0], v.shape[1]
+    fused = fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1])
+    terms = cuda_scan.prepare(q, k, v, g.float(), beta.float(), chunk) if fused else \
+        chunk_terms(q, k, v, g, beta, chunk)
+    system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay = terms
+    # (I + A) u = v_beta with A strictly lower: the accumulated delta-rule corrections of a chunk
+    # (the solver reads only the strict lower triangle; unitriangular supplies the identity).
+    # One triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of
     # the solver's work of solving for u and w directly (dk + dv right-hand sides)
     eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
     inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
-    u = inv @ v_beta
-    w = inv @ (k_beta * cum.exp()[..., None])
-    intra = (q @ k.transpose(-1, -2)) * decay                           # causal, diagonal included
-    q_dec = q * cum.exp()[..., None]
-    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]                   # [H, n, 1, 1]
-
-    if fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1]):
+    u, w = inv @ v_beta, inv @ k_cum
+    n = system.shape[1]
+    if fused:
         out = cuda_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
-        return out.reshape(H, L, -1)[:, :T].transpose(0, 1)
+        return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1)
     S = state.clone()
-    out = torch.empty_like(v)
+    out = torch.empty_like(v_beta)
     for i in range(n):
         v_new = u[:, i] - w[:, i] @ S
         out[:, i] = q_dec[:, i] @ S + intra[:, i] @ v_new
-        S = S * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+        S = S * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
     state.copy_(S)
-    return out.reshape(H, L, -1)[:, :T].transpose(0, 1)
+    return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1)

@@ -181,7 +181,8 @@ class GatedDeltaNet(nn.Module):
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
         q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
         k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
-        if self.nv != self.nk:  # each key head serves nv/nk consecutive value heads
+        if self.nv != self.nk and (T == 1 or PREFILL_FORM != "chunked"):
+            # each key head serves nv/nk consecutive value heads (chunked takes them unrepeated)
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
         v = mixed[:, 2 * self.key_dim:].reshape(T, self.nv, self.dv)

@@ -49,6 +49,69 @@ if triton is not None:
         tl.store(s_ptrs, S)
 
 
+    @triton.jit(do_not_specialize=["T"])
+    def _chunk_prep_kernel(q, k, v, g, beta, system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay, T,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                           H: tl.constexpr, HPK: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, PREC: tl.constexpr):
+        h = tl.program_id(0)
+        i = tl.program_id(1)
+        n = tl.num_programs(1)
+        hk = h // HPK  # the key head this value head reads
+        rows = tl.arange(0, C)
+        t = i * C + rows
+        tm = t < T  # rows past the prompt: zero keys, beta 0, decay 1 (gated_delta.chunked's padding)
+        dk = tl.arange(0, DK)
+        dv = tl.arange(0, DV)
+        t64 = t.to(tl.int64)
+        Q = tl.load(q + t64[:, None] * stride_qt + hk * stride_qh + dk[None, :], mask=tm[:, None], other=0.0)
+        K = tl.load(k + t64[:, None] * stride_kt + hk * stride_kh + dk[None, :], mask=tm[:, None], other=0.0)
+        V = tl.load(v + t64[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=tm[:, None], other=0.0)
+        Q, K, V = Q.to(tl.float32), K.to(tl.float32), V.to(tl.float32)
+        gg = tl.load(g + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
+        bb = tl.load(beta + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
+        cum = tl.cumsum(gg, axis=0)
+        last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)
+        decay = tl.where(rows[:, None] >= rows[None, :], tl.exp(cum[:, None] - cum[None, :]), 0.0)
+        Kb = K * bb[:, None]
+        A = tl.dot(Kb, tl.trans(K), input_precision=PREC) * decay
+        S = tl.dot(Q, tl.trans(K), input_precision=PREC) * decay
+        chunk = h * n + i
+        cc = chunk * C * C + rows[:, None] * C + rows[None, :]
+        tl.store(system + cc, A)
+        tl.store(intra + cc, S)
+        kd = chunk * C * DK + rows[:, None] * DK + dk[None, :]
+        ec = tl.exp(cum)
+        tl.store(k_cum + kd, Kb * ec[:, None])
+        tl.store(q_dec + kd, Q * ec[:, None])
+        tl.store(k_dec + kd, K * tl.exp(last - cum)[:, None])
+        tl.store(v_beta + chunk * C * DV + rows[:, None] * DV + dv[None, :], V * bb[:, None])
+        tl.store(chunk_decay + chunk, tl.exp(last))
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk: int) -> tuple[torch.Tensor, ...]:
+    """gated_delta.chunked's per-chunk terms in one launch, from the layer's tensors as they lie:
+    q, k [T, Hk, dk] (normalised; Hk divides H: value head h reads key head h // (H / Hk), no
+    repeated copy), v [T, H, dv] (any float dtype), g, beta [T, H] fp32; the feature dims
+    contiguous. Returns fp32 (system [H, n, C, C]: (k_beta k^T) * decay, the triangular solve's
+    matrix; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum: k_beta * exp(cum)
+    and q_dec: q * exp(cum), k_dec: k * exp(cum_last - cum) [H, n, C, dk]; chunk_decay [H, n])
+    for chunk_scan, after the solve. The torch form: ~25 elementwise kernels and copies a layer."""
+    T, Hk, DK = q.shape
+    H, DV = v.shape[1], v.shape[2]
+    n = triton.cdiv(T, chunk)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    system, intra = torch.empty(H, n, chunk, chunk, **f32), torch.empty(H, n, chunk, chunk, **f32)
+    v_beta = torch.empty(H, n, chunk, DV, **f32)
+    k_cum, q_dec, k_dec = (torch.empty(H, n, chunk, DK, **f32) for _ in range(3))
+    chunk_decay = torch.empty(H, n, **f32)
+    launch(_chunk_prep_kernel, (H, n), q, k, v, g.contiguous(), beta.contiguous(), system, intra, v_beta, k_cum,
+           q_dec, k_dec, chunk_decay, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+           v.stride(1), H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV, PREC=CONFIG["precision"])
+    return system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay
+
+
 def scan_fits(chunk: int, dk: int, dv: int) -> bool:
     """The sizes the kernel takes: powers of two, at least 16 (tensor-core tiles), dv >= the block."""
     return triton is not None and fits(chunk, dk, dv, least=16) and dk <= 256
