@@ -4,15 +4,13 @@ it leaves, at prompt lengths shorter than the window, equal to it and longer, fr
 state, with and without bias and SiLU, on a slice of a wider projection. Run by Triton's
 interpreter on the CPU (where Triton is importable) and compiled on the device."""
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from interpreted import run_interpreted
+
 CASES = [(T, K, bias, silu) for T in (1, 2, 3, 5, 40, 100) for K, bias, silu in ((4, False, True), (3, True, False),
                                                                                  (4, True, True))]
 
@@ -47,10 +45,7 @@ print("ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not importable here")
 def test_causal_conv_under_the_interpreter_equals_the_torch_form():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", INTERPRETED, ROOT], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.gpu

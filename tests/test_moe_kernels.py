@@ -4,16 +4,12 @@ gather of the chosen experts (CPU decode), and the Triton decode kernels (models
 moe.py) run by Triton's interpreter on the CPU where Triton is importable (PYTHONPATH); on the
 device, tests/test_moe_gpu.py compares the compiled kernels."""
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from models.architectures import moe
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def layer(E=8, H=64, I=32, k=3, shared=48, norm=True, seed=0):
@@ -117,10 +113,7 @@ print("ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not importable here")
 def test_triton_decode_kernels_under_the_interpreter_equal_the_torch_layer():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", INTERPRETED, ROOT], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("res,K,N", [(True, 256, 24), (False, 200, 9), (True, 2048, 129)])

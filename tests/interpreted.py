@@ -1,0 +1,14 @@
+"""Runs a test script under Triton's interpreter (TRITON_INTERPRET=1: the kernels on the CPU, in
+numpy) in a child process, for the tests of kernels that CI's CPU machine cannot compile. The
+script gets the repository root as argv[1] and prints "ok" when its checks pass."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_interpreted(script: str, timeout: int = 600) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
