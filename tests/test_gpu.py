@@ -93,19 +93,25 @@ def test_fused_kernels_match_torch_forms():
         assert torch.allclose(n.float(), F.rms_norm((x + y).float(), (576,), w.float(), 1e-5), atol=3e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("T,H,dk,dv", [(200, 4, 128, 128), (64, 3, 64, 32), (1000, 2, 128, 64)])
-def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv):
-    """The chunked gated delta rule with its scan in one Triton kernel (cuda_scan) against the
-    torch loop and the naive recurrence: outputs and the final state, from a non-zero state,
-    over a partial last chunk."""
+@pytest.mark.parametrize("T,H,dk,dv,Hk", [(200, 4, 128, 128, 4), (64, 3, 64, 32, 3), (1000, 2, 128, 64, 2),
+                                          (300, 4, 128, 128, 2)])
+def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv, Hk):
+    """The chunked gated delta rule with its terms and its scan in Triton kernels (cuda_scan)
+    against the torch loop and the naive recurrence: outputs and the final state, from a non-zero
+    state, over a partial last chunk; with Hk < H, the key heads unrepeated and v with a feature
+    stride of T (as a torch conv's transposed output leaves it)."""
     from models.architectures import gated_delta
     from models.kernels.cuda import base as cuda_base
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")
     q, k, v, gate, beta, s0 = gated_delta.example_inputs(T, H, dk, dv, torch.device("cuda"))
+    if Hk < H:
+        q, k = q[:, ::H // Hk].repeat_interleave(H // Hk, 1), k[:, ::H // Hk].repeat_interleave(H // Hk, 1)
+        v = v.reshape(T, H * dv).t().contiguous().t().reshape(T, H, dv)
     s_loop, s_fused, s_naive = s0.clone(), s0.clone(), s0.clone()
     loop = gated_delta.chunked(q, k, v, gate, beta, s_loop)
-    fused = gated_delta.chunked(q, k, v, gate, beta, s_fused, fused=True)
+    qf, kf = (q[:, ::H // Hk], k[:, ::H // Hk]) if Hk < H else (q, k)  # (the repeated heads' sources)
+    fused = gated_delta.chunked(qf, kf, v, gate, beta, s_fused, fused=True)
     naive = gated_delta.recurrent_naive(q, k, v, gate, beta, s_naive)
     assert torch.allclose(fused, loop, atol=1e-4, rtol=1e-4)
     assert torch.allclose(s_fused, s_loop, atol=1e-4, rtol=1e-4)
@@ -314,8 +320,8 @@ def _compiled_kernels() -> int:
     kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
                cuda_base._silu_mul_kernel, cuda_conv._causal_conv_kernel, cuda_delta._conv_step_kernel,
                cuda_delta._delta_step_kernel, cuda_attention._split_kernel, cuda_attention._merge_kernel,
-               cuda_scan._chunk_scan_kernel, cuda_moe._route_kernel, cuda_moe._gate_up_kernel, cuda_moe._down_kernel,
-               cuda_moe._combine_kernel]
+               cuda_scan._chunk_scan_kernel, cuda_scan._chunk_prep_kernel, cuda_moe._route_kernel,
+               cuda_moe._gate_up_kernel, cuda_moe._down_kernel, cuda_moe._combine_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 

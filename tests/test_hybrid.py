@@ -76,6 +76,9 @@ for T, H, Hk, dk, dv, C in [(5, 4, 2, 32, 16, 16), (64, 3, 3, 16, 32, 16), (130,
     big[..., :dv] = v
     v = big[..., :dv]  # a slice of a wider projection, as the layer's v is
     q, k = q[:, :Hk], k[:, :Hk]
+    if T == 130:  # v as a torch conv's transposed output leaves it: its feature stride is T
+        v = v.reshape(T, H * dv).t().contiguous().t().reshape(T, H, dv)
+        assert v.stride(-1) == T
     want = gated_delta.chunk_terms(q, k, v, g, beta, C)
     got = scan.prepare(q, k, v, g, beta, C)
     for a, b in zip(got, want):
@@ -89,7 +92,7 @@ print("ok")
 def test_chunk_prepare_kernel_under_the_interpreter_equals_the_torch_terms():
     """cuda_scan.prepare (the chunks' terms in one kernel, CUDA prefill) against
     gated_delta.chunk_terms, by Triton's interpreter on the CPU: partial chunks, unrepeated and
-    repeated key heads, v read from a strided slice."""
+    repeated key heads, v read from a strided slice and with a feature stride of T."""
     from interpreted import run_interpreted
     run_interpreted(PREPARE_INTERPRETED)
 

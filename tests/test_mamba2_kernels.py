@@ -75,9 +75,10 @@ def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
 
 
 def _compiled_ssd_kernels() -> int:
-    from models.kernels.cuda import moe, ssd
+    from models.kernels.cuda import base, conv, moe, ssd
     kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
-               moe._route_kernel, moe._gate_up_kernel, moe._down_kernel]
+               moe._route_kernel, moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel,
+               conv._causal_conv_kernel, base._silu_mul_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 

@@ -51,7 +51,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_prep_kernel(q, k, v, g, beta, system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay, T,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
+                           stride_vd,
                            H: tl.constexpr, HPK: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, PREC: tl.constexpr):
         h = tl.program_id(0)
@@ -64,9 +65,14 @@ if triton is not None:
         dk = tl.arange(0, DK)
         dv = tl.arange(0, DV)
         t64 = t.to(tl.int64)
-        Q = tl.load(q + t64[:, None] * stride_qt + hk * stride_qh + dk[None, :], mask=tm[:, None], other=0.0)
-        K = tl.load(k + t64[:, None] * stride_kt + hk * stride_kh + dk[None, :], mask=tm[:, None], other=0.0)
-        V = tl.load(v + t64[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=tm[:, None], other=0.0)
+        # (the feature strides: 1 where the layer's tensors lie as it writes them, which Triton
+        # specializes on; a torch conv's transposed output leaves v's at T)
+        Q = tl.load(q + t64[:, None] * stride_qt + hk * stride_qh + dk[None, :] * stride_qd, mask=tm[:, None],
+                    other=0.0)
+        K = tl.load(k + t64[:, None] * stride_kt + hk * stride_kh + dk[None, :] * stride_kd, mask=tm[:, None],
+                    other=0.0)
+        V = tl.load(v + t64[:, None] * stride_vt + h * stride_vh + dv[None, :] * stride_vd, mask=tm[:, None],
+                    other=0.0)
         Q, K, V = Q.to(tl.float32), K.to(tl.float32), V.to(tl.float32)
         gg = tl.load(g + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
         bb = tl.load(beta + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
@@ -91,11 +97,10 @@ if triton is not None:
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             chunk: int) -> tuple[torch.Tensor, ...]:
-    """gated_delta.chunked's per-chunk terms in one launch, from the layer's tensors as they lie:
-    q, k [T, Hk, dk] (normalised; Hk divides H: value head h reads key head h // (H / Hk), no
-    repeated copy), v [T, H, dv] (any float dtype), g, beta [T, H] fp32; the feature dims
-    contiguous. Returns fp32 (system [H, n, C, C]: (k_beta k^T) * decay, the triangular solve's
-    matrix; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum: k_beta * exp(cum)
+    """gated_delta.chunked's per-chunk terms in one launch, from the layer's tensors as they lie
+    (any strides): q, k [T, Hk, dk] (normalised; Hk divides H: value head h reads key head
+    h // (H / Hk), no repeated copy), v [T, H, dv] (any float dtype), g, beta [T, H] fp32.
+    Returns fp32 (system [H, n, C, C]: (k_beta k^T) * decay, the triangular solve's matrix; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum: k_beta * exp(cum)
     and q_dec: q * exp(cum), k_dec: k * exp(cum_last - cum) [H, n, C, dk]; chunk_decay [H, n])
     for chunk_scan, after the solve. The torch form: ~25 elementwise kernels and copies a layer."""
     T, Hk, DK = q.shape
@@ -107,8 +112,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     k_cum, q_dec, k_dec = (torch.empty(H, n, chunk, DK, **f32) for _ in range(3))
     chunk_decay = torch.empty(H, n, **f32)
     launch(_chunk_prep_kernel, (H, n), q, k, v, g.contiguous(), beta.contiguous(), system, intra, v_beta, k_cum,
-           q_dec, k_dec, chunk_decay, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-           v.stride(1), H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV, PREC=CONFIG["precision"])
+           q_dec, k_dec, chunk_decay, T, *q.stride(), *k.stride(), *v.stride(), H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV, PREC=CONFIG["precision"])
     return system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay
 
 
