@@ -3,7 +3,8 @@
     python bench/moe_sweep.py [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b]
 For each shape's experts (one layer's, bf16, random), times the gate/up launch and the down launch
 over (rows a program, K a step, num_warps) and then the best three of each with the K loop
-unrolled: microseconds a call and GB/s of the chosen experts' bytes. Each call routes to other
+unrolled, and the down launch's wide form (the experts as a tile dimension, a fifth config
+field): microseconds a call and GB/s of the chosen experts' bytes. Each call routes to other
 random experts (64 precomputed id sets, replayed from one CUDA graph of 256 calls), so the weights
 come from HBM as in a decode step, not from L2. The best configs are what moe.pick_config encodes.
 """
@@ -29,9 +30,14 @@ SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
 }
 
 
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3.5-35b-a3b,qwen3-30b-a3b")
+    ap.add_argument("--launches", default="gate_up,down", help="which launches to sweep")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -53,6 +59,8 @@ def main() -> None:
         picked = moe.pick_config(H, I)
         for which, nbytes, ks in (("gate_up", gu_bytes, (128, 256, 512)),
                                   ("down", dn_bytes, (128, 256, 512))):
+            if which not in a.launches.split(","):
+                continue
             def call(cfg):
                 if which == "gate_up":
                     return lambda i: moe.experts_gate_up(x, gate_up, ids[i % 64], sgu, cfg)
@@ -69,8 +77,14 @@ def main() -> None:
                     continue
                 check((bn, bk, nw, 1))
                 row[(bn, bk, nw, 1)] = time_graph(call((bn, bk, nw, 1)), 256)
+            if which == "down":  # the experts as a tile dimension (moe._down_wide_kernel)
+                slots = 1 << (n - 1).bit_length()
+                for bn, bk, nw in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (2, 4, 8)):
+                    if 1024 <= slots * bn * bk <= 16384 and bk <= triton_pow2(I):
+                        check((bn, bk, nw, 1, True))
+                        row[(bn, bk, nw, 1, True)] = time_graph(call((bn, bk, nw, 1, True)), 256)
             steps = (H if which == "gate_up" else I)
-            for bn, bk, nw, _ in sorted(row, key=row.get)[:3]:
+            for bn, bk, nw, _ in [c[:4] for c in sorted(row, key=row.get) if len(c) == 4][:3]:
                 cfg = (bn, bk, nw, -(-steps // bk))
                 check(cfg)
                 row[cfg] = time_graph(call(cfg), 256)
