@@ -5,7 +5,8 @@ Profiles eager decode steps (the step a CUDA graph records) with torch.profiler 
 the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
 graph cannot remove, the busy time is what fusion must shrink. `--prefill N`: one N-token
 prefill instead, with the time the host took to queue it and the lines where it waited on the
-device (torch.cuda's sync debug mode).
+device (torch.cuda's sync debug mode). `--sequence N`: a decode step's first N kernels in launch
+order with their GPU times (one layer's launches, one by one).
 """
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def top_kernels(prof, per: int, n: int = 8) -> None:
     print(f"  {sum(v[0] for v in per_kernel.values()) / per:.0f} kernels, GPU busy {busy:.3f} ms")
     for name, (count, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:n]:
         print(f"  {us / per / 1e3:7.3f} ms  {count / per:5.0f}x  {name}")
+
+
+def sequence(prof, per: int, n: int) -> None:
+    """The first `n` kernels of a step in launch order, each with its GPU time averaged over the
+    `per` steps (every step launches the same kernels): one layer's launches, one by one."""
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not ev or len(ev) % per:
+        print(f"  (no sequence: {len(ev)} kernels over {per} steps)")
+        return
+    k = len(ev) // per
+    for i in range(min(n, k)):
+        us = sum(ev[s * k + i].time_range.elapsed_us() for s in range(per)) / per
+        print(f"  #{i:3d} {us:7.2f} us  {ev[i].name[:60]}")
 
 
 def build(name: str, fmt: str, dev):
@@ -95,6 +109,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     ap.add_argument("--format", default="bf16", help="bf16, or a format of bench/quant_bench.py (Q4_K, AWQ, FP8)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed")
+    ap.add_argument("--sequence", type=int, default=0, help="also list a step's first N kernels in order")
     a = ap.parse_args()
     if a.prefill:
         return profile_prefill(a.name, a.prefill, a.format, a.top)
@@ -118,6 +133,9 @@ def main() -> None:
     s.graph = graph
     print(f"{a.name} {a.format} (compile={a.compile}): graph step {graph_ms:.3f} ms; its eager form:")
     top_kernels(prof, a.steps, a.top)
+    if a.sequence:
+        sequence(prof, a.steps, a.sequence)
+
 
 if __name__ == "__main__":
     main()

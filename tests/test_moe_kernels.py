@@ -79,8 +79,8 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
     ref_idx, ref_w = m.gate(x)
     assert idx.tolist() == ref_idx.tolist(), (idx, ref_idx)
     assert (w - ref_w).abs().max() <= 1e-6
-    # several K steps, rolled and unrolled; else pick_config's
-    blocks = {"config": ((16, 16, 8, 1), (16, 16, 8, 2)) if shared == 48 else ((16, 16, 8, 2), (8, 16, 4, 1))} \
+    # several K steps, rolled and unrolled, down expert by expert and in the wide form; else pick_config's
+    blocks = {"config": ((16, 16, 8, 1), (16, 16, 8, 2)) if shared == 48 else ((16, 16, 8, 2), (4, 16, 2, 1, True))} \
         if E == 8 else {}
     ref = m(x)
     se = m.shared_expert if shared else None

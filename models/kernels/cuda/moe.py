@@ -10,7 +10,7 @@ models/architectures/moe.py):
   the chosen experts e = idx[k], reading only their weights, in two launches: gate/up with SwiGLU
   (one program per expert and block of intermediate rows; the intermediate kept in fp32), then
   down with the weighted sum over the k experts in each program (no atomics: the same bits every
-  run). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
+  run; the experts are a dimension of its tiles, so a step loads every expert's columns at once). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
   where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
 - combine(ys, inv, weights): the grouped prefill's per-token weighted sum of its k experts'
@@ -198,16 +198,17 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     return idx, w
 
 
-def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """((rows a program, K a step, num_warps, unroll) of gate/up, the same of down) for experts
-    of hidden size H and intermediate I. Measured on an H200 (bench/moe_sweep.py, 2026-12-01; a
-    call's us, 8 warps throughout): gate/up 4 rows, H read 512 at a time where I <= 512 (10.7 at
-    the 35B-A3B shape, 11.0 at 8 rows x 256), else 128 at a time with the loop unrolled (13.7 at
-    the 30B-A3B shape's I = 768, 18.4 at 8 x 256); down 8 rows x 256 where I <= 512 (8.1 against
-    11.3 reading I = 512 whole), else 4 rows x 128 (10.4 against 11.1 at 8 x 256)."""
+def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
+    """((rows a program, K a step, num_warps, unroll) of gate/up, the same of down plus whether it
+    takes the wide form) for experts of hidden size H and intermediate I. Measured on an H200
+    (bench/moe_sweep.py, 2026-12-01; a call's us): gate/up 8 warps, 4 rows, H read 512 at a time
+    where I <= 512 (10.7 at the 35B-A3B shape, 11.0 at 8 rows x 256), else 128 at a time with the
+    loop unrolled (13.7 at the 30B-A3B shape's I = 768, 18.4 at 8 x 256). Down in the wide form
+    (_down_wide_kernel): 4 rows x 128 x 2 warps where I <= 512 (6.4 against 8.2 for the best
+    expert-by-expert loop), else 8 rows x 128 x 4 warps (7.5 against 10.5)."""
     if I <= 512:
-        return (4, 512, 8, 1), (8, 256, 8, 1)
-    return (4, 128, 8, -(-H // 128)), (4, 128, 8, 1)
+        return (4, 512, 8, 1), (4, 128, 2, 1, True)
+    return (4, 128, 8, -(-H // 128)), (8, 128, 4, 1, True)
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
