@@ -6,7 +6,8 @@ percent would otherwise swamp the differences being measured).
 For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
 whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
-dependent launch), noprologue (every RMSNorm in its own launch), prologue32 (norms fused into
+dependent launch), noprologue (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up
+to 1 MB: an MoE router's), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
 wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
 with the prologue variants. (The normcopy and late variants, the forms before commits a509cd5
@@ -36,6 +37,7 @@ VARIANTS = {
     "nopdl": dict(pdl=False),
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
+    "prologue1": dict(prologue=1 << 20),
     "notriton": dict(triton=False),
     "wholek0": dict(wholek=0),
     "wholek32": dict(wholek=32 << 20),
