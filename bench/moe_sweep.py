@@ -38,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3.5-35b-a3b,qwen3-30b-a3b")
     ap.add_argument("--launches", default="gate_up,down", help="which launches to sweep")
+    ap.add_argument("--all-unrolled", action="store_true",
+                    help="a wider grid (2-16 rows, K steps to 1024, 2-8 warps), each config rolled and unrolled")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -72,18 +74,20 @@ def main() -> None:
                 assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), (name, which, cfg)
 
             row = {}
-            for bn, bk, nw in itertools.product((4, 8, 16), ks, (4, 8)):
+            steps = (H if which == "gate_up" else I)
+            grid = ((2, 4, 8, 16), ks + (1024,), (2, 4, 8)) if a.all_unrolled else ((4, 8, 16), ks, (4, 8))
+            for bn, bk, nw in itertools.product(*grid):
                 if bn * bk > 8192:
                     continue
-                check((bn, bk, nw, 1))
-                row[(bn, bk, nw, 1)] = time_graph(call((bn, bk, nw, 1)), 256)
+                for unroll in ((1, -(-steps // bk)) if a.all_unrolled else (1,)):
+                    check((bn, bk, nw, unroll))
+                    row[(bn, bk, nw, unroll)] = time_graph(call((bn, bk, nw, unroll)), 256)
             if which == "down":  # the experts as a tile dimension (moe._down_wide_kernel)
                 slots = 1 << (n - 1).bit_length()
                 for bn, bk, nw in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (2, 4, 8)):
                     if 1024 <= slots * bn * bk <= 16384 and bk <= triton_pow2(I):
                         check((bn, bk, nw, 1, True))
                         row[(bn, bk, nw, 1, True)] = time_graph(call((bn, bk, nw, 1, True)), 256)
-            steps = (H if which == "gate_up" else I)
             for bn, bk, nw, _ in [c[:4] for c in sorted(row, key=row.get) if len(c) == 4][:3]:
                 cfg = (bn, bk, nw, -(-steps // bk))
                 check(cfg)
