@@ -201,14 +201,15 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
     """((rows a program, K a step, num_warps, unroll) of gate/up, the same of down plus whether it
     takes the wide form) for experts of hidden size H and intermediate I. Measured on an H200
-    (bench/moe_sweep.py, 2026-12-01; a call's us): gate/up 8 warps, 4 rows, H read 512 at a time
-    where I <= 512 (10.7 at the 35B-A3B shape, 11.0 at 8 rows x 256), else 128 at a time with the
-    loop unrolled (13.7 at the 30B-A3B shape's I = 768, 18.4 at 8 x 256). Down in the wide form
+    (bench/moe_sweep.py, 2026-12-01; a call's us): gate/up 2 rows x 1024 x 2 warps, the loop
+    unrolled (`--all-unrolled`: 13.1 at the 30B-A3B shape against 13.7 for 4 x 128 x 8 unrolled,
+    9.7 at the 35B-A3B shape against 10.7 for 4 x 512 x 8). Down in the wide form
     (_down_wide_kernel): 4 rows x 128 x 2 warps where I <= 512 (6.4 against 8.2 for the best
     expert-by-expert loop), else 8 rows x 128 x 4 warps (7.5 against 10.5)."""
+    gate_up = (2, 1024, 2, -(-H // 1024))
     if I <= 512:
-        return (4, 512, 8, 1), (4, 128, 2, 1, True)
-    return (4, 128, 8, -(-H // 128)), (8, 128, 4, 1, True)
+        return gate_up, (4, 128, 2, 1, True)
+    return gate_up, (8, 128, 4, 1, True)
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
