@@ -71,7 +71,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
 if triton is not None:
     import triton.language as tl
 
-    from .linear import _input_chunk
+    from .linear import _input_chunk, _rows_epilogue
 
     @triton.jit
     def _step_weights(w, sc, rows, first, step, K, stride_w, stride_s, GROUP: tl.constexpr,
@@ -146,10 +146,4 @@ if triton is not None:
             r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
             y = y * r
             y_up = y_up * r
-        if HAS_BIAS:
-            y += tl.load(bias + rows).to(tl.float32)
-            if SWIGLU:
-                y_up += tl.load(bias + rows + N).to(tl.float32)
-        if SWIGLU:
-            y = y / (1.0 + tl.exp(-y)) * y_up
-        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+        _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)

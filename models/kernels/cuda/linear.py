@@ -40,6 +40,19 @@ if triton is not None:
         return xr.to(tl.float32), xr.to(tl.float32)
 
     @triton.jit
+    def _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+        """The quantized GEMVs' last step (fp8.py, qlinear.py): the bias (the up rows' N rows below
+        the gate rows'), SwiGLU, the store of the program's real rows. `rows` are the rows read
+        (clamped to N - 1), `n` and `nm` the rows stored."""
+        if HAS_BIAS:
+            y += tl.load(bias + rows).to(tl.float32)
+            if SWIGLU:
+                y_up += tl.load(bias + rows + N).to(tl.float32)
+        if SWIGLU:
+            y = y / (1.0 + tl.exp(-y)) * y_up
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+
+    @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, HAS_BIAS: tl.constexpr,
                      SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_OUT: tl.constexpr,
                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):

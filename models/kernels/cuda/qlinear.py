@@ -145,7 +145,7 @@ def dequantize_rows(qw: QWeight, rows: torch.Tensor, dtype: torch.dtype) -> torc
 if triton is not None:
     import triton.language as tl
 
-    from .linear import _input_chunk
+    from .linear import _input_chunk, _rows_epilogue
 
     @triton.jit
     def _u2f(q):
@@ -326,13 +326,7 @@ if triton is not None:
             r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / K + eps)
             acc = acc * r
             acc_up = acc_up * r
-        if HAS_BIAS:
-            acc += tl.load(bias + rows).to(tl.float32)
-            if SWIGLU:
-                acc_up += tl.load(bias + rows + N).to(tl.float32)
-        if SWIGLU:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        tl.store(out + n, acc.to(out.dtype.element_ty), mask=nm)
+        _rows_epilogue(acc, acc_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
 
     @triton.jit
     def _qdequant_kernel(w, sc_ptr, z_ptr, out, start, stop, K, stride_w, stride_s, stride_o,
