@@ -188,7 +188,7 @@ def test_rows_not_whole_steps(device, qtype):
 def test_fp8_gemv_configs(device, config):
     """fp8.py's GEMV per (BLOCK_N, NB, warps): steps that divide the row or pad it (12 blocks),
     scales shared by a program's rows or per row (fused parts of odd sizes; SwiGLU halves of 200
-    rows, whose up rows start inside a block of scales), a bias and the norm prologue."""
+    rows, whose up rows start inside a block of scales, with a bias), a bias and the norm prologue."""
     from models.kernels.cuda import fp8
     from models.kernels.cuda.linear import NormedRow
     g = torch.Generator().manual_seed(11)
@@ -206,9 +206,10 @@ def test_fp8_gemv_configs(device, config):
     pair, wp = hf_weight("fp8", 400, 1536, 12, device)  # [gate; up], 200 rows each
     res, nw = torch.randn(1, 1536, generator=g).to(device), torch.rand(1536, generator=g).to(device) + 0.5
     row = NormedRow(x, res, nw, 1e-6)
-    got = fp8.gemv(row, pair.qweight(), swiglu=True, out_dtype=torch.float32, config=config).double()
+    pair_bias = torch.randn(400, generator=g).to(device)  # (the up rows' bias sits 200 below the gate rows')
+    got = fp8.gemv(row, pair.qweight(), pair_bias, swiglu=True, out_dtype=torch.float32, config=config).double()
     assert torch.equal(row.stream, x + res)
     h = F.rms_norm((x + res).double(), (1536,), nw.double(), 1e-6)
-    gate, up = (h @ wp.t()).chunk(2, dim=-1)
+    gate, up = (h @ wp.t() + pair_bias.double()).chunk(2, dim=-1)
     tol = 1e-5 * (bound(h, wp[:200]) * up.abs() + bound(h, wp[200:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
     assert torch.all((got - F.silu(gate) * up).abs() <= tol)
