@@ -11,8 +11,9 @@ x's dtype,
 
 accumulated in fp32 and rounded once, and leaves the last K-1 inputs in state (a copy after the
 launch: the launch reads the old state). The torch form concatenates state and x (a copy of every
-channel of the prompt), then cuDNN's depthwise conv and SiLU: ~0.4 ms a layer at C = 8192 and
-2k tokens on an H200, ~9% of the 35B-A3B-like model's 2k-token prefill (bench/RESULTS.md).
+channel of the prompt), then cuDNN's depthwise conv and SiLU: ~0.3 ms a layer for the cat and
+the conv at C = 8192 and 2k tokens on an H200 (the SiLU aside), ~9% of the 35B-A3B-like model's
+2k-token prefill (bench/RESULTS.md, set M).
 """
 from __future__ import annotations
 
