@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
+from ..kernels.cuda import base as cuda_base
 from .causal_lm import Body, CausalLM
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
@@ -108,10 +108,7 @@ class RoutedExperts(nn.Module):
         if cuda_base.usable(x) and moe.decode_serves(self.experts):
             # one token: the router's GEMV (rounded to x's dtype, as the torch form), the top k on the
             # device, the chosen experts read where they are stored
-            x = x.contiguous()
-            logits = cuda_linear.gemv(x, self.router.weight)
-            idx, weights = cuda_moe.route(logits, self.router.top_k, self.router.norm_topk,
-                                          self.router.weight.shape[0])
+            _, x, idx, weights = self.router.decode_cuda(x.contiguous())
             return moe.decode_experts(x, self.experts, idx, weights)
         idx, weights = self.router(x)
         return self.experts(x, idx, weights)  # many tokens: grouped GEMMs where they serve (moe.py)

@@ -124,6 +124,17 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights
 
+    def decode_cuda(self, x: "torch.Tensor | cuda_linear.NormedRow", rows: torch.Tensor | None = None):
+        """One token on CUDA: (logits [1, len(rows)] in x's dtype, as the torch form rounds them;
+        the input row as a tensor; ids [1, k]; weights [1, k] fp32), with no host sync. `rows`:
+        the router's weight, or it with more rows below (a shared expert's gate) whose logits
+        come back too. The GEMV normalizes a deferred row (NormedRow) in its prologue and writes
+        it for the experts, which read it next."""
+        logits, row = cuda_linear.gemv_and_row(x, self.weight if rows is None else rows)
+        E = self.weight.shape[0]
+        idx, weights = cuda_moe.route(logits, self.top_k, self.norm_topk, E)
+        return logits, row, idx, weights
+
 
 class SparseMoe(nn.Module):
     """`mlp.*` in checkpoint names: gate (the router), experts, and where shared_intermediate > 0
@@ -167,14 +178,9 @@ class SparseMoe(nn.Module):
         output is added in the second one's epilogue)."""
         x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
         E = self.gate.weight.shape[0]
-        # the router's GEMV normalizes a deferred row in its prologue and writes it for the experts
-        if hasattr(self, "router_rows"):
-            logits, x = cuda_linear.gemv_and_row(x, self.router_rows)  # [1, E + 1]: the last one the shared gate's
-            gate = logits[:, E:]
-        else:
-            logits, x = cuda_linear.gemv_and_row(x, self.gate.weight)
-            gate = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
-        idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
+        fused = hasattr(self, "router_rows")  # [E + 1] logits: the last one the shared gate's
+        logits, x, idx, weights = self.gate.decode_cuda(x, self.router_rows if fused else None)
+        gate = logits[:, E:] if fused else self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
         ex = self.experts
         if not hasattr(self, "shared_expert"):
             return decode_experts(x, ex, idx, weights)
