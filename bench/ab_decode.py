@@ -5,8 +5,8 @@ percent would otherwise swamp the differences being measured).
         [--rounds 5] [--prompt 128] [--new 256]
 For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
-whether its tokens equal the first's. Variants: base (the defaults), nopdl (no programmatic
-dependent launch), noprologue (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up
+whether its tokens equal the first's. Variants: base (the defaults), nopipeline (the greedy
+decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up
 to 1 MB: an MoE router's), prologue32 (norms fused into
 GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
 wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
@@ -30,11 +30,12 @@ from engine.session import DecodeSession  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-DEFAULTS = dict(pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
+DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
+    "nopipeline": dict(pipeline=False),
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "prologue1": dict(prologue=1 << 20),
@@ -49,6 +50,7 @@ VARIANTS = {
 
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
+    DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES = v["wholek"]
 

@@ -69,10 +69,15 @@ class GraphedDecodeStep:
         state.restore(saved)  # undo the warm-up's writes into fixed state
         torch.cuda.synchronize()
 
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        """Replay the graph of the bucket the session chose (state.kv_len, set by begin_forward)."""
+    def __call__(self, token: "int | torch.Tensor", position: int) -> torch.Tensor:
+        """Replay the graph of the bucket the session chose (state.kv_len, set by begin_forward).
+        `token`: an id, or a 1-element int64 tensor on the device (copied in stream order: the
+        host need not know it yet)."""
         graph, logits = self.graphs[self.state.kv_len]
-        self.tokens.fill_(token)
+        if isinstance(token, torch.Tensor):
+            self.tokens.copy_(token.view(1))
+        else:
+            self.tokens.fill_(token)
         self.positions.fill_(position)
         graph.replay()
         return logits

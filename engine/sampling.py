@@ -112,6 +112,19 @@ class Sampler:
             return int(x.argmax())
         return draw(x, self.cfg, uniform(self.seed, self.turn, index))
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every draw is the plain argmax of the logits (greedy, no penalties)."""
+        return self.cfg.greedy and not self.window.active
+
+    def device_choice(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where argmax_only: the draw, left on the logits' device (a 0-d int64 tensor holding the
+        id `__call__` returns; the index advances as a call does). The session feeds it to the
+        next step before the host knows it (engine/session.py, the pipelined greedy decode)."""
+        assert self.argmax_only
+        self.index += 1
+        return logits.argmax(-1)
+
     def log_probs(self, logits: torch.Tensor, ids: list[int]) -> list[float]:
         """Log-probabilities of `ids` after the penalties and temperature (1 when greedy), over the
         whole vocabulary, before the truncation filters (so a token that top-p or min-p dropped

@@ -7,6 +7,14 @@ it completes, so interrupting a generation (Ctrl-C, closing the generator) leave
 consistent with `cached`. With `forced` ids (a teacher-forced replay) it feeds and yields those
 instead of its choices, and lists in `last_stats.departures` each step where its sampler chose
 otherwise. The engine knows token ids only, never text.
+
+Pipelined greedy decode (CUDA graph, pure-KV models, argmax draws without penalties, no forced
+ids, format mask or tensor-parallel link): each step is queued with the previous argmax still on
+the device, before the host has read it, so the GPU does not idle while the host reads a token,
+yields it and launches the next replay. Where the token read turns out to end the reply (a stop
+id), the step queued ahead is unfed (`StateManager.unfeed`): the state, `cached` and the written
+slots are then what the step-by-step loop leaves, and the tokens are the same ids (the same
+argmax over the same logits). `DecodeSession.PIPELINE_GREEDY = False` turns it off.
 """
 from __future__ import annotations
 
@@ -88,6 +96,7 @@ class DecodeSession:
     # Prefill chunk: on the CPU it bounds the attention scores' memory; on CUDA one chunk keeps a
     # prompt from position 0 on the flash (is_causal) path, as HF runs it.
     PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
+    PIPELINE_GREEDY = True  # (the module docstring; bench/ab_decode.py's nopipeline variant)
 
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
@@ -349,6 +358,11 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
+        if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
+                and forced is None and mask is None and not self.state.has_fixed_state
+                and getattr(sampler, "argmax_only", False)):
+            yield from self._pipelined_greedy(logits[-1], cfg, stats, stops, sampler, t0)
+            return
         # Tensor parallelism (engine/tensor_parallel.py): the leading rank chooses every token and
         # tells the others after the reply's consumer took it (it may stop there: Ctrl-C); a
         # following rank forwards what it is told. Ends by the rules below happen on every rank
@@ -396,6 +410,53 @@ class DecodeSession:
                 link.stop()
         if t1 is not None:
             stats.decode_seconds = time.perf_counter() - t1
+
+    def _pipelined_greedy(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops,
+                          sampler, t0: float) -> Iterator[int]:
+        """The decode loop of `_generate` with the step that feeds each token queued before the
+        host reads that token (the module docstring). The rules are the step-by-step loop's: a
+        step is queued ahead only where that loop would take it unless the token is a stop id."""
+        host = torch.empty(2, dtype=torch.long, pin_memory=True)  # two tokens in flight, by turns
+        ready = (torch.cuda.Event(), torch.cuda.Event())
+
+        def choose(row: torch.Tensor, slot: int) -> torch.Tensor:
+            d = sampler.device_choice(row)
+            host[slot].copy_(d, non_blocking=True)
+            ready[slot].record()
+            return d
+
+        chosen, slot, n, ahead, t1 = choose(logits, 0), 0, 0, False, None
+        try:
+            while True:
+                nxt = None
+                if n + 1 < cfg.max_new_tokens and self.state.length < self.max_context:
+                    logits = self._forward([chosen])  # the step feeding the chosen token, ahead
+                    ahead = True
+                    nxt = choose(logits[-1], 1 - slot)
+                ready[slot].synchronize()
+                token = int(host[slot])
+                if ahead:
+                    self._ids[-1] = token
+                if t1 is None:
+                    t1 = time.perf_counter()
+                    stats.prefill_seconds = t1 - t0
+                n = stats.generated_tokens = n + 1
+                stats.decode_seconds = time.perf_counter() - t1
+                yield token
+                if token in stops:
+                    stats.finish_reason = "stop"
+                    break
+                if nxt is None:  # the count or the context ended the reply: no step was queued
+                    stats.finish_reason = "length" if n >= cfg.max_new_tokens else "context"
+                    break
+                sampler.accept(token)
+                ahead, chosen, slot = False, nxt, 1 - slot  # the step ahead is now the loop's own
+        finally:
+            if ahead:  # it fed a token that ended the reply (or the reader stopped there)
+                self.state.unfeed(1)
+                del self._ids[self.state.length:]
+            if t1 is not None:
+                stats.decode_seconds = time.perf_counter() - t1
 
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,

@@ -302,6 +302,18 @@ class StateManager:
                               "without a checkpoint; reset and re-prefill instead")
         self.length = n
 
+    def unfeed(self, n: int) -> None:
+        """Forget the last n tokens as if no forward had fed them: length and written both fall
+        by n (their KV slots count as unwritten, so no later prefix match reuses them). Pure-KV
+        state only: the pipelined decode's step ahead, fed a token that turned out to end the
+        reply (engine/session.py)."""
+        if self.has_fixed_state or not 0 <= n <= self.length:
+            raise RewindError(f"cannot unfeed {n} of {self.length} tokens" +
+                              (" of recurrent state" if self.has_fixed_state else ""))
+        self.length -= n
+        self.written = self.length
+        self._drop(lambda c: c.length > self.length)
+
     def reset(self) -> None:
         """Back to the construction state: length 0, zeroed fixed state, no checkpoints."""
         self.rewind(0)
