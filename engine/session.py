@@ -14,7 +14,8 @@ the device, before the host has read it, so the GPU does not idle while the host
 yields it and launches the next replay. Where the token read turns out to end the reply (a stop
 id), the step queued ahead is unfed (`StateManager.unfeed`): the state, `cached` and the written
 slots are then what the step-by-step loop leaves, and the tokens are the same ids (the same
-argmax over the same logits). `DecodeSession.PIPELINE_GREEDY = False` turns it off.
+argmax over the same logits). A step goes ahead only where no slot above the length is written
+(after a whole-prompt reuse, an earlier reply's slots are, until this reply's first step). `DecodeSession.PIPELINE_GREEDY = False` turns it off.
 """
 from __future__ import annotations
 
@@ -429,7 +430,11 @@ class DecodeSession:
         try:
             while True:
                 nxt = None
-                if n + 1 < cfg.max_new_tokens and self.state.length < self.max_context:
+                more = n + 1 < cfg.max_new_tokens and self.state.length < self.max_context
+                # Ahead only where no slot above the length is written: unfeeding it then leaves what
+                # the step-by-step loop leaves. (After a whole-prompt reuse the slots of an earlier
+                # reply stay written until this reply's first step; that step waits for its token.)
+                if more and self.state.written == self.state.length:
                     logits = self._forward([chosen])  # the step feeding the chosen token, ahead
                     ahead = True
                     nxt = choose(logits[-1], 1 - slot)
@@ -446,10 +451,14 @@ class DecodeSession:
                 if token in stops:
                     stats.finish_reason = "stop"
                     break
-                if nxt is None:  # the count or the context ended the reply: no step was queued
+                if not more:  # the count or the context ended the reply: no step was queued
                     stats.finish_reason = "length" if n >= cfg.max_new_tokens else "context"
                     break
                 sampler.accept(token)
+                if nxt is None:  # the step waited for its token (above)
+                    logits = self._forward([chosen])
+                    self._ids[-1] = token
+                    nxt = choose(logits[-1], 1 - slot)
                 ahead, chosen, slot = False, nxt, 1 - slot  # the step ahead is now the loop's own
         finally:
             if ahead:  # it fed a token that ended the reply (or the reader stopped there)
