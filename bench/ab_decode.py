@@ -6,11 +6,11 @@ percent would otherwise swamp the differences being measured).
 For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
 whether its tokens equal the first's. Variants: base (the defaults), nopipeline (the greedy
-decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up
-to 1 MB: an MoE router's), prologue32 (norms fused into
-GEMVs of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms),
-wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step), and wholek32
-with the prologue variants. (The normcopy and late variants, the forms before commits a509cd5
+decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue
+(every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
+an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
+every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
+read in one prefetched K step), and wholek32 with the prologue variants. (The normcopy and late variants, the forms before commits a509cd5
 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from engine.session import DecodeSession  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED, prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
+DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
+                prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES)
 VARIANTS = {
     "base": {},

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from gemv_sweep import time_graph  # noqa: E402
 from models.kernels.cuda import moe  # noqa: E402
@@ -28,10 +29,6 @@ SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
     "qwen3-30b-a3b": (128, 2048, 768, 8, False),
     "qwen3-next-80b-a3b": (512, 2048, 512, 10, True),
 }
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:
@@ -83,9 +80,9 @@ def main() -> None:
                     check((bn, bk, nw, unroll))
                     row[(bn, bk, nw, unroll)] = time_graph(call((bn, bk, nw, unroll)), 256)
             if which == "down":  # the experts as a tile dimension (moe._down_wide_kernel)
-                slots = 1 << (n - 1).bit_length()
+                slots = triton.next_power_of_2(n)
                 for bn, bk, nw in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (2, 4, 8)):
-                    if 1024 <= slots * bn * bk <= 16384 and bk <= triton_pow2(I):
+                    if 1024 <= slots * bn * bk <= 16384 and bk <= triton.next_power_of_2(I):
                         check((bn, bk, nw, 1, True))
                         row[(bn, bk, nw, 1, True)] = time_graph(call((bn, bk, nw, 1, True)), 256)
             for bn, bk, nw, _ in [c[:4] for c in sorted(row, key=row.get) if len(c) == 4][:3]:
