@@ -10,7 +10,8 @@ decode step by step: engine/session.py), nopdl (no programmatic dependent launch
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
 every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
-read in one prefetched K step), and wholek32 with the prologue variants. (The normcopy and late variants, the forms before commits a509cd5
+read in one prefetched K step), and wholek32 with the prologue variants, noprefetch (qplanar's 4-bit GEMV
+loop without its read of the next step's words; with --format Q4_K or AWQ). (The normcopy and late variants, the forms before commits a509cd5
 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -27,12 +28,12 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, linear as cuda_linear  # noqa: E402
-from shapes import random_model  # noqa: E402
+from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qplanar  # noqa: E402
+from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
-                wholek=cuda_linear.WHOLE_K_MAX_BYTES)
+                wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=qplanar.PREFETCH)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -46,6 +47,7 @@ VARIANTS = {
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
+    "noprefetch": dict(prefetch=False),
 }
 
 
@@ -53,7 +55,7 @@ def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    cuda_linear.WHOLE_K_MAX_BYTES = v["wholek"]
+    cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH = v["wholek"], v["prefetch"]
 
 
 def main() -> None:
@@ -63,11 +65,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--format", default="bf16", help="bf16, or Q4_K / AWQ / FP8 (random weights in that format, "
+                    "repacked as the loader leaves them on CUDA)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     variants = a.variants.split(",")
     for name in a.names:
-        model = random_model(name, dev, torch.bfloat16)
+        if a.format == "bf16":
+            model = random_model(name, dev, torch.bfloat16)
+        else:
+            from models.formats.loader import repack_for_cuda
+            model = random_quantized_model(name, a.format, dev, torch.bfloat16)
+            repack_for_cuda(model)
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=g).tolist()
         cfg = SamplingConfig(temperature=0, max_new_tokens=a.new)

@@ -102,17 +102,20 @@ def sweep_planar(device, x, gen) -> None:
         for n, k in ((10240, 5120), (5120, 17408), (34816, 5120)):
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
-            for int8 in (False, True):
+            for int8, prefetch in ((False, True), (True, False), (True, True)):
+                qplanar.PREFETCH = prefetch
                 cells = []
                 picked = qplanar.pick_config(n, k, pw.group)
                 for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:
                     us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config, int8=int8))
                     cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
-                print(f"{fmt + ('-A8' if int8 else ''):>8}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
+                print(f"{fmt + ('-A8' if int8 else '') + ('' if prefetch else '-np'):>8}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
                       + f"  (picked {'x'.join(map(str, picked))})", flush=True)
             pw = None
             torch.cuda.empty_cache()
-    print("(columns: rows a program x num_warps, with pick_config's words a step and K split for them; "
+    qplanar.PREFETCH = True
+    print("(-np: without the next step's words read ahead; "
+          "columns: rows a program x num_warps, with pick_config's words a step and K split for them; "
           "a cell: microseconds a call / TB/s of the weight's bytes)")
 
 

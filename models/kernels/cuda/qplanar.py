@@ -42,6 +42,10 @@ __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "quantized_ref
 
 FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
 
+# Whether the GEMV's loop reads a step's words before summing the step before (two steps' loads in
+# flight a program)
+PREFETCH = True
+
 
 if triton is not None:
     import triton.language as tl
@@ -187,8 +191,8 @@ if triton is not None:
     def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
                             G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
                             SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PDL: tl.constexpr,
-                            INTERPRETED: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PREFETCH: tl.constexpr,
+                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
         SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
         idx[s] (rows_e rows an expert, expert e's from row e rows_e) against row s of x (stride_x
@@ -225,19 +229,39 @@ if triton is not None:
                                               NG, FMT)
         if PDL and not EXPERTS:
             tl.extra.cuda.gdc_wait()
-        acc = _words_dot(tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32), x, words, s16, c, gi, wi, first, G, NG, A8,
-                         STEPS * KW, INTERPRETED)
+        acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
-        if SWIGLU:
-            acc_up = _words_dot(tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32), x, u_words, u_s16, u_c, gi, wi, first,
-                                G, NG, A8, STEPS * KW, INTERPRETED)
-        for i in range(1, RUN):
-            step = first + i
-            acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT, A8,
-                            STEPS * KW, INTERPRETED)
+        if PREFETCH:  # step i + 1's words read before step i's are summed: two steps' loads in flight
+            if not SWIGLU:
+                u_words, u_s16, u_c = words, s16, c
+            for i in range(1, RUN):
+                step = first + i
+                n_words, n_s16, n_c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
+                                                  NG, FMT)
+                if SWIGLU:
+                    nu_words, nu_s16, nu_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a,
+                                                         stride_z, G, NG, FMT)
+                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, STEPS * KW, INTERPRETED)
+                if SWIGLU:
+                    acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, step - 1, G, NG, A8, STEPS * KW,
+                                        INTERPRETED)
+                    u_words, u_s16, u_c = nu_words, nu_s16, nu_c
+                words, s16, c = n_words, n_s16, n_c
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW, INTERPRETED)
             if SWIGLU:
-                acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
-                                   NG, FMT, A8, STEPS * KW, INTERPRETED)
+                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW,
+                                    INTERPRETED)
+        else:
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED)
+            if SWIGLU:
+                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED)
+            for i in range(1, RUN):
+                step = first + i
+                acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
+                                A8, STEPS * KW, INTERPRETED)
+                if SWIGLU:
+                    acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z,
+                                       G, NG, FMT, A8, STEPS * KW, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
         if PARTIAL:
@@ -415,7 +439,7 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
     launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
            pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
            SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+           PREFETCH=PREFETCH, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
