@@ -127,12 +127,11 @@ FP8_MMA_CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128) fo
 FP8_MMA_CONFIGS += [c + (split,) for c in [(16, 128, 1, 3), (32, 128, 1, 3), (64, 128, 2, 3)] for split in (2, 4)]
 
 
-def sweep_fp8(device, x, gen, which: str = "all") -> None:
+def sweep_fp8(device, x, gen) -> None:
     """fp8.py's GEMV per (BLOCK_N, 128-weight blocks a step, num_warps), its tensor-core form per
     (BLOCK_N, BLOCK_K, num_warps, num_stages), and pick_config's, on the
     big shape's matrices, beside linear.gemv on the same matrix in bf16 (the rate to beat per
-    weight: half the bytes should take about half the time). which: "all", "fma" or "mma" (the
-    configs of one form only, pick_config's beside)."""
+    weight: half the bytes should take about half the time)."""
     from models.kernels.cuda import fp8, linear
     from shapes import random_quant_linear
     for n, k in ((10240, 5120), (5120, 17408), (34816, 5120), (248320, 5120)):
@@ -142,8 +141,7 @@ def sweep_fp8(device, x, gen, which: str = "all") -> None:
         bf16_us = _graph_us(lambda: linear.gemv(xk, wb))
         wb = None
         torch.cuda.empty_cache()
-        configs = (FP8_CONFIGS if which != "mma" else []) + (FP8_MMA_CONFIGS if which != "fma" else [])
-        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in configs}
+        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS + FP8_MMA_CONFIGS}
         picked = fp8.pick_config(n, k)
         if picked not in cells:  # (a small matrix's whole-row step is not among the configs)
             cells[picked] = _graph_us(lambda: fp8.gemv(xk, qw))
@@ -180,8 +178,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
-    ap.add_argument("--fp8-forms", default="all", choices=("all", "fma", "mma"),
-                    help="--sweep-fp8: the configs of both forms, or of the FMA or the tensor-core form only")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
@@ -193,7 +189,7 @@ def main() -> None:
         return
     if args.sweep_fp8:
         sweep_fp8(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
-                  torch.Generator(device=device).manual_seed(0), args.fp8_forms)
+                  torch.Generator(device=device).manual_seed(0))
         return
     jobs = [(args.big, f) for f in args.formats.split(",") if args.big and f]
     jobs += [(s, f) for s in args.small.split(",") if s for f in args.small_formats.split(",") if f]
