@@ -120,11 +120,9 @@ def sweep_planar(device, x, gen) -> None:
 
 
 FP8_CONFIGS = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (2, 4, 8, 16) for w in (1, 2, 4, 8) if bn * nb * 128 >= w * 512]
-# the tensor-core form (fp8._fp8_mma_kernel): BLOCK_N x BLOCK_K x num_warps x num_stages, and a
-# few of them with K split in 2 and 4 (16-64 rows a program leave a 5k-row matrix 80-320 programs)
+# the tensor-core form (fp8._fp8_mma_kernel): BLOCK_N x BLOCK_K x num_warps x num_stages
 FP8_MMA_CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128) for w in (1, 2, 4) for st in (2, 3)
                    if bn >= 16 * w and (w < 4 or bn == 64)]
-FP8_MMA_CONFIGS += [c + (split,) for c in [(16, 128, 1, 3), (32, 128, 1, 3), (64, 128, 2, 3)] for split in (2, 4)]
 
 
 def sweep_fp8(device, x, gen) -> None:

@@ -122,10 +122,7 @@ def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int, stages: int | Non
                  HAS_RES=False, EVEN=k % (nb * 128) == 0, STEPS=triton.cdiv(k, nb * 128), BLOCK_N=bn, NB=nb, PDL=True)
     if stages is not None:
         del const["EVEN"], const["NB"]
-        const.update(STEPS=k // nb, SPLIT=1, BLOCK_K=nb)
-        sig = {**sig, "part": "*fp32"}  # (in the kernel's order: after out)
-        sig = {a: sig[a] for a in ("x", "w", "sc", "bias", "out", "part", "N", "K", "stride_w", "stride_s", "res",
-                                   "norm_w", "sum_out", "eps")}
+        const.update(STEPS=k // nb, BLOCK_K=nb)
     ints = dict(N=n, K=k, stride_w=qw.data.stride(0), stride_s=qw.scales.stride(0))
     names = list(sig)
     aligned = ["x", "w", "sc", "out"] + [x for x, v in ints.items() if v % 16 == 0]

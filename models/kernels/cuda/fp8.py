@@ -71,25 +71,14 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     # a program's rows share one row of scales where BLOCK_N divides the rows a scale covers (and,
     # with SwiGLU, the up rows N below start on a multiple of BLOCK_N too)
     row_scales = group % bn != 0 or (swiglu and n_out % bn != 0)
-    if len(config) >= 4:  # (BLOCK_N, BLOCK_K, num_warps, num_stages[, K split]): the tensor-core form
-        split = config[4] if len(config) == 5 else 1
-        steps = qw.k // nb
-        assert 128 % nb == 0 and qw.k % nb == 0 and steps % split == 0, \
-            "the tensor-core form's K step divides 128 and K, and its split the steps"
-        if split > 1 and pre is not None:  # (each part would need the whole row's mean square)
-            pre, src = None, pre.materialize()
-            res, norm_w, stream, eps = src, src, src, 0.0
-        part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=src.device) \
-            if split > 1 else out
-        launch(_fp8_mma_kernel, (triton.cdiv(n_out, bn), split),
-               src, qw.data, qw.scales, bias if bias is not None else src, out, part, n_out, qw.k, qw.data.stride(0),
+    if len(config) == 4:  # (BLOCK_N, BLOCK_K, num_warps, num_stages): the tensor-core form
+        assert 128 % nb == 0 and qw.k % nb == 0, "the tensor-core form's K step divides 128 and K"
+        launch(_fp8_mma_kernel, (triton.cdiv(n_out, bn),),
+               src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
                qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
                HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-               HAS_RES=pre is not None and pre.res is not None, STEPS=steps, SPLIT=split, BLOCK_N=bn, BLOCK_K=nb,
+               HAS_RES=pre is not None and pre.res is not None, STEPS=qw.k // nb, BLOCK_N=bn, BLOCK_K=nb,
                num_warps=warps, num_stages=config[3], **cuda_base.pdl(src))
-        if split > 1:  # the parts summed in their order (qplanar's reduce: the bias and SwiGLU there)
-            from .qplanar import _reduce
-            _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
         return out
     launch(_fp8_gemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
@@ -199,19 +188,17 @@ if triton is not None:
         return pair, down
 
     @triton.jit
-    def _fp8_mma_kernel(x, w, sc, bias, out, part, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
+    def _fp8_mma_kernel(x, w, sc, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
                         GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, STEPS: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """The tensor-core form of _fp8_gemv_kernel (same arguments; K a multiple of BLOCK_K, a
         multiple of 128 or a divisor of it): each step's [BLOCK_N, BLOCK_K] e4m3 tile, converted
         to fp16 (exact), is one tl.dot with the input chunk as two fp16 columns (hi and lo: 22
         bits of x * s, scaled into fp16's range by a power of two), accumulated in fp32; the
         block scale and that power of two multiply each step's products. Where the FMA form
         spends ~5.6 instructions a weight (a conversion, an FMA, their address and select work),
-        this one converts two weights an instruction and leaves the products to the MMA.
-        SPLIT > 1: program (i, s) sums the s-th of SPLIT equal runs of the steps into part[s]
-        (part[SPLIT + s]: the up rows'), for qplanar's reduce launch (no NORM then)."""
+        this one converts two weights an instruction and leaves the products to the MMA."""
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -226,9 +213,7 @@ if triton is not None:
         acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
         base = w + rows[:, None].to(tl.int64) * stride_w
-        RUN: tl.constexpr = STEPS // SPLIT
-        for j in range(RUN):  # (a constexpr: the interpreter's loop bounds must be)
-            step = tl.program_id(1) * RUN + j
+        for step in range(STEPS):
             kk = step * BLOCK_K + kr
             xv, sq = _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM, HAS_RES, True)
             if NORM:
@@ -251,13 +236,8 @@ if triton is not None:
         col = tl.arange(0, 16)[None, :]
         y = tl.sum(tl.where(col < 2, acc, 0.0), axis=1)  # hi's products + lo's
         y_up = tl.sum(tl.where(col < 2, acc_up, 0.0), axis=1)
-        if SPLIT > 1:
-            tl.store(part + tl.program_id(1) * N + n, y, mask=nm)
-            if SWIGLU:
-                tl.store(part + (SPLIT + tl.program_id(1)) * N + n, y_up, mask=nm)
-        else:
-            if NORM:
-                r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-                y = y * r
-                y_up = y_up * r
-            _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
+        if NORM:
+            r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            y = y * r
+            y_up = y_up * r
+        _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
