@@ -120,14 +120,10 @@ def sweep_planar(device, x, gen) -> None:
 
 
 FP8_CONFIGS = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (2, 4, 8, 16) for w in (1, 2, 4, 8) if bn * nb * 128 >= w * 512]
-# the tensor-core form (fp8._fp8_mma_kernel): BLOCK_N x BLOCK_K x num_warps x num_stages
-FP8_MMA_CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128) for w in (1, 2, 4) for st in (2, 3)
-                   if bn >= 16 * w and (w < 4 or bn == 64)]
 
 
 def sweep_fp8(device, x, gen) -> None:
-    """fp8.py's GEMV per (BLOCK_N, 128-weight blocks a step, num_warps), its tensor-core form per
-    (BLOCK_N, BLOCK_K, num_warps, num_stages), and pick_config's, on the
+    """fp8.py's GEMV per (BLOCK_N, 128-weight blocks a step, num_warps) and pick_config's, on the
     big shape's matrices, beside linear.gemv on the same matrix in bf16 (the rate to beat per
     weight: half the bytes should take about half the time)."""
     from models.kernels.cuda import fp8, linear
@@ -139,7 +135,7 @@ def sweep_fp8(device, x, gen) -> None:
         bf16_us = _graph_us(lambda: linear.gemv(xk, wb))
         wb = None
         torch.cuda.empty_cache()
-        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS + FP8_MMA_CONFIGS}
+        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS}
         picked = fp8.pick_config(n, k)
         if picked not in cells:  # (a small matrix's whole-row step is not among the configs)
             cells[picked] = _graph_us(lambda: fp8.gemv(xk, qw))
@@ -150,8 +146,7 @@ def sweep_fp8(device, x, gen) -> None:
         print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
         qw = None
         torch.cuda.empty_cache()
-    print("(configs: BLOCK_N x 128-weight blocks a step x num_warps, or the tensor-core form's BLOCK_N x "
-          "BLOCK_K x num_warps x num_stages: microseconds a call)")
+    print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")
 
 
 # (rows a program, warps): J2's best (8 x 4) and the tiles with fewer instructions a weight in the

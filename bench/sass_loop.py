@@ -46,8 +46,7 @@ def weight(fmt: str, n: int, k: int):
     return quant.BlockLinear(_random_blocks(fmt, n, k, "cpu", gen), gguf_blocks.TYPES[fmt]).qweight()
 
 
-def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8: bool = False,
-                 stages: int | None = None) -> tuple[str, int]:
+def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8: bool = False) -> tuple[str, int]:
     """(the SASS text, weights a program decodes per iteration of its main loop), for the launch
     qlinear.gemv makes on that weight (its constants, and the integer arguments the launcher
     specializes as divisible by 16)."""
@@ -59,7 +58,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     if fmt in ("INT4P", "Q4KP"):
         return _compile_planar(fmt, n, k, bn, warps, most, int8=int8)
     if fmt == "FP8":
-        return _compile_fp8(n, k, bn, warps, most, stages)
+        return _compile_fp8(n, k, bn, warps, most)
     qw = weight(fmt, n, k)
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
@@ -106,10 +105,9 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     return _disassemble(cubin), rows * kw * 8
 
 
-def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int, stages: int | None = None) -> tuple[str, int]:
+def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int) -> tuple[str, int]:
     """fp8.py's GEMV on an [n, k] FP8 weight of 128-row scales (config: BLOCK_N, 128-weight
-    blocks a step, num_warps; with num_stages, the tensor-core form: BLOCK_N, BLOCK_K, num_warps,
-    num_stages)."""
+    blocks a step, num_warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,18 +118,14 @@ def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int, stages: int | Non
                stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
     const = dict(GROUP=qw.group, ROW_SCALES=qw.group % bn != 0, HAS_BIAS=False, SWIGLU=False, NORM=False,
                  HAS_RES=False, EVEN=k % (nb * 128) == 0, STEPS=triton.cdiv(k, nb * 128), BLOCK_N=bn, NB=nb, PDL=True)
-    if stages is not None:
-        del const["EVEN"], const["NB"]
-        const.update(STEPS=k // nb, BLOCK_K=nb)
     ints = dict(N=n, K=k, stride_w=qw.data.stride(0), stride_s=qw.scales.stride(0))
     names = list(sig)
     aligned = ["x", "w", "sc", "out"] + [x for x, v in ints.items() if v % 16 == 0]
     attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
-    kernel = fp8._fp8_gemv_kernel if stages is None else fp8._fp8_mma_kernel
-    src = ASTSource(fn=kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const, attrs=attrs)
-    options = dict(num_warps=warps) if stages is None else dict(num_warps=warps, num_stages=stages)
-    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
-    return _disassemble(cubin), bn * nb * (128 if stages is None else 1)
+    src = ASTSource(fn=fp8._fp8_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
+                    attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), bn * nb * 128
 
 
 def _disassemble(cubin: bytes) -> str:
@@ -181,8 +175,7 @@ def main() -> None:
                     help="INT4P / Q4KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
     ap.add_argument("--int8", action="store_true", help="INT4P / Q4KP: the GEMV on int8 inputs (DP4A)")
     ap.add_argument("--fp8-config", default=None,
-                    help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default), "
-                         "or BLOCK_N x BLOCK_K x num_warps x num_stages: the tensor-core form")
+                    help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
     a = ap.parse_args()
     from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
@@ -197,8 +190,7 @@ def main() -> None:
             cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
         else:
             cfg = (bn, warps, most)
-        text, weights = compile_sass(fmt, a.n, a.k, *cfg[:3], int8=a.int8 and fmt in qplanar.FMTS,
-                                     stages=cfg[3] if len(cfg) == 4 else None)  # (FP8's tensor-core form)
+        text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
         body = main_loop(text)
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")

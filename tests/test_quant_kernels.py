@@ -184,11 +184,9 @@ def test_rows_not_whole_steps(device, qtype):
     assert torch.all((d.double() - w).abs() <= 1e-6 * run) and torch.all(out[:, w.shape[1]:] == 7.0)
 
 
-@pytest.mark.parametrize("config", [(4, 1, 4), (8, 2, 4), (16, 4, 8), (32, 8, 4),
-                                    (16, 128, 1, 2), (32, 64, 2, 3), (64, 128, 4, 3)], ids=str)
+@pytest.mark.parametrize("config", [(4, 1, 4), (8, 2, 4), (16, 4, 8), (32, 8, 4)], ids=str)
 def test_fp8_gemv_configs(device, config):
-    """fp8.py's GEMV per (BLOCK_N, NB, warps), and its tensor-core form per (BLOCK_N, BLOCK_K,
-    warps, stages): steps that divide the row or pad it (12 blocks),
+    """fp8.py's GEMV per (BLOCK_N, NB, warps): steps that divide the row or pad it (12 blocks),
     scales shared by a program's rows or per row (fused parts of odd sizes; SwiGLU halves of 200
     rows, whose up rows start inside a block of scales, with a bias), a bias and the norm prologue."""
     from models.kernels.cuda import fp8

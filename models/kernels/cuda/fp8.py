@@ -15,12 +15,6 @@ a weight), and the run's block scale multiplies that sum, into an fp32 partial p
 once at the end, no reduction per step). The scales are one row per program where its rows share
 one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row (ROW_SCALES: `GROUP`
 1, fused linears whose parts end inside a block, or SwiGLU halves not aligned to BLOCK_N).
-
-`_fp8_mma_kernel` is the same GEMV on the tensor cores (a config of four fields, or MMA_CONFIG):
-each [BLOCK_N, BLOCK_K] tile converted to fp16 (exact for e4m3) meets the input chunk as two
-fp16 columns (hi + lo: 22 bits of x, scaled by a power of two into fp16's range) in one tl.dot.
-Its loop is 1.7-1.9 instructions a weight in the sm_90 SASS at 32-64 rows a program
-(`bench/sass_loop.py FP8 --fp8-config 32x128x1x3`), against 5.9 for the FMA form.
 """
 from __future__ import annotations
 
@@ -34,11 +28,6 @@ from .linear import PROLOGUE_MAX_BYTES, NormedRow
 # Quantized matrices up to this size are read in one step per program (the whole row, before the
 # PDL wait), here and in qlinear.py: a small model's launch-bound step then waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core form (_fp8_mma_kernel) to take by
-# default where K divides by BLOCK_K; None: the FMA form. Not measured on a GPU yet.
-MMA_CONFIG: tuple[int, int, int, int] | None = None
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
@@ -62,8 +51,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
-    config = config or (MMA_CONFIG if MMA_CONFIG and qw.k % MMA_CONFIG[1] == 0 else None) or pick_config(n_out, qw.k)
-    bn, nb, warps = config[:3]
+    bn, nb, warps = config or pick_config(n_out, qw.k)
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
@@ -71,15 +59,6 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     # a program's rows share one row of scales where BLOCK_N divides the rows a scale covers (and,
     # with SwiGLU, the up rows N below start on a multiple of BLOCK_N too)
     row_scales = group % bn != 0 or (swiglu and n_out % bn != 0)
-    if len(config) == 4:  # (BLOCK_N, BLOCK_K, num_warps, num_stages): the tensor-core form
-        assert 128 % nb == 0 and qw.k % nb == 0, "the tensor-core form's K step divides 128 and K"
-        launch(_fp8_mma_kernel, (triton.cdiv(n_out, bn),),
-               src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
-               qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
-               HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-               HAS_RES=pre is not None and pre.res is not None, STEPS=qw.k // nb, BLOCK_N=bn, BLOCK_K=nb,
-               num_warps=warps, num_stages=config[3], **cuda_base.pdl(src))
-        return out
     launch(_fp8_gemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
            qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
@@ -165,79 +144,6 @@ if triton is not None:
         y_up = tl.sum(acc_up, axis=1)
         if NORM:
             r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
-            y = y * r
-            y_up = y_up * r
-        _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
-
-    @triton.jit
-    def _f16_pair(xv):
-        """xv [BK] fp32 → [BK, 16] fp16 columns (hi, lo, hi, lo, ...) with hi + lo = xv * 2^e to
-        22 bits, and 2^-e: e puts the chunk's largest magnitude in [2^14, 2^15) (fp16's range,
-        whatever the activations' size; a zero chunk takes e = 0). (The products of columns 0
-        and 1 are the ones summed; the others repeat them.)"""
-        amax = tl.max(tl.abs(xv), axis=0)
-        eb = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of amax
-        eb = tl.maximum(eb, 14)  # (2^(14 - e) stays a normal fp32)
-        up = ((268 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (eb - 127))
-        down = ((eb - 14) << 23).to(tl.float32, bitcast=True)  # its inverse
-        xs = xv * up
-        hi = xs.to(tl.float16)
-        lo = (xs - hi.to(tl.float32)).to(tl.float16)
-        BK: tl.constexpr = xv.shape[0]
-        pair = tl.reshape(tl.broadcast_to(tl.join(hi, lo)[:, None, :], (BK, 8, 2)), (BK, 16))
-        return pair, down
-
-    @triton.jit
-    def _fp8_mma_kernel(x, w, sc, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
-                        GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, STEPS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """The tensor-core form of _fp8_gemv_kernel (same arguments; K a multiple of BLOCK_K, a
-        multiple of 128 or a divisor of it): each step's [BLOCK_N, BLOCK_K] e4m3 tile, converted
-        to fp16 (exact), is one tl.dot with the input chunk as two fp16 columns (hi and lo: 22
-        bits of x * s, scaled into fp16's range by a power of two), accumulated in fp32; the
-        block scale and that power of two multiply each step's products. Where the FMA form
-        spends ~5.6 instructions a weight (a conversion, an FMA, their address and select work),
-        this one converts two weights an instruction and leaves the products to the MMA."""
-        pid = tl.program_id(0)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < N
-        rows = tl.minimum(n, N - 1)  # the last program's spare rows re-read a real row; not stored
-        first = pid * BLOCK_N
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        write = tl.where(pid == 0, K, 0)  # one program writes the residual stream
-        kr = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        base = w + rows[:, None].to(tl.int64) * stride_w
-        for step in range(STEPS):
-            kk = step * BLOCK_K + kr
-            xv, sq = _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM, HAS_RES, True)
-            if NORM:
-                ss += sq
-            pair, down = _f16_pair(xv)
-            blk = (step * BLOCK_K) // 128
-            if ROW_SCALES:
-                s = tl.load(sc + (rows // GROUP) * stride_s + blk)[:, None] * down
-            else:
-                s = tl.load(sc + (first // GROUP) * stride_s + blk) * down
-            wv = tl.load(base + kk[None, :]).to(tl.float16)
-            acc += tl.dot(wv, pair, out_dtype=tl.float32) * s
-            if SWIGLU:  # the up rows sit N rows below the gate rows
-                uv = tl.load(base + N.to(tl.int64) * stride_w + kk[None, :]).to(tl.float16)
-                if ROW_SCALES:
-                    su = tl.load(sc + ((rows + N) // GROUP) * stride_s + blk)[:, None] * down
-                else:
-                    su = tl.load(sc + ((first + N) // GROUP) * stride_s + blk) * down
-                acc_up += tl.dot(uv, pair, out_dtype=tl.float32) * su
-        col = tl.arange(0, 16)[None, :]
-        y = tl.sum(tl.where(col < 2, acc, 0.0), axis=1)  # hi's products + lo's
-        y_up = tl.sum(tl.where(col < 2, acc_up, 0.0), axis=1)
-        if NORM:
-            r = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
             y = y * r
             y_up = y_up * r
         _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
