@@ -10,8 +10,9 @@ decode step by step: engine/session.py), nopdl (no programmatic dependent launch
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
 every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
-read in one prefetched K step), and wholek32 with the prologue variants, noprefetch (qplanar's 4-bit GEMV
-loop without its read of the next step's words; with --format Q4_K or AWQ). (The normcopy and late variants, the forms before commits a509cd5
+read in one prefetched K step), and wholek32 with the prologue variants, noprefetch / prefetch (qplanar's 4-bit
+GEMV loops without / with their read of the next step's words, both layouts; with --format Q4_K or
+AWQ), twolaunch (a norm's int8 input made in two launches, not qplanar.normed_input's one). (The normcopy and late variants, the forms before commits a509cd5
 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
-                wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=qplanar.PREFETCH)
+                wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
+                normquant=qplanar.NORM_QUANTIZE)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -47,7 +49,9 @@ VARIANTS = {
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
-    "noprefetch": dict(prefetch=False),
+    "noprefetch": dict(prefetch={"INT4P": False, "Q4KP": False}),
+    "prefetch": dict(prefetch={"INT4P": True, "Q4KP": True}),
+    "twolaunch": dict(normquant=False),
 }
 
 
@@ -55,7 +59,7 @@ def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
-    cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH = v["wholek"], v["prefetch"]
+    cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
 
 
 def main() -> None:

@@ -96,6 +96,7 @@ def sweep_planar(device, x, gen) -> None:
     from models.formats import planar
     from models.kernels.cuda import qplanar
     from shapes import random_quant_linear
+    saved = dict(qplanar.PREFETCH)
     print(f"\n{'format':>8}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, c)):>13}" for c in PLANAR_TILES)
           + f"{'picked':>13}")
     for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k)):
@@ -103,7 +104,7 @@ def sweep_planar(device, x, gen) -> None:
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
             for int8, prefetch in ((False, True), (True, False), (True, True)):
-                qplanar.PREFETCH = prefetch
+                qplanar.PREFETCH = {"INT4P": prefetch, "Q4KP": prefetch}
                 cells = []
                 picked = qplanar.pick_config(n, k, pw.group)
                 for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:
@@ -113,7 +114,7 @@ def sweep_planar(device, x, gen) -> None:
                       + f"  (picked {'x'.join(map(str, picked))})", flush=True)
             pw = None
             torch.cuda.empty_cache()
-    qplanar.PREFETCH = True
+    qplanar.PREFETCH = saved
     print("(-np: without the next step's words read ahead; "
           "columns: rows a program x num_warps, with pick_config's words a step and K split for them; "
           "a cell: microseconds a call / TB/s of the weight's bytes)")

@@ -98,6 +98,38 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8
         assert bool((err <= tol).all()), float((err - tol).max())
 
 
+@pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True)])
+def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, group, res):
+    """normed_input's one launch leaves the bits of add_rms_norm then quantize_input: the stream,
+    the normed row (signs of zero included), the int8 input; the row's next GEMV of that group
+    takes the same buffer; a GEMV of the NormedRow equals the GEMV of its normed row."""
+    from models.kernels.cuda import base, qplanar
+    from models.kernels.cuda.linear import NormedRow
+
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32).cpu()
+
+    g = torch.Generator().manual_seed(5)
+    lin = int4_linear(16, k, group, 4, device)
+    pw = qplanar.repack(lin.qweight())
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = (torch.randn(1, k, generator=g) * 3).to(device, dtype)
+        x[0, :group] = 0.0
+        x[0, 1] = -0.0  # (add_rms_norm adds a zero row where nothing is pending: -0 becomes +0)
+        r = torch.randn(1, k, generator=g).to(device, dtype) if res else None
+        w = (torch.rand(k, generator=g) + 0.5).to(device, dtype)
+        stream, h = base.add_rms_norm(x, r if res else torch.zeros_like(x), w, 1e-6)
+        row = NormedRow(x, r, w, 1e-6)
+        q = qplanar.normed_input(row, group)
+        assert torch.equal(q, qplanar.quantize_input(h, group))
+        assert torch.equal(bits(row.materialize()), bits(h))
+        if res:
+            assert torch.equal(bits(row.stream), bits(stream))
+        assert qplanar.normed_input(row, group) is q
+        y = qplanar.gemv(NormedRow(x, r, w, 1e-6), pw, int8=True)
+        assert torch.equal(y, qplanar.gemv(h, pw, int8=True))
+
+
 @pytest.mark.parametrize("n,k,group,start,stop", [(37, 1024, 128, 0, 37), (37, 256, 128, 5, 30), (18, 512, 64, 3, 18)])
 def test_dequantize_kernel_is_the_oracle(device, n, k, group, start, stop):
     from models.kernels.cuda import qplanar
@@ -133,7 +165,8 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
                     reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GEMV (its inline LOP3 and DP4A included, which the interpreter does not run) on either
-    input, the input's int8 quantizer and the dequantize kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
+    input, with and without its read ahead, the input's int8 quantizers (alone and after the
+    norm) and the dequantize kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -146,16 +179,21 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
                    dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
                                                           SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
-                                                          HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True,
-                                                          INTERPRETED=False))
-                  for swiglu in (False, True) for split in (1, 2) for a8 in (False, True)]
+                                                          HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=pf,
+                                                          PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True) for split in (1, 2) for a8 in (False, True) for pf in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
                    dict(G=32 if fmt else 128, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
-                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PDL=True, INTERPRETED=False))
+                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt), PDL=True,
+                        INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
                       dict(G=32 if fmt else 128, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
+        cases.append((qplanar._norm_quantize_kernel,
+                      dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
+                      dict(N=5120, BLOCK=8192, G=32 if fmt else 128, NGB=256 if fmt else 64, HAS_RES=True, PDL=True,
+                           INTERPRETED=False)))
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),

@@ -151,6 +151,7 @@ class NormedRow:
         self.stream = x if res is None else torch.empty_like(x)
         self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
         self._h: torch.Tensor | None = None
+        self.forms: dict = {}  # other forms of the normed row, made once for the GEMVs that read them (qplanar's int8)
 
     def row_for_prologue(self) -> torch.Tensor | None:
         """Where the normed row is not computed yet: an empty tensor for it, now this row's, for

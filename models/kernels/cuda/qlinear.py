@@ -101,8 +101,8 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     formats take their own kernels' (fp8.py, qplanar.py)."""
     if qw.fmt == "FP8":
         return fp8.gemv(x, qw, bias, swiglu, out_dtype, config)
-    if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: no norm prologue (the row is materialized first)
-        return qplanar.gemv(x.materialize() if isinstance(x, NormedRow) else x, qw, bias, swiglu, out_dtype)
+    if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: a NormedRow normed and quantized in one launch before it
+        return qplanar.gemv(x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None

@@ -36,15 +36,20 @@ from . import base as cuda_base
 from .base import launch, triton
 from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
+from .linear import NormedRow
 
-__all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "quantized_reference", "int8_inputs",
+__all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
            "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
 FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
 
-# Whether the GEMV's loop reads a step's words before summing the step before (two steps' loads in
-# flight a program)
-PREFETCH = True
+# Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
+# steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
+# the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3.
+PREFETCH = {"INT4P": False, "Q4KP": True}
+# False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
+# of bench/ab_decode.py's variant twolaunch)
+NORM_QUANTIZE = True
 
 
 if triton is not None:
@@ -144,6 +149,40 @@ if triton is not None:
         return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED)
 
     @triton.jit
+    def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Groups g [GB, 1] of the row at src (words m [1, G/8]; ok: which are real) quantized
+        into dst (the row's [4, KW8] int32): _quantize_kernel's contract."""
+        GW: tl.constexpr = G // 8
+        src = src + g * G + m
+        amax = tl.zeros(ok.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            amax = tl.maximum(amax, tl.abs(tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32)))
+        amax = tl.max(amax, axis=1)[:, None]
+        inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
+        dx = tl.div_rn(amax, 127.0)
+        even = tl.zeros(ok.shape, dtype=tl.int32)
+        odd = tl.zeros(ok.shape, dtype=tl.int32)
+        qsum = tl.zeros(ok.shape, dtype=tl.int32)
+        for j in tl.static_range(8):
+            y = tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32) * inv
+            if INTERPRETED:  # round half to even by adding and taking away 1.5 2^23 (|y| <= 127)
+                y = (y + 12582912.0) - 12582912.0
+            else:
+                y = libdevice.rint(y)
+            q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32)
+            qsum += q
+            if j % 2 == 0:
+                even = even | ((q & 255) << (8 * (j // 2)))
+            else:
+                odd = odd | ((q & 255) << (8 * (j // 2)))
+        dst = dst + g * GW + m
+        tl.store(dst, even, mask=ok)
+        tl.store(dst + KW8, odd, mask=ok)
+        tl.store(dst + 2 * KW8, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(dst + 3 * KW8, (dx * 0.0625 + tl.zeros(ok.shape, dtype=tl.float32)).to(tl.int32, bitcast=True),
+                 mask=ok)
+
+    @triton.jit
     def _quantize_kernel(x, out, stride_x, n_groups, G: tl.constexpr, GB: tl.constexpr, KW8: tl.constexpr,
                          PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Row program_id(1) of x, groups GB a program: per group of G inputs, dx = amax / 127 and
@@ -157,35 +196,38 @@ if triton is not None:
         row = tl.program_id(1)
         g = tl.program_id(0) * GB + tl.arange(0, GB)[:, None]
         m = tl.arange(0, GW)[None, :]
-        ok = (g < n_groups) & (m < GW)
-        src = x + row * stride_x + g * G + m
-        amax = tl.zeros((GB, GW), dtype=tl.float32)
-        for j in tl.static_range(8):
-            amax = tl.maximum(amax, tl.abs(tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32)))
-        amax = tl.max(amax, axis=1)[:, None]
-        inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
-        dx = tl.div_rn(amax, 127.0)
-        even = tl.zeros((GB, GW), dtype=tl.int32)
-        odd = tl.zeros((GB, GW), dtype=tl.int32)
-        qsum = tl.zeros((GB, GW), dtype=tl.int32)
-        for j in tl.static_range(8):
-            y = tl.load(src + j * GW, mask=ok, other=0.0).to(tl.float32) * inv
-            if INTERPRETED:  # round half to even by adding and taking away 1.5 2^23 (|y| <= 127)
-                y = (y + 12582912.0) - 12582912.0
-            else:
-                y = libdevice.rint(y)
-            q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32)
-            qsum += q
-            if j % 2 == 0:
-                even = even | ((q & 255) << (8 * (j // 2)))
-            else:
-                odd = odd | ((q & 255) << (8 * (j // 2)))
-        dst = out + row * 4 * KW8 + g * GW + m
-        tl.store(dst, even, mask=ok)
-        tl.store(dst + KW8, odd, mask=ok)
-        tl.store(dst + 2 * KW8, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
-        tl.store(dst + 3 * KW8, (dx * 0.0625 + tl.zeros((GB, GW), dtype=tl.float32)).to(tl.int32, bitcast=True),
-                 mask=ok)
+        _quantize_groups(x + row * stride_x, out + row * 4 * KW8, g, m, (g < n_groups) & (m < GW), G, KW8,
+                         INTERPRETED)
+
+    @triton.jit
+    def _norm_quantize_kernel(x, y, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                              INTERPRETED: tl.constexpr):
+        """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
+        written where HAS_RES), then the normed row, re-read once all of it is stored, quantized
+        as _quantize_kernel does, into qout [4, N/8]."""
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        nw = tl.load(w + offs, mask=mask, other=0.0)  # a weight: before the wait
+        if PDL:  # the next GEMV launches once the one before this kernel has ended (not while it runs)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        s = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
+        else:  # (add_rms_norm adds a zero row: -0 becomes +0)
+            s += 0.0
+        s = s.to(x.dtype.element_ty)
+        if HAS_RES:
+            tl.store(sum_out + offs, s, mask=mask)
+        sf = s.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        tl.store(norm_out + offs, (sf * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
+        GW: tl.constexpr = G // 8
+        g = tl.arange(0, NGB)[:, None]
+        m = tl.arange(0, GW)[None, :]
+        _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
 
     @triton.jit
     def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
@@ -404,29 +446,60 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
-def gemv(x: torch.Tensor, pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
+def normed_input(row: NormedRow, group: int) -> torch.Tensor:
+    """The int8 input (quantize_input's) of a NormedRow for GEMVs of `group`, made once a row (its
+    other GEMVs of that group take the same): where the row is not normed yet, one launch norms
+    it (the stream written, the row kept as materialize() would leave it) and quantizes it (the
+    bits of add_rms_norm then quantize_input, one launch fewer)."""
+    q = row.forms.get(("int8", group))
+    if q is None:
+        if row._h is not None or not NORM_QUANTIZE:
+            row.materialize()
+            q = quantize_input(row._h, group)
+        else:
+            K = row.x.shape[-1]
+            h = torch.empty_like(row.x, dtype=row.out_dtype)
+            q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
+            launch(_norm_quantize_kernel, (1,), row.x, row.res if row.res is not None else row.x, row.weight,
+                   row.stream, h, q, row.eps, N=K, BLOCK=triton.next_power_of_2(K), G=group,
+                   NGB=triton.next_power_of_2(K // group), HAS_RES=row.res is not None,
+                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
+            row._h = h
+        row.forms[("int8", group)] = q
+    return q
+
+
+def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
          int8: bool | None = None) -> torch.Tensor:
-    """x [1, K] contiguous; pw an INT4P QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the
-    gate rows first; in one launch where N/2 is whole blocks of R rows) in out_dtype (x's by default).
-    int8 (int8_inputs(x.dtype) by default): against x~ = quantized_reference(x) instead of x."""
+    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input);
+    pw an INT4P or Q4KP QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
+    in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
+    int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
-    int8 = int8_inputs(x.dtype) if int8 is None else int8
+    normed = isinstance(x, NormedRow)
+    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
+    int8 = int8_inputs(row_dtype) if int8 is None else int8
+    if normed and not int8:
+        x, normed = x.materialize(), False
     if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
         both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8)
         gate, up = both[:, :n_out], both[:, n_out:]
-        return (torch.nn.functional.silu(gate) * up).to(out_dtype or x.dtype)
+        return (torch.nn.functional.silu(gate) * up).to(out_dtype or row_dtype)
     rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group)
     steps = pw.k // 8 // kw if (pw.k // 8) % kw == 0 else 0
     if not steps or kw % (pw.group // 8) or rows % R or steps % split:
         raise ValueError(f"config {rows} rows x {kw} words a step, K split in {split}, does not fit "
                          f"K = {pw.k}, group {pw.group}")
-    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    b = bias if bias is not None else x
+    if int8:
+        src = normed_input(x, pw.group) if normed else quantize_input(x, pw.group)
+    else:
+        src = x
+    out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=x.device)
+    b = bias if bias is not None else src
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
-    src = quantize_input(x, pw.group) if int8 else x
-    _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, x, n_out, 0, 0, kw, steps, rows, warps,
+    _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
             split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     if split > 1:
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
@@ -439,7 +512,7 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
     launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
            pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
            SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
-           PREFETCH=PREFETCH, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+           PREFETCH=PREFETCH[pw.fmt], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
