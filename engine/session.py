@@ -111,6 +111,7 @@ class DecodeSession:
         self.verify_reuse = verify_reuse
         self.eos_ids = tuple(eos_ids)
         self._ids: list[int] = []  # the tokens in the written KV slots (state.written of them)
+        self._generation = 0  # generate() calls so far
         self.last_stats = GenerationStats()
         self._device_masks: dict = {}  # output-format masks: CUDA buffers and graphs (engine/constraint.py)
         self.vocab_size = model.config.vocab_size
@@ -334,6 +335,7 @@ class DecodeSession:
         `constraint` (engine/constraint.py, fresh for this generation): each draw is masked to the
         tokens it allows; a forced token it rejects is a departure, after which it is dropped."""
         self.check_fits(prompt_ids)
+        self._generation += 1  # (an older generator, closed late, must not touch this one's state)
         seed = resolve_seed(sampling.seed if seed is None else seed)
         stops = self.eos_ids if stop_ids is None else tuple(stop_ids)
         draw = make_sampler(sampler, sampling, self.vocab_size, self.device, list(prompt_ids), seed, turn)
@@ -416,7 +418,9 @@ class DecodeSession:
                           sampler, t0: float) -> Iterator[int]:
         """The decode loop of `_generate` with the step that feeds each token queued before the
         host reads that token (the module docstring). The rules are the step-by-step loop's: a
-        step is queued ahead only where that loop would take it unless the token is a stop id."""
+        step is queued ahead only where that loop would take it unless the token is a stop id.
+        (One difference: an error raised by a step queued ahead reaches the reader before the
+        token that step feeds, where the loop would have yielded that token first.)"""
         host = torch.empty(2, dtype=torch.long, pin_memory=True)  # two tokens in flight, by turns
         ready = (torch.cuda.Event(), torch.cuda.Event())
 
@@ -426,7 +430,9 @@ class DecodeSession:
             ready[slot].record()
             return d
 
-        chosen, slot, n, ahead, t1 = choose(logits, 0), 0, 0, False, None
+        # ahead_at: the length the step queued ahead brings the state to, set before that step is
+        # queued and cleared once its token is judged: a Ctrl-C anywhere between finds it set
+        chosen, slot, n, ahead_at, t1, generation = choose(logits, 0), 0, 0, None, None, self._generation
         try:
             while True:
                 nxt = None
@@ -435,12 +441,12 @@ class DecodeSession:
                 # the step-by-step loop leaves. (After a whole-prompt reuse the slots of an earlier
                 # reply stay written until this reply's first step; that step waits for its token.)
                 if more and self.state.written == self.state.length:
+                    ahead_at = self.state.length + 1
                     logits = self._forward([chosen])  # the step feeding the chosen token, ahead
-                    ahead = True
                     nxt = choose(logits[-1], 1 - slot)
                 ready[slot].synchronize()
                 token = int(host[slot])
-                if ahead:
+                if ahead_at is not None:
                     self._ids[-1] = token
                 if t1 is None:
                     t1 = time.perf_counter()
@@ -456,12 +462,12 @@ class DecodeSession:
                     break
                 sampler.accept(token)
                 if nxt is None:  # the step waited for its token (above)
-                    logits = self._forward([chosen])
-                    self._ids[-1] = token
-                    nxt = choose(logits[-1], 1 - slot)
-                ahead, chosen, slot = False, nxt, 1 - slot  # the step ahead is now the loop's own
+                    nxt = choose(self._forward([token])[-1], 1 - slot)
+                ahead_at, chosen, slot = None, nxt, 1 - slot  # the step ahead is now the loop's own
         finally:
-            if ahead:  # it fed a token that ended the reply (or the reader stopped there)
+            # the step ahead fed a token that ended the reply (or the reader stopped there): unfed,
+            # unless it never completed (its forward broke off) or a later generation has begun
+            if ahead_at is not None and self.state.length == ahead_at and self._generation == generation:
                 self.state.unfeed(1)
                 del self._ids[self.state.length:]
             if t1 is not None:
