@@ -142,3 +142,12 @@ def test_router_gemv_writes_the_normed_row(device, res, K, N):
                  + 2 ** -8 * want.abs()).all())
     plain, again = cuda_linear.gemv_and_row(h, w)
     assert again is h and torch.equal(plain, cuda_linear.gemv(h, w))
+
+
+def test_pick_config_takes_the_wide_down_only_up_to_its_bound():
+    """The wide down form unrolls its loop over all of I: taken at the timed sizes, not above
+    moe.WIDE_MAX_I (the expert-by-expert loop there)."""
+    from models.kernels.cuda import moe
+    assert moe.pick_config(2048, 768)[1][4] and moe.pick_config(2048, 512)[1][4]
+    assert moe.pick_config(2048, moe.WIDE_MAX_I)[1][4]
+    assert not moe.pick_config(4096, moe.WIDE_MAX_I + 128)[1][4]

@@ -205,11 +205,20 @@ def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, i
     unrolled (`--all-unrolled`: 13.1 at the 30B-A3B shape against 13.7 for 4 x 128 x 8 unrolled,
     9.7 at the 35B-A3B shape against 10.7 for 4 x 512 x 8). Down in the wide form
     (_down_wide_kernel): 4 rows x 128 x 2 warps where I <= 512 (6.4 against 8.2 for the best
-    expert-by-expert loop), else 8 rows x 128 x 4 warps (7.5 against 10.5)."""
+    expert-by-expert loop), else 8 rows x 128 x 4 warps (7.5 against 10.5). The wide form unrolls
+    its whole loop over I (I / 128 steps, each for every expert): above WIDE_MAX_I, where it was not
+    timed and its code would grow with I, down takes the expert-by-expert loop's 4 rows x 128 x 8
+    warps (10.4 at I = 768 before the wide form)."""
     gate_up = (2, 1024, 2, -(-H // 1024))
     if I <= 512:
         return gate_up, (4, 128, 2, 1, True)
+    if I > WIDE_MAX_I:
+        return gate_up, (4, 128, 8, 1, False)
     return gate_up, (8, 128, 4, 1, True)
+
+
+# The largest intermediate size whose down launch takes the wide form (16 unrolled steps)
+WIDE_MAX_I = 2048
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
