@@ -12,7 +12,8 @@ an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), pr
 every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
 read in one prefetched K step), and wholek32 with the prologue variants, noprefetch / prefetch (qplanar's 4-bit
 GEMV loops without / with their read of the next step's words, both layouts; with --format Q4_K or
-AWQ), twolaunch (a norm's int8 input made in two launches, not qplanar.normed_input's one). (The normcopy and late variants, the forms before commits a509cd5
+AWQ), twolaunch (a norm's int8 input made in two launches, not qplanar.normed_input's one),
+reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128 outputs a program, not 1024). (The normcopy and late variants, the forms before commits a509cd5
 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from shapes import random_model, random_quantized_model  # noqa: E402
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
-                normquant=qplanar.NORM_QUANTIZE)
+                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -52,6 +53,8 @@ VARIANTS = {
     "noprefetch": dict(prefetch={"INT4P": False, "Q4KP": False}),
     "prefetch": dict(prefetch={"INT4P": True, "Q4KP": True}),
     "twolaunch": dict(normquant=False),
+    "reduce256": dict(reduce=256),
+    "reduce128": dict(reduce=128),
 }
 
 
@@ -60,6 +63,7 @@ def apply(variant: str) -> None:
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
+    qplanar.REDUCE_BLOCK = v["reduce"]
 
 
 def main() -> None:

@@ -5,6 +5,7 @@
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
+    python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like shape's Q5_0 matrices)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -150,6 +151,35 @@ def sweep_fp8(device, x, gen) -> None:
     print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")
 
 
+SMALL_CONFIGS = [(bn, w, most) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for most in (256, 1024)
+                 if bn * most >= w * 256]
+
+
+def sweep_small(device, gen) -> None:
+    """qlinear.py's generic GEMV on the Q5_0 matrices of the Qwen2.5-0.5B-like shape in Q4_K
+    (hidden 896 is not whole Q4_K super-blocks: llama.cpp's fallback), per (BLOCK_N, num_warps,
+    most weights a step), beside the bf16 GEMV of the same matrix: microseconds a call."""
+    from models.kernels.cuda import linear, qlinear
+    from shapes import random_quant_linear
+    for n, k, swiglu in ((1152, 896, False), (896, 896, False), (9728, 896, True), (151936, 896, False)):
+        qw = random_quant_linear("Q4_K", n, k, device, gen).qweight()
+        xk = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+        bf16_us = _graph_us(lambda: linear.gemv(xk, wb, swiglu=swiglu))
+        wb = None
+        cells = {c: _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu, config=c)) for c in SMALL_CONFIGS}
+        picked = qlinear.pick_config(n // 2 if swiglu else n)
+        cells.setdefault(picked, _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu)))
+        best = min(cells, key=cells.get)
+        print(f"{qw.fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}: bf16 {bf16_us:.1f} us; picked "
+              f"{'x'.join(map(str, picked))} {cells[picked]:.1f}, best {'x'.join(map(str, best))} {cells[best]:.1f}",
+              flush=True)
+        print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+        qw = None
+        torch.cuda.empty_cache()
+    print("(configs: BLOCK_N x num_warps x most weights a step)")
+
+
 # (rows a program, warps): J2's best (8 x 4) and the tiles with fewer instructions a weight in the
 # SASS (bench/sass_loop.py: 2 warps over the same tile, or twice the rows)
 PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
@@ -172,6 +202,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
+    ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
+                    "0.5B-like shape's Q5_0 matrices")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
@@ -180,6 +212,9 @@ def main() -> None:
     if args.sweep_planar:
         sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
                      torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_small:
+        sweep_small(device, torch.Generator(device=device).manual_seed(0))
         return
     if args.sweep_fp8:
         sweep_fp8(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),

@@ -50,6 +50,9 @@ PREFETCH = {"INT4P": False, "Q4KP": True}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
+# Outputs a program of the split-K reduce launch: 256 (2 warps) against 1024 (4 warps), bench/ab_decode.py
+# --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
+REDUCE_BLOCK = 256
 
 
 if triton is not None:
@@ -517,10 +520,11 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
             shared_gate=None) -> None:
-    launch(_reduce_kernel, (triton.cdiv(n, 1024),), part, bias if bias is not None else part,
+    launch(_reduce_kernel, (triton.cdiv(n, REDUCE_BLOCK),), part, bias if bias is not None else part,
            weights if weights is not None else part, shared if shared is not None else part,
            shared_gate if shared_gate is not None else part, out, n, PARTS=parts, HAS_BIAS=bias is not None,
-           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=1024, num_warps=4,
+           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=REDUCE_BLOCK,
+           num_warps=max(1, min(4, REDUCE_BLOCK // 256)),
            **cuda_base.pdl(part))
 
 
