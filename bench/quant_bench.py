@@ -153,21 +153,26 @@ def sweep_fp8(device, x, gen) -> None:
 
 SMALL_CONFIGS = [(bn, w, most) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for most in (256, 1024)
                  if bn * most >= w * 256]
+# an LM head's rows (a vocabulary): more rows a program, fewer warps
+HEAD_CONFIGS = [(bn, w, most) for bn in (8, 16, 32, 64) for w in (1, 2, 4) for most in (256, 1024)]
 
 
 def sweep_small(device, gen) -> None:
     """qlinear.py's generic GEMV on the Q5_0 matrices of the Qwen2.5-0.5B-like shape in Q4_K
-    (hidden 896 is not whole Q4_K super-blocks: llama.cpp's fallback), per (BLOCK_N, num_warps,
-    most weights a step), beside the bf16 GEMV of the same matrix: microseconds a call."""
+    (hidden 896 is not whole Q4_K super-blocks: llama.cpp's fallback) and on the 27B-like shape's
+    Q6_K LM head (a Q4_K_M file's), per (BLOCK_N, num_warps, most weights a step), beside the
+    bf16 GEMV of the same matrix: microseconds a call."""
     from models.kernels.cuda import linear, qlinear
     from shapes import random_quant_linear
-    for n, k, swiglu in ((1152, 896, False), (896, 896, False), (9728, 896, True), (151936, 896, False)):
-        qw = random_quant_linear("Q4_K", n, k, device, gen).qweight()
+    for fmt, n, k, swiglu in (("Q4_K", 1152, 896, False), ("Q4_K", 896, 896, False), ("Q4_K", 9728, 896, True),
+                              ("Q4_K", 151936, 896, False), ("Q6_K", 248320, 5120, False)):
+        qw = random_quant_linear(fmt, n, k, device, gen).qweight()
         xk = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
         bf16_us = _graph_us(lambda: linear.gemv(xk, wb, swiglu=swiglu))
         wb = None
-        cells = {c: _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu, config=c)) for c in SMALL_CONFIGS}
+        configs = HEAD_CONFIGS if n > 100000 else SMALL_CONFIGS
+        cells = {c: _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu, config=c)) for c in configs}
         picked = qlinear.pick_config(n // 2 if swiglu else n)
         cells.setdefault(picked, _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu)))
         best = min(cells, key=cells.get)
