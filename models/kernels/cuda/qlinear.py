@@ -85,11 +85,20 @@ def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1, EVEN=qw.k % w == 0)
 
 
-def pick_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, most weights a step): few rows per program for small matrices (more
-    programs in flight), more for large ones. Not measured yet: bench/quant_bench.py --sweep."""
+def pick_config(n: int, fmt: str = "Q4_0", nbytes: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, most weights a step) for n output rows of `fmt`, nbytes of weights.
+    Measured on an H200 (bench/quant_bench.py --sweep-small, bench/RESULTS.md set O), us a call:
+    - an LM head's rows (n >= 16384): one warp a program, 256 weights a step; 16 rows for the
+      32-weight-block formats (the 0.5B-like shape's Q5_0 head [151936, 896]: 79.0 against 464.1
+      for the 8 x 8 x 1024 taken before), 8 for the K-quants (the 27B-like Q6_K head [248320,
+      5120]: 1,228 against 1,475);
+    - a matrix read in one step (WHOLE_STEP_BYTES): 2 rows and 2 warps (the 0.5B-like Q5_0
+      matrices: 1.8, 1.7 and 6.5 against 1.9, 1.8 and 7.9 for 4 x 4);
+    - else 4 rows and 4 warps (not measured against others)."""
     if n >= 16384:
-        return 8, 8, STEP_WEIGHTS
+        return (8 if FORMATS[fmt][2] >= 256 else 16), 1, 256
+    if 0 < nbytes <= WHOLE_STEP_BYTES:
+        return 2, 2, STEP_WEIGHTS
     return 4, 4, STEP_WEIGHTS
 
 
@@ -108,7 +117,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
-    bn, warps, most = config or pick_config(n_out)
+    bn, warps, most = config or pick_config(n_out, qw.fmt, qw.nbytes())
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
