@@ -363,21 +363,23 @@ if triton is not None:
     @triton.jit
     def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
                                G: tl.constexpr, NG: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Rows start..stop of W, NG groups of G weights a program: W = s code - offset."""
+        """Rows start..stop of W, NG groups of G weights a program: W = s code - offset. The tile
+        is [rows, group, nibble j, word m]: weight g G + G/8 j + m of a row, so one store writes
+        each row's NG G weights contiguously (a store per nibble wrote G/8-weight pieces G apart:
+        8 bytes of each 32-byte sector at a time for Q4KP's 32-weight groups)."""
         GW: tl.constexpr = G // 8
-        i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        c = tl.arange(0, NG * GW)[None, :]  # a word of the program's groups
-        g = tl.program_id(1) * NG + c // GW
+        i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+        g = tl.program_id(1) * NG + tl.arange(0, NG)[None, :, None, None]
+        j = tl.arange(0, 8)[None, None, :, None]
+        m = tl.arange(0, GW)[None, None, None, :]
         n = tl.minimum(start + i, stop - 1).to(tl.int64)
-        words = tl.load(w + (n // 4) * stride_w + (tl.program_id(1) * NG * GW + c) * 4 + n % 4)
-        s16, cs = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)
+        words = tl.load(w + (n // 4) * stride_w + (g * GW + m) * 4 + n % 4)  # [rows, NG, 1, GW]
+        s16, cs = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)  # [rows, NG, 1, 1]
         off = cs - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where cs did not round
         scale = s16 * 0.0625
-        o = out + i.to(tl.int64) * stride_o + g * G + c % GW
-        m = start + i < stop
-        for j in tl.static_range(8):
-            code = ((words >> (4 * j)) & 15).to(tl.float32)
-            tl.store(o + j * GW, (scale * code - off).to(out.dtype.element_ty), mask=m)
+        code = ((words >> (4 * j)) & 15).to(tl.float32)
+        tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, (scale * code - off).to(out.dtype.element_ty),
+                 mask=start + i < stop)
 
 
 def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
