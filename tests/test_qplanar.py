@@ -173,31 +173,32 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
     from models.kernels.cuda import qplanar
     cases = []
-    for fmt, aux, aux2 in ((0, "*fp16", "*u8"), (1, "*fp16", "*u8")):  # INT4P, Q4KP
+    for fmt, aux, aux2 in ((0, "*fp16", "*u8"), (1, "*fp16", "*u8"), (2, "*fp16", "*u8")):  # INT4P, Q4KP, Q6KP
+        G = (128, 32, 16)[fmt]
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
                    N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
-                   dict(G=32 if fmt else 128, KW=64, STEPS=10, BLOCKS=4,
+                   dict(G=G, KW=64, STEPS=10, BLOCKS=4,
                                                           SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
                                                           HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=pf,
                                                           PDL=True, INTERPRETED=False))
                   for swiglu in (False, True) for split in (1, 2) for a8 in (False, True) for pf in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
-                   dict(G=32 if fmt else 128, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
+                   dict(G=G, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
                         FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt), PDL=True,
                         INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
-                      dict(G=32 if fmt else 128, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
+                      dict(G=G, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
         cases.append((qplanar._norm_quantize_kernel,
                       dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
-                      dict(N=5120, BLOCK=8192, G=32 if fmt else 128, NGB=256 if fmt else 64, HAS_RES=True, PDL=True,
+                      dict(N=5120, BLOCK=8192, G=G, NGB=8192 // G, HAS_RES=True, PDL=True,
                            INTERPRETED=False)))
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
-                           stride_a="i32", stride_z="i32", stride_o="i32"),
-                      dict(G=32 if fmt else 128, NG=4 if fmt else 1, FMT=fmt, BLOCK_N=16)))
+                           stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),
+                      dict(G=G, NG=128 // G, FMT=fmt, BLOCK_N=16)))
     reduce_sig = dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16", shared_gate="*bf16", out="*bf16",
                       N="i32")
     cases += [(qplanar._reduce_kernel, reduce_sig, dict(PARTS=4, HAS_BIAS=True, SWIGLU=True, WEIGHTED=False,
@@ -270,8 +271,75 @@ def test_a_q4_k_linear_takes_the_planar_layout():
     assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"
 
 
+def q6k_weight(n, k, seed, device):
+    """(QWeight of random Q6_K blocks with the benchmarks' scales, its fp64 oracle weights)."""
+    import sys
+    from models.formats import gguf_blocks
+    from models.formats.quant import QWeight
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from shapes import _random_blocks
+    raw = _random_blocks("Q6_K", n, k, "cpu", torch.Generator().manual_seed(seed))
+    return QWeight("Q6_K", raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES["Q6_K"]).double()
+
+
+@pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
+def test_q6k_repack_keeps_every_weight(n, k):
+    """Q6KP holds Q6_K's every weight (d sc (q - 32) is exact in fp32: an fp16 times at most
+    2^7 x 2^5), in 6.5625 bits a weight as Q6_K, rows padded to whole blocks."""
+    from models.formats import gguf_blocks, planar
+    qw, ref = q6k_weight(n, k, 0, "cpu")
+    q, sc, _ = gguf_blocks.q6_k_codes(qw.data.reshape(-1, 210))
+    assert int(q.max()) == 63 and int(q.min()) == 0 and int(sc.min()) < 0  # every code and signed scales met
+    pw = planar.repack_q6k(qw)
+    assert pw.fmt == "Q6KP" and pw.group == 16 and pw.data.shape == (-(-n // planar.ROWS), k // 8 + k // 16, planar.ROWS)
+    assert torch.equal(planar.dequantize_q6kp(pw), ref)
+    assert torch.equal(planar.dequantize_planar_rows(pw, 3, n), ref[3:])
+    rows = -(-n // planar.ROWS) * planar.ROWS
+    assert pw.nbytes() == rows * k * 210 // 256
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
+def test_q6k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):
+    """Q6KP's GEMV (both input forms, as the Q4KP test's bounds) and its dequantize kernel against
+    the fp64 weights."""
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    qw, w = q6k_weight(n, k, 1, device)
+    pw = planar.repack_q6k(qw)
+    w = w.to(device)
+    out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
+    assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        xd = qplanar.quantized_reference(x, 16).to(device) if int8 else x.double()
+        ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
+        if swiglu:
+            g, u = ref[:, :n // 2], ref[:, n // 2:]
+            ref = g / (1 + torch.exp(-g)) * u
+            scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
+        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
+        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
+
+
+def test_a_q6_k_linear_takes_the_planar_layout():
+    """BlockLinear.to_planar() for Q6_K (a Q4_K_M file's LM head and some of its down and value
+    projections): Q6KP with the blocks freed, the same outputs on the torch path, its bytes
+    counted as Q6_K."""
+    from models.formats import gguf_blocks, quant
+    qw, _ = q6k_weight(20, 512, 6, "cpu")
+    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q6_K"])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
+    ref = lin(x)
+    assert lin.to_planar() and lin.qweight().fmt == "Q6KP" and not hasattr(lin, "blocks")
+    assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    assert quant.weight_formats(lin) == {"Q6_K": 20 * 420}
+
+
 @pytest.mark.parametrize("fmt,split,swiglu,bias", [("INT4P", 2, False, True), ("INT4P", 4, True, True),
-                                                   ("Q4KP", 2, True, False), ("Q4KP", 8, False, False)])
+                                                   ("Q4KP", 2, True, False), ("Q4KP", 8, False, False),
+                                                   ("Q6KP", 4, True, True)])
 def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias):
     """K split across programs (pick_config's choice where a grid is small): the partial sums,
     reduced in order by a second kernel, give the one-launch kernel's product up to fp32
@@ -280,7 +348,7 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     from models.kernels.cuda import qplanar
     n, k = 40, 2048
     pw = planar.repack_int4p(int4_linear(n, k, 128, 5, device).qweight()) if fmt == "INT4P" else \
-        planar.repack_q4k(q4k_weight(n, k, 5, device)[0])
+        planar.repack_q4k(q4k_weight(n, k, 5, device)[0]) if fmt == "Q4KP" else planar.repack_q6k(q6k_weight(n, k, 5, device)[0])
     b = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(device) if bias else None
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(device)
     whole = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, 1))

@@ -139,14 +139,21 @@ def _q5_k(b):
     return (d * q.float() - dm).reshape(-1, QK_K)
 
 
-def _q6_k(b):
+def q6_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [n, 210] → (codes q uint8 [n, 256] in weight order, 0..63; int8 scales [n, 16],
+    one per 16 weights; d fp16 [n]): weight i = d scales[i // 16] (q[i] - 32)."""
     n = b.shape[0]
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
     ql = _nibbles(b[:, :128], 64).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))
-    q = (ql | ((qh & 3).reshape(n, 8, 32) << 4)).to(torch.int8) - 32
-    return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+    q = (ql | ((qh & 3).reshape(n, 8, 32) << 4)).reshape(n, QK_K)
+    return q, b[:, 192:208].contiguous().view(torch.int8), b[:, 208:210].contiguous().view(torch.float16)[:, 0]
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    q, scales, d = q6_k_codes(b)
+    d = (d.float()[:, None] * scales.float()).reshape(n, 16, 1)
+    return (d * (q.to(torch.int8) - 32).reshape(n, 16, 16).float()).reshape(n, QK_K)
 
 
 def _f32(b):

@@ -1,6 +1,6 @@
 """Weights repacked at load for CUDA's planar dequant-GEMVs (models/kernels/cuda/qplanar.py, which
-describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, and each layout's torch
-oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
+describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP and Q6_K as Q6KP, and
+each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
 QWeight in gives the class of the QWeight out.
 
 Both layouts hold the codes the same way: per group of G weights (G = the checkpoint's group for
@@ -11,7 +11,14 @@ G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], r
   ROWS] = z per group (weight = s (q - z)), the checkpoint's own: 4.19 bits a weight at G = 128;
 - Q4KP: `scales` fp16 [ceil(N/ROWS), K/256, 2, ROWS] = (d, dmin) per super-block and `zeros`
   uint8 [ceil(N/ROWS), K/32, 2, ROWS] = (sc, m) per sub-block (weight = d sc q - dmin m, as
-  Q4_K's), 4.625 bits a weight against Q4_K's 4.5.
+  Q4_K's), 4.625 bits a weight against Q4_K's 4.5;
+- Q6KP (G = 16, Q6_K's sub-block): the words hold the low four bits of each 6-bit code q, and
+  `data` goes on with K/16 more word positions, one a group, holding its high two bits: for word
+  m (0, 1) and nibble j, bits 4 m + 8 (j // 2) + 2 (j % 2) .. + 1 (so a word's even and odd
+  nibbles' high bits are bytes of (h >> 4 m) & 0x03030303 and (h >> 4 m + 2) & 0x03030303);
+  `scales` fp16 [ceil(N/ROWS), K/256, 1, ROWS] = d per super-block and `zeros` [ceil(N/ROWS),
+  K/16, 1, ROWS] = the int8 sc per group, its bits as uint8 (weight = d sc (q - 32), as Q6_K's):
+  6.5625 bits a weight, as Q6_K.
 """
 from __future__ import annotations
 
@@ -115,8 +122,50 @@ def dequantize_q4kp(pw) -> torch.Tensor:
     return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
 
 
-def dequantize_q4kp_rows(pw, start: int, stop: int) -> torch.Tensor:
-    """Rows start..stop of dequantize_q4kp(pw), decoding only the row blocks that hold them."""
+
+
+def repack_q6k(qw):
+    """GGUF Q6_K blocks ([N, K/256 * 210] uint8) → Q6KP. Any device; done once at load."""
+    if qw.fmt != "Q6_K" or qw.k % 256:
+        raise ValueError(f"Q6KP takes Q6_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+    n, k = qw.n, qw.k
+    q, sc, d = gguf_blocks.q6_k_codes(qw.data.reshape(n * (k // 256), 210))
+    q = q.reshape(n, k).to(torch.int32)
+    lo = _words(q & 15, n, k, 16)  # [rows/ROWS, K/8, ROWS]
+    hi = (q >> 4).reshape(n, k // 16, 8, 2)  # [n, group, j, m]: weight 2 j + m
+    j = torch.arange(8, device=q.device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    m = torch.arange(2, device=q.device, dtype=torch.int32).reshape(1, 1, 1, 2)
+    hw = (hi << (4 * m + 8 * (j // 2) + 2 * (j % 2))).sum((2, 3), dtype=torch.int64)  # disjoint bits: an OR
+    hw = torch.where(hw >= 2 ** 31, hw - 2 ** 32, hw).to(torch.int32)  # [n, K/16]
+    hw = torch.nn.functional.pad(hw, (0, 0, 0, -n % ROWS)).reshape(-1, ROWS, k // 16).transpose(1, 2)
+    data = torch.cat([lo, hw], 1).contiguous()
+    return type(qw)("Q6KP", data, n, k, _interleave(d.reshape(n, k // 256, 1), n),
+                    _interleave(sc.view(torch.uint8).reshape(n, k // 16, 1), n), 16)
+
+
+def q6kp_codes(pw) -> torch.Tensor:
+    """The 6-bit codes a Q6KP QWeight holds: [N, K/16, 8, 2] (j, m: weight 2 j + m of each group)."""
+    n, k = pw.n, pw.k
+    lo = _codes(pw.data[:, :k // 8], n, k, 16)
+    hw = pw.data[:, k // 8:].transpose(1, 2).reshape(-1, k // 16)[:n].reshape(n, k // 16, 1, 1)
+    j = torch.arange(8, device=hw.device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    m = torch.arange(2, device=hw.device, dtype=torch.int32).reshape(1, 1, 1, 2)
+    return lo | (((hw >> (4 * m + 8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+
+
+def dequantize_q6kp(pw) -> torch.Tensor:
+    """The fp64 [N, K] weights a Q6KP QWeight encodes (d sc (q - 32), as gguf_blocks' Q6_K)."""
+    n, k = pw.n, pw.k
+    d = _uninterleave(pw.scales, n).double().repeat_interleave(16, 1)  # [n, groups, 1]
+    sc = _uninterleave(pw.zeros, n).view(torch.int8).double()
+    s = (d * sc)[..., None]  # [n, groups, 1, 1]
+    return (s * (q6kp_codes(pw).double() - 32)).reshape(n, k)
+
+
+def dequantize_planar_rows(pw, start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop of a Q4KP or Q6KP QWeight's weights (fp64), decoding only the row blocks
+    that hold them."""
     b0, b1 = start // ROWS, -(-stop // ROWS)
-    part = type(pw)("Q4KP", pw.data[b0:b1], (b1 - b0) * ROWS, pw.k, pw.scales[b0:b1], pw.zeros[b0:b1], 32)
-    return dequantize_q4kp(part)[start - b0 * ROWS:stop - b0 * ROWS]
+    part = type(pw)(pw.fmt, pw.data[b0:b1], (b1 - b0) * ROWS, pw.k, pw.scales[b0:b1], pw.zeros[b0:b1], pw.group)
+    full = dequantize_q4kp(part) if pw.fmt == "Q4KP" else dequantize_q6kp(part)
+    return full[start - b0 * ROWS:stop - b0 * ROWS]

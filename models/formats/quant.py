@@ -374,35 +374,39 @@ class BlockLinear(QuantLinear):
         return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
                              [s for p in parts for s in p.sizes]), parts)
 
-    planar = False  # True once to_planar() replaced the blocks by Q4KP (formats/planar.py)
+    planar = False  # True once to_planar() replaced the blocks by Q4KP or Q6KP (formats/planar.py)
+    planar_fmt = ""
 
     def to_planar(self) -> bool:
-        """Q4_K on CUDA: the blocks repacked as Q4KP for qplanar.py's GEMV (4.625 bits a weight
-        against 4.5), the blocks freed; once, after fusion. False for other types."""
+        """Q4_K and Q6_K on CUDA: the blocks repacked as Q4KP (4.625 bits a weight against 4.5)
+        or Q6KP (6.5625, as Q6_K) for qplanar.py's GEMV, the blocks freed; once, after
+        fusion. False for other types."""
         from . import planar
-        if self.planar or self.ggml_type != gguf_blocks.TYPES["Q4_K"] or self.in_features % 256:
+        repack = {gguf_blocks.TYPES["Q4_K"]: planar.repack_q4k, gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k}
+        if self.planar or self.ggml_type not in repack or self.in_features % 256:
             return self.planar
-        pw = planar.one_storage(planar.repack_q4k(self.qweight()))
+        pw = planar.one_storage(repack[self.ggml_type](self.qweight()))
         del self.blocks
         self.register_buffer("words", pw.data)
         self.register_buffer("dd", pw.scales)
         self.register_buffer("sm", pw.zeros)
-        self.planar = True
+        self.planar, self.planar_fmt, self.planar_group = True, pw.fmt, pw.group
         return True
 
     def stored(self) -> list[torch.Tensor]:
-        """The tensors that hold the weights (the blocks, or Q4KP's three)."""
+        """The tensors that hold the weights (the blocks, or the planar layout's three)."""
         return [self.words, self.dd, self.sm] if self.planar else [self.blocks]
 
     def qweight(self) -> QWeight:
         if self.planar:
-            return QWeight("Q4KP", self.words, self.out_features, self.in_features, self.dd, self.sm, 32)
+            return QWeight(self.planar_fmt, self.words, self.out_features, self.in_features, self.dd, self.sm,
+                           self.planar_group)
         return QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         if self.planar:
             from . import planar
-            return planar.dequantize_q4kp_rows(self.qweight(), start, min(stop, self.out_features)).float()
+            return planar.dequantize_planar_rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
             return self.dequant_kernel(raw, self.ggml_type)
@@ -530,7 +534,7 @@ class PlanarExperts(nn.Module):
         if k is not None and pw.data.is_cuda and k.usable(pw.data):
             return k.dequantize(pw, e * rows, (e + 1) * rows, dtype)
         from . import planar
-        return planar.dequantize_q4kp_rows(pw, e * rows, (e + 1) * rows).to(dtype)
+        return planar.dequantize_planar_rows(pw, e * rows, (e + 1) * rows).to(dtype)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen

@@ -1,6 +1,6 @@
-"""Dequant-GEMVs for 4-bit weights in layouts repacked for them at load (models/formats/planar.py):
-AWQ/GPTQ groups as INT4P and GGUF Q4_K as Q4KP. Fewer instructions a weight than qlinear.py's
-kernels, which decode the stored layouts.
+"""Dequant-GEMVs for 4- and 6-bit weights in layouts repacked for them at load
+(models/formats/planar.py): AWQ/GPTQ groups as INT4P, GGUF Q4_K as Q4KP and Q6_K as Q6KP. Fewer
+instructions a weight than qlinear.py's kernels, which decode the stored layouts.
 
 The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
 INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the code of weight
@@ -8,7 +8,9 @@ G/8 j + m, so a word's eight codes share their group's scale and offset, and the
 meets, x[g G + G/8 j + m], runs contiguously along m; rows are interleaved by R = 4, so a
 thread's four contiguous words are four rows' same word and the input it loads and converts
 serves four rows. Scales: INT4P the checkpoint's s (fp16) and z (uint8) per row and group; Q4KP
-Q4_K's own (d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8).
+Q4_K's own (d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8). Q6KP (G = 16)
+holds Q6_K's codes' low four bits so, their high two bits in one more word a group, and Q6_K's
+d per super-block and int8 sc per group.
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
 (as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
@@ -22,7 +24,8 @@ quantize_input first rounds each group of the input to int8 with one scale (x~ =
 order the nibbles meet them, and the GEMV then equals x~ @ W^T: per word, the even and the odd
 nibbles masked out in place (four codes a register, a byte each) go through two DP4As against
 the packed inputs, so a word costs about five integer instructions and two FMAs instead of three
-instructions a weight.
+instructions a weight (Q6KP: the high bits joined into those bytes first, a few more). The
+float path of Q6KP (fp32 models) converts each 6-bit code.
 `dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
 instructions a weight of the compiled loop.
 """
@@ -41,12 +44,12 @@ from .linear import NormedRow
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
            "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
-FMTS = {"INT4P": 0, "Q4KP": 1}  # the kernels' FMT constant
+FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2}  # the kernels' FMT constant
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
 # steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
 # the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3.
-PREFETCH = {"INT4P": False, "Q4KP": True}
+PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
@@ -86,11 +89,17 @@ if triton is not None:
     def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
         """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's from s and z
         (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
-        dmin) of the super-block and (sc, m) of the sub-block."""
+        dmin) of the super-block and (sc, m) of the sub-block; Q6KP's from d of the super-block
+        and the int8 sc of the group (s = d sc, offset 32 s: exact, an fp16 times at most 128 x 48)."""
         if FMT == 0:
             s = tl.load(aux + rb * stride_a + grp * 4 + ri).to(tl.float32)
             s16 = 16.0 * s
             c = s16 + s * tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.float32)
+        elif FMT == 2:
+            sc = tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.int8, bitcast=True).to(tl.float32)
+            s = tl.load(aux + rb * stride_a + (grp // 16) * 4 + ri).to(tl.float32) * sc
+            s16 = 16.0 * s
+            c = 48.0 * s
         else:
             sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
             mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
@@ -115,32 +124,58 @@ if triton is not None:
 
     @triton.jit
     def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
-                    NG: tl.constexpr, FMT: tl.constexpr):
-        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset)."""
+                    NG: tl.constexpr, FMT: tl.constexpr, KW8: tl.constexpr):
+        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset).
+        Q6KP: int64 words, the low four bits of the codes in the low half and the group's high
+        bits, moved to this word's place (h >> 4 m), in the high half (KW8: the row's low words)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
+        if FMT == 2:
+            hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (4 * wi)
+            words = (words.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
         s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
         return words, s16, c
 
     @triton.jit
     def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
-                   KW8: tl.constexpr, INTERPRETED: tl.constexpr):
+                   KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
         quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
-        the words' input sums dx sum_j q_j and the groups' dx / 16)."""
+        the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's 6-bit codes: bytes of
+        both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
+        if FMT == 2:
+            lo = words.to(tl.int32)
+            hi = (words >> 32).to(tl.int32)
+        else:
+            lo = words
+            hi = words
         if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
             p = grp * GW + wi
             xe = tl.load(x + p)
             xo = tl.load(x + KW8 + p)
             xs = tl.load(x + 2 * KW8 + p).to(tl.float32, bitcast=True)
             xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
-            isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
+            even = lo & 0x0F0F0F0F
+            odd = (lo >> 4) & 0x0F0F0F0F
+            if FMT == 2:
+                even = even | ((hi & 0x03030303) << 4)
+                odd = odd | (((hi >> 2) & 0x03030303) << 4)
+            isum = _dp4a_pair(even, xe, odd, xo, INTERPRETED)
             acc += s16 * (isum.to(tl.float32) * xd16 + xs)
             return acc - c * xs
-        ws, xs = _group_sums(words, x, grp * G + wi, GW, INTERPRETED)
+        if FMT == 2:  # sum_j (s code_j - 32 s) x_j: the codes converted (the float path of fp32 models)
+            ws = tl.zeros(acc.shape, dtype=tl.float32)
+            xs = tl.zeros((1, NG, GW, 1), dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x + grp * G + wi + j * GW).to(tl.float32)
+                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+                ws += code.to(tl.float32) * xj
+                xs += xj
+            return acc + (s16 * 0.0625 * ws - (c - s16) * xs)
+        ws, xs = _group_sums(lo, x, grp * G + wi, GW, INTERPRETED)
         return acc + (s16 * ws - c * xs)
 
     @triton.jit
@@ -148,8 +183,8 @@ if triton is not None:
                   NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
                   INTERPRETED: tl.constexpr):
         """acc plus a step's contribution for row blocks rb: its words read, then summed."""
-        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT)
-        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED)
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT, KW8)
+        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
 
     @triton.jit
     def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -268,10 +303,11 @@ if triton is not None:
         up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
         # the first step's words before waiting on the previous kernel (no kernel writes weights;
         # an expert's rows are known only after it): their latency leaves a launch-bound step's path
-        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G, NG, FMT)
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G, NG, FMT,
+                                    STEPS * KW)
         if SWIGLU:
             u_words, u_s16, u_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G,
-                                              NG, FMT)
+                                              NG, FMT, STEPS * KW)
         if PDL and not EXPERTS:
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
@@ -282,24 +318,25 @@ if triton is not None:
             for i in range(1, RUN):
                 step = first + i
                 n_words, n_s16, n_c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
-                                                  NG, FMT)
+                                                  NG, FMT, STEPS * KW)
                 if SWIGLU:
                     nu_words, nu_s16, nu_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a,
-                                                         stride_z, G, NG, FMT)
-                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, STEPS * KW, INTERPRETED)
+                                                         stride_z, G, NG, FMT, STEPS * KW)
+                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
                 if SWIGLU:
                     acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, step - 1, G, NG, A8, STEPS * KW,
-                                        INTERPRETED)
+                                        INTERPRETED, FMT)
                     u_words, u_s16, u_c = nu_words, nu_s16, nu_c
                 words, s16, c = n_words, n_s16, n_c
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW, INTERPRETED)
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
             if SWIGLU:
                 acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW,
-                                    INTERPRETED)
+                                    INTERPRETED, FMT)
         else:
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED)
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
             if SWIGLU:
-                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED)
+                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED,
+                                    FMT)
             for i in range(1, RUN):
                 step = first + i
                 acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
@@ -361,7 +398,7 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
+    def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o, kw8,
                                G: tl.constexpr, NG: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
         """Rows start..stop of W, NG groups of G weights a program: W = s code - offset. The tile
         is [rows, group, nibble j, word m]: weight g G + G/8 j + m of a row, so one store writes
@@ -377,7 +414,11 @@ if triton is not None:
         s16, cs = _scales(aux, aux2, n // 4, g, n % 4, stride_a, stride_z, FMT)  # [rows, NG, 1, 1]
         off = cs - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where cs did not round
         scale = s16 * 0.0625
-        code = ((words >> (4 * j)) & 15).to(tl.float32)
+        code = (words >> (4 * j)) & 15
+        if FMT == 2:  # Q6KP: the group's high bits (kw8: the row's words of low bits before them)
+            hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (4 * m)
+            code = code | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+        code = code.to(tl.float32)
         tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, (scale * code - off).to(out.dtype.element_ty),
                  mask=start + i < stop)
 
@@ -395,7 +436,7 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     while ng * 2 * pw.group <= 128 and groups % (ng * 2) == 0:
         ng *= 2
     launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
-           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), G=pw.group, NG=ng,
+           stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), pw.k // 8, G=pw.group, NG=ng,
            FMT=FMTS[pw.fmt], BLOCK_N=bn, num_warps=4)
     return out
 
@@ -478,7 +519,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
          int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input);
-    pw an INT4P or Q4KP QWeight (repack). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
+    pw an INT4P, Q4KP or Q6KP QWeight (planar.repack_*). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
     in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
     int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
