@@ -298,6 +298,21 @@ def test_q6k_repack_keeps_every_weight(n, k):
     assert pw.nbytes() == rows * k * 210 // 256
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
+    """A matrix of more than CHUNK_ROWS rows is repacked a chunk at a time (bounded temporaries):
+    the same tensors as at once, the last chunk's rows padded as the whole matrix's were."""
+    from models.formats import planar
+    qw = (q4k_weight if fmt == "Q4_K" else q6k_weight)(37, 512, 3, "cpu")[0]
+    repack = planar.repack_q4k if fmt == "Q4_K" else planar.repack_q6k
+    whole = repack(qw)
+    monkeypatch.setattr(planar, "CHUNK_ROWS", 8)
+    chunked = repack(qw)
+    assert (chunked.fmt, chunked.n, chunked.k, chunked.group) == (whole.fmt, whole.n, whole.k, whole.group)
+    for a, b in ((chunked.data, whole.data), (chunked.scales, whole.scales), (chunked.zeros, whole.zeros)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
 def test_q6k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):

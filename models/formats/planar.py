@@ -27,6 +27,9 @@ import torch
 from . import gguf_blocks
 
 ROWS = 4  # rows interleaved
+# Rows repacked at a time (a multiple of ROWS): the repack's int32 and int64 temporaries are several
+# times a matrix's codes, ~15 GB at once for a 27B-like model's Q6_K LM head [248320, 5120]
+CHUNK_ROWS = 8192
 ALIGN = 16  # bytes: where one_storage starts each tensor (the kernels' loads assume 16-byte aligned bases)
 
 
@@ -98,10 +101,22 @@ def dequantize_int4p(pw) -> torch.Tensor:
     return (s * codes - s * z).reshape(n, k)
 
 
+def _by_rows(repack, qw):
+    """repack(qw) CHUNK_ROWS rows at a time (each row block is repacked on its own): the same
+    tensors, with the temporaries of one chunk at a time."""
+    parts = [repack(type(qw)(qw.fmt, qw.data[i:i + CHUNK_ROWS], min(CHUNK_ROWS, qw.n - i), qw.k))
+             for i in range(0, qw.n, CHUNK_ROWS)]
+    first = parts[0]
+    return type(qw)(first.fmt, torch.cat([p.data for p in parts]), qw.n, qw.k,
+                    torch.cat([p.scales for p in parts]), torch.cat([p.zeros for p in parts]), first.group)
+
+
 def repack_q4k(qw):
     """GGUF Q4_K blocks ([N, K/256 * 144] uint8) → Q4KP. Any device; done once at load."""
     if qw.fmt != "Q4_K" or qw.k % 256:
         raise ValueError(f"Q4KP takes Q4_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+    if qw.n > CHUNK_ROWS:
+        return _by_rows(repack_q4k, qw)
     n, k = qw.n, qw.k
     b = qw.data.reshape(n * (k // 256), 144)
     dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)  # d, dmin
@@ -128,6 +143,8 @@ def repack_q6k(qw):
     """GGUF Q6_K blocks ([N, K/256 * 210] uint8) → Q6KP. Any device; done once at load."""
     if qw.fmt != "Q6_K" or qw.k % 256:
         raise ValueError(f"Q6KP takes Q6_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+    if qw.n > CHUNK_ROWS:
+        return _by_rows(repack_q6k, qw)
     n, k = qw.n, qw.k
     q, sc, d = gguf_blocks.q6_k_codes(qw.data.reshape(n * (k // 256), 210))
     q = q.reshape(n, k).to(torch.int32)
