@@ -210,21 +210,21 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
-def q4k_weight(n, k, seed, device):
-    """(QWeight of random Q4_K blocks with the benchmarks' scales, its fp64 oracle weights)."""
+def gguf_weight(fmt, n, k, seed, device):
+    """(QWeight of random `fmt` (Q4_K, Q6_K) blocks with the benchmarks' scales, its fp64 oracle weights)."""
     import sys
     from models.formats import gguf_blocks
     from models.formats.quant import QWeight
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from shapes import _random_blocks
-    raw = _random_blocks("Q4_K", n, k, "cpu", torch.Generator().manual_seed(seed))
-    return QWeight("Q4_K", raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES["Q4_K"]).double()
+    raw = _random_blocks(fmt, n, k, "cpu", torch.Generator().manual_seed(seed))
+    return QWeight(fmt, raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES[fmt]).double()
 
 
 @pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
 def test_q4k_repack_keeps_every_weight(n, k):
     from models.formats import planar
-    qw, ref = q4k_weight(n, k, 0, "cpu")
+    qw, ref = gguf_weight("Q4_K", n, k, 0, "cpu")
     pw = planar.repack_q4k(qw)
     assert pw.fmt == "Q4KP" and pw.data.shape == (-(-n // planar.ROWS), k // 8, planar.ROWS)
     assert torch.equal(planar.dequantize_q4kp(pw), ref)  # every value exact (d sc and dmin m in fp32)
@@ -232,19 +232,21 @@ def test_q4k_repack_keeps_every_weight(n, k):
     assert pw.nbytes() == rows * (k // 2 + k // 256 * 4 + k // 32 * 2)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
-def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):
+def test_q4k_and_q6k_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swiglu, int8):
+    """Q4KP's and Q6KP's GEMV (both input forms) and dequantize kernel against the fp64 weights."""
     from models.formats import planar
     from models.kernels.cuda import qplanar
-    qw, w = q4k_weight(n, k, 1, device)
-    pw = planar.repack_q4k(qw)
+    qw, w = gguf_weight(fmt, n, k, 1, device)
+    pw = planar.repack_q4k(qw) if fmt == "Q4_K" else planar.repack_q6k(qw)
     w = w.to(device)
     out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
     assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-        xd = qplanar.quantized_reference(x, 32).to(device) if int8 else x.double()
+        xd = qplanar.quantized_reference(x, pw.group).to(device) if int8 else x.double()
         ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
         if swiglu:
             g, u = ref[:, :n // 2], ref[:, n // 2:]
@@ -252,34 +254,26 @@ def test_q4k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):
             scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
         y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
         tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
-        assert bool(((y.double() - ref).abs() <= tol).all())
+        assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
 
 
-def test_a_q4_k_linear_takes_the_planar_layout():
-    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K: Q4KP with the blocks freed,
-    the same outputs on the torch path, its bytes counted as Q4_K; other types keep their blocks."""
+@pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KP", 2 * 148), ("Q6_K", "Q6KP", 2 * 210)])
+def test_a_q4_k_or_q6_k_linear_takes_the_planar_layout(fmt, layout, row_bytes):
+    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K and Q6_K (a Q4_K_M file's LM
+    head and some of its down and value projections): the planar layout with the blocks freed,
+    the same outputs on the torch path, its bytes counted as the file's type (Q4KP: 148 a
+    super-block row against 144; Q6KP: Q6_K's 210); other types keep their blocks."""
     from models.formats import gguf_blocks, quant
-    qw, _ = q4k_weight(20, 512, 6, "cpu")
-    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q4_K"])
+    qw, _ = gguf_weight(fmt, 20, 512, 6, "cpu")
+    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES[fmt])
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
     ref = lin(x)
-    assert lin.to_planar() and lin.qweight().fmt == "Q4KP" and not hasattr(lin, "blocks")
+    assert lin.to_planar() and lin.qweight().fmt == layout and not hasattr(lin, "blocks")
     assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
-    assert quant.weight_formats(lin) == {"Q4_K": 20 * (256 + 8 + 32)}
+    assert quant.weight_formats(lin) == {fmt: 20 * row_bytes}
     assert quant.BlockLinear.concat([lin, lin]) is None
     q8 = quant.BlockLinear(torch.zeros(4, 34, dtype=torch.uint8), gguf_blocks.TYPES["Q8_0"])
     assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"
-
-
-def q6k_weight(n, k, seed, device):
-    """(QWeight of random Q6_K blocks with the benchmarks' scales, its fp64 oracle weights)."""
-    import sys
-    from models.formats import gguf_blocks
-    from models.formats.quant import QWeight
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from shapes import _random_blocks
-    raw = _random_blocks("Q6_K", n, k, "cpu", torch.Generator().manual_seed(seed))
-    return QWeight("Q6_K", raw.to(device), n, k), gguf_blocks.dequantize(raw, gguf_blocks.TYPES["Q6_K"]).double()
 
 
 @pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
@@ -287,11 +281,12 @@ def test_q6k_repack_keeps_every_weight(n, k):
     """Q6KP holds Q6_K's every weight (d sc (q - 32) is exact in fp32: an fp16 times at most
     2^7 x 2^5), in 6.5625 bits a weight as Q6_K, rows padded to whole blocks."""
     from models.formats import gguf_blocks, planar
-    qw, ref = q6k_weight(n, k, 0, "cpu")
+    qw, ref = gguf_weight("Q6_K", n, k, 0, "cpu")
     q, sc, _ = gguf_blocks.q6_k_codes(qw.data.reshape(-1, 210))
     assert int(q.max()) == 63 and int(q.min()) == 0 and int(sc.min()) < 0  # every code and signed scales met
     pw = planar.repack_q6k(qw)
-    assert pw.fmt == "Q6KP" and pw.group == 16 and pw.data.shape == (-(-n // planar.ROWS), k // 8 + k // 16, planar.ROWS)
+    assert pw.fmt == "Q6KP" and pw.group == 16
+    assert pw.data.shape == (-(-n // planar.ROWS), k // 8 + k // 16, planar.ROWS)  # the low words, then the high
     assert torch.equal(planar.dequantize_q6kp(pw), ref)
     assert torch.equal(planar.dequantize_planar_rows(pw, 3, n), ref[3:])
     rows = -(-n // planar.ROWS) * planar.ROWS
@@ -303,7 +298,7 @@ def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
     """A matrix of more than CHUNK_ROWS rows is repacked a chunk at a time (bounded temporaries):
     the same tensors as at once, the last chunk's rows padded as the whole matrix's were."""
     from models.formats import planar
-    qw = (q4k_weight if fmt == "Q4_K" else q6k_weight)(37, 512, 3, "cpu")[0]
+    qw = gguf_weight(fmt, 37, 512, 3, "cpu")[0]
     repack = planar.repack_q4k if fmt == "Q4_K" else planar.repack_q6k
     whole = repack(qw)
     monkeypatch.setattr(planar, "CHUNK_ROWS", 8)
@@ -311,45 +306,6 @@ def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
     assert (chunked.fmt, chunked.n, chunked.k, chunked.group) == (whole.fmt, whole.n, whole.k, whole.group)
     for a, b in ((chunked.data, whole.data), (chunked.scales, whole.scales), (chunked.zeros, whole.zeros)):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
-def test_q6k_gemv_and_dequantize_are_the_oracle(device, n, k, swiglu, int8):
-    """Q6KP's GEMV (both input forms, as the Q4KP test's bounds) and its dequantize kernel against
-    the fp64 weights."""
-    from models.formats import planar
-    from models.kernels.cuda import qplanar
-    qw, w = q6k_weight(n, k, 1, device)
-    pw = planar.repack_q6k(qw)
-    w = w.to(device)
-    out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
-    assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
-        xd = qplanar.quantized_reference(x, 16).to(device) if int8 else x.double()
-        ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
-        if swiglu:
-            g, u = ref[:, :n // 2], ref[:, n // 2:]
-            ref = g / (1 + torch.exp(-g)) * u
-            scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
-        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
-        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
-        assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
-
-
-def test_a_q6_k_linear_takes_the_planar_layout():
-    """BlockLinear.to_planar() for Q6_K (a Q4_K_M file's LM head and some of its down and value
-    projections): Q6KP with the blocks freed, the same outputs on the torch path, its bytes
-    counted as Q6_K."""
-    from models.formats import gguf_blocks, quant
-    qw, _ = q6k_weight(20, 512, 6, "cpu")
-    lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q6_K"])
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
-    ref = lin(x)
-    assert lin.to_planar() and lin.qweight().fmt == "Q6KP" and not hasattr(lin, "blocks")
-    assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
-    assert quant.weight_formats(lin) == {"Q6_K": 20 * 420}
 
 
 @pytest.mark.parametrize("fmt,split,swiglu,bias", [("INT4P", 2, False, True), ("INT4P", 4, True, True),
@@ -362,8 +318,11 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     from models.formats import planar
     from models.kernels.cuda import qplanar
     n, k = 40, 2048
-    pw = planar.repack_int4p(int4_linear(n, k, 128, 5, device).qweight()) if fmt == "INT4P" else \
-        planar.repack_q4k(q4k_weight(n, k, 5, device)[0]) if fmt == "Q4KP" else planar.repack_q6k(q6k_weight(n, k, 5, device)[0])
+    if fmt == "INT4P":
+        pw = planar.repack_int4p(int4_linear(n, k, 128, 5, device).qweight())
+    else:
+        repack = planar.repack_q4k if fmt == "Q4KP" else planar.repack_q6k
+        pw = repack(gguf_weight("Q4_K" if fmt == "Q4KP" else "Q6_K", n, k, 5, device)[0])
     b = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(device) if bias else None
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(device)
     whole = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, 1))
