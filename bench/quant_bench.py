@@ -105,7 +105,7 @@ def sweep_planar(device, x, gen) -> None:
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
             for int8, prefetch in ((False, True), (True, False), (True, True)):
-                qplanar.PREFETCH = {"INT4P": prefetch, "Q4KP": prefetch}
+                qplanar.PREFETCH = {"INT4P": prefetch, "Q4KP": prefetch, "Q6KP": prefetch}
                 cells = []
                 picked = qplanar.pick_config(n, k, pw.group)
                 for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:

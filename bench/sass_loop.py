@@ -179,17 +179,16 @@ def main() -> None:
     a = ap.parse_args()
     from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
-    bn, warps, most = map(int, a.config.split("x")) if a.config else qlinear.pick_config(a.n)
-    print(f"[{a.n}, {a.k}] weight, config {bn}x{warps}x{most} (BLOCK_N x num_warps x most weights a step; "
-          f"INT4P / Q4KP: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
+    print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.pick_config'}'s (BLOCK_N x num_warps x most "
+          f"weights a step; INT4P / Q4KP: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
     for fmt in a.formats:
         if fmt in qplanar.FMTS:
             cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
                 qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3]
         elif fmt == "FP8":
             cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
-        else:
-            cfg = (bn, warps, most)
+        else:  # (the format's pick: a head's rows take fewer for the K-quants)
+            cfg = tuple(map(int, a.config.split("x"))) if a.config else qlinear.pick_config(a.n, fmt)
         text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
         body = main_loop(text)
         if not body:
