@@ -10,11 +10,12 @@ decode step by step: engine/session.py), nopdl (no programmatic dependent launch
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
 every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
-read in one prefetched K step), and wholek32 with the prologue variants, noprefetch / prefetch (qplanar's 4-bit
-GEMV loops without / with their read of the next step's words, both layouts; with --format Q4_K or
-AWQ), twolaunch (a norm's int8 input made in two launches, not qplanar.normed_input's one),
-reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128 outputs a program, not 1024). (The normcopy and late variants, the forms before commits a509cd5
-and c6bd2d3, are in bench/RESULTS.md.)
+read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K or
+AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
+words, every layout), twolaunch (a norm's int8 input made in two launches, not
+qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
+outputs a program). (The normcopy and late variants, the forms before commits a509cd5 and
+c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ VARIANTS = {
     "wholek32-noprologue": dict(wholek=32 << 20, prologue=0),
     "prologueall": dict(prologue=1 << 62),
     "wholek32-prologue32": dict(wholek=32 << 20, prologue=32 << 20),
-    "noprefetch": dict(prefetch={"INT4P": False, "Q4KP": False, "Q6KP": False}),
-    "prefetch": dict(prefetch={"INT4P": True, "Q4KP": True, "Q6KP": True}),
+    "noprefetch": dict(prefetch=dict.fromkeys(qplanar.PREFETCH, False)),
+    "prefetch": dict(prefetch=dict.fromkeys(qplanar.PREFETCH, True)),
     "twolaunch": dict(normquant=False),
     "reduce256": dict(reduce=256),
     "reduce128": dict(reduce=128),

@@ -5,7 +5,7 @@
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
-    python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like shape's Q5_0 matrices)
+    python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like Q5_0 matrices, the 27B-like Q6_K head)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -105,13 +105,14 @@ def sweep_planar(device, x, gen) -> None:
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             xk = x[:, :k].contiguous()
             for int8, prefetch in ((False, True), (True, False), (True, True)):
-                qplanar.PREFETCH = {"INT4P": prefetch, "Q4KP": prefetch, "Q6KP": prefetch}
+                qplanar.PREFETCH = dict.fromkeys(saved, prefetch)
                 cells = []
                 picked = qplanar.pick_config(n, k, pw.group)
                 for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:
                     us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config, int8=int8))
                     cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
-                print(f"{fmt + ('-A8' if int8 else '') + ('' if prefetch else '-np'):>8}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
+                label = fmt + ("-A8" if int8 else "") + ("" if prefetch else "-np")
+                print(f"{label:>8}{n:>7}{k:>7}" + "".join(f"{c:>13}" for c in cells)
                       + f"  (picked {'x'.join(map(str, picked))})", flush=True)
             pw = None
             torch.cuda.empty_cache()
@@ -208,7 +209,7 @@ def main() -> None:
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
-                    "0.5B-like shape's Q5_0 matrices")
+                    "0.5B-like shape's Q5_0 matrices and the 27B-like Q6_K head")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
