@@ -102,7 +102,9 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path):
     torch.cuda.synchronize()
     used = torch.cuda.memory_allocated() - before
     got = lm.weight_bytes
-    assert got["Q6_K"] == file_bytes["Q6_K"], (got["Q6_K"], file_bytes["Q6_K"])  # (Q6KP: Q6_K's bytes)
+    # Q6KP holds Q6_K's bytes; one_storage may round each of a linear's three parts up to 16 bytes
+    q6kp = sum(1 for m in lm.model.modules() if isinstance(m, quant.BlockLinear) and m.planar_fmt == "Q6KP")
+    assert 0 <= got["Q6_K"] - file_bytes["Q6_K"] <= 48 * q6kp, (got["Q6_K"], file_bytes["Q6_K"], q6kp)
     # Q4_K linears repacked as Q4KP (formats/planar.py): 148 bytes a super-block row against 144
     # (every row count here a multiple of the 4 rows interleaved); the embedding keeps the file's blocks
     embed = lm.model.model.embed_tokens

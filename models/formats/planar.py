@@ -181,8 +181,8 @@ def dequantize_q6kp(pw) -> torch.Tensor:
 
 def dequantize_planar_rows(pw, start: int, stop: int) -> torch.Tensor:
     """Rows start..stop of a Q4KP or Q6KP QWeight's weights (fp64), decoding only the row blocks
-    that hold them."""
+    that hold them (another layout: KeyError)."""
     b0, b1 = start // ROWS, -(-stop // ROWS)
     part = type(pw)(pw.fmt, pw.data[b0:b1], (b1 - b0) * ROWS, pw.k, pw.scales[b0:b1], pw.zeros[b0:b1], pw.group)
-    full = dequantize_q4kp(part) if pw.fmt == "Q4KP" else dequantize_q6kp(part)
+    full = {"Q4KP": dequantize_q4kp, "Q6KP": dequantize_q6kp}[pw.fmt](part)
     return full[start - b0 * ROWS:stop - b0 * ROWS]

@@ -53,7 +53,7 @@ PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
-# Outputs a program of the split-K reduce launch: 256 (2 warps) against 1024 (4 warps), bench/ab_decode.py
+# Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
 
