@@ -116,7 +116,8 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
 
 # Random quantized weights, built on the device as the loader would hold them (no files): fp16
 # block scales set so the weights' spread is about the bf16 models' (std ~0.02).
-_GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5}, "Q5_0": {0: 2e-3}, "Q8_0": {0: 2e-4}}
+_GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q5_K": {0: 7.5e-5, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5},
+                "Q5_0": {0: 2e-3}, "Q8_0": {0: 2e-4}}
 
 
 def _random_blocks(kind: str, n: int, k: int, device, gen) -> torch.Tensor:
