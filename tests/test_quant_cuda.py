@@ -80,9 +80,9 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, kind, linear,
     q16 = check_against_dequantized(path, names)
     layer = q16.model.model.layers[0]
     mlp = layer.mlp
-    gate_up = mlp.gate_up_proj  # fused; as stored, or Q4_K / Q6_K repacked as Q4KP / Q6KP (planar.py)
+    gate_up = mlp.gate_up_proj  # fused; as stored, or a K-quant repacked as Q4KP, Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
-    assert gate_up.planar == (linear.name in ("Q4_K", "Q6_K") and gate_up.in_features % 256 == 0)
+    assert gate_up.planar == (linear.name in ("Q4_K", "Q5_K", "Q6_K") and gate_up.in_features % 256 == 0)
     assert isinstance(q16.model.model.embed_tokens, quant.BlockEmbedding)
     assert q16.weight_format.startswith("GGUF ") and linear.name in q16.weight_format
 

@@ -10,7 +10,8 @@ thread's four contiguous words are four rows' same word and the input it loads a
 serves four rows. Scales: INT4P the checkpoint's s (fp16) and z (uint8) per row and group; Q4KP
 Q4_K's own (d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8). Q6KP (G = 16)
 holds Q6_K's codes' low four bits so, their high two bits in one more word a group, and Q6_K's
-d per super-block and int8 sc per group.
+d per super-block and int8 sc per group; Q5KP (G = 32) Q5_K's low four bits so, their high bit
+in one more word a group, and Q4KP's scales (Q5_K's are Q4_K's).
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
 (as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
@@ -44,12 +45,12 @@ from .linear import NormedRow
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
            "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
-FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2}  # the kernels' FMT constant
+FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
 # steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
 # the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3.
-PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False}
+PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": True}  # (Q5KP: as Q4KP, not measured)
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
@@ -126,13 +127,15 @@ if triton is not None:
     def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
                     NG: tl.constexpr, FMT: tl.constexpr, KW8: tl.constexpr):
         """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset).
-        Q6KP: int64 words, the low four bits of the codes in the low half and the group's high
-        bits, moved to this word's place (h >> 4 m), in the high half (KW8: the row's low words)."""
+        Q6KP and Q5KP: int64 words, the low four bits of the codes in the low half and the group's
+        high bits, moved to this word's place (h >> 2 HB m, HB high bits a code), in the high half
+        (KW8: the row's low words)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
-        if FMT == 2:
-            hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (4 * wi)
+        if FMT >= 2:  # Q6KP, Q5KP: HB high bits a weight, 2 HB a word in the group's high word
+            HB: tl.constexpr = 4 - FMT
+            hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (2 * HB * wi)
             words = (words.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
         s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
         return words, s16, c
@@ -145,8 +148,9 @@ if triton is not None:
         the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's 6-bit codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
+        HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
         grp = step * NG + gi
-        if FMT == 2:
+        if FMT >= 2:
             lo = words.to(tl.int32)
             hi = (words >> 32).to(tl.int32)
         else:
@@ -160,18 +164,19 @@ if triton is not None:
             xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
             even = lo & 0x0F0F0F0F
             odd = (lo >> 4) & 0x0F0F0F0F
-            if FMT == 2:
-                even = even | ((hi & 0x03030303) << 4)
-                odd = odd | (((hi >> 2) & 0x03030303) << 4)
+            if FMT >= 2:  # the high bits of the even and the odd nibbles' codes into bits 4.. of their bytes
+                MASK: tl.constexpr = 0x01010101 * ((1 << HB) - 1)
+                even = even | ((hi & MASK) << 4)
+                odd = odd | (((hi >> HB) & MASK) << 4)
             isum = _dp4a_pair(even, xe, odd, xo, INTERPRETED)
             acc += s16 * (isum.to(tl.float32) * xd16 + xs)
             return acc - c * xs
-        if FMT == 2:  # sum_j (s code_j - 32 s) x_j: the codes converted (the float path of fp32 models)
+        if FMT >= 2:  # sum_j (s code_j - offset) x_j: the codes converted (the float path of fp32 models)
             ws = tl.zeros(acc.shape, dtype=tl.float32)
             xs = tl.zeros((1, NG, GW, 1), dtype=tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x + grp * G + wi + j * GW).to(tl.float32)
-                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
                 ws += code.to(tl.float32) * xj
                 xs += xj
             return acc + (s16 * 0.0625 * ws - (c - s16) * xs)
@@ -415,9 +420,10 @@ if triton is not None:
         off = cs - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where cs did not round
         scale = s16 * 0.0625
         code = (words >> (4 * j)) & 15
-        if FMT == 2:  # Q6KP: the group's high bits (kw8: the row's words of low bits before them)
-            hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (4 * m)
-            code = code | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+        if FMT >= 2:  # Q6KP, Q5KP: the group's high bits (kw8: the row's words of low bits before them)
+            HB: tl.constexpr = 4 - FMT
+            hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (2 * HB * m)
+            code = code | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
         code = code.to(tl.float32)
         tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, (scale * code - off).to(out.dtype.element_ty),
                  mask=start + i < stop)
