@@ -13,7 +13,8 @@ every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up
 read in one prefetched K step), and wholek32 with the prologue variants, noprefetch / prefetch (qplanar's 4-bit
 GEMV loops without / with their read of the next step's words, both layouts; with --format Q4_K or
 AWQ), twolaunch (a norm's int8 input made in two launches, not qplanar.normed_input's one),
-reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128 outputs a program, not 1024). (The normcopy and late variants, the forms before commits a509cd5
+reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128 outputs a program, not 1024),
+fp8prefetch / fp8noprefetch (fp8.py's GEMV loop with / without its read of the next step's weights). (The normcopy and late variants, the forms before commits a509cd5
 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -30,13 +31,13 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, fp8, linear as cuda_linear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
-                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK)
+                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK, fp8prefetch=fp8.PREFETCH)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -55,6 +56,8 @@ VARIANTS = {
     "twolaunch": dict(normquant=False),
     "reduce256": dict(reduce=256),
     "reduce128": dict(reduce=128),
+    "fp8prefetch": dict(fp8prefetch=True),
+    "fp8noprefetch": dict(fp8prefetch=False),
 }
 
 
@@ -63,7 +66,7 @@ def apply(variant: str) -> None:
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
-    qplanar.REDUCE_BLOCK = v["reduce"]
+    qplanar.REDUCE_BLOCK, fp8.PREFETCH = v["reduce"], v["fp8prefetch"]
 
 
 def main() -> None:
