@@ -90,7 +90,7 @@ if triton is not None:
     def _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
         """The stored scales of groups grp, as loaded (_scale_terms turns them into what the sums
         use; a step read ahead carries them unconverted, so nothing waits on their loads early):
-        INT4P (s, z, s, z); Q6KP (d, sc, d, sc); Q4KP (d, dmin, sc, m)."""
+        INT4P (s, z, s, z); Q6KP (d, sc, d, sc); Q4KP and Q5KP (d, dmin, sc, m)."""
         if FMT == 0:
             a = tl.load(aux + rb * stride_a + grp * 4 + ri)
             b = tl.load(aux2 + rb * stride_z + grp * 4 + ri)
