@@ -10,12 +10,13 @@ decode step by step: engine/session.py), nopdl (no programmatic dependent launch
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
 every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
-read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K or
+read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K, Q5_K or
 AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
-outputs a program). (The normcopy and late variants, the forms before commits a509cd5 and
-c6bd2d3, are in bench/RESULTS.md.)
+outputs a program). With --format FP8: fp8prefetch / fp8noprefetch (fp8.py's GEMV loop with /
+without its read of the next step's weights). (The normcopy and late variants, the forms before
+commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, fp8, linear as cuda_linear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
-                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK)
+                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK, fp8prefetch=fp8.PREFETCH)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -56,6 +57,8 @@ VARIANTS = {
     "twolaunch": dict(normquant=False),
     "reduce256": dict(reduce=256),
     "reduce128": dict(reduce=128),
+    "fp8prefetch": dict(fp8prefetch=True),
+    "fp8noprefetch": dict(fp8prefetch=False),
 }
 
 
@@ -64,7 +67,7 @@ def apply(variant: str) -> None:
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
-    qplanar.REDUCE_BLOCK = v["reduce"]
+    qplanar.REDUCE_BLOCK, fp8.PREFETCH = v["reduce"], v["fp8prefetch"]
 
 
 def main() -> None:

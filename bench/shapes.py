@@ -116,7 +116,8 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
 
 # Random quantized weights, built on the device as the loader would hold them (no files): fp16
 # block scales set so the weights' spread is about the bf16 models' (std ~0.02).
-_GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5}, "Q5_0": {0: 2e-3}, "Q8_0": {0: 2e-4}}
+_GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q5_K": {0: 7.5e-5, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5},
+                "Q5_0": {0: 2e-3}, "Q5_1": {0: 2e-3, 2: -3.2e-2}, "Q8_0": {0: 2e-4}}
 
 
 def _random_blocks(kind: str, n: int, k: int, device, gen) -> torch.Tensor:
@@ -129,11 +130,12 @@ def _random_blocks(kind: str, n: int, k: int, device, gen) -> torch.Tensor:
 
 
 def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Module:
-    """A linear of `fmt` ("Q4_K": Q5_0 where K is not whole 256-weight blocks, as llama.cpp's
-    Q4_K_M falls back; "Q6_K"; "AWQ": 4-bit groups of 128; "FP8": e4m3, 128 x 128 block scales)."""
+    """A linear of `fmt` ("Q4_K" / "Q5_K": Q5_0 / Q5_1 where K is not whole 256-weight blocks, as
+    llama.cpp's Q4_K_M / Q5_K_M fall back; "Q6_K"; "AWQ": 4-bit groups of 128; "FP8": e4m3,
+    128 x 128 block scales)."""
     from models.formats import gguf_blocks, hf_quant, quant
-    if fmt in ("Q4_K", "Q6_K"):
-        kind = fmt if k % 256 == 0 else "Q5_0"  # (llama.cpp's fallback for rows not whole super-blocks)
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):  # (llama.cpp's fallbacks for rows not whole super-blocks)
+        kind = fmt if k % 256 == 0 else {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}[fmt]
         return quant.BlockLinear(_random_blocks(kind, n, k, device, gen), gguf_blocks.TYPES[kind])
     if fmt == "AWQ":
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
@@ -173,12 +175,13 @@ def _q4_k_experts(model, device, gen) -> None:
 def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
     """The shape with every linear in `fmt` (see random_quant_linear), the rest as random_model.
     Q4_K, as a Q4_K_M file: the LM head in Q6_K and the embedding table in Q4_K blocks, routed
-    experts as PlanarExperts (Q4KP, as the loader repacks a Q4_K GGUF's on CUDA); AWQ and
-    FP8, as their checkpoints: embedding and LM head in `dtype`."""
+    experts as PlanarExperts (Q4KP, as the loader repacks a Q4_K GGUF's on CUDA); Q5_K likewise,
+    as a Q5_K_M file (routed experts dense); AWQ and FP8, as their checkpoints: embedding and LM
+    head in `dtype`."""
     from models.formats import gguf_blocks, quant
     model, _ = models.build_model(dict(SHAPES[name]))
     gen = torch.Generator(device=device).manual_seed(seed)
-    gguf = fmt == "Q4_K"
+    gguf = fmt in ("Q4_K", "Q5_K")
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             fits = gguf or getattr(child, "in_features", 0) % 128 == 0  # (AWQ / FP8: groups of 128 along K)
@@ -187,9 +190,10 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
                 q = random_quant_linear("Q6_K" if head else fmt, child.out_features, child.in_features, device, gen)
                 setattr(module, child_name, q)
     if gguf:
-        _q4_k_experts(model, device, gen)
+        if fmt == "Q4_K":
+            _q4_k_experts(model, device, gen)
         n, k = model.model.embed_tokens.weight.shape
-        kind = "Q4_K" if k % 256 == 0 else "Q5_0"
+        kind = fmt if k % 256 == 0 else "Q5_0"
         emb = quant.BlockEmbedding(_random_blocks(kind, n, k, device, gen), ggml_type=gguf_blocks.TYPES[kind])
         emb.out_dtype = dtype
         model.model.embed_tokens = emb

@@ -342,10 +342,11 @@ class DecodeSession:
         mask = None if constraint is None else ConstraintMask(constraint, self.vocab_size, self.device,
                                                                  self._device_masks)
         return self._generate(list(prompt_ids), sampling, seed, stops, draw,
-                              None if forced is None else list(forced), mask)
+                              None if forced is None else list(forced), mask, self._generation)
 
     def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops, sampler,
-                  forced: list[int] | None, mask: ConstraintMask | None = None) -> Iterator[int]:
+                  forced: list[int] | None, mask: ConstraintMask | None = None,
+                  generation: int = 0) -> Iterator[int]:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()
@@ -364,7 +365,7 @@ class DecodeSession:
         if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
                 and forced is None and mask is None and not self.state.has_fixed_state
                 and getattr(sampler, "argmax_only", False)):
-            yield from self._pipelined_greedy(logits[-1], cfg, stats, stops, sampler, t0)
+            yield from self._pipelined_greedy(logits[-1], cfg, stats, stops, sampler, t0, generation)
             return
         # Tensor parallelism (engine/tensor_parallel.py): the leading rank chooses every token and
         # tells the others after the reply's consumer took it (it may stop there: Ctrl-C); a
@@ -415,7 +416,7 @@ class DecodeSession:
             stats.decode_seconds = time.perf_counter() - t1
 
     def _pipelined_greedy(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops,
-                          sampler, t0: float) -> Iterator[int]:
+                          sampler, t0: float, generation: int) -> Iterator[int]:
         """The decode loop of `_generate` with the step that feeds each token queued before the
         host reads that token (the module docstring). The rules are the step-by-step loop's: a
         step is queued ahead only where that loop would take it unless the token is a stop id.
@@ -432,7 +433,9 @@ class DecodeSession:
 
         # ahead_at: the length the step queued ahead brings the state to, set before that step is
         # queued and cleared once its token is judged: a Ctrl-C anywhere between finds it set
-        chosen, slot, n, ahead_at, t1, generation = choose(logits, 0), 0, 0, None, None, self._generation
+        # generation: generate()'s number for this call, taken when it was called (not when this
+        # generator first ran: another generate() may have come between)
+        chosen, slot, n, ahead_at, t1 = choose(logits, 0), 0, 0, None, None
         try:
             while True:
                 nxt = None

@@ -173,8 +173,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
     from models.kernels.cuda import qplanar
     cases = []
-    for fmt, aux, aux2 in ((0, "*fp16", "*u8"), (1, "*fp16", "*u8"), (2, "*fp16", "*u8")):  # INT4P, Q4KP, Q6KP
-        G = (128, 32, 16)[fmt]
+    for fmt in range(4):  # INT4P, Q4KP, Q6KP, Q5KP
+        G, aux, aux2 = (128, 32, 16, 32)[fmt], "*fp16", "*u8"
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
                    N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
@@ -232,15 +232,35 @@ def test_q4k_repack_keeps_every_weight(n, k):
     assert pw.nbytes() == rows * (k // 2 + k // 256 * 4 + k // 32 * 2)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def gguf_repack(fmt):
+    from models.formats import planar
+    return {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k, "Q6_K": planar.repack_q6k}[fmt]
+
+
+@pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
+def test_q5k_repack_keeps_every_weight(n, k):
+    """Q5KP holds Q5_K's every weight (gguf-py's fp32 dequantization, to its rounding), in 5.625
+    bits a weight against Q5_K's 5.5, rows padded to whole blocks."""
+    from models.formats import gguf_blocks, planar
+    qw, ref = gguf_weight("Q5_K", n, k, 0, "cpu")
+    assert int(gguf_blocks.q5_k_codes(qw.data.reshape(-1, 176)).max()) == 31  # the high bit met
+    pw = planar.repack_q5k(qw)
+    assert pw.fmt == "Q5KP" and pw.group == 32
+    assert pw.data.shape == (-(-n // planar.ROWS), k // 8 + k // 32, planar.ROWS)  # the low words, then the high
+    assert torch.allclose(planar.dequantize_q5kp(pw), ref, rtol=2 ** -23, atol=0)
+    assert torch.equal(planar.dequantize_planar_rows(pw, 3, n), planar.dequantize_q5kp(pw)[3:])
+    rows = -(-n // planar.ROWS) * planar.ROWS
+    assert pw.nbytes() == rows * k * 180 // 256
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n,k,swiglu", [(37, 1024, False), (40, 512, True), (12, 768, False)])
-def test_q4k_and_q6k_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swiglu, int8):
-    """Q4KP's and Q6KP's GEMV (both input forms) and dequantize kernel against the fp64 weights."""
-    from models.formats import planar
+def test_gguf_planar_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swiglu, int8):
+    """Q4KP's, Q5KP's and Q6KP's GEMV (both input forms) and dequantize kernel against the fp64 weights."""
     from models.kernels.cuda import qplanar
     qw, w = gguf_weight(fmt, n, k, 1, device)
-    pw = planar.repack_q4k(qw) if fmt == "Q4_K" else planar.repack_q6k(qw)
+    pw = gguf_repack(fmt)(qw)
     w = w.to(device)
     out = qplanar.dequantize_rows(pw, 3, n, torch.float32)
     assert torch.allclose(out.double(), w[3:], rtol=0, atol=1e-6 * float(w.abs().max()))
@@ -257,12 +277,14 @@ def test_q4k_and_q6k_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swigl
         assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
 
 
-@pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KP", 2 * 148), ("Q6_K", "Q6KP", 2 * 210)])
-def test_a_q4_k_or_q6_k_linear_takes_the_planar_layout(fmt, layout, row_bytes):
-    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K and Q6_K (a Q4_K_M file's LM
-    head and some of its down and value projections): the planar layout with the blocks freed,
-    the same outputs on the torch path, its bytes counted as the file's type (Q4KP: 148 a
-    super-block row against 144; Q6KP: Q6_K's 210); other types keep their blocks."""
+@pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KP", 2 * 148), ("Q5_K", "Q5KP", 2 * 180),
+                                                   ("Q6_K", "Q6KP", 2 * 210)])
+def test_a_k_quant_linear_takes_the_planar_layout(fmt, layout, row_bytes):
+    """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K, Q5_K and Q6_K (a Q4_K_M
+    file's LM head and some of its down and value projections): the planar layout with the blocks
+    freed, the same outputs on the torch path, its bytes counted as the file's type (Q4KP: 148 a
+    super-block row against 144; Q5KP: 180 against 176; Q6KP: Q6_K's 210); other types keep
+    their blocks."""
     from models.formats import gguf_blocks, quant
     qw, _ = gguf_weight(fmt, 20, 512, 6, "cpu")
     lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES[fmt])
@@ -293,13 +315,13 @@ def test_q6k_repack_keeps_every_weight(n, k):
     assert pw.nbytes() == rows * k * 210 // 256
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
     """A matrix of more than CHUNK_ROWS rows is repacked a chunk at a time (bounded temporaries):
     the same tensors as at once, the last chunk's rows padded as the whole matrix's were."""
     from models.formats import planar
     qw = gguf_weight(fmt, 37, 512, 3, "cpu")[0]
-    repack = planar.repack_q4k if fmt == "Q4_K" else planar.repack_q6k
+    repack = gguf_repack(fmt)
     whole = repack(qw)
     monkeypatch.setattr(planar, "CHUNK_ROWS", 8)
     chunked = repack(qw)
@@ -310,7 +332,7 @@ def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt,split,swiglu,bias", [("INT4P", 2, False, True), ("INT4P", 4, True, True),
                                                    ("Q4KP", 2, True, False), ("Q4KP", 8, False, False),
-                                                   ("Q6KP", 4, True, True)])
+                                                   ("Q6KP", 4, True, True), ("Q5KP", 2, True, False)])
 def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias):
     """K split across programs (pick_config's choice where a grid is small): the partial sums,
     reduced in order by a second kernel, give the one-launch kernel's product up to fp32
@@ -321,8 +343,8 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     if fmt == "INT4P":
         pw = planar.repack_int4p(int4_linear(n, k, 128, 5, device).qweight())
     else:
-        repack = planar.repack_q4k if fmt == "Q4KP" else planar.repack_q6k
-        pw = repack(gguf_weight("Q4_K" if fmt == "Q4KP" else "Q6_K", n, k, 5, device)[0])
+        gguf = {"Q4KP": "Q4_K", "Q5KP": "Q5_K", "Q6KP": "Q6_K"}[fmt]
+        pw = gguf_repack(gguf)(gguf_weight(gguf, n, k, 5, device)[0])
     b = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(device) if bias else None
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(device)
     whole = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, 1))

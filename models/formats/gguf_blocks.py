@@ -131,12 +131,17 @@ def _q4_k(b):
     return (d * q - dm).reshape(-1, QK_K)
 
 
-def _q5_k(b):
-    d, dm = _k_scales(b)
+def q5_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [n, 176] → codes q uint8 [n, 8, 32] (0..31, sub-block by sub-block in weight
+    order): weight = d sc q - dmin m of the sub-block (scale_min_k4)."""
     n = b.shape[0]
     qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))
-    q = _nibbles(b[:, 48:], 32).reshape(n, 8, 32) | ((qh & 1).reshape(n, 8, 32) << 4)
-    return (d * q.float() - dm).reshape(-1, QK_K)
+    return _nibbles(b[:, 48:], 32).reshape(n, 8, 32) | ((qh & 1).reshape(n, 8, 32) << 4)
+
+
+def _q5_k(b):
+    d, dm = _k_scales(b)
+    return (d * q5_k_codes(b).float() - dm).reshape(-1, QK_K)
 
 
 def q6_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Weights repacked at load for CUDA's planar dequant-GEMVs (models/kernels/cuda/qplanar.py, which
-describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP and Q6_K as Q6KP, and
-each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
+describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, Q6_K as Q6KP and Q5_K
+as Q5KP, and each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
 QWeight in gives the class of the QWeight out.
 
 Both layouts hold the codes the same way: per group of G weights (G = the checkpoint's group for
@@ -18,7 +18,10 @@ G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], r
   nibbles' high bits are bytes of (h >> 4 m) & 0x03030303 and (h >> 4 m + 2) & 0x03030303);
   `scales` fp16 [ceil(N/ROWS), K/256, 1, ROWS] = d per super-block and `zeros` [ceil(N/ROWS),
   K/16, 1, ROWS] = the int8 sc per group, its bits as uint8 (weight = d sc (q - 32), as Q6_K's):
-  6.5625 bits a weight, as Q6_K.
+  6.5625 bits a weight, as Q6_K;
+- Q5KP (G = 32, Q5_K's sub-block): as Q6KP with one high bit a code, at bit 2 m + 8 (j // 2) +
+  j % 2 of the group's high word, and Q4KP's scales (Q5_K's are Q4_K's): 5.625 bits a weight
+  against Q5_K's 5.5.
 """
 from __future__ import annotations
 
@@ -59,6 +62,26 @@ def _codes(data: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
     w = data.transpose(1, 2).reshape(-1, k // 8)[:n].reshape(n, k // g, 1, g // 8)
     shifts = (4 * torch.arange(8, device=w.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
     return (w >> shifts) & 15
+
+
+def _high_words(h: torch.Tensor, n: int, k: int, g: int, hb: int) -> torch.Tensor:
+    """The codes' high bits h [n, k] (hb a code) → one word a group of g weights, interleaved
+    [ceil(n/ROWS), k/g, ROWS]: weight g/8 j + m's at bit 2 hb m + 8 (j // 2) + hb (j % 2)."""
+    h = h.reshape(n, k // g, 8, g // 8)
+    j = torch.arange(8, device=h.device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    m = torch.arange(g // 8, device=h.device, dtype=torch.int32).reshape(1, 1, 1, g // 8)
+    hw = (h << (2 * hb * m + 8 * (j // 2) + hb * (j % 2))).sum((2, 3), dtype=torch.int64)  # disjoint bits: an OR
+    hw = torch.where(hw >= 2 ** 31, hw - 2 ** 32, hw).to(torch.int32)
+    return torch.nn.functional.pad(hw, (0, 0, 0, -n % ROWS)).reshape(-1, ROWS, k // g).transpose(1, 2)
+
+
+def _high_bits(pw, g: int, hb: int) -> torch.Tensor:
+    """The high bits of a Q6KP / Q5KP QWeight's codes: [N, K/g, 8, g/8] (j, m: weight g/8 j + m)."""
+    n, k = pw.n, pw.k
+    hw = pw.data[:, k // 8:].transpose(1, 2).reshape(-1, k // g)[:n].reshape(n, k // g, 1, 1)
+    j = torch.arange(8, device=hw.device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    m = torch.arange(g // 8, device=hw.device, dtype=torch.int32).reshape(1, 1, 1, g // 8)
+    return (hw >> (2 * hb * m + 8 * (j // 2) + hb * (j % 2))) & ((1 << hb) - 1)
 
 
 def one_storage(pw):
@@ -148,14 +171,7 @@ def repack_q6k(qw):
     n, k = qw.n, qw.k
     q, sc, d = gguf_blocks.q6_k_codes(qw.data.reshape(n * (k // 256), 210))
     q = q.reshape(n, k).to(torch.int32)
-    lo = _words(q & 15, n, k, 16)  # [rows/ROWS, K/8, ROWS]
-    hi = (q >> 4).reshape(n, k // 16, 8, 2)  # [n, group, j, m]: weight 2 j + m
-    j = torch.arange(8, device=q.device, dtype=torch.int32).reshape(1, 1, 8, 1)
-    m = torch.arange(2, device=q.device, dtype=torch.int32).reshape(1, 1, 1, 2)
-    hw = (hi << (4 * m + 8 * (j // 2) + 2 * (j % 2))).sum((2, 3), dtype=torch.int64)  # disjoint bits: an OR
-    hw = torch.where(hw >= 2 ** 31, hw - 2 ** 32, hw).to(torch.int32)  # [n, K/16]
-    hw = torch.nn.functional.pad(hw, (0, 0, 0, -n % ROWS)).reshape(-1, ROWS, k // 16).transpose(1, 2)
-    data = torch.cat([lo, hw], 1).contiguous()
+    data = torch.cat([_words(q & 15, n, k, 16), _high_words(q >> 4, n, k, 16, 2)], 1).contiguous()
     return type(qw)("Q6KP", data, n, k, _interleave(d.reshape(n, k // 256, 1), n),
                     _interleave(sc.view(torch.uint8).reshape(n, k // 16, 1), n), 16)
 
@@ -163,11 +179,7 @@ def repack_q6k(qw):
 def q6kp_codes(pw) -> torch.Tensor:
     """The 6-bit codes a Q6KP QWeight holds: [N, K/16, 8, 2] (j, m: weight 2 j + m of each group)."""
     n, k = pw.n, pw.k
-    lo = _codes(pw.data[:, :k // 8], n, k, 16)
-    hw = pw.data[:, k // 8:].transpose(1, 2).reshape(-1, k // 16)[:n].reshape(n, k // 16, 1, 1)
-    j = torch.arange(8, device=hw.device, dtype=torch.int32).reshape(1, 1, 8, 1)
-    m = torch.arange(2, device=hw.device, dtype=torch.int32).reshape(1, 1, 1, 2)
-    return lo | (((hw >> (4 * m + 8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+    return _codes(pw.data[:, :k // 8], n, k, 16) | (_high_bits(pw, 16, 2) << 4)
 
 
 def dequantize_q6kp(pw) -> torch.Tensor:
@@ -179,10 +191,36 @@ def dequantize_q6kp(pw) -> torch.Tensor:
     return (s * (q6kp_codes(pw).double() - 32)).reshape(n, k)
 
 
+def repack_q5k(qw):
+    """GGUF Q5_K blocks ([N, K/256 * 176] uint8) → Q5KP. Any device; done once at load."""
+    if qw.fmt != "Q5_K" or qw.k % 256:
+        raise ValueError(f"Q5KP takes Q5_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+    if qw.n > CHUNK_ROWS:
+        return _by_rows(repack_q5k, qw)
+    n, k = qw.n, qw.k
+    b = qw.data.reshape(n * (k // 256), 176)
+    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)  # d, dmin
+    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])
+    sm = torch.stack([sc, mn], -1).reshape(n, k // 32, 2)
+    q = gguf_blocks.q5_k_codes(b).reshape(n, k).to(torch.int32)
+    return type(qw)("Q5KP", torch.cat([_words(q & 15, n, k, 32), _high_words(q >> 4, n, k, 32, 1)], 1).contiguous(),
+                    n, k, _interleave(dd, n), _interleave(sm, n), 32)
+
+
+def dequantize_q5kp(pw) -> torch.Tensor:
+    """The fp64 [N, K] weights a Q5KP QWeight encodes (d sc q - dmin m, as gguf_blocks' Q5_K)."""
+    n, k = pw.n, pw.k
+    codes = (_codes(pw.data[:, :k // 8], n, k, 32) | (_high_bits(pw, 32, 1) << 4)).double()
+    dd = _uninterleave(pw.scales, n).double().repeat_interleave(8, 1)
+    sm = _uninterleave(pw.zeros, n).double()
+    s, off = dd[..., 0] * sm[..., 0], dd[..., 1] * sm[..., 1]
+    return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
+
+
 def dequantize_planar_rows(pw, start: int, stop: int) -> torch.Tensor:
-    """Rows start..stop of a Q4KP or Q6KP QWeight's weights (fp64), decoding only the row blocks
-    that hold them."""
+    """Rows start..stop of a Q4KP, Q6KP or Q5KP QWeight's weights (fp64), decoding only the row
+    blocks that hold them (another layout: KeyError)."""
     b0, b1 = start // ROWS, -(-stop // ROWS)
     part = type(pw)(pw.fmt, pw.data[b0:b1], (b1 - b0) * ROWS, pw.k, pw.scales[b0:b1], pw.zeros[b0:b1], pw.group)
-    full = dequantize_q4kp(part) if pw.fmt == "Q4KP" else dequantize_q6kp(part)
+    full = {"Q4KP": dequantize_q4kp, "Q6KP": dequantize_q6kp, "Q5KP": dequantize_q5kp}[pw.fmt](part)
     return full[start - b0 * ROWS:stop - b0 * ROWS]

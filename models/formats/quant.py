@@ -374,15 +374,16 @@ class BlockLinear(QuantLinear):
         return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
                              [s for p in parts for s in p.sizes]), parts)
 
-    planar = False  # True once to_planar() replaced the blocks by Q4KP or Q6KP (formats/planar.py)
+    planar = False  # True once to_planar() replaced the blocks by a planar layout (formats/planar.py)
     planar_fmt = ""
 
     def to_planar(self) -> bool:
-        """Q4_K and Q6_K on CUDA: the blocks repacked as Q4KP (4.625 bits a weight against 4.5)
-        or Q6KP (6.5625, as Q6_K) for qplanar.py's GEMV, the blocks freed; once, after
-        fusion. False for other types."""
+        """Q4_K, Q5_K and Q6_K on CUDA: the blocks repacked as Q4KP (4.625 bits a weight against
+        4.5), Q5KP (5.625 against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's GEMV, the blocks
+        freed; once, after fusion. False for other types."""
         from . import planar
-        repack = {gguf_blocks.TYPES["Q4_K"]: planar.repack_q4k, gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k}
+        repack = {gguf_blocks.TYPES["Q4_K"]: planar.repack_q4k, gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k,
+                  gguf_blocks.TYPES["Q5_K"]: planar.repack_q5k}
         if self.planar or self.ggml_type not in repack or self.in_features % 256:
             return self.planar
         pw = planar.one_storage(repack[self.ggml_type](self.qweight()))

@@ -10,7 +10,8 @@ thread's four contiguous words are four rows' same word and the input it loads a
 serves four rows. Scales: INT4P the checkpoint's s (fp16) and z (uint8) per row and group; Q4KP
 Q4_K's own (d, dmin) per super-block (fp16) and (sc, m) per sub-block (uint8). Q6KP (G = 16)
 holds Q6_K's codes' low four bits so, their high two bits in one more word a group, and Q6_K's
-d per super-block and int8 sc per group.
+d per super-block and int8 sc per group; Q5KP (G = 32) Q5_K's low four bits so, their high bit
+in one more word a group, and Q4KP's scales (Q5_K's are Q4_K's).
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = s code - offset the layout encodes
 (as planar.dequantize_* give them), accumulated in fp32 and rounded once. Each code becomes the
@@ -44,16 +45,16 @@ from .linear import NormedRow
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
            "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
-FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2}  # the kernels' FMT constant
+FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
 # steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
 # the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3.
-PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False}
+PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": True}  # (Q5KP: as Q4KP, not measured)
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
-# Outputs a program of the split-K reduce launch: 256 (2 warps) against 1024 (4 warps), bench/ab_decode.py
+# Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
 
@@ -86,28 +87,49 @@ if triton is not None:
         return ws, xs
 
     @triton.jit
-    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
-        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's from s and z
-        (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
+    def _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
+        """The stored scales of groups grp, as loaded (_scale_terms turns them into what the sums
+        use; a step read ahead carries them unconverted, so nothing waits on their loads early):
+        INT4P (s, z, s, z); Q6KP (d, sc, d, sc); Q4KP and Q5KP (d, dmin, sc, m)."""
+        if FMT == 0:
+            a = tl.load(aux + rb * stride_a + grp * 4 + ri)
+            b = tl.load(aux2 + rb * stride_z + grp * 4 + ri)
+            e, f = a, b
+        elif FMT == 2:
+            a = tl.load(aux + rb * stride_a + (grp // 16) * 4 + ri)
+            b = tl.load(aux2 + rb * stride_z + grp * 4 + ri)
+            e, f = a, b
+        else:
+            a = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri)
+            b = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri)
+            e = tl.load(aux2 + rb * stride_z + grp * 8 + ri)
+            f = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri)
+        return a, b, e, f
+
+    @triton.jit
+    def _scale_terms(a, b, e, f, FMT: tl.constexpr):
+        """(16 s, 16 s + offset) (weight = s code - offset) from _scale_loads': INT4P's from s and
+        z (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
         dmin) of the super-block and (sc, m) of the sub-block; Q6KP's from d of the super-block
         and the int8 sc of the group (s = d sc, offset 32 s: exact, an fp16 times at most 128 x 48)."""
         if FMT == 0:
-            s = tl.load(aux + rb * stride_a + grp * 4 + ri).to(tl.float32)
+            s = a.to(tl.float32)
             s16 = 16.0 * s
-            c = s16 + s * tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.float32)
+            c = s16 + s * b.to(tl.float32)
         elif FMT == 2:
-            sc = tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.int8, bitcast=True).to(tl.float32)
-            s = tl.load(aux + rb * stride_a + (grp // 16) * 4 + ri).to(tl.float32) * sc
+            s = a.to(tl.float32) * b.to(tl.int8, bitcast=True).to(tl.float32)
             s16 = 16.0 * s
             c = 48.0 * s
         else:
-            sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
-            mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
-            d = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri).to(tl.float32)
-            dmin = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri).to(tl.float32)
-            s16 = 16.0 * d * sc
-            c = s16 + dmin * mn
+            s16 = 16.0 * a.to(tl.float32) * e.to(tl.float32)
+            c = s16 + b.to(tl.float32) * f.to(tl.float32)
         return s16, c
+
+    @triton.jit
+    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
+        """(16 s, 16 s + offset) of groups grp: _scale_terms of _scale_loads."""
+        a, b, e, f = _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        return _scale_terms(a, b, e, f, FMT)
 
     @triton.jit
     def _dp4a_pair(lo, xe, hi, xo, INTERPRETED: tl.constexpr):
@@ -125,28 +147,32 @@ if triton is not None:
     @triton.jit
     def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
                     NG: tl.constexpr, FMT: tl.constexpr, KW8: tl.constexpr):
-        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset).
-        Q6KP: int64 words, the low four bits of the codes in the low half and the group's high
-        bits, moved to this word's place (h >> 4 m), in the high half (KW8: the row's low words)."""
+        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' scales as loaded
+        (_scale_loads: four tensors, for _words_dot). Q6KP and Q5KP: int64 words, the low four bits
+        of the codes in the low half and the group's high bits, moved to this word's place
+        (h >> 2 HB m, HB high bits a code), in the high half (KW8: the row's low words)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
-        if FMT == 2:
-            hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (4 * wi)
+        if FMT >= 2:  # Q6KP, Q5KP: HB high bits a weight, 2 HB a word in the group's high word
+            HB: tl.constexpr = 4 - FMT
+            hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (2 * HB * wi)
             words = (words.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
-        s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
-        return words, s16, c
+        a, b, e, f = _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        return words, a, b, e, f
 
     @triton.jit
-    def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
+    def _words_dot(acc, x, words, a, b, e, f, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
                    KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
         quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
         the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's 6-bit codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
+        HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
         grp = step * NG + gi
-        if FMT == 2:
+        s16, c = _scale_terms(a, b, e, f, FMT)
+        if FMT >= 2:
             lo = words.to(tl.int32)
             hi = (words >> 32).to(tl.int32)
         else:
@@ -160,18 +186,19 @@ if triton is not None:
             xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
             even = lo & 0x0F0F0F0F
             odd = (lo >> 4) & 0x0F0F0F0F
-            if FMT == 2:
-                even = even | ((hi & 0x03030303) << 4)
-                odd = odd | (((hi >> 2) & 0x03030303) << 4)
+            if FMT >= 2:  # the high bits of the even and the odd nibbles' codes into bits 4.. of their bytes
+                MASK: tl.constexpr = 0x01010101 * ((1 << HB) - 1)
+                even = even | ((hi & MASK) << 4)
+                odd = odd | (((hi >> HB) & MASK) << 4)
             isum = _dp4a_pair(even, xe, odd, xo, INTERPRETED)
             acc += s16 * (isum.to(tl.float32) * xd16 + xs)
             return acc - c * xs
-        if FMT == 2:  # sum_j (s code_j - 32 s) x_j: the codes converted (the float path of fp32 models)
+        if FMT >= 2:  # sum_j (s code_j - offset) x_j: the codes converted (the float path of fp32 models)
             ws = tl.zeros(acc.shape, dtype=tl.float32)
             xs = tl.zeros((1, NG, GW, 1), dtype=tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x + grp * G + wi + j * GW).to(tl.float32)
-                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
                 ws += code.to(tl.float32) * xj
                 xs += xj
             return acc + (s16 * 0.0625 * ws - (c - s16) * xs)
@@ -183,8 +210,9 @@ if triton is not None:
                   NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
                   INTERPRETED: tl.constexpr):
         """acc plus a step's contribution for row blocks rb: its words read, then summed."""
-        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT, KW8)
-        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
+        words, a, b, e, f = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
+                                        KW8)
+        return _words_dot(acc, x, words, a, b, e, f, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
 
     @triton.jit
     def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -303,47 +331,48 @@ if triton is not None:
         up_rb = rb + N // 4  # SWIGLU: the up rows sit N rows below (N a multiple of R)
         # the first step's words before waiting on the previous kernel (no kernel writes weights;
         # an expert's rows are known only after it): their latency leaves a launch-bound step's path
-        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G, NG, FMT,
-                                    STEPS * KW)
+        K8: tl.constexpr = STEPS * KW  # a row's words
+        words, sa, sb, se, sf = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G,
+                                            NG, FMT, K8)
         if SWIGLU:
-            u_words, u_s16, u_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G,
-                                              NG, FMT, STEPS * KW)
+            u_words, u_sa, u_sb, u_se, u_sf = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a,
+                                                          stride_z, G, NG, FMT, K8)
         if PDL and not EXPERTS:
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
-        if PREFETCH:  # step i + 1's words read before step i's are summed: two steps' loads in flight
+        if PREFETCH:  # step i + 1's words and scales read (unconverted) before step i's are summed
             if not SWIGLU:
-                u_words, u_s16, u_c = words, s16, c
+                u_words, u_sa, u_sb, u_se, u_sf = words, sa, sb, se, sf
             for i in range(1, RUN):
                 step = first + i
-                n_words, n_s16, n_c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G,
-                                                  NG, FMT, STEPS * KW)
+                n_words, n_sa, n_sb, n_se, n_sf = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a,
+                                                              stride_z, G, NG, FMT, K8)
                 if SWIGLU:
-                    nu_words, nu_s16, nu_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a,
-                                                         stride_z, G, NG, FMT, STEPS * KW)
-                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
+                    nu_words, nu_sa, nu_sb, nu_se, nu_sf = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w,
+                                                                       stride_a, stride_z, G, NG, FMT, K8)
+                acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, step - 1, G, NG, A8, K8, INTERPRETED, FMT)
                 if SWIGLU:
-                    acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, step - 1, G, NG, A8, STEPS * KW,
+                    acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, step - 1, G, NG, A8, K8,
                                         INTERPRETED, FMT)
-                    u_words, u_s16, u_c = nu_words, nu_s16, nu_c
-                words, s16, c = n_words, n_s16, n_c
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
+                    u_words, u_sa, u_sb, u_se, u_sf = nu_words, nu_sa, nu_sb, nu_se, nu_sf
+                words, sa, sb, se, sf = n_words, n_sa, n_sb, n_se, n_sf
+            acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, first + RUN - 1, G, NG, A8, K8, INTERPRETED, FMT)
             if SWIGLU:
-                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first + RUN - 1, G, NG, A8, STEPS * KW,
+                acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, first + RUN - 1, G, NG, A8, K8,
                                     INTERPRETED, FMT)
         else:
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED, FMT)
+            acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, first, G, NG, A8, K8, INTERPRETED, FMT)
             if SWIGLU:
-                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, STEPS * KW, INTERPRETED,
-                                    FMT)
+                acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, first, G, NG, A8, K8,
+                                    INTERPRETED, FMT)
             for i in range(1, RUN):
                 step = first + i
                 acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
-                                A8, STEPS * KW, INTERPRETED)
+                                A8, K8, INTERPRETED)
                 if SWIGLU:
                     acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z,
-                                       G, NG, FMT, A8, STEPS * KW, INTERPRETED)
+                                       G, NG, FMT, A8, K8, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
         if PARTIAL:
@@ -415,9 +444,10 @@ if triton is not None:
         off = cs - s16  # the offset: exact for INT4P (s z) and Q4KP (dmin m) where cs did not round
         scale = s16 * 0.0625
         code = (words >> (4 * j)) & 15
-        if FMT == 2:  # Q6KP: the group's high bits (kw8: the row's words of low bits before them)
-            hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (4 * m)
-            code = code | (((hi >> (8 * (j // 2) + 2 * (j % 2))) & 3) << 4)
+        if FMT >= 2:  # Q6KP, Q5KP: the group's high bits (kw8: the row's words of low bits before them)
+            HB: tl.constexpr = 4 - FMT
+            hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (2 * HB * m)
+            code = code | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
         code = code.to(tl.float32)
         tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, (scale * code - off).to(out.dtype.element_ty),
                  mask=start + i < stop)
