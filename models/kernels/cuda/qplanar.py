@@ -49,11 +49,13 @@ FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constan
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
 # steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
-# the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3.
-PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": True}  # (Q5KP: as Q4KP, not measured)
+# the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3; with the scales carried as
+# loaded (set P): INT4P 156.6 -> 149.3, Q5KP 104.4 -> 92.8, Q4KP 132.2 -> 136.6, Q6KP (the Q4_K head) even.
+PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
+NORM_QUANTIZE_WARPS = 4  # warps of that one launch (one program: the whole row)
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -571,7 +573,8 @@ def normed_input(row: NormedRow, group: int) -> torch.Tensor:
             launch(_norm_quantize_kernel, (1,), row.x, row.res if row.res is not None else row.x, row.weight,
                    row.stream, h, q, row.eps, N=K, BLOCK=triton.next_power_of_2(K), G=group,
                    NGB=triton.next_power_of_2(K // group), HAS_RES=row.res is not None,
-                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
+                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NORM_QUANTIZE_WARPS,
+                   **cuda_base.pdl(row.x))
             row._h = h
         row.forms[("int8", group)] = q
     return q
