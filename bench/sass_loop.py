@@ -90,10 +90,10 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
     z = pw.zeros if pw.zeros is not None else pw.scales
     sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*fp16", aux2="*u8",
-               bias="*bf16", out="*bf16", part="*fp32", sync="*i32", idx="*i64", N="i32", rows_e="i32", stride_x="i32",
+               bias="*bf16", out="*bf16", part="*fp32", idx="*i64", N="i32", rows_e="i32", stride_x="i32",
                stride_w="i32", stride_a="i32", stride_z="i32")
     const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, EXPERTS=False,
-                 PARTIAL=split > 1, FIXUP=split > 1, FMT=qplanar.FMTS[fmt],
+                 PARTIAL=split > 1, FMT=qplanar.FMTS[fmt],
                  HAS_BIAS=False, SWIGLU=False, A8=int8, PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)

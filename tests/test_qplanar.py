@@ -175,18 +175,17 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt in range(4):  # INT4P, Q4KP, Q6KP, Q5KP
         G, aux, aux2 = (128, 32, 16, 32)[fmt], "*fp16", "*u8"
-        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", sync="*i32",
-                   idx="*i64",
+        sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", part="*fp32", idx="*i64",
                    N="i32", rows_e="i32", stride_x="i32", stride_w="i32", stride_a="i32", stride_z="i32")
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
                    dict(G=G, KW=64, STEPS=10, BLOCKS=4,
-                        SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FIXUP=fix, FMT=fmt, HAS_BIAS=fix,
-                        SWIGLU=swiglu, A8=a8, PREFETCH=pf, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for split, fix in ((1, False), (2, False), (4, True))
-                  for a8 in (False, True) for pf in (False, True)]
+                                                          SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
+                                                          HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=pf,
+                                                          PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True) for split in (1, 2) for a8 in (False, True) for pf in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
-                   dict(G=G, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu, FIXUP=False,
+                   dict(G=G, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
                         FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt), PDL=True,
                         INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
@@ -337,11 +336,7 @@ def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
 def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias):
     """K split across programs (pick_config's choice where a grid is small): the partial sums,
     reduced in order by a second kernel, give the one-launch kernel's product up to fp32
-    reassociation, bias and SwiGLU applied alike; the same bits on every call. With the weight's
-    sync counters, the last part of each row block sums the parts in the GEMV launch: the reduce
-    launch's bits, and the counters left at zero for the next call."""
-    import dataclasses
-
+    reassociation, bias and SwiGLU applied alike; the same bits on every call."""
     from models.formats import planar
     from models.kernels.cuda import qplanar
     n, k = 40, 2048
@@ -356,36 +351,8 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     parts = qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split))
     assert torch.allclose(parts, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()))
     assert torch.equal(parts, qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split)))
-    synced = dataclasses.replace(pw, sync=planar.sync_counters(pw))
-    for _ in range(3):
-        assert torch.equal(qplanar.gemv(x, synced, b, swiglu=swiglu, config=(8, 4, 16, split)), parts)
-        assert not synced.sync.any()
     with pytest.raises(ValueError, match="K split in 3"):
         qplanar.gemv(x, pw, b, config=(8, 4, 16, 3))
-
-
-@pytest.mark.gpu
-def test_the_last_part_sums_every_part_under_contention():
-    """On the GPU, thousands of programs ending together: the GEMV whose last part of a row block
-    sums the parts gives the reduce launch's bits, call after call (a part read before its
-    writer's stores were visible, or a counter not set back, would change them)."""
-    import dataclasses
-
-    from models.formats import planar
-    from models.kernels.cuda import base, qplanar
-    if not base.ENABLED or not torch.cuda.is_available():
-        pytest.skip("needs CUDA and Triton")
-    n, k = 8192, 4096
-    pw = gguf_repack("Q4_K")(gguf_weight("Q4_K", n, k, 9, "cuda")[0])
-    synced = dataclasses.replace(pw, sync=planar.sync_counters(pw))
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
-    config = qplanar.pick_config(n // 2, k, pw.group)
-    assert config[3] > 1
-    for swiglu in (False, True):
-        want = qplanar.gemv(x, pw, swiglu=swiglu, config=config)
-        got = [qplanar.gemv(x, synced, swiglu=swiglu, config=config) for _ in range(50)]
-        assert all(torch.equal(g, want) for g in got)
-        assert not synced.sync.any()
 
 
 def test_pick_config_splits_k_only_where_the_grid_is_small():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError
-from .planar import dequantize_int4p, one_storage, repack_int4p, sync_counters
+from .planar import dequantize_int4p, one_storage, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
@@ -246,14 +246,13 @@ class GroupInt4Linear(QuantLinear):
         self.register_buffer("words", pw.data)
         self.register_buffer("aux", pw.scales)
         self.register_buffer("aux_zeros", pw.zeros)
-        self.register_buffer("sync", sync_counters(pw), persistent=False)
         self.planar = True
         return True
 
     def qweight(self) -> QWeight:
         if self.planar:
             return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, self.aux_zeros,
-                           self.group, self.sync)
+                           self.group)
         return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
                                self.group)
 

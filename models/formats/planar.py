@@ -103,12 +103,6 @@ def one_storage(pw):
     return type(pw)(pw.fmt, data, pw.n, pw.k, scales, zeros, pw.group)
 
 
-def sync_counters(pw) -> torch.Tensor:
-    """pw's `sync` (QWeight): int32 zeros, one a block of ROWS rows, on pw's device, made at load
-    (never while a CUDA graph records)."""
-    return torch.zeros(-(-pw.n // ROWS), dtype=torch.int32, device=pw.data.device)
-
-
 def repack_int4p(qw):
     """INT4 as stored (byte 16r + l: weight 32r + l low, 32r + 16 + l high) → INT4P. Any device;
     done once at load."""

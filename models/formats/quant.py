@@ -237,9 +237,7 @@ class QWeight:
     FP8: float8_e4m3fn [N, K]; INT4: uint8 [N, K/2], byte 16r + l of a row holding weight 32r + l
     in its low nibble and 32r + 16 + l in its high one), and for FP8 `scales` fp32 [ceil(N/group),
     K/128] (group: rows per scale, 128 as stored, 1 where fused linears' blocks do not line up),
-    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale). `sync`
-    (planar layouts, optional): int32 zeros, one a block of planar.ROWS rows, by which a split-K
-    GEMV's last part to end sums the parts (qplanar.py; zero again after each launch)."""
+    for INT4 `scales` fp16 and `zeros` uint8 [N, K/group] (weight = (q - zero) * scale)."""
     fmt: str
     data: torch.Tensor
     n: int
@@ -247,7 +245,6 @@ class QWeight:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     group: int = 0
-    sync: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
@@ -394,7 +391,6 @@ class BlockLinear(QuantLinear):
         self.register_buffer("words", pw.data)
         self.register_buffer("dd", pw.scales)
         self.register_buffer("sm", pw.zeros)
-        self.register_buffer("sync", planar.sync_counters(pw), persistent=False)
         self.planar, self.planar_fmt, self.planar_group = True, pw.fmt, pw.group
         return True
 
@@ -405,7 +401,7 @@ class BlockLinear(QuantLinear):
     def qweight(self) -> QWeight:
         if self.planar:
             return QWeight(self.planar_fmt, self.words, self.out_features, self.in_features, self.dd, self.sm,
-                           self.planar_group, self.sync)
+                           self.planar_group)
         return QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, self.out_features, self.in_features)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:

@@ -59,10 +59,6 @@ NORM_QUANTIZE_WARPS = 4  # warps of that one launch (one program: the whole row)
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
-# Where a weight has its `sync` counters (QWeight; the loaders give them): the split-K GEMV's last
-# part to end sums the parts (no reduce launch; the same bits). False: the reduce launch (the
-# A/B of bench/ab_decode.py's variant nofixup).
-SPLIT_FIXUP = True
 
 
 if triton is not None:
@@ -302,19 +298,16 @@ if triton is not None:
         _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
 
     @triton.jit
-    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, sync, idx, N, rows_e, stride_x, stride_w, stride_a,
-                            stride_z, G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
-                            SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FIXUP: tl.constexpr,
-                            FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr,
-                            PREFETCH: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
+                            G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
+                            SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PREFETCH: tl.constexpr,
+                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
         SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
         idx[s] (rows_e rows an expert, expert e's from row e rows_e) against row s of x (stride_x
         apart), its output row s of `out`. PARTIAL: the fp32 sums go to part[s] (part[SPLIT + s]:
-        the up rows') for _reduce_kernel instead of the epilogue. FIXUP (with PARTIAL): the last of a
-        row block's SPLIT programs to store its sums (counted in sync[pid], which it sets back to 0)
-        sums the SPLIT parts as _reduce_kernel would, in the same order (the same bits), and writes
-        the output: no reduce launch."""
+        the up rows') for _reduce_kernel instead of the epilogue."""
         GW: tl.constexpr = G // 8  # words a group
         NG: tl.constexpr = KW // GW  # groups a step
         RUN: tl.constexpr = STEPS // SPLIT
@@ -389,11 +382,6 @@ if triton is not None:
             tl.store(at, y, mask=n < N)
             if SWIGLU:
                 tl.store(at + SPLIT * N, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=n < N)
-            if FIXUP:
-                tl.debug_barrier()  # every thread's stores before the count (the release covers them)
-                if tl.atomic_add(sync + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                    _sum_parts(part, bias, out, n, N, SPLIT, HAS_BIAS, SWIGLU)
-                    tl.store(sync + pid, 0)
             return
         rows = tl.minimum(n, N - 1)
         if HAS_BIAS:
@@ -404,26 +392,6 @@ if triton is not None:
                 up += tl.load(bias + rows + N).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * up
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
-
-    @triton.jit
-    def _sum_parts(part, bias, out, n, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
-        """out[n] from part's PARTS rows (and the up rows' PARTS after them where SWIGLU): the sums
-        in their order, then the bias and the SwiGLU, as _reduce_kernel's unweighted form. The
-        parts are read from L2 (.cg): other programs wrote them."""
-        m = n < N
-        y = tl.zeros(n.shape, dtype=tl.float32)
-        for s in tl.static_range(PARTS):
-            y += tl.load(part + s * N + n, mask=m, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            y += tl.load(bias + n, mask=m, other=0.0).to(tl.float32)
-        if SWIGLU:
-            up = tl.load(part + PARTS * N + n, mask=m, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, PARTS):
-                up += tl.load(part + (PARTS + s) * N + n, mask=m, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                up += tl.load(bias + n + N, mask=m, other=0.0).to(tl.float32)
-            y = y / (1.0 + tl.exp(-y)) * up
-        tl.store(out + n, y.to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _reduce_kernel(part, bias, weights, shared, shared_gate, out, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -610,22 +578,19 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     b = bias if bias is not None else src
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
-    fixup = split > 1 and SPLIT_FIXUP and pw.sync is not None
     _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
-            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8,
-            sync=pw.sync if fixup else None)
-    if split > 1 and not fixup:
+            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
+    if split > 1:
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
     return out
 
 
 def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
-            experts, partial, has_bias, swiglu, int8, sync=None) -> None:
+            experts, partial, has_bias, swiglu, int8) -> None:
     z = pw.zeros if pw.zeros is not None else pw.scales
-    launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, sync if sync is not None else idx,
-           idx, n, rows_e, stride_x, pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw,
-           STEPS=steps, BLOCKS=rows // R, SPLIT=split, EXPERTS=experts, PARTIAL=partial, FIXUP=sync is not None,
-           FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
+    launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
+           pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
+           SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
            PREFETCH=PREFETCH[pw.fmt], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
