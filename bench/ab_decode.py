@@ -14,9 +14,8 @@ read in one prefetched K step), and wholek32 with the prologue variants. With --
 AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
-outputs a program), nofixup / fixup (a split-K GEMV's parts summed by a reduce launch / by
-the GEMV's last part of each row block), nq8 / nq16 (qplanar.normed_input's launch on 8 / 16
-warps, not 4). With --format FP8: fp8prefetch / fp8noprefetch (fp8.py's GEMV loop with /
+outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
+about 8). With --format FP8: fp8prefetch / fp8noprefetch (fp8.py's GEMV loop with /
 without its read of the next step's weights). (The normcopy and late variants, the forms before
 commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -41,7 +40,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK, fp8prefetch=fp8.PREFETCH,
-                fixup=qplanar.SPLIT_FIXUP, nqwarps=qplanar.NORM_QUANTIZE_WARPS)
+                nqp=qplanar.NORM_QUANTIZE_PROGRAMS)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -62,10 +61,8 @@ VARIANTS = {
     "reduce128": dict(reduce=128),
     "fp8prefetch": dict(fp8prefetch=True),
     "fp8noprefetch": dict(fp8prefetch=False),
-    "nofixup": dict(fixup=False),
-    "fixup": dict(fixup=True),
-    "nq8": dict(nqwarps=8),
-    "nq16": dict(nqwarps=16),
+    "nqp1": dict(nqp=1),
+    "nqp4": dict(nqp=4),
 }
 
 
@@ -75,7 +72,7 @@ def apply(variant: str) -> None:
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK, fp8.PREFETCH = v["reduce"], v["fp8prefetch"]
-    qplanar.SPLIT_FIXUP, qplanar.NORM_QUANTIZE_WARPS = v["fixup"], v["nqwarps"]
+    qplanar.NORM_QUANTIZE_PROGRAMS = v["nqp"]
 
 
 def main() -> None:

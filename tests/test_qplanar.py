@@ -98,12 +98,15 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8
         assert bool((err <= tol).all()), float((err - tol).max())
 
 
-@pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True)])
-def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, group, res):
+@pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True), (5120, 32, True)])
+@pytest.mark.parametrize("programs", [1, 8])
+def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, group, res, programs, monkeypatch):
     """normed_input's one launch leaves the bits of add_rms_norm then quantize_input: the stream,
     the normed row (signs of zero included), the int8 input; the row's next GEMV of that group
-    takes the same buffer; a GEMV of the NormedRow equals the GEMV of its normed row."""
+    takes the same buffer; a GEMV of the NormedRow equals the GEMV of its normed row. In one
+    program or in several (each with its share of the groups, up to 7 of 8 with a partial one)."""
     from models.kernels.cuda import base, qplanar
+    monkeypatch.setattr(qplanar, "NORM_QUANTIZE_PROGRAMS", programs)
     from models.kernels.cuda.linear import NormedRow
 
     def bits(t):

@@ -55,7 +55,9 @@ PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
 NORM_QUANTIZE = True
-NORM_QUANTIZE_WARPS = 4  # warps of that one launch (one program: the whole row)
+# Programs of that launch (about; each sums the whole row's squares, then norms and quantizes its
+# share of the groups): 1 is one program for the whole row (the A/B of ab_decode's variant nqp1)
+NORM_QUANTIZE_PROGRAMS = 8
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -272,30 +274,40 @@ if triton is not None:
                               G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
                               INTERPRETED: tl.constexpr):
         """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
-        written where HAS_RES), then the normed row, re-read once all of it is stored, quantized
-        as _quantize_kernel does, into qout [4, N/8]."""
-        offs = tl.arange(0, BLOCK)
-        mask = offs < N
-        nw = tl.load(w + offs, mask=mask, other=0.0)  # a weight: before the wait
+        written where HAS_RES), then the normed row, re-read once stored, quantized as
+        _quantize_kernel does, into qout [4, N/8]. Each program sums the whole row's squares and
+        writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row
+        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other)."""
+        SL: tl.constexpr = NGB * G  # a program's elements
+        mine = tl.program_id(0) * SL + tl.arange(0, SL)
+        ok = mine < N
+        nw = tl.load(w + mine, mask=ok, other=0.0)  # a weight: before the wait
         if PDL:  # the next GEMV launches once the one before this kernel has ended (not while it runs)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        sf = _summed(x, y, offs, mask, HAS_RES).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        s = _summed(x, y, mine, ok, HAS_RES)
+        if HAS_RES:
+            tl.store(sum_out + mine, s, mask=ok)
+        tl.store(norm_out + mine, (s.to(tl.float32) * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=ok)
+        tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
+        GW: tl.constexpr = G // 8
+        g = tl.program_id(0) * NGB + tl.arange(0, NGB)[:, None]
+        m = tl.arange(0, GW)[None, :]
+        _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
+
+    @triton.jit
+    def _summed(x, y, offs, mask, HAS_RES: tl.constexpr):
+        """x + y at offs in x's dtype, as add_rms_norm rounds it (no y: x + 0, -0 becoming +0)."""
         s = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
-        else:  # (add_rms_norm adds a zero row: -0 becomes +0)
+        else:
             s += 0.0
-        s = s.to(x.dtype.element_ty)
-        if HAS_RES:
-            tl.store(sum_out + offs, s, mask=mask)
-        sf = s.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        tl.store(norm_out + offs, (sf * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
-        GW: tl.constexpr = G // 8
-        g = tl.arange(0, NGB)[:, None]
-        m = tl.arange(0, GW)[None, :]
-        _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
+        return s.to(x.dtype.element_ty)
 
     @triton.jit
     def _planar_gemv_kernel(x, w, aux, aux2, bias, out, part, idx, N, rows_e, stride_x, stride_w, stride_a, stride_z,
@@ -538,11 +550,11 @@ def normed_input(row: NormedRow, group: int) -> torch.Tensor:
             K = row.x.shape[-1]
             h = torch.empty_like(row.x, dtype=row.out_dtype)
             q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
-            launch(_norm_quantize_kernel, (1,), row.x, row.res if row.res is not None else row.x, row.weight,
-                   row.stream, h, q, row.eps, N=K, BLOCK=triton.next_power_of_2(K), G=group,
-                   NGB=triton.next_power_of_2(K // group), HAS_RES=row.res is not None,
-                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NORM_QUANTIZE_WARPS,
-                   **cuda_base.pdl(row.x))
+            ngb = triton.next_power_of_2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
+            launch(_norm_quantize_kernel, (triton.cdiv(K // group, ngb),), row.x,
+                   row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
+                   BLOCK=triton.next_power_of_2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
+                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
             row._h = h
         row.forms[("int8", group)] = q
     return q
