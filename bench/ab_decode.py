@@ -15,9 +15,8 @@ AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of th
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
 outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
-about 8). With --format FP8: fp8prefetch / fp8noprefetch (fp8.py's GEMV loop with /
-without its read of the next step's weights). (The normcopy and late variants, the forms before
-commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
+about 8). (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
+variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -33,13 +32,13 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, fp8, linear as cuda_linear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
-                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK, fp8prefetch=fp8.PREFETCH,
+                normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS)
 VARIANTS = {
     "base": {},
@@ -59,8 +58,6 @@ VARIANTS = {
     "twolaunch": dict(normquant=False),
     "reduce256": dict(reduce=256),
     "reduce128": dict(reduce=128),
-    "fp8prefetch": dict(fp8prefetch=True),
-    "fp8noprefetch": dict(fp8prefetch=False),
     "nqp1": dict(nqp=1),
     "nqp4": dict(nqp=4),
 }
@@ -71,7 +68,7 @@ def apply(variant: str) -> None:
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
-    qplanar.REDUCE_BLOCK, fp8.PREFETCH = v["reduce"], v["fp8prefetch"]
+    qplanar.REDUCE_BLOCK = v["reduce"]
     qplanar.NORM_QUANTIZE_PROGRAMS = v["nqp"]
 
 

@@ -117,8 +117,7 @@ def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int) -> tuple[str, int
     sig = dict(x="*bf16", w="*fp8e4nv", sc="*fp32", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
                stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
     const = dict(GROUP=qw.group, ROW_SCALES=qw.group % bn != 0, HAS_BIAS=False, SWIGLU=False, NORM=False,
-                 HAS_RES=False, EVEN=k % (nb * 128) == 0, STEPS=triton.cdiv(k, nb * 128), BLOCK_N=bn, NB=nb,
-                 PREFETCH=fp8.PREFETCH, PDL=True)
+                 HAS_RES=False, EVEN=k % (nb * 128) == 0, STEPS=triton.cdiv(k, nb * 128), BLOCK_N=bn, NB=nb, PDL=True)
     ints = dict(N=n, K=k, stride_w=qw.data.stride(0), stride_s=qw.scales.stride(0))
     names = list(sig)
     aligned = ["x", "w", "sc", "out"] + [x for x, v in ints.items() if v % 16 == 0]

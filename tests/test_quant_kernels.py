@@ -184,15 +184,12 @@ def test_rows_not_whole_steps(device, qtype):
     assert torch.all((d.double() - w).abs() <= 1e-6 * run) and torch.all(out[:, w.shape[1]:] == 7.0)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("config", [(4, 1, 4), (8, 2, 4), (16, 4, 8), (32, 8, 4)], ids=str)
-def test_fp8_gemv_configs(device, config, prefetch, monkeypatch):
-    """fp8.py's GEMV per (BLOCK_N, NB, warps), with and without its read ahead: steps that divide
-    the row or pad it (12 blocks), scales shared by a program's rows or per row (fused parts of odd
-    sizes; SwiGLU halves of 200 rows, whose up rows start inside a block of scales, with a bias),
-    a bias and the norm prologue."""
+def test_fp8_gemv_configs(device, config):
+    """fp8.py's GEMV per (BLOCK_N, NB, warps): steps that divide the row or pad it (12 blocks),
+    scales shared by a program's rows or per row (fused parts of odd sizes; SwiGLU halves of 200
+    rows, whose up rows start inside a block of scales, with a bias), a bias and the norm prologue."""
     from models.kernels.cuda import fp8
-    monkeypatch.setattr(fp8, "PREFETCH", prefetch)
     from models.kernels.cuda.linear import NormedRow
     g = torch.Generator().manual_seed(11)
     lin, w = hf_weight("fp8", 264, 1536, 9, device)

@@ -25,6 +25,8 @@ G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], r
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import gguf_blocks
@@ -134,20 +136,35 @@ def _by_rows(repack, qw):
                     torch.cat([p.scales for p in parts]), torch.cat([p.zeros for p in parts]), first.group)
 
 
+def _super_block_rows(fmt: str, layout: str):
+    """A GGUF K-quant repack, checked (`fmt` rows of whole super-blocks, else ValueError) and run
+    CHUNK_ROWS rows at a time (_by_rows) where the matrix has more."""
+    def wrap(repack):
+        @functools.wraps(repack)
+        def checked(qw):
+            if qw.fmt != fmt or qw.k % 256:
+                raise ValueError(f"{layout} takes {fmt} rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
+            return _by_rows(repack, qw) if qw.n > CHUNK_ROWS else repack(qw)
+        return checked
+    return wrap
+
+
+def _k4_scales(b: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's scales from their blocks b (a row per super-block), rows interleaved:
+    (d, dmin) fp16 per super-block and (sc, m) uint8 per 32-weight sub-block."""
+    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)
+    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])  # [n * supers, 8] each
+    return _interleave(dd, n), _interleave(torch.stack([sc, mn], -1).reshape(n, k // 32, 2), n)
+
+
+@_super_block_rows("Q4_K", "Q4KP")
 def repack_q4k(qw):
     """GGUF Q4_K blocks ([N, K/256 * 144] uint8) → Q4KP. Any device; done once at load."""
-    if qw.fmt != "Q4_K" or qw.k % 256:
-        raise ValueError(f"Q4KP takes Q4_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
-    if qw.n > CHUNK_ROWS:
-        return _by_rows(repack_q4k, qw)
     n, k = qw.n, qw.k
     b = qw.data.reshape(n * (k // 256), 144)
-    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)  # d, dmin
-    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])  # [n * supers, 8] each
-    sm = torch.stack([sc, mn], -1).reshape(n, k // 32, 2)
     q = b[:, 16:].reshape(-1, 4, 1, 32)  # per pair of sub-blocks: low nibbles the first, high the second
     codes = torch.cat([q & 15, q >> 4], 2).reshape(n, k)
-    return type(qw)("Q4KP", _words(codes, n, k, 32), n, k, _interleave(dd, n), _interleave(sm, n), 32)
+    return type(qw)("Q4KP", _words(codes, n, k, 32), n, k, *_k4_scales(b, n, k), 32)
 
 
 def dequantize_q4kp(pw) -> torch.Tensor:
@@ -160,14 +177,9 @@ def dequantize_q4kp(pw) -> torch.Tensor:
     return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
 
 
-
-
+@_super_block_rows("Q6_K", "Q6KP")
 def repack_q6k(qw):
     """GGUF Q6_K blocks ([N, K/256 * 210] uint8) → Q6KP. Any device; done once at load."""
-    if qw.fmt != "Q6_K" or qw.k % 256:
-        raise ValueError(f"Q6KP takes Q6_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
-    if qw.n > CHUNK_ROWS:
-        return _by_rows(repack_q6k, qw)
     n, k = qw.n, qw.k
     q, sc, d = gguf_blocks.q6_k_codes(qw.data.reshape(n * (k // 256), 210))
     q = q.reshape(n, k).to(torch.int32)
@@ -191,20 +203,14 @@ def dequantize_q6kp(pw) -> torch.Tensor:
     return (s * (q6kp_codes(pw).double() - 32)).reshape(n, k)
 
 
+@_super_block_rows("Q5_K", "Q5KP")
 def repack_q5k(qw):
     """GGUF Q5_K blocks ([N, K/256 * 176] uint8) → Q5KP. Any device; done once at load."""
-    if qw.fmt != "Q5_K" or qw.k % 256:
-        raise ValueError(f"Q5KP takes Q5_K rows of whole super-blocks ({qw.fmt}, {qw.k} weights)")
-    if qw.n > CHUNK_ROWS:
-        return _by_rows(repack_q5k, qw)
     n, k = qw.n, qw.k
     b = qw.data.reshape(n * (k // 256), 176)
-    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)  # d, dmin
-    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])
-    sm = torch.stack([sc, mn], -1).reshape(n, k // 32, 2)
     q = gguf_blocks.q5_k_codes(b).reshape(n, k).to(torch.int32)
     return type(qw)("Q5KP", torch.cat([_words(q & 15, n, k, 32), _high_words(q >> 4, n, k, 32, 1)], 1).contiguous(),
-                    n, k, _interleave(dd, n), _interleave(sm, n), 32)
+                    n, k, *_k4_scales(b, n, k), 32)
 
 
 def dequantize_q5kp(pw) -> torch.Tensor:

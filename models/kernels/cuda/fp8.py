@@ -28,9 +28,6 @@ from .linear import PROLOGUE_MAX_BYTES, NormedRow
 # Quantized matrices up to this size are read in one step per program (the whole row, before the
 # PDL wait), here and in qlinear.py: a small model's launch-bound step then waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
-# Whether the GEMV's loop reads step i + 1's weights before it sums step i (as qplanar.PREFETCH for
-# Q4KP). Not measured on a GPU yet: bench/ab_decode.py --format FP8 --variants base,fp8prefetch.
-PREFETCH = False
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
@@ -67,8 +64,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
            qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
            HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
            HAS_RES=pre is not None and pre.res is not None, EVEN=qw.k % (nb * 128) == 0,
-           STEPS=triton.cdiv(qw.k, nb * 128), BLOCK_N=bn, NB=nb, PREFETCH=PREFETCH, num_warps=warps,
-           **cuda_base.pdl(src))
+           STEPS=triton.cdiv(qw.k, nb * 128), BLOCK_N=bn, NB=nb, num_warps=warps, **cuda_base.pdl(src))
     return out
 
 
@@ -80,8 +76,7 @@ if triton is not None:
     @triton.jit
     def _step_weights(w, sc, rows, first, step, K, stride_w, stride_s, GROUP: tl.constexpr,
                       ROW_SCALES: tl.constexpr, EVEN: tl.constexpr, NB: tl.constexpr):
-        """Step `step`'s e4m3 weights of rows `rows` [BN] as loaded [BN, 8 NB, 16] (16-weight runs;
-        _step_sum converts them, so a weight read ahead is not waited for here),
+        """Step `step`'s e4m3 weights of rows `rows` [BN] as fp32 [BN, 8 NB, 16] (16-weight runs),
         and the runs' scales: [BN, 8 NB] (ROW_SCALES) or [8 NB] (those of row `first`'s block,
         shared by all rows). Blocks past the row (not EVEN) read as zero weights."""
         run = step * NB * 8 + tl.arange(0, NB * 8)  # 16-weight runs of the step
@@ -95,13 +90,13 @@ if triton is not None:
             s = tl.load(sc + (rows // GROUP)[:, None] * stride_s + blk[None, :])
         else:
             s = tl.load(sc + (first // GROUP) * stride_s + blk)
-        return wv, s
+        return wv.to(tl.float32), s
 
     @triton.jit
     def _step_sum(wv, s, xv, ROW_SCALES: tl.constexpr):
         """The step's products per run [BN, 8 NB]: each run's sum of w * x (inside a thread),
         times its scale."""
-        part = tl.sum(wv.to(tl.float32) * xv[None, :, :], axis=2)
+        part = tl.sum(wv * xv[None, :, :], axis=2)
         if ROW_SCALES:  # (one return: Triton types every return of a function alike)
             out = part * s
         else:
@@ -112,8 +107,7 @@ if triton is not None:
     def _fp8_gemv_kernel(x, w, sc, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
                          GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PREFETCH: tl.constexpr,
-                         PDL: tl.constexpr):
+                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -133,44 +127,6 @@ if triton is not None:
         write = tl.where(pid == 0, K, 0)  # one program writes the residual stream
         kk = tl.arange(0, NB * 8)[:, None] * 16 + tl.arange(0, 16)[None, :]
         xv, ss = _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM, HAS_RES, EVEN)
-        if PREFETCH:  # step i + 1's weights read before step i is summed (the same sums, in the same order)
-            nwv, ns, nuv, nsu = wv, s, uv, su
-            if STEPS > 1:
-                nwv, ns = _step_weights(w, sc, rows, first, 1, K, stride_w, stride_s, GROUP, ROW_SCALES, EVEN, NB)
-                if SWIGLU:
-                    nuv, nsu = _step_weights(w, sc, rows + N, first + N, 1, K, stride_w, stride_s, GROUP,
-                                             ROW_SCALES, EVEN, NB)
-            acc = _step_sum(wv, s, xv, ROW_SCALES)
-            acc_up = acc
-            if SWIGLU:
-                acc_up = _step_sum(uv, su, xv, ROW_SCALES)
-            for step in range(1, STEPS - 1):
-                xv, sq = _input_chunk(x, res, norm_w, sum_out, write, step * NB * 128 + kk, K, NORM, HAS_RES, EVEN)
-                ss += sq
-                wv, s, uv, su = nwv, ns, nuv, nsu
-                nwv, ns = _step_weights(w, sc, rows, first, step + 1, K, stride_w, stride_s, GROUP, ROW_SCALES,
-                                        EVEN, NB)
-                if SWIGLU:
-                    nuv, nsu = _step_weights(w, sc, rows + N, first + N, step + 1, K, stride_w, stride_s, GROUP,
-                                             ROW_SCALES, EVEN, NB)
-                acc += _step_sum(wv, s, xv, ROW_SCALES)
-                if SWIGLU:
-                    acc_up += _step_sum(uv, su, xv, ROW_SCALES)
-            if STEPS > 1:
-                xv, sq = _input_chunk(x, res, norm_w, sum_out, write, (STEPS - 1) * NB * 128 + kk, K, NORM, HAS_RES,
-                                      EVEN)
-                ss += sq
-                acc += _step_sum(nwv, ns, xv, ROW_SCALES)
-                if SWIGLU:
-                    acc_up += _step_sum(nuv, nsu, xv, ROW_SCALES)
-            y = tl.sum(acc, axis=1)
-            y_up = tl.sum(acc_up, axis=1)
-            if NORM:
-                r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
-                y = y * r
-                y_up = y_up * r
-            _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
-            return
         acc = _step_sum(wv, s, xv, ROW_SCALES)
         acc_up = acc
         if SWIGLU:
