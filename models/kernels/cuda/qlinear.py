@@ -85,7 +85,7 @@ def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1, EVEN=qw.k % w == 0)
 
 
-def pick_config(n: int, fmt: str = "Q4_0", nbytes: int = 0) -> tuple[int, int, int]:
+def pick_config(n: int, fmt: str, nbytes: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, most weights a step) for n output rows of `fmt`, nbytes of weights.
     Measured on an H200 (bench/quant_bench.py --sweep-small, bench/RESULTS.md set O), us a call:
     - an LM head's rows (n >= 16384): one warp a program, 256 weights a step; 16 rows for the

@@ -543,19 +543,17 @@ def normed_input(row: NormedRow, group: int) -> torch.Tensor:
     bits of add_rms_norm then quantize_input, one launch fewer)."""
     q = row.forms.get(("int8", group))
     if q is None:
-        if row._h is not None or not NORM_QUANTIZE:
-            row.materialize()
-            q = quantize_input(row._h, group)
+        h = row.row_for_prologue() if NORM_QUANTIZE else None  # None: normed already, or two launches asked for
+        if h is None:
+            q = quantize_input(row.materialize(), group)
         else:
             K = row.x.shape[-1]
-            h = torch.empty_like(row.x, dtype=row.out_dtype)
             q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
             ngb = triton.next_power_of_2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
             launch(_norm_quantize_kernel, (triton.cdiv(K // group, ngb),), row.x,
                    row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
                    BLOCK=triton.next_power_of_2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
                    INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
-            row._h = h
         row.forms[("int8", group)] = q
     return q
 
