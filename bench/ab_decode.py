@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--format", default="bf16", help="bf16, or Q4_K / AWQ / FP8 (random weights in that format, "
+    ap.add_argument("--format", default="bf16", help="bf16, or Q4_K / Q5_K / AWQ / FP8 (random weights in that format, "
                     "repacked as the loader leaves them on CUDA)")
     a = ap.parse_args()
     dev = torch.device("cuda")

@@ -1,5 +1,5 @@
 """Instructions per weight in the main loop of the dequant-GEMVs (models/kernels/cuda/qlinear.py;
-qplanar.py's for INT4P and Q4KP, AWQ/GPTQ and Q4_K weights repacked; fp8.py's for FP8),
+qplanar.py's for INT4P, Q4KP, Q5KP and Q6KP, AWQ/GPTQ and K-quant weights repacked; fp8.py's for FP8),
 read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
 
     python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
@@ -55,7 +55,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import qlinear
-    if fmt in ("INT4P", "Q4KP"):
+    if fmt in PLANAR:
         return _compile_planar(fmt, n, k, bn, warps, most, int8=int8)
     if fmt == "FP8":
         return _compile_fp8(n, k, bn, warps, most)
@@ -77,24 +77,32 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     return _disassemble(cubin), const["W"] * bn
 
 
+# qplanar.py's layouts: the stored format of the random weight each is repacked from, and the repack
+PLANAR = {"INT4P": ("INT4", "repack_int4p"), "Q4KP": ("Q4_K", "repack_q4k"), "Q5KP": ("Q5_K", "repack_q5k"),
+          "Q6KP": ("Q6_K", "repack_q6k")}
+
+
 def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, split: int = 1,
                     int8: bool = False) -> tuple[str, int]:
-    """qplanar.py's GEMV on the INT4P repack of an [n, k] AWQ weight or the Q4KP repack of a Q4_K
-    one (config: rows a program, num_warps, words a step); int8: on quantize_input's int8 inputs."""
+    """qplanar.py's GEMV on the `fmt` repack of a random [n, k] weight (PLANAR: INT4P of AWQ's,
+    Q4KP of Q4_K's, Q5KP of Q5_K's, Q6KP of Q6_K's), its loop with or without the read ahead as
+    qplanar.PREFETCH has it (config: rows a program, num_warps, words a step); int8: on
+    quantize_input's int8 inputs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from models.formats import planar
     from models.kernels.cuda import qplanar
-    pw = planar.repack_int4p(weight("INT4", n, k)) if fmt == "INT4P" else planar.repack_q4k(weight("Q4_K", n, k))
+    stored, repack = PLANAR[fmt]
+    pw = getattr(planar, repack)(weight(stored, n, k))
     z = pw.zeros if pw.zeros is not None else pw.scales
     sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*fp16", aux2="*u8",
                bias="*bf16", out="*bf16", part="*fp32", idx="*i64", N="i32", rows_e="i32", stride_x="i32",
                stride_w="i32", stride_a="i32", stride_z="i32")
     const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, EXPERTS=False,
                  PARTIAL=split > 1, FMT=qplanar.FMTS[fmt],
-                 HAS_BIAS=False, SWIGLU=False, A8=int8, PDL=True, INTERPRETED=False)
+                 HAS_BIAS=False, SWIGLU=False, A8=int8, PREFETCH=qplanar.PREFETCH[fmt], PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)
     aligned = ["x", "w", "aux", "aux2", "out", "part"] + [x for x, v in ints.items() if v % 16 == 0]
@@ -167,24 +175,24 @@ def opcode(line: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP"])
+    ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP", "Q5KP", "Q6KP"])
     ap.add_argument("--n", type=int, default=10240)
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
     ap.add_argument("--planar-config", default=None,
-                    help="INT4P / Q4KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
-    ap.add_argument("--int8", action="store_true", help="INT4P / Q4KP: the GEMV on int8 inputs (DP4A)")
+                    help="INT4P / Q4KP / Q5KP / Q6KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
+    ap.add_argument("--int8", action="store_true", help="the planar layouts: the GEMV on int8 inputs (DP4A)")
     ap.add_argument("--fp8-config", default=None,
                     help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
     a = ap.parse_args()
     from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
     print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.pick_config'}'s (BLOCK_N x num_warps x most "
-          f"weights a step; INT4P / Q4KP: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
+          f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
     for fmt in a.formats:
         if fmt in qplanar.FMTS:
             cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
-                qplanar.pick_config(a.n, a.k, 128 if fmt == "INT4P" else 32)[:3]
+                qplanar.pick_config(a.n, a.k, {"INT4P": 128, "Q6KP": 16}.get(fmt, 32))[:3]
         elif fmt == "FP8":
             cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
         else:  # (the format's pick: a head's rows take fewer for the K-quants)
