@@ -118,6 +118,8 @@ def random_model(name: str, device, dtype, seed: int = 0, shard=None):
 # block scales set so the weights' spread is about the bf16 models' (std ~0.02).
 _GGUF_SCALES = {"Q4_K": {0: 1.5e-4, 2: 1.1e-3}, "Q5_K": {0: 7.5e-5, 2: 1.1e-3}, "Q6_K": {208: 1.5e-5},
                 "Q5_0": {0: 2e-3}, "Q5_1": {0: 2e-3, 2: -3.2e-2}, "Q8_0": {0: 2e-4}}
+# llama.cpp's types for rows that are not whole 256-weight super-blocks, in its K-quant mixes
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _random_blocks(kind: str, n: int, k: int, device, gen) -> torch.Tensor:
@@ -135,7 +137,7 @@ def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Modul
     128 x 128 block scales)."""
     from models.formats import gguf_blocks, hf_quant, quant
     if fmt in ("Q4_K", "Q5_K", "Q6_K"):  # (llama.cpp's fallbacks for rows not whole super-blocks)
-        kind = fmt if k % 256 == 0 else {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}[fmt]
+        kind = fmt if k % 256 == 0 else _FALLBACK[fmt]
         return quant.BlockLinear(_random_blocks(kind, n, k, device, gen), gguf_blocks.TYPES[kind])
     if fmt == "AWQ":
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
@@ -193,7 +195,7 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
         if fmt == "Q4_K":
             _q4_k_experts(model, device, gen)
         n, k = model.model.embed_tokens.weight.shape
-        kind = fmt if k % 256 == 0 else "Q5_0"
+        kind = fmt if k % 256 == 0 else _FALLBACK[fmt]
         emb = quant.BlockEmbedding(_random_blocks(kind, n, k, device, gen), ggml_type=gguf_blocks.TYPES[kind])
         emb.out_dtype = dtype
         model.model.embed_tokens = emb
