@@ -91,49 +91,30 @@ if triton is not None:
         return ws, xs
 
     @triton.jit
-    def _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
-        """The stored scales of groups grp, as loaded (_scale_terms turns them into what the sums
-        use; a step read ahead carries them unconverted, so nothing waits on their loads early):
-        INT4P (s, z, s, z); Q6KP (d, sc, d, sc); Q4KP and Q5KP (d, dmin, sc, m)."""
+    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
+        """(16 s, 16 s + offset) of groups grp (weight = s code - offset): INT4P's from s and z
+        (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
+        dmin) of the super-block and (sc, m) of the sub-block (Q5KP's alike); Q6KP's from d of the
+        super-block and the int8 sc of the group (s = d sc, offset 32 s: exact, an fp16 times at
+        most 128 x 48). Converted where loaded: a read ahead that carried the loads unconverted to
+        the step's sums (b13d6a4) ran slower, 27B-like Q4_K 135.5 against 148.9 tok/s (set P)."""
         if FMT == 0:
-            a = tl.load(aux + rb * stride_a + grp * 4 + ri)
-            b = tl.load(aux2 + rb * stride_z + grp * 4 + ri)
-            e, f = a, b
-        elif FMT == 2:
-            a = tl.load(aux + rb * stride_a + (grp // 16) * 4 + ri)
-            b = tl.load(aux2 + rb * stride_z + grp * 4 + ri)
-            e, f = a, b
-        else:
-            a = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri)
-            b = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri)
-            e = tl.load(aux2 + rb * stride_z + grp * 8 + ri)
-            f = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri)
-        return a, b, e, f
-
-    @triton.jit
-    def _scale_terms(a, b, e, f, FMT: tl.constexpr):
-        """(16 s, 16 s + offset) (weight = s code - offset) from _scale_loads': INT4P's from s and
-        z (16 s + s z = s (16 + z), exact in fp32: an fp16 s times at most 31); Q4KP's from (d,
-        dmin) of the super-block and (sc, m) of the sub-block; Q6KP's from d of the super-block
-        and the int8 sc of the group (s = d sc, offset 32 s: exact, an fp16 times at most 128 x 48)."""
-        if FMT == 0:
-            s = a.to(tl.float32)
+            s = tl.load(aux + rb * stride_a + grp * 4 + ri).to(tl.float32)
             s16 = 16.0 * s
-            c = s16 + s * b.to(tl.float32)
+            c = s16 + s * tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.float32)
         elif FMT == 2:
-            s = a.to(tl.float32) * b.to(tl.int8, bitcast=True).to(tl.float32)
+            sc = tl.load(aux2 + rb * stride_z + grp * 4 + ri).to(tl.int8, bitcast=True).to(tl.float32)
+            s = tl.load(aux + rb * stride_a + (grp // 16) * 4 + ri).to(tl.float32) * sc
             s16 = 16.0 * s
             c = 48.0 * s
         else:
-            s16 = 16.0 * a.to(tl.float32) * e.to(tl.float32)
-            c = s16 + b.to(tl.float32) * f.to(tl.float32)
+            sc = tl.load(aux2 + rb * stride_z + grp * 8 + ri).to(tl.float32)
+            mn = tl.load(aux2 + rb * stride_z + grp * 8 + 4 + ri).to(tl.float32)
+            d = tl.load(aux + rb * stride_a + (grp // 8) * 8 + ri).to(tl.float32)
+            dmin = tl.load(aux + rb * stride_a + (grp // 8) * 8 + 4 + ri).to(tl.float32)
+            s16 = 16.0 * d * sc
+            c = s16 + dmin * mn
         return s16, c
-
-    @triton.jit
-    def _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT: tl.constexpr):
-        """(16 s, 16 s + offset) of groups grp: _scale_terms of _scale_loads."""
-        a, b, e, f = _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
-        return _scale_terms(a, b, e, f, FMT)
 
     @triton.jit
     def _dp4a_pair(lo, xe, hi, xo, INTERPRETED: tl.constexpr):
@@ -151,10 +132,10 @@ if triton is not None:
     @triton.jit
     def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
                     NG: tl.constexpr, FMT: tl.constexpr, KW8: tl.constexpr):
-        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' scales as loaded
-        (_scale_loads: four tensors, for _words_dot). Q6KP and Q5KP: int64 words, the low four bits
-        of the codes in the low half and the group's high bits, moved to this word's place
-        (h >> 2 HB m, HB high bits a code), in the high half (KW8: the row's low words)."""
+        """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset).
+        Q6KP and Q5KP: int64 words, the low four bits of the codes in the low half and the group's
+        high bits, moved to this word's place (h >> 2 HB m, HB high bits a code), in the high half
+        (KW8: the row's low words)."""
         GW: tl.constexpr = G // 8
         grp = step * NG + gi
         words = tl.load(w + rb * stride_w + (grp * GW + wi) * 4 + ri)
@@ -162,11 +143,11 @@ if triton is not None:
             HB: tl.constexpr = 4 - FMT
             hi = tl.load(w + rb * stride_w + (KW8 + grp) * 4 + ri) >> (2 * HB * wi)
             words = (words.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
-        a, b, e, f = _scale_loads(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
-        return words, a, b, e, f
+        s16, c = _scales(aux, aux2, rb, grp, ri, stride_a, stride_z, FMT)
+        return words, s16, c
 
     @triton.jit
-    def _words_dot(acc, x, words, a, b, e, f, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
+    def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
                    KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
         quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
@@ -175,7 +156,6 @@ if triton is not None:
         GW: tl.constexpr = G // 8
         HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
         grp = step * NG + gi
-        s16, c = _scale_terms(a, b, e, f, FMT)
         if FMT >= 2:
             lo = words.to(tl.int32)
             hi = (words >> 32).to(tl.int32)
@@ -214,9 +194,9 @@ if triton is not None:
                   NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
                   INTERPRETED: tl.constexpr):
         """acc plus a step's contribution for row blocks rb: its words read, then summed."""
-        words, a, b, e, f = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
-                                        KW8)
-        return _words_dot(acc, x, words, a, b, e, f, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
+                                    KW8)
+        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
 
     @triton.jit
     def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -346,39 +326,39 @@ if triton is not None:
         # the first step's words before waiting on the previous kernel (no kernel writes weights;
         # an expert's rows are known only after it): their latency leaves a launch-bound step's path
         K8: tl.constexpr = STEPS * KW  # a row's words
-        words, sa, sb, se, sf = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G,
-                                            NG, FMT, K8)
+        words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, first, stride_w, stride_a, stride_z, G, NG, FMT,
+                                    K8)
         if SWIGLU:
-            u_words, u_sa, u_sb, u_se, u_sf = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a,
-                                                          stride_z, G, NG, FMT, K8)
+            u_words, u_s16, u_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, first, stride_w, stride_a, stride_z,
+                                              G, NG, FMT, K8)
         if PDL and not EXPERTS:
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCKS, NG, GW, 4), dtype=tl.float32)
         acc_up = acc
-        if PREFETCH:  # step i + 1's words and scales read (unconverted) before step i's are summed
+        if PREFETCH:  # step i + 1's words and scales read before step i's are summed
             if not SWIGLU:
-                u_words, u_sa, u_sb, u_se, u_sf = words, sa, sb, se, sf
+                u_words, u_s16, u_c = words, s16, c
             for i in range(1, RUN):
                 step = first + i
-                n_words, n_sa, n_sb, n_se, n_sf = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a,
-                                                              stride_z, G, NG, FMT, K8)
+                n_words, n_s16, n_c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z,
+                                                  G, NG, FMT, K8)
                 if SWIGLU:
-                    nu_words, nu_sa, nu_sb, nu_se, nu_sf = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w,
-                                                                       stride_a, stride_z, G, NG, FMT, K8)
-                acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, step - 1, G, NG, A8, K8, INTERPRETED, FMT)
+                    nu_words, nu_s16, nu_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a,
+                                                         stride_z, G, NG, FMT, K8)
+                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, K8, INTERPRETED, FMT)
                 if SWIGLU:
-                    acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, step - 1, G, NG, A8, K8,
+                    acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, step - 1, G, NG, A8, K8,
                                         INTERPRETED, FMT)
-                    u_words, u_sa, u_sb, u_se, u_sf = nu_words, nu_sa, nu_sb, nu_se, nu_sf
-                words, sa, sb, se, sf = n_words, n_sa, n_sb, n_se, n_sf
-            acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, first + RUN - 1, G, NG, A8, K8, INTERPRETED, FMT)
+                    u_words, u_s16, u_c = nu_words, nu_s16, nu_c
+                words, s16, c = n_words, n_s16, n_c
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, K8, INTERPRETED, FMT)
             if SWIGLU:
-                acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, first + RUN - 1, G, NG, A8, K8,
+                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first + RUN - 1, G, NG, A8, K8,
                                     INTERPRETED, FMT)
         else:
-            acc = _words_dot(acc, x, words, sa, sb, se, sf, gi, wi, first, G, NG, A8, K8, INTERPRETED, FMT)
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, K8, INTERPRETED, FMT)
             if SWIGLU:
-                acc_up = _words_dot(acc_up, x, u_words, u_sa, u_sb, u_se, u_sf, gi, wi, first, G, NG, A8, K8,
+                acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, K8,
                                     INTERPRETED, FMT)
             for i in range(1, RUN):
                 step = first + i
