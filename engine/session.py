@@ -345,8 +345,7 @@ class DecodeSession:
                               None if forced is None else list(forced), mask, self._generation)
 
     def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops, sampler,
-                  forced: list[int] | None, mask: ConstraintMask | None = None,
-                  generation: int = 0) -> Iterator[int]:
+                  forced: list[int] | None, mask: ConstraintMask | None, generation: int) -> Iterator[int]:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()

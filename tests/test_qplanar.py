@@ -98,13 +98,15 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8
         assert bool((err <= tol).all()), float((err - tol).max())
 
 
-@pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True), (5120, 32, True)])
+@pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True), (5120, 32, True),
+                                         (1152, 32, True)])
 @pytest.mark.parametrize("programs", [1, 8])
 def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, group, res, programs, monkeypatch):
     """normed_input's one launch leaves the bits of add_rms_norm then quantize_input: the stream,
     the normed row (signs of zero included), the int8 input; the row's next GEMV of that group
     takes the same buffer; a GEMV of the NormedRow equals the GEMV of its normed row. In one
-    program or in several (each with its share of the groups, up to 7 of 8 with a partial one)."""
+    program or in several, each with its share of the groups (K = 1152: 36 groups, 4 programs of 8
+    and a last of 4)."""
     from models.kernels.cuda import base, qplanar
     monkeypatch.setattr(qplanar, "NORM_QUANTIZE_PROGRAMS", programs)
     from models.kernels.cuda.linear import NormedRow
@@ -169,7 +171,8 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GEMV (its inline LOP3 and DP4A included, which the interpreter does not run) on either
     input, with and without its read ahead, the input's int8 quantizers (alone and after the
-    norm) and the dequantize kernel, for INT4P and Q4KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
+    norm, in one program of the whole row and in several) and the dequantize kernel, for INT4P,
+    Q4KP, Q6KP and Q5KP, compile to sm_90 binaries (Triton's own ptxas, no device)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -194,10 +197,10 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
                       dict(G=G, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
-        cases.append((qplanar._norm_quantize_kernel,
-                      dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
-                      dict(N=5120, BLOCK=8192, G=G, NGB=8192 // G, HAS_RES=True, PDL=True,
-                           INTERPRETED=False)))
+        cases += [(qplanar._norm_quantize_kernel,
+                   dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
+                   dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PDL=True, INTERPRETED=False))
+                  for ngb in (8192 // G, 4)]
         cases.append((qplanar._planar_dequant_kernel,
                       dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),

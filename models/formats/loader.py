@@ -292,8 +292,8 @@ def _release_freed_memory() -> None:
 
 def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
-    INT4P and Q4_K linears into Q4KP, the layouts models/kernels/cuda/qplanar.py's GEMV reads
-    (formats/planar.py). A head that shares its blocks with the embedding keeps them."""
+    INT4P and GGUF Q4_K, Q5_K and Q6_K linears into Q4KP, Q5KP and Q6KP, the layouts
+    models/kernels/cuda/qplanar.py's GEMV reads (formats/planar.py). A head that shares its blocks with the embedding keeps them."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
     shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}

@@ -3,8 +3,9 @@ describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, Q6_K 
 as Q5KP, and each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
 QWeight in gives the class of the QWeight out.
 
-Both layouts hold the codes the same way: per group of G weights (G = the checkpoint's group for
-INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in nibble j the code of weight
+The layouts hold the codes (Q6KP and Q5KP: their low four bits) the same way: per group of G
+weights (G = the checkpoint's group for INT4P, the 32-weight sub-block for Q4KP and Q5KP, the
+16-weight one for Q6KP), int32 word m holds in nibble j the code of weight
 G/8 j + m, and rows are interleaved by ROWS: `data` [ceil(N/ROWS), K/8, ROWS], row n's word at
 [n // ROWS, m, n % ROWS]. They differ in the scales:
 - INT4P: `scales` fp16 [ceil(N/ROWS), K/G, 1, ROWS] = s and `zeros` uint8 [ceil(N/ROWS), K/G, 1,

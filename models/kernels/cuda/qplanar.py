@@ -1,6 +1,6 @@
-"""Dequant-GEMVs for 4- and 6-bit weights in layouts repacked for them at load
-(models/formats/planar.py): AWQ/GPTQ groups as INT4P, GGUF Q4_K as Q4KP and Q6_K as Q6KP. Fewer
-instructions a weight than qlinear.py's kernels, which decode the stored layouts.
+"""Dequant-GEMVs for 4-, 5- and 6-bit weights in layouts repacked for them at load
+(models/formats/planar.py): AWQ/GPTQ groups as INT4P, GGUF Q4_K as Q4KP, Q5_K as Q5KP and Q6_K as
+Q6KP. Fewer instructions a weight than qlinear.py's kernels, which decode the stored layouts.
 
 The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
 INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the code of weight
@@ -25,8 +25,8 @@ quantize_input first rounds each group of the input to int8 with one scale (x~ =
 order the nibbles meet them, and the GEMV then equals x~ @ W^T: per word, the even and the odd
 nibbles masked out in place (four codes a register, a byte each) go through two DP4As against
 the packed inputs, so a word costs about five integer instructions and two FMAs instead of three
-instructions a weight (Q6KP: the high bits joined into those bytes first, a few more). The
-float path of Q6KP (fp32 models) converts each 6-bit code.
+instructions a weight (Q6KP and Q5KP: the high bits joined into those bytes first, a few more).
+The float path of Q6KP and Q5KP (fp32 models) converts each 6- or 5-bit code.
 `dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
 instructions a weight of the compiled loop.
 """
@@ -151,7 +151,7 @@ if triton is not None:
                    KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
         quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
-        the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's 6-bit codes: bytes of
+        the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's and Q5KP's codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
         HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
@@ -542,7 +542,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
          out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
          int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input);
-    pw an INT4P, Q4KP or Q6KP QWeight (planar.repack_*). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
+    pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
     in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
     int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
