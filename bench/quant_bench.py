@@ -5,6 +5,7 @@
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
+    python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like Q5_0 matrices, the 27B-like Q6_K head)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
@@ -191,6 +192,39 @@ def sweep_small(device, gen) -> None:
 PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
 
 
+# (rows a program, weights a program at most, num_warps, flat store): qplanar.dequantize_rows's tiles
+DEQUANT_TILES = [(16, 128, 4, False), (16, 128, 4, True), (16, 256, 4, True), (8, 256, 4, True), (8, 512, 4, True),
+                 (16, 512, 8, True), (32, 256, 8, True), (32, 128, 4, True), (4, 512, 4, True), (16, 1024, 8, True),
+                 (32, 512, 8, True), (16, 256, 8, False)]
+
+
+def sweep_dequant(device, gen, tokens: int) -> None:
+    """qplanar.dequantize_rows (prefill's weights: each matrix dequantized to bf16, then one
+    GEMM) per tile and layout on the big shape's matrices, beside the bf16 GEMM of `tokens` rows
+    it feeds: microseconds a call, and the TB/s of the bytes read and written."""
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    from shapes import random_quant_linear
+    print(f"\n{'layout':>7}{'N':>7}{'K':>7}{'GEMM us':>9}" + "".join(f"{'x'.join(str(int(v)) for v in t):>14}"
+                                                              for t in DEQUANT_TILES))
+    for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k),
+                             ("Q5KP", "Q5_K", planar.repack_q5k), ("Q6KP", "Q6_K", planar.repack_q6k)):
+        for n, k in ((34816, 5120), (5120, 17408)):
+            pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
+            out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            gemm_us = time_graph(lambda i: x @ out.t(), 10, reps=3)
+            cells = []
+            for t in DEQUANT_TILES:
+                us = time_graph(lambda i: qplanar.dequantize_rows(pw, 0, n, torch.bfloat16, out, tile=t), 20, reps=3)
+                cells.append(f"{us:.0f}/{(pw.nbytes() + out.numel() * 2) / us / 1e6:.2f}")
+            print(f"{fmt:>7}{n:>7}{k:>7}{gemm_us:>9.0f}" + "".join(f"{c:>14}" for c in cells), flush=True)
+            pw = out = x = None
+            torch.cuda.empty_cache()
+    print(f"(tiles: rows a program x weights a program at most x num_warps x flat store; a cell: microseconds "
+          f"a call / TB/s read and written; GEMM: x[{tokens}, K] @ W^T in bf16)")
+
+
 def _graph_us(call) -> float:
     """Microseconds a call: 100 calls captured in a CUDA graph, one replay timed by CUDA events."""
     return time_graph(lambda i: call(), 100, reps=1)
@@ -208,6 +242,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
+    ap.add_argument("--sweep-dequant", action="store_true", help="qplanar.dequantize_rows's tiles (prefill's "
+                    "weights) beside the --prefill-row bf16 GEMM they feed")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
                     "0.5B-like shape's Q5_0 matrices and the 27B-like Q6_K head")
     args = ap.parse_args()
@@ -218,6 +254,9 @@ def main() -> None:
     if args.sweep_planar:
         sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
                      torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_dequant:
+        sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill)
         return
     if args.sweep_small:
         sweep_small(device, torch.Generator(device=device).manual_seed(0))

@@ -201,10 +201,10 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                    dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
                    dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PDL=True, INTERPRETED=False))
                   for ngb in (8192 // G, 4)]
-        cases.append((qplanar._planar_dequant_kernel,
-                      dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
-                           stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),
-                      dict(G=G, NG=128 // G, FMT=fmt, BLOCK_N=16)))
+        cases += [(qplanar._planar_dequant_kernel,
+                   dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
+                        stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),
+                   dict(G=G, NG=most // G, FMT=fmt, BLOCK_N=16, FLAT=flat)) for most, flat in ((128, False), (512, True))]
     reduce_sig = dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16", shared_gate="*bf16", out="*bf16",
                       N="i32")
     cases += [(qplanar._reduce_kernel, reduce_sig, dict(PARTS=4, HAS_BIAS=True, SWIGLU=True, WEIGHTED=False,
@@ -281,6 +281,20 @@ def test_gguf_planar_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swigl
         y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
         tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
         assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
+
+
+@pytest.mark.parametrize("fmt", ["AWQ", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_dequantize_tile_gives_the_same_rows(device, fmt):
+    """qplanar.dequantize_rows on any tile (rows, weights a program, warps, flat store: those
+    bench/quant_bench.py --sweep-dequant times) writes the default tile's rows, bit for bit (the
+    default's against the oracle: the tests above), a partial last row block included."""
+    from models.kernels.cuda import qplanar
+    n, k = 45, 1024
+    pw = qplanar.repack(int4_linear(n, k, 128, 6, device).qweight()) if fmt == "AWQ" else \
+        gguf_repack(fmt)(gguf_weight(fmt, n, k, 2, device)[0])
+    ref = qplanar.dequantize_rows(pw, 2, n, torch.float32)
+    for tile in ((8, 256, 4, True), (16, 512, 8, True), (32, 1024, 8, False), (4, 128, 1, True)):
+        assert torch.equal(qplanar.dequantize_rows(pw, 2, n, torch.float32, tile=tile), ref), tile
 
 
 @pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KP", 2 * 148), ("Q5_K", "Q5KP", 2 * 180),

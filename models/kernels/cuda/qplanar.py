@@ -422,11 +422,14 @@ if triton is not None:
 if triton is not None:
     @triton.jit
     def _planar_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o, kw8,
-                               G: tl.constexpr, NG: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+                               G: tl.constexpr, NG: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               FLAT: tl.constexpr):
         """Rows start..stop of W, NG groups of G weights a program: W = s code - offset. The tile
-        is [rows, group, nibble j, word m]: weight g G + G/8 j + m of a row, so one store writes
-        each row's NG G weights contiguously (a store per nibble wrote G/8-weight pieces G apart:
-        8 bytes of each 32-byte sector at a time for Q4KP's 32-weight groups)."""
+        is [rows, group, nibble j, word m]: weight g G + G/8 j + m of a row, so a row's NG G
+        weights are contiguous in it (a store per nibble wrote G/8-weight pieces G apart: 8 bytes
+        of each 32-byte sector at a time for Q4KP's 32-weight groups). FLAT: the tile reshaped to
+        [rows, NG G] before the store, whose contiguity Triton then sees whole (in the 4-D tile it
+        sees only the G/8 words of m: 8-byte stores for Q4KP's 4)."""
         GW: tl.constexpr = G // 8
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
         g = tl.program_id(1) * NG + tl.arange(0, NG)[None, :, None, None]
@@ -443,25 +446,36 @@ if triton is not None:
             hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (2 * HB * m)
             code = code | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
         code = code.to(tl.float32)
-        tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, (scale * code - off).to(out.dtype.element_ty),
-                 mask=start + i < stop)
+        val = (scale * code - off).to(out.dtype.element_ty)
+        if FLAT:
+            r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+            kk = tl.program_id(1) * (NG * G) + tl.arange(0, NG * G)[None, :]
+            tl.store(out + r.to(tl.int64) * stride_o + kk, tl.reshape(val, [BLOCK_N, NG * G]), mask=start + r < stop)
+        else:
+            tl.store(out + i.to(tl.int64) * stride_o + g * G + j * GW + m, val, mask=start + i < stop)
+
+
+# (rows a program, weights a program at most, num_warps, flat store): the tile of the dequantize
+# launch (bench/quant_bench.py --sweep-dequant times others)
+DEQUANT_TILE = (16, 128, 4, False)
 
 
 def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, tile: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
     """Rows start..stop of W in `dtype` ([stop - start, K]; into `out` where given, rows of unit
-    stride along K): each weight scale * code - scale * zero in fp32, rounded once."""
+    stride along K): each weight scale * code - scale * zero in fp32, rounded once. `tile`:
+    DEQUANT_TILE's form, that tile by default."""
     rows = stop - start
     out = torch.empty(rows, pw.k, dtype=dtype, device=pw.data.device) if out is None else out
-    bn = 16
+    bn, most, warps, flat = tile or DEQUANT_TILE
     z = pw.zeros if pw.zeros is not None else pw.scales
     groups = pw.k // pw.group
-    ng = 1  # groups a program: up to 128 weights (Q4KP's 32-weight groups four at a time)
-    while ng * 2 * pw.group <= 128 and groups % (ng * 2) == 0:
+    ng = 1  # groups a program: up to `most` weights (Q4KP's 32-weight groups four at a time at 128)
+    while ng * 2 * pw.group <= most and groups % (ng * 2) == 0:
         ng *= 2
     launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
            stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), pw.k // 8, G=pw.group, NG=ng,
-           FMT=FMTS[pw.fmt], BLOCK_N=bn, num_warps=4)
+           FMT=FMTS[pw.fmt], BLOCK_N=bn, FLAT=flat, num_warps=warps)
     return out
 
 
