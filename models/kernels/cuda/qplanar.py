@@ -48,9 +48,9 @@ __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input"
 FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
-# steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set O,
-# the 27B-like shape): Q4KP 118.9 -> 128.5 tok/s, INT4P 153.9 -> 149.3; with the scales carried as
-# loaded (set P): INT4P 156.6 -> 149.3, Q5KP 104.4 -> 92.8, Q4KP 132.2 -> 136.6, Q6KP (the Q4_K head) even.
+# steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set Q,
+# the 27B-like shape, tok/s without -> with): Q4KP 138.5 -> 152.0, INT4P 157.5 -> 153.3, Q5KP
+# 106.6 -> 93.9, Q6KP (the Q4_K head) even.
 PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
@@ -456,8 +456,11 @@ if triton is not None:
 
 
 # (rows a program, weights a program at most, num_warps, flat store): the tile of the dequantize
-# launch (bench/quant_bench.py --sweep-dequant times others)
-DEQUANT_TILE = (16, 128, 4, False)
+# launch. bench/quant_bench.py --sweep-dequant on an H200 (bench/RESULTS.md set Q), us for the
+# 27B-like [34816, 5120] into bf16, INT4P / Q4KP / Q5KP / Q6KP: 125 / 126 / 132 / 141 against
+# 129 / 408 / 409 / 919 for the 4-D store of 16 x 128 x 4 (8-byte stores where a group's words
+# are few: beside the 816 us GEMM of a 2k-token prefill it fed)
+DEQUANT_TILE = (16, 1024, 8, True)
 
 
 def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
@@ -470,7 +473,7 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     bn, most, warps, flat = tile or DEQUANT_TILE
     z = pw.zeros if pw.zeros is not None else pw.scales
     groups = pw.k // pw.group
-    ng = 1  # groups a program: up to `most` weights (Q4KP's 32-weight groups four at a time at 128)
+    ng = 1  # groups a program: up to `most` weights, whole groups that divide the row's
     while ng * 2 * pw.group <= most and groups % (ng * 2) == 0:
         ng *= 2
     launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
