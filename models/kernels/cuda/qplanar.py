@@ -58,6 +58,8 @@ NORM_QUANTIZE = True
 # Programs of that launch (about; each sums the whole row's squares, then norms and quantizes its
 # share of the groups): 1 is one program for the whole row (the A/B of ab_decode's variant nqp1)
 NORM_QUANTIZE_PROGRAMS = 8
+# The grid the K split aims at (pick_config): parts of a row block until about this many programs
+PROGRAMS = 8192
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -484,7 +486,7 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
 
 def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tuple[int, int, int, int]:
     """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
-    most parts, up to the fewest that give the grid ~8,192 programs, of at least 4 steps each;
+    most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
     those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
@@ -494,7 +496,7 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tu
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
     want = 1
-    while -(-n // rows) * want < 8192 and want < 16:
+    while -(-n // rows) * want < PROGRAMS and want < 16:
         want *= 2
     splits = [want >> i for i in range(want.bit_length())]
     for split, kw in [(s, w) for s in splits for w in (32, 64)] + [(s, 16) for s in splits]:
