@@ -60,9 +60,6 @@ NORM_QUANTIZE = True
 NORM_QUANTIZE_PROGRAMS = 8
 # The grid the K split aims at (pick_config): parts of a row block until about this many programs
 PROGRAMS = 8192
-# Whether pick_config splits the K of a small grid in steps of 8 or 16 words where 32 would leave
-# it unsplit (bench/ab_decode.py's nofill variant)
-FILL = True
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -491,9 +488,7 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tu
     """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
     most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
-    those parts); where that leaves the K unsplit and the grid under PROGRAMS / 4 row blocks
-    (FILL), the most parts that 8 words a step allow too (the 0.5B-like [896, 4864]: 19 steps of
-    32 words, a prime, in 112 programs). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
+    those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
@@ -504,15 +499,9 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tu
     while -(-n // rows) * want < PROGRAMS and want < 16:
         want *= 2
     splits = [want >> i for i in range(want.bit_length())]
-
-    def fits(split, kw):
-        return words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and (split == 1 or words // kw // split >= 4)
-    found = next(((s, w) for s, w in [(s, w) for s in splits for w in (32, 64)] + [(s, 16) for s in splits]
-                  if fits(s, w)), None)
-    if FILL and found is not None and found[0] == 1 and -(-n // rows) < PROGRAMS // 4:
-        found = next(((s, w) for s in splits[:-1] for w in (32, 64, 16, 8) if fits(s, w)), found)
-    if found is not None:
-        return rows, warps, found[1], found[0]
+    for split, kw in [(s, w) for s in splits for w in (32, 64)] + [(s, 16) for s in splits]:
+        if words % kw == 0 and kw % gw == 0 and (words // kw) % split == 0 and (split == 1 or words // kw // split >= 4):
+            return rows, warps, kw, split
     kw = next(w for w in (32, 64, 16, 8, 4, 2, 1) if words % w == 0 and w % gw == 0)
     return rows, warps, kw, 1
 
