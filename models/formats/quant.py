@@ -261,8 +261,7 @@ class QuantLinear(nn.Module):
     a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
     devices. One row (or a NormedRow: not a tensor): the dequant-GEMV, in out_dtype (x's by
     default; the LM head asks for fp32); more rows: chunks of rows dequantized by a kernel to the
-    compute dtype, then torch's GEMM (a matrix dequantized whole, the next linear's meanwhile on a
-    side stream: kernels.prefill_weight). `sizes` splits the rows of fused linears back."""
+    compute dtype, then torch's GEMM. `sizes` splits the rows of fused linears back."""
 
     sizes: list[int] | None = None
     # models.kernels.cuda.qlinear, which sets itself here when imported (formats import no kernel;
@@ -308,10 +307,10 @@ class QuantLinear(nn.Module):
         else:
             dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
             x2 = x2.to(dtype)
-            if self.whole_prefill():  # (the next linear's matrix dequantized meanwhile: prefill_weight)
-                y = x2 @ k.prefill_weight(self, qw, dtype).t()
+            rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
+            if rows >= self.out_features:
+                y = x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
             else:
-                rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
                 y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
                 for i in range(0, self.out_features, rows):
                     stop = min(self.out_features, i + rows)
@@ -320,10 +319,6 @@ class QuantLinear(nn.Module):
                 y = y + self.bias.to(dtype)
             y = y.to(out_dtype or x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def whole_prefill(self) -> bool:
-        """Whether cuda_forward's many-row form dequantizes the whole matrix at once (one chunk)."""
-        return max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features) >= self.out_features
 
     def gemv_swiglu(self, x) -> torch.Tensor:
         """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import base as cuda_base, fp8, prefill_weights, qplanar
+from . import base as cuda_base, fp8, qplanar
 from .base import launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
@@ -143,12 +143,6 @@ def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torc
            qw.data, sc, z, out, start, stop, qw.k, qw.data.stride(0), stride_s, out.stride(0), BLOCK_N=bn, num_warps=4,
            **consts)
     return out
-
-
-def prefill_weight(linear, qw: QWeight, dtype: torch.dtype) -> torch.Tensor:
-    """`linear`'s whole W in `dtype` for a many-row GEMM (dequantize's bits), its successor's made
-    meanwhile on a side stream (prefill_weights.py)."""
-    return prefill_weights.weight(linear, qw, dtype, dequantize)
 
 
 def dequantize_rows(qw: QWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
