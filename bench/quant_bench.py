@@ -5,6 +5,7 @@
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
+    python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like Q5_0 matrices, the 27B-like Q6_K head)
 
@@ -192,6 +193,35 @@ def sweep_small(device, gen) -> None:
 PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
 
 
+# The small shapes' Q4KP matrices (N, K, SwiGLU): the 0.5B-like down, the 0.8B-like gate/up and down
+GRID_SHAPES = [(896, 4864, False), (7168, 1024, True), (1024, 3584, False)]
+
+
+def sweep_grid(device, gen) -> None:
+    """qplanar.py's GEMV on the small shapes' Q4KP matrices (int8 inputs) per (rows a program,
+    num_warps, words a step, K split in): every split of at least 4 steps a part up to 8, beside
+    pick_config's; microseconds a call, the input's quantize launch and the split-K reduce included."""
+    from models.formats import planar
+    from models.kernels.cuda import qplanar
+    from shapes import random_quant_linear
+    for n, k, swiglu in GRID_SHAPES:
+        pw = planar.repack_q4k(random_quant_linear("Q4_K", n, k, device, gen).qweight())
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        words = k // 8
+        configs = [(r, w, kw, sp) for r, w in ((8, 2), (8, 4), (4, 1), (4, 2)) for kw in (8, 16, 32, 64)
+                   for sp in (1, 2, 4, 8) if words % kw == 0 and (words // kw) % sp == 0
+                   and (sp == 1 or words // kw // sp >= 4)]
+        picked = qplanar.pick_config(n // 2 if swiglu else n, k, pw.group)
+        configs += [picked] if picked not in configs else []
+        cells = {c: _graph_us(lambda: qplanar.gemv(x, pw, swiglu=swiglu, config=c, int8=True)) for c in configs}
+        best = sorted(cells, key=cells.get)
+        print(f"Q4KP [{n}, {k}]{' SwiGLU' if swiglu else ''}: picked {'x'.join(map(str, picked))} "
+              f"{cells[picked]:.1f} us; best " + ", ".join(f"{'x'.join(map(str, c))} {cells[c]:.1f}" for c in best[:6]),
+              flush=True)
+        print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+    print("(configs: rows a program x num_warps x words a step x K split in)")
+
+
 # (rows a program, weights a program at most, num_warps, flat store): qplanar.dequantize_rows's tiles
 DEQUANT_TILES = [(16, 128, 4, False), (16, 128, 4, True), (16, 256, 4, True), (8, 256, 4, True), (8, 512, 4, True),
                  (16, 512, 8, True), (32, 256, 8, True), (32, 128, 4, True), (4, 512, 4, True), (16, 1024, 8, True),
@@ -244,6 +274,8 @@ def main() -> None:
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
     ap.add_argument("--sweep-dequant", action="store_true", help="qplanar.dequantize_rows's tiles (prefill's "
                     "weights) beside the --prefill-row bf16 GEMM they feed")
+    ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
+                    "shapes' Q4KP matrices")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
                     "0.5B-like shape's Q5_0 matrices and the 27B-like Q6_K head")
     args = ap.parse_args()
@@ -254,6 +286,9 @@ def main() -> None:
     if args.sweep_planar:
         sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
                      torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_grid:
+        sweep_grid(device, torch.Generator(device=device).manual_seed(0))
         return
     if args.sweep_dequant:
         sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill)
