@@ -16,7 +16,8 @@ words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
 outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
 about 8), a16 (qplanar's GEMVs on the bf16 inputs as given, not int8: CHAT_PLANAR_A16=1; other
-tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 programs / none).
+tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 programs / none),
+nosmall (pick_config without its form for small matrices, qplanar.SMALL).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -41,7 +42,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
-                nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False)
+                nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
+                small=qplanar.SMALL)
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -65,6 +67,7 @@ VARIANTS = {
     "a16": dict(a16=True),
     "programs2k": dict(programs=2048),
     "programs1": dict(programs=1),
+    "nosmall": dict(small=False),
 }
 
 
@@ -74,7 +77,7 @@ def apply(variant: str) -> None:
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK = v["reduce"]
-    qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS = v["nqp"], v["programs"]
+    qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     else:

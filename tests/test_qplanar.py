@@ -381,6 +381,8 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     rows, _, kw, split = qplanar.pick_config(5120, 17408, 128)
     assert 5120 // rows * split >= 2048 and (17408 // 8 // kw) % split == 0
     assert qplanar.pick_config(8, 256, 32)[3] == 1  # too few steps to split
+    assert qplanar.pick_config(1024, 3584, 32) == (8, 4, 64, 1)  # a small matrix: 7 steps of 64 words, unsplit
+    assert qplanar.pick_config(1024, 3584, 32, small=False) == (8, 2, 32, 2)
 
 
 def gguf_experts(E, I, H, down_type="Q4_K", seed=0):

@@ -60,6 +60,10 @@ NORM_QUANTIZE = True
 NORM_QUANTIZE_PROGRAMS = 8
 # The grid the K split aims at (pick_config): parts of a row block until about this many programs
 PROGRAMS = 8192
+# pick_config's form for small matrices (bench/ab_decode.py's nosmall variant: without), up to
+# this many weights
+SMALL = True
+SMALL_WEIGHTS = 16 << 20
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -484,17 +488,23 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     return out
 
 
-def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2) -> tuple[int, int, int, int]:
+def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
+                small: bool = True) -> tuple[int, int, int, int]:
     """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
     most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
-    those parts). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
+    those parts). A small matrix (SMALL: at most SMALL_WEIGHTS weights, rows of at most 4,096 in
+    whole 64-word steps, the 0.8B-like shape's; `small`): 8 rows, 4 warps, 64 words a step, K unsplit
+    (`--sweep-grid`, bench/RESULTS.md set Q: the 0.8B-like gate/up [7168, 1024] 4.2 against
+    5.4 us, its down [1024, 3584] 4.0 against 4.4 with a reduce launch). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
     but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
+    if small and SMALL and n * k <= SMALL_WEIGHTS and words <= 512 and words % 64 == 0 and 64 % gw == 0:
+        return 8, 4, 64, 1
     want = 1
     while -(-n // rows) * want < PROGRAMS and want < 16:
         want *= 2
@@ -614,8 +624,9 @@ def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None
 
 
 def _expert_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
-    """pick_config's rows, warps and words a step, unsplit (the top k experts fill axis 1)."""
-    rows, warps, kw, _ = pick_config(n, k, group)
+    """pick_config's rows, warps and words a step, unsplit (the top k experts fill axis 1; not its
+    small-matrix form, measured on whole matrices only)."""
+    rows, warps, kw, _ = pick_config(n, k, group, small=False)
     return rows, warps, kw, (k // 8) // kw
 
 
