@@ -44,6 +44,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL)
+_A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -80,8 +81,10 @@ def apply(variant: str) -> None:
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
-    else:
+    elif _A16_GIVEN is None:
         os.environ.pop("CHAT_PLANAR_A16", None)
+    else:  # (the caller's own setting, for every other variant)
+        os.environ["CHAT_PLANAR_A16"] = _A16_GIVEN
 
 
 def main() -> None:
