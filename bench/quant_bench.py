@@ -110,7 +110,7 @@ def sweep_planar(device, x, gen) -> None:
                 qplanar.PREFETCH = dict.fromkeys(saved, prefetch)
                 cells = []
                 picked = qplanar.pick_config(n, k, pw.group)
-                for config in [qplanar.pick_config(n, k, pw.group, r, w) for r, w in PLANAR_TILES] + [picked]:
+                for config in [qplanar.pick_config(n, k, pw.group, r, w, small=False) for r, w in PLANAR_TILES] + [picked]:
                     us = _graph_us(lambda: qplanar.gemv(xk, pw, config=config, int8=int8))
                     cells.append(f"{us:.0f}/{pw.nbytes() / us / 1e6:.2f}")
                 label = fmt + ("-A8" if int8 else "") + ("" if prefetch else "-np")
