@@ -383,6 +383,7 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     assert qplanar.pick_config(8, 256, 32)[3] == 1  # too few steps to split
     assert qplanar.pick_config(1024, 3584, 32) == (8, 4, 64, 1)  # a small matrix: 7 steps of 64 words, unsplit
     assert qplanar.pick_config(1024, 3584, 32, small=False) == (8, 2, 32, 2)
+    assert qplanar.pick_config(896, 4864, 32) == (4, 1, 8, 4)  # small, 608 words: 4 parts of 19 8-word steps
 
 
 def gguf_experts(E, I, H, down_type="Q4_K", seed=0):
