@@ -92,10 +92,12 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8
             g, u = ref[:, :half], ref[:, half:]
             ref = g / (1 + torch.exp(-g)) * u
             scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
-        out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype, int8=int8)
-        err = (out.double() - ref).abs()
         tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
-        assert bool((err <= tol).all()), float((err - tol).max())
+        # pick_config's form, and its general form (a split K where the grid is small)
+        for config in (None, qplanar.pick_config(n // 2 if swiglu else n, k, group, small=False)):
+            out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype, int8=int8, config=config)
+            err = (out.double() - ref).abs()
+            assert bool((err <= tol).all()), (config, float((err - tol).max()))
 
 
 @pytest.mark.parametrize("k,group,res", [(896, 32, True), (640, 128, False), (512, 64, True), (5120, 32, True),
@@ -204,7 +206,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         cases += [(qplanar._planar_dequant_kernel,
                    dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                         stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),
-                   dict(G=G, NG=most // G, FMT=fmt, BLOCK_N=16, FLAT=flat)) for most, flat in ((128, False), (512, True))]
+                   dict(G=G, NG=most // G, FMT=fmt, BLOCK_N=bn, FLAT=flat))
+                  for bn, most, flat in ((16, 128, False), qplanar.DEQUANT_TILE[:2] + qplanar.DEQUANT_TILE[3:])]
     reduce_sig = dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16", shared_gate="*bf16", out="*bf16",
                       N="i32")
     cases += [(qplanar._reduce_kernel, reduce_sig, dict(PARTS=4, HAS_BIAS=True, SWIGLU=True, WEIGHTED=False,
@@ -285,9 +288,9 @@ def test_gguf_planar_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swigl
 
 @pytest.mark.parametrize("fmt", ["AWQ", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_dequantize_tile_gives_the_same_rows(device, fmt):
-    """qplanar.dequantize_rows on any tile (rows, weights a program, warps, flat store: those
-    bench/quant_bench.py --sweep-dequant times) writes the default tile's rows, bit for bit (the
-    default's against the oracle: the tests above), a partial last row block included."""
+    """qplanar.dequantize_rows on any tile (rows, weights a program, warps, flat store or the 4-D
+    one) writes the default tile's rows, bit for bit (the default's against the oracle: the tests
+    above), a partial last row block included."""
     from models.kernels.cuda import qplanar
     n, k = 45, 1024
     pw = qplanar.repack(int4_linear(n, k, 128, 6, device).qweight()) if fmt == "AWQ" else \

@@ -3,7 +3,7 @@
 Q6KP. Fewer instructions a weight than qlinear.py's kernels, which decode the stored layouts.
 
 The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
-INT4P, the 32-weight sub-block for Q4KP), int32 word m holds in its nibble j the code of weight
+INT4P, the 32-weight sub-block for Q4KP and Q5KP, the 16-weight one for Q6KP), int32 word m holds in its nibble j the code of weight
 G/8 j + m, so a word's eight codes share their group's scale and offset, and the input a nibble
 meets, x[g G + G/8 j + m], runs contiguously along m; rows are interleaved by R = 4, so a
 thread's four contiguous words are four rows' same word and the input it loads and converts
