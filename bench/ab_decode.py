@@ -43,7 +43,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
-                small=qplanar.SMALL)
+                small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 VARIANTS = {
     "base": {},
@@ -69,6 +69,8 @@ VARIANTS = {
     "programs2k": dict(programs=2048),
     "programs1": dict(programs=1),
     "nosmall": dict(small=False),
+    "grid1024": dict(small_grid=1024),
+    "grid512": dict(small_grid=512),
 }
 
 
@@ -79,6 +81,7 @@ def apply(variant: str) -> None:
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK = v["reduce"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
+    qplanar.SMALL_GRID = v["small_grid"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:

@@ -64,6 +64,7 @@ PROGRAMS = 8192
 # this many weights
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
+SMALL_GRID = 1 << 62
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -505,12 +506,19 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
-    if small and SMALL and n * k <= SMALL_WEIGHTS:
+    general = _general_config(n, words, gw, rows, warps)
+    if small and SMALL and n * k <= SMALL_WEIGHTS and -(-n // general[0]) * general[3] < SMALL_GRID:
         if words <= 512 and words % 64 == 0 and 64 % gw == 0:
             return 8, 4, 64, 1
         if words % 8 == 0 and 8 % gw == 0:  # (rows not in whole 64-word steps: 4 rows, 1 warp, 8-word steps)
             split = next((s for s in (4, 2) if (words // 8) % s == 0 and words // 8 // s >= 4), 1)
             return 4, 1, 8, split
+    return general
+
+
+def _general_config(n: int, words: int, gw: int, rows: int, warps: int) -> tuple[int, int, int, int]:
+    """pick_config's form for any matrix (its docstring: 32 words a step, else 64, else 16; K split
+    towards ~PROGRAMS programs)."""
     want = 1
     while -(-n // rows) * want < PROGRAMS and want < 16:
         want *= 2
