@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
@@ -43,7 +43,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
-                small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID)
+                small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
+                whole=qlinear.WHOLE_CONFIG)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 VARIANTS = {
     "base": {},
@@ -71,6 +72,10 @@ VARIANTS = {
     "nosmall": dict(small=False),
     "grid1024": dict(small_grid=1024),
     "grid512": dict(small_grid=512),
+    **{f"qw{r}x{w}{'' if whole else 's' + str(most)}": dict(whole=(r, w, most, whole))
+       for r, w, most, whole in ((1, 1, 1024, True), (2, 1, 1024, True), (4, 2, 1024, True), (4, 4, 1024, True),
+                                 (8, 4, 1024, True), (2, 2, 1024, False), (1, 1, 1024, False), (4, 4, 1024, False),
+                                 (2, 2, 64, False), (4, 4, 256, False))},
 }
 
 
@@ -81,7 +86,7 @@ def apply(variant: str) -> None:
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK = v["reduce"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
-    qplanar.SMALL_GRID = v["small_grid"]
+    qplanar.SMALL_GRID, qlinear.WHOLE_CONFIG = v["small_grid"], v["whole"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:

@@ -46,6 +46,8 @@ FORMATS = {
 STEP_WEIGHTS = 1024
 # Matrices up to fp8.WHOLE_STEP_BYTES are decoded in one step of K where `STEP_WEIGHTS` allows.
 WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
+# Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row)
+WHOLE_CONFIG = (2, 2, STEP_WEIGHTS, True)
 
 
 def fits(fmt: str, k: int) -> bool:
@@ -98,7 +100,7 @@ def pick_config(n: int, fmt: str, nbytes: int = 0) -> tuple[int, int, int]:
     if n >= 16384:
         return (8 if FORMATS[fmt][2] >= 256 else 16), 1, 256
     if 0 < nbytes <= WHOLE_STEP_BYTES:
-        return 2, 2, STEP_WEIGHTS
+        return WHOLE_CONFIG[:3]
     return 4, 4, STEP_WEIGHTS
 
 
@@ -121,7 +123,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
-    (sc, z, stride_s), consts = _args(qw, most, whole=qw.nbytes() <= WHOLE_STEP_BYTES)
+    (sc, z, stride_s), consts = _args(qw, most, whole=qw.nbytes() <= WHOLE_STEP_BYTES and WHOLE_CONFIG[3])
     launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,

@@ -507,7 +507,7 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
     general = _general_config(n, words, gw, rows, warps)
-    if small and SMALL and n * k <= SMALL_WEIGHTS and -(-n // general[0]) * general[3] < SMALL_GRID:
+    if small and SMALL and n * k <= SMALL_WEIGHTS and (general[3] == 1 or -(-n // general[0]) * general[3] < SMALL_GRID):
         if words <= 512 and words % 64 == 0 and 64 % gw == 0:
             return 8, 4, 64, 1
         if words % 8 == 0 and 8 % gw == 0:  # (rows not in whole 64-word steps: 4 rows, 1 warp, 8-word steps)
