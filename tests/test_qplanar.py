@@ -387,6 +387,10 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     assert qplanar.pick_config(1024, 3584, 32) == (8, 4, 64, 1)  # a small matrix: 7 steps of 64 words, unsplit
     assert qplanar.pick_config(1024, 3584, 32, small=False) == (8, 2, 32, 2)
     assert qplanar.pick_config(896, 4864, 32) == (4, 1, 8, 4)  # small, 608 words: 4 parts of 19 8-word steps
+    # small in weights, but the general form's grid is big enough (1,280 and 2,048 programs): not small
+    assert qplanar.pick_config(5120, 2048, 32) == (8, 2, 32, 2)
+    assert qplanar.pick_config(2048, 8192, 32) == (8, 2, 32, 8)
+    assert qplanar.pick_config(8192, 1024, 32) == (8, 4, 64, 1)  # a big grid, but K unsplit there: small
 
 
 def gguf_experts(E, I, H, down_type="Q4_K", seed=0):

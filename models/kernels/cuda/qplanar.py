@@ -61,10 +61,13 @@ NORM_QUANTIZE_PROGRAMS = 8
 # The grid the K split aims at (pick_config): parts of a row block until about this many programs
 PROGRAMS = 8192
 # pick_config's form for small matrices (bench/ab_decode.py's nosmall variant: without), up to
-# this many weights
+# this many weights, where the general form leaves K unsplit or gives fewer programs than
+# SMALL_GRID (ab_decode --format Q4_K, bench/RESULTS.md set R: 1,024 against no bound, the
+# 30B-A3B-like 483.1 against 471.6 tok/s, LFM2-1.2B-like 1,494.1 against 1,448.6, 35B-A3B-like
+# 414.9 against 406.1; the 0.5B- and 0.8B-like shapes' configs unchanged)
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
-SMALL_GRID = 1 << 62
+SMALL_GRID = 1024
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -494,8 +497,9 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
     most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
-    those parts). A small matrix (SMALL: at most SMALL_WEIGHTS weights, rows of at most 4,096 in
-    whole 64-word steps, the 0.8B-like shape's; `small`): 8 rows, 4 warps, 64 words a step, K unsplit
+    those parts). A small matrix (SMALL: at most SMALL_WEIGHTS weights, where that general form
+    leaves K unsplit or has fewer than SMALL_GRID programs; `small`), rows of at most 4,096 in
+    whole 64-word steps (the 0.8B-like shape's): 8 rows, 4 warps, 64 words a step, K unsplit
     (`--sweep-grid`, bench/RESULTS.md set Q: the 0.8B-like gate/up [7168, 1024] 4.2 against
     5.4 us, its down [1024, 3584] 4.0 against 4.4 with a reduce launch); other small matrices
     (the 0.5B-like down [896, 4864]: 608 words) on 4 rows, 1 warp, 8 words a step, K in up to 4
