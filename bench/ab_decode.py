@@ -17,7 +17,11 @@ qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce ove
 outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
 about 8), a16 (qplanar's GEMVs on the bf16 inputs as given, not int8: CHAT_PLANAR_A16=1; other
 tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 programs / none),
-nosmall (pick_config without its form for small matrices, qplanar.SMALL).
+nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid1024 / grid512
+(that form only below that many programs, qplanar.SMALL_GRID), qw* (qlinear.WHOLE_CONFIG: the
+configs of matrices read in one step), tiny* (GGUF matrices up to 1 / 4 Mi weights left in their
+blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weights), w2k (one
+step up to 2,048 weights).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -35,6 +39,7 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
+from models.formats import loader  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
@@ -44,7 +49,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
-                whole=qlinear.WHOLE_CONFIG)
+                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 VARIANTS = {
     "base": {},
@@ -76,6 +81,10 @@ VARIANTS = {
        for r, w, most, whole in ((1, 1, 1024, True), (2, 1, 1024, True), (4, 2, 1024, True), (4, 4, 1024, True),
                                  (8, 4, 1024, True), (2, 2, 1024, False), (1, 1, 1024, False), (4, 4, 1024, False),
                                  (2, 2, 64, False), (4, 4, 256, False))},
+    "tiny1m": dict(planar_min=1 << 20),
+    "tiny1m-w2k": dict(planar_min=1 << 20, whole=(2, 2, 2048, True)),
+    "tiny4m-w2k": dict(planar_min=4 << 20, whole=(2, 2, 2048, True)),
+    "w2k": dict(whole=(2, 2, 2048, True)),
 }
 
 
@@ -87,6 +96,7 @@ def apply(variant: str) -> None:
     qplanar.REDUCE_BLOCK = v["reduce"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     qplanar.SMALL_GRID, qlinear.WHOLE_CONFIG = v["small_grid"], v["whole"]
+    loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -108,12 +118,20 @@ def main() -> None:
     dev = torch.device("cuda")
     variants = a.variants.split(",")
     for name in a.names:
-        if a.format == "bf16":
-            model = random_model(name, dev, torch.bfloat16)
-        else:
-            from models.formats.loader import repack_for_cuda
-            model = random_quantized_model(name, a.format, dev, torch.bfloat16)
-            repack_for_cuda(model)
+        built = {}
+
+        def build(v: str):
+            apply(v)
+            key = loader.PLANAR_MIN_WEIGHTS
+            if key not in built:
+                if a.format == "bf16":
+                    built[key] = random_model(name, dev, torch.bfloat16)
+                else:
+                    built[key] = random_quantized_model(name, a.format, dev, torch.bfloat16)
+                    loader.repack_for_cuda(built[key])
+            return built[key]
+
+        model = build("base")
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=g).tolist()
         cfg = SamplingConfig(temperature=0, max_new_tokens=a.new)
@@ -121,8 +139,7 @@ def main() -> None:
         tokens = {}
         for _ in range(a.rounds):
             for v in variants:
-                apply(v)
-                s = DecodeSession(model, max_context=a.prompt + a.new + 8, device=dev, dtype=torch.bfloat16,
+                s = DecodeSession(build(v), max_context=a.prompt + a.new + 8, device=dev, dtype=torch.bfloat16,
                                   cuda_graph="on")
                 list(s.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=16), stop_ids=()))
                 s.reset()
@@ -139,6 +156,7 @@ def main() -> None:
                   f"max {max(speeds[v]):.1f})  tokens {'=' if tokens[v] == tokens[first] else '!='} {first}",
                   flush=True)
         del model
+        built.clear()
         torch.cuda.empty_cache()
 
 

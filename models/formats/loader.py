@@ -290,6 +290,11 @@ def _release_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
+# GGUF matrices of at most this many weights keep their blocks on CUDA (qlinear.py's GEMV on the
+# bf16 input, no int8 input launch): bench/ab_decode.py's tiny variants
+PLANAR_MIN_WEIGHTS = 0
+
+
 def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
     INT4P and GGUF Q4_K, Q5_K and Q6_K linears into Q4KP, Q5KP and Q6KP, the layouts
@@ -301,7 +306,8 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
         if isinstance(m, hf_quant.GroupInt4Linear):
             m.to_planar()
         elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
-                and m.blocks.untyped_storage().data_ptr() not in shared:
+                and m.blocks.untyped_storage().data_ptr() not in shared \
+                and m.in_features * m.out_features > PLANAR_MIN_WEIGHTS:
             m.to_planar()
 
 
