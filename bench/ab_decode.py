@@ -85,6 +85,7 @@ VARIANTS = {
     "tiny1m-w2k": dict(planar_min=1 << 20, whole=(2, 2, 2048, True)),
     "tiny4m-w2k": dict(planar_min=4 << 20, whole=(2, 2, 2048, True)),
     "w2k": dict(whole=(2, 2, 2048, True)),
+    **{f"tiny{m}m-w{w}k": dict(planar_min=m << 20, whole=(2, 2, w << 10, True)) for m in (2, 4, 8, 12) for w in (2, 4, 8)},
 }
 
 
