@@ -30,7 +30,11 @@ GGUF_CASES = [("llama", Q.Q4_0, None, Q.Q8_0), ("qwen2", Q.Q4_1, None, Q.Q4_0),
               ("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0),
               ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K), ("qwen2", Q.Q5_K, None, Q.Q4_K),
               ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen2", Q.Q8_0, None, Q.Q8_0)]
-IDS = [f"{k}-{q.name}-embd_{e.name}" for k, q, t, e in GGUF_CASES]
+# The K-quants twice: every matrix repacked for qplanar.py (PLANAR_MIN_WEIGHTS 0), and as the loader
+# leaves a tiny model's matrices by default (their blocks kept: qlinear.py's GEMV)
+KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+GGUF_RUNS = [c + (0,) for c in GGUF_CASES if c[1] in KQUANTS] + [c + (None,) for c in GGUF_CASES]
+IDS = [f"{k}-{q.name}-embd_{e.name}" + ("" if m is None else "-planar") for k, q, t, e, m in GGUF_RUNS]
 
 
 def tiny_gguf(tmp_path, kind, linear, types, embed):
@@ -73,8 +77,12 @@ def check_against_dequantized(path, quantized_types, ref_path=None):
     return q16
 
 
-@pytest.mark.parametrize("kind,linear,types,embed", GGUF_CASES, ids=IDS)
-def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, kind, linear, types, embed):
+@pytest.mark.parametrize("kind,linear,types,embed,planar_min", GGUF_RUNS, ids=IDS)
+def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, kind, linear, types, embed,
+                                                          planar_min):
+    from models.formats import loader
+    if planar_min is not None:
+        monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
     path = tiny_gguf(tmp_path, kind, linear, types, embed)
     names = {linear.name, embed.name} | {t.name for t in (types or {}).values()}
     q16 = check_against_dequantized(path, names)
@@ -82,14 +90,18 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, kind, linear,
     mlp = layer.mlp
     gate_up = mlp.gate_up_proj  # fused; as stored, or a K-quant repacked as Q4KP, Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
-    assert gate_up.planar == (linear.name in ("Q4_K", "Q5_K", "Q6_K") and gate_up.in_features % 256 == 0)
+    assert gate_up.planar == (linear in KQUANTS and gate_up.in_features % 256 == 0
+                              and gate_up.in_features * gate_up.out_features > loader.PLANAR_MIN_WEIGHTS)
     assert isinstance(q16.model.model.embed_tokens, quant.BlockEmbedding)
     assert q16.weight_format.startswith("GGUF ") and linear.name in q16.weight_format
 
 
-def test_gguf_on_cuda_takes_the_files_bytes(tmp_path):
-    """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's."""
+def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch):
+    """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's (every K-quant
+    matrix repacked, as a large model's are)."""
     import gguf
+    from models.formats import loader
+    monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", 0)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     reader = gguf.GGUFReader(path)
     file_bytes = {}

@@ -290,15 +290,20 @@ def _release_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
-# GGUF matrices of at most this many weights keep their blocks on CUDA (qlinear.py's GEMV on the
-# bf16 input, no int8 input launch): bench/ab_decode.py's tiny variants
-PLANAR_MIN_WEIGHTS = 0
+# GGUF matrices of at most this many weights keep their blocks on CUDA: qlinear.py's GEMV reads such
+# a matrix whole before its PDL wait, on the 16-bit input (no int8 input launch), where a small
+# model's step is bound by launches. bench/ab_decode.py --format Q4_K, tiny variants (bench/RESULTS.md
+# set R, against every matrix repacked): 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step, the
+# 0.8B-like 1,447.9 against 1,266.5 tok/s, SmolLM2-135M-like 1,997.3 against 1,909.0, 0.5B-like
+# equal; 8 Mi was slower on the 30B-A3B-like (463.0 against 484.3) and the 0.8B-like (1,327.3).
+PLANAR_MIN_WEIGHTS = 4 << 20
 
 
 def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
-    INT4P and GGUF Q4_K, Q5_K and Q6_K linears into Q4KP, Q5KP and Q6KP, the layouts
-    models/kernels/cuda/qplanar.py's GEMV reads (formats/planar.py). A head that shares its blocks with the embedding keeps them."""
+    INT4P and GGUF Q4_K, Q5_K and Q6_K linears of more than PLANAR_MIN_WEIGHTS weights into Q4KP,
+    Q5KP and Q6KP, the layouts models/kernels/cuda/qplanar.py's GEMV reads (formats/planar.py).
+    A head that shares its blocks with the embedding keeps them."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
     shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}

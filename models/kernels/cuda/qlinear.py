@@ -46,8 +46,11 @@ FORMATS = {
 STEP_WEIGHTS = 1024
 # Matrices up to fp8.WHOLE_STEP_BYTES are decoded in one step of K where `STEP_WEIGHTS` allows.
 WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
-# Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row)
-WHOLE_CONFIG = (2, 2, STEP_WEIGHTS, True)
+# Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row): up to 4,096
+# weights, so that the small K-quant matrices the loader leaves in their blocks (loader.PLANAR_MIN_WEIGHTS)
+# are read in one step (bench/ab_decode.py, set R: the 0.8B-like Q4_K 1,447.9 tok/s against 1,417.3
+# at 2,048); several steps were 2-3 times slower (the variants qw2x2s1024 and others, set R)
+WHOLE_CONFIG = (2, 2, 4096, True)
 
 
 def fits(fmt: str, k: int) -> bool:
@@ -94,8 +97,9 @@ def pick_config(n: int, fmt: str, nbytes: int = 0) -> tuple[int, int, int]:
       32-weight-block formats (the 0.5B-like shape's Q5_0 head [151936, 896]: 79.0 against 464.1
       for the 8 x 8 x 1024 taken before), 8 for the K-quants (the 27B-like Q6_K head [248320,
       5120]: 1,228 against 1,475);
-    - a matrix read in one step (WHOLE_STEP_BYTES): 2 rows and 2 warps (the 0.5B-like Q5_0
-      matrices: 1.8, 1.7 and 6.5 against 1.9, 1.8 and 7.9 for 4 x 4);
+    - a matrix read in one step (WHOLE_STEP_BYTES): WHOLE_CONFIG, 2 rows and 2 warps (the 0.5B-like Q5_0
+      matrices: 1.8, 1.7 and 6.5 against 1.9, 1.8 and 7.9 for 4 x 4; in the decode step, set R,
+      1 x 1, 2 x 1, 4 x 2, 4 x 4 and 8 x 4 were 3-15% slower on the SmolLM2-135M-like Q4_K);
     - else 4 rows and 4 warps (not measured against others)."""
     if n >= 16384:
         return (8 if FORMATS[fmt][2] >= 256 else 16), 1, 256
