@@ -60,12 +60,13 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     if fmt == "FP8":
         return _compile_fp8(n, k, bn, warps, most)
     qw = weight(fmt, n, k)
-    (sc, z, stride_s), const = qlinear._gemv_args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
+    (sc, z, stride_s), const = qlinear._args(qw, most, whole=qw.nbytes() <= qlinear.WHOLE_STEP_BYTES)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
     sig = dict(x="*bf16", w="*" + dtype[str(qw.data.dtype).split(".")[1]], sc_ptr="*" + dtype[str(sc.dtype).split(".")[1]],
                z_ptr="*" + dtype[str(z.dtype).split(".")[1]], bias="*bf16", out="*bf16", N="i32", K="i32",
                stride_w="i32", stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
-    const.update(HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False, BLOCK_N=bn, PDL=True)
+    const.update(HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False, STEPS=triton.cdiv(qw.k, const["W"]),
+                 BLOCK_N=bn, PDL=True)
     ints = dict(N=qw.n, K=qw.k, stride_w=qw.data.stride(0), stride_s=stride_s)
     names = list(sig)  # pointers are 16-byte aligned (torch's allocations); ints where they divide
     aligned = ["x", "w", "sc_ptr", "z_ptr", "out"] + [x for x, v in ints.items() if v % 16 == 0]

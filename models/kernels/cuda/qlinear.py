@@ -51,9 +51,6 @@ WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
 # are read in one step (bench/ab_decode.py, set R: the 0.8B-like Q4_K 1,447.9 tok/s against 1,417.3
 # at 2,048); several steps were 2-3 times slower (the variants qw2x2s1024 and others, set R)
 WHOLE_CONFIG = (2, 2, 4096, True)
-# A row read in one step that is not a power of two of blocks: decoded as up to three tiles of whole
-# blocks (_tiles), not one padded tile (False: the padded tile, blocks past the row re-read)
-TILED = True
 
 
 def fits(fmt: str, k: int) -> bool:
@@ -84,19 +81,6 @@ def usable(x) -> bool:
     return cuda_base.ENABLED and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _tiles(fmt: str, k: int, w: int) -> list[int] | None:
-    """A row read in one padded step of w weights (w > k): the weights of up to three tiles of
-    whole blocks, powers of two from the largest, that cover it exactly (a GGUF type's row; None
-    where it takes more than three, or another format). The padded step decodes w weights for k:
-    18 blocks of 32 as 32 (the SmolLM2-135M-like shape's 576-wide rows), 16 + 2 as tiles."""
-    fid, _, block, _, _ = FORMATS[fmt]
-    if fid > 7 or w <= k or k % block:
-        return None
-    units = k // block
-    parts = [block << b for b in reversed(range(units.bit_length())) if units >> b & 1]
-    return parts if len(parts) <= 3 else None
-
-
 def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     fid, nbytes, _, _, L = FORMATS[qw.fmt]
     w, s = _step(qw.fmt, qw.k, most, whole)
@@ -104,20 +88,6 @@ def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     z = qw.zeros if qw.zeros is not None else qw.data
     stride_s = qw.scales.stride(0) if qw.scales is not None else 0
     return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1, EVEN=qw.k % w == 0)
-
-
-def _gemv_args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
-    """_args for _qgemv_kernel: with its STEPS, and a row read in one padded step as _tiles' tiles
-    (the first as W and S, then (S2, W2) and (S3, W3); 0 where absent)."""
-    ptrs, consts = _args(qw, most, whole)
-    tiles = _tiles(qw.fmt, qw.k, consts["W"]) if whole and TILED else None
-    sub = FORMATS[qw.fmt][3]
-    more = dict(S2=0, W2=0, S3=0, W3=0)
-    for i, t in enumerate((tiles or [])[1:]):
-        more.update({f"S{i + 2}": t // sub, f"W{i + 2}": t})
-    if tiles:
-        consts.update(W=tiles[0], S=tiles[0] // sub, EVEN=True)
-    return ptrs, dict(consts, STEPS=-(-qw.k // consts["W"]) if not tiles else 1, **more)
 
 
 def pick_config(n: int, fmt: str, nbytes: int = 0) -> tuple[int, int, int]:
@@ -157,12 +127,12 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
-    (sc, z, stride_s), consts = _gemv_args(qw, most, whole=qw.nbytes() <= WHOLE_STEP_BYTES and WHOLE_CONFIG[3])
+    (sc, z, stride_s), consts = _args(qw, most, whole=qw.nbytes() <= WHOLE_STEP_BYTES and WHOLE_CONFIG[3])
     launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-           HAS_RES=pre is not None and pre.res is not None, BLOCK_N=bn, num_warps=warps, **consts,
-           **cuda_base.pdl(src))
+           HAS_RES=pre is not None and pre.res is not None, STEPS=triton.cdiv(qw.k, consts["W"]), BLOCK_N=bn,
+           num_warps=warps, **consts, **cuda_base.pdl(src))
     return out
 
 
@@ -332,38 +302,11 @@ if triton is not None:
         return xl, xh, ql + qh, tl.sum(xl, axis=2), tl.sum(xh, axis=2)
 
     @triton.jit
-    def _decode_rows(w, sc_ptr, z_ptr, rows, step, N, K, stride_w, stride_s, FMT: tl.constexpr, BYTES: tl.constexpr,
-                     W: tl.constexpr, S: tl.constexpr, L: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr):
-        """_decode of a step for the rows and, with SWIGLU, for the up rows N below them (else
-        the same tiles again, unused)."""
-        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, step, K, stride_w, stride_s, FMT, BYTES, W, S, L,
-                                         GROUP)
-        if SWIGLU:
-            ulo, uhi, usl, ush, uol, uoh = _decode(w, sc_ptr, z_ptr, rows + N, step, K, stride_w, stride_s, FMT,
-                                                   BYTES, W, S, L, GROUP)
-            return lo, hi, sl, sh, ol, oh, ulo, uhi, usl, ush, uol, uoh
-        return lo, hi, sl, sh, ol, oh, lo, hi, sl, sh, ol, oh
-
-    @triton.jit
-    def _tile_sums(x, res, norm_w, sum_out, write, k0, K, lo, hi, sl, sh, ol, oh, ulo, uhi, usl, ush, uol, uoh,
-                   FMT: tl.constexpr, S: tl.constexpr, L: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                   SWIGLU: tl.constexpr):
-        """A tile of whole blocks from weight k0 (_tiles): its rows' sums with the input, the up
-        rows' (SWIGLU) and the input's sum of squares there."""
-        pl, ph = _positions(FMT, S, L)
-        xl, xh, ss, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, k0, pl, ph, K, NORM, HAS_RES, True)
-        acc = _tiles_dot(lo, hi, sl, sh, ol, oh, xl, xh, xsl, xsh)
-        acc_up = acc
-        if SWIGLU:
-            acc_up = _tiles_dot(ulo, uhi, usl, ush, uol, uoh, xl, xh, xsl, xsh)
-        return acc, acc_up, tl.sum(tl.sum(ss, axis=2), axis=1)
-
-    @triton.jit
     def _qgemv_kernel(x, w, sc_ptr, z_ptr, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
                       FMT: tl.constexpr, BYTES: tl.constexpr, W: tl.constexpr, S: tl.constexpr, L: tl.constexpr,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
                       HAS_RES: tl.constexpr, EVEN: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      S2: tl.constexpr, W2: tl.constexpr, S3: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -371,17 +314,11 @@ if triton is not None:
         if PDL:  # let the next kernel launch now: it decodes its first weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
         # the first step's weights, decoded before waiting on the previous kernel (no kernel
-        # writes weights): their load latency leaves the critical path of a launch-bound step.
-        # With SWIGLU, the up rows sit N rows below the gate rows.
-        lo, hi, sl, sh, ol, oh, ulo, uhi, usl, ush, uol, uoh = _decode_rows(
-            w, sc_ptr, z_ptr, rows, 0, N, K, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP, SWIGLU)
-        # a row in one step as tiles of whole blocks (_tiles): W weights, then W2, then W3
-        if S2 > 0:
-            lo2, hi2, sl2, sh2, ol2, oh2, ulo2, uhi2, usl2, ush2, uol2, uoh2 = _decode_rows(
-                w, sc_ptr, z_ptr, rows, W // W2, N, K, stride_w, stride_s, FMT, BYTES, W2, S2, L, GROUP, SWIGLU)
-        if S3 > 0:
-            lo3, hi3, sl3, sh3, ol3, oh3, ulo3, uhi3, usl3, ush3, uol3, uoh3 = _decode_rows(
-                w, sc_ptr, z_ptr, rows, (W + W2) // W3, N, K, stride_w, stride_s, FMT, BYTES, W3, S3, L, GROUP, SWIGLU)
+        # writes weights): their load latency leaves the critical path of a launch-bound step
+        lo, hi, sl, sh, ol, oh = _decode(w, sc_ptr, z_ptr, rows, 0, K, stride_w, stride_s, FMT, BYTES, W, S, L, GROUP)
+        if SWIGLU:  # the up rows sit N rows below the gate rows
+            ulo, uhi, usl, ush, uol, uoh = _decode(w, sc_ptr, z_ptr, rows + N, 0, K, stride_w, stride_s, FMT, BYTES,
+                                                   W, S, L, GROUP)
         if PDL:  # the input row (and anything this kernel writes) follows the previous kernel
             tl.extra.cuda.gdc_wait()
         write = tl.where(pid == 0, K, 0)  # one program writes the residual stream
@@ -391,19 +328,6 @@ if triton is not None:
         acc_up = acc
         if SWIGLU:
             acc_up = _tiles_dot(ulo, uhi, usl, ush, uol, uoh, xl, xh, xsl, xsh)
-        ss_tiles = 0.0
-        if S2 > 0:
-            a2, u2, q2 = _tile_sums(x, res, norm_w, sum_out, write, W, K, lo2, hi2, sl2, sh2, ol2, oh2, ulo2, uhi2,
-                                    usl2, ush2, uol2, uoh2, FMT, S2, L, NORM, HAS_RES, SWIGLU)
-            acc += a2
-            acc_up += u2
-            ss_tiles += q2
-        if S3 > 0:
-            a3, u3, q3 = _tile_sums(x, res, norm_w, sum_out, write, W + W2, K, lo3, hi3, sl3, sh3, ol3, oh3, ulo3,
-                                    uhi3, usl3, ush3, uol3, uoh3, FMT, S3, L, NORM, HAS_RES, SWIGLU)
-            acc += a3
-            acc_up += u3
-            ss_tiles += q3
         for step in range(1, STEPS):  # (a constexpr: the interpreter's loop bounds must be)
             xl, xh, sq, xsl, xsh = _x_step(x, res, norm_w, sum_out, write, step * W, pl, ph, K, NORM, HAS_RES, EVEN)
             if NORM:
@@ -414,7 +338,7 @@ if triton is not None:
                 acc_up += _step_dot(w, sc_ptr, z_ptr, rows + N, step, K, stride_w, stride_s, xl, xh, xsl, xsh,
                                     FMT, BYTES, W, S, L, GROUP)
         if NORM:
-            r = 1.0 / tl.sqrt((tl.sum(tl.sum(ss, axis=2), axis=1) + ss_tiles) / K + eps)
+            r = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / K + eps)
             acc = acc * r
             acc_up = acc_up * r
         _rows_epilogue(acc, acc_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
