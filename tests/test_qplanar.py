@@ -220,7 +220,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
 
 def gguf_weight(fmt, n, k, seed, device):
-    """(QWeight of random `fmt` (Q4_K, Q6_K) blocks with the benchmarks' scales, its fp64 oracle weights)."""
+    """(QWeight of random `fmt` (Q4_K, Q5_K or Q6_K) blocks with the benchmarks' scales, its fp64 oracle
+    weights)."""
     import sys
     from models.formats import gguf_blocks
     from models.formats.quant import QWeight

@@ -1,7 +1,8 @@
 """Weights repacked at load for CUDA's planar dequant-GEMVs (models/kernels/cuda/qplanar.py, which
 describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, Q6_K as Q6KP and Q5_K
-as Q5KP, and each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported here (formats import none), nor quant.py (which imports this file): a
-QWeight in gives the class of the QWeight out.
+as Q5KP, and each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported
+here (formats import none), nor quant.py (which imports this file): a QWeight in gives the class
+of the QWeight out.
 
 The layouts hold the codes (Q6KP and Q5KP: their low four bits) the same way: per group of G
 weights (G = the checkpoint's group for INT4P, the 32-weight sub-block for Q4KP and Q5KP, the
@@ -67,13 +68,19 @@ def _codes(data: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
     return (w >> shifts) & 15
 
 
+def _high_shifts(g: int, hb: int, device) -> torch.Tensor:
+    """[1, 1, 8, g/8] int32 (j, m): where weight g/8 j + m's hb high bits sit in its group's high
+    word, bit 2 hb m + 8 (j // 2) + hb (j % 2)."""
+    j = torch.arange(8, device=device, dtype=torch.int32).reshape(1, 1, 8, 1)
+    m = torch.arange(g // 8, device=device, dtype=torch.int32).reshape(1, 1, 1, g // 8)
+    return 2 * hb * m + 8 * (j // 2) + hb * (j % 2)
+
+
 def _high_words(h: torch.Tensor, n: int, k: int, g: int, hb: int) -> torch.Tensor:
     """The codes' high bits h [n, k] (hb a code) → one word a group of g weights, interleaved
-    [ceil(n/ROWS), k/g, ROWS]: weight g/8 j + m's at bit 2 hb m + 8 (j // 2) + hb (j % 2)."""
+    [ceil(n/ROWS), k/g, ROWS], each weight's bits where _high_shifts puts them."""
     h = h.reshape(n, k // g, 8, g // 8)
-    j = torch.arange(8, device=h.device, dtype=torch.int32).reshape(1, 1, 8, 1)
-    m = torch.arange(g // 8, device=h.device, dtype=torch.int32).reshape(1, 1, 1, g // 8)
-    hw = (h << (2 * hb * m + 8 * (j // 2) + hb * (j % 2))).sum((2, 3), dtype=torch.int64)  # disjoint bits: an OR
+    hw = (h << _high_shifts(g, hb, h.device)).sum((2, 3), dtype=torch.int64)  # disjoint bits: the sum is their OR
     hw = torch.where(hw >= 2 ** 31, hw - 2 ** 32, hw).to(torch.int32)
     return torch.nn.functional.pad(hw, (0, 0, 0, -n % ROWS)).reshape(-1, ROWS, k // g).transpose(1, 2)
 
@@ -82,9 +89,7 @@ def _high_bits(pw, g: int, hb: int) -> torch.Tensor:
     """The high bits of a Q6KP / Q5KP QWeight's codes: [N, K/g, 8, g/8] (j, m: weight g/8 j + m)."""
     n, k = pw.n, pw.k
     hw = pw.data[:, k // 8:].transpose(1, 2).reshape(-1, k // g)[:n].reshape(n, k // g, 1, 1)
-    j = torch.arange(8, device=hw.device, dtype=torch.int32).reshape(1, 1, 8, 1)
-    m = torch.arange(g // 8, device=hw.device, dtype=torch.int32).reshape(1, 1, 1, g // 8)
-    return (hw >> (2 * hb * m + 8 * (j // 2) + hb * (j % 2))) & ((1 << hb) - 1)
+    return (hw >> _high_shifts(g, hb, hw.device)) & ((1 << hb) - 1)
 
 
 def one_storage(pw):
@@ -168,14 +173,19 @@ def repack_q4k(qw):
     return type(qw)("Q4KP", _words(codes, n, k, 32), n, k, *_k4_scales(b, n, k), 32)
 
 
-def dequantize_q4kp(pw) -> torch.Tensor:
-    """The fp64 [N, K] weights a Q4KP QWeight encodes (d sc q - dmin m, as gguf_blocks' Q4_K)."""
+def _k4_weights(pw, codes: torch.Tensor) -> torch.Tensor:
+    """The fp64 [N, K] weights d sc q - dmin m of a Q4KP or Q5KP QWeight (both hold Q4KP's
+    scales), its codes q given: `codes` [N, K/32, 8, 4] (j, m: weight 4 j + m of each sub-block)."""
     n, k = pw.n, pw.k
-    codes = _codes(pw.data, n, k, 32).double()  # [n, sub-blocks, 8, 4]
     dd = _uninterleave(pw.scales, n).double().repeat_interleave(8, 1)  # [n, sub-blocks, 2]
     sm = _uninterleave(pw.zeros, n).double()
     s, off = dd[..., 0] * sm[..., 0], dd[..., 1] * sm[..., 1]
-    return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
+    return (s[:, :, None, None] * codes.double() - off[:, :, None, None]).reshape(n, k)
+
+
+def dequantize_q4kp(pw) -> torch.Tensor:
+    """The fp64 [N, K] weights a Q4KP QWeight encodes (d sc q - dmin m, as gguf_blocks' Q4_K)."""
+    return _k4_weights(pw, _codes(pw.data, pw.n, pw.k, 32))
 
 
 @_super_block_rows("Q6_K", "Q6KP")
@@ -217,11 +227,7 @@ def repack_q5k(qw):
 def dequantize_q5kp(pw) -> torch.Tensor:
     """The fp64 [N, K] weights a Q5KP QWeight encodes (d sc q - dmin m, as gguf_blocks' Q5_K)."""
     n, k = pw.n, pw.k
-    codes = (_codes(pw.data[:, :k // 8], n, k, 32) | (_high_bits(pw, 32, 1) << 4)).double()
-    dd = _uninterleave(pw.scales, n).double().repeat_interleave(8, 1)
-    sm = _uninterleave(pw.zeros, n).double()
-    s, off = dd[..., 0] * sm[..., 0], dd[..., 1] * sm[..., 1]
-    return (s[:, :, None, None] * codes - off[:, :, None, None]).reshape(n, k)
+    return _k4_weights(pw, _codes(pw.data[:, :k // 8], n, k, 32) | (_high_bits(pw, 32, 1) << 4))
 
 
 def dequantize_planar_rows(pw, start: int, stop: int) -> torch.Tensor:

@@ -140,6 +140,14 @@ if triton is not None:
                                          "=r,r,r,r,r", [lo, xe, hi, xo], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
+    def _code_high_bits(hi, j, HB: tl.constexpr):
+        """Q6KP's and Q5KP's high bits of the code of nibble j (a constexpr or a tensor), moved to
+        bits 4..: hi is the group's high word shifted right by 2 HB m for word m, so the code's HB
+        bits sit at 8 (j // 2) + HB (j % 2) (planar.py's layout). The float path of _words_dot and
+        _planar_dequant_kernel take them alike; the int8 path joins a word's four at once."""
+        return ((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4
+
+    @triton.jit
     def _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
                     NG: tl.constexpr, FMT: tl.constexpr, KW8: tl.constexpr):
         """A step's words [BB, NG, GW, R] of row blocks rb and their groups' (16 s, 16 s + offset).
@@ -192,7 +200,7 @@ if triton is not None:
             xs = tl.zeros((1, NG, GW, 1), dtype=tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x + grp * G + wi + j * GW).to(tl.float32)
-                code = ((lo >> (4 * j)) & 15) | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
+                code = ((lo >> (4 * j)) & 15) | _code_high_bits(hi, j, HB)
                 ws += code.to(tl.float32) * xj
                 xs += xj
             return acc + (s16 * 0.0625 * ws - (c - s16) * xs)
@@ -439,7 +447,9 @@ if triton is not None:
         weights are contiguous in it (a store per nibble wrote G/8-weight pieces G apart: 8 bytes
         of each 32-byte sector at a time for Q4KP's 32-weight groups). FLAT: the tile reshaped to
         [rows, NG G] before the store, whose contiguity Triton then sees whole (in the 4-D tile it
-        sees only the G/8 words of m: 8-byte stores for Q4KP's 4)."""
+        sees only the G/8 words of m: 8-byte stores for Q4KP's 4). FLAT=False, the 4-D store, is
+        kept for bench/quant_bench.py --sweep-dequant and tests/test_qplanar.py only: the default
+        tile (DEQUANT_TILE) stores flat."""
         GW: tl.constexpr = G // 8
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
         g = tl.program_id(1) * NG + tl.arange(0, NG)[None, :, None, None]
@@ -454,7 +464,7 @@ if triton is not None:
         if FMT >= 2:  # Q6KP, Q5KP: the group's high bits (kw8: the row's words of low bits before them)
             HB: tl.constexpr = 4 - FMT
             hi = tl.load(w + (n // 4) * stride_w + (kw8 + g) * 4 + n % 4) >> (2 * HB * m)
-            code = code | (((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4)
+            code = code | _code_high_bits(hi, j, HB)
         code = code.to(tl.float32)
         val = (scale * code - off).to(out.dtype.element_ty)
         if FLAT:
