@@ -22,7 +22,8 @@ nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid10
 configs of matrices read in one step), tiny* (GGUF matrices up to 1 / 4 Mi weights left in their
 blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weights), w2k (one
 step up to 2,048 weights), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
-the defaults before set R).
+the defaults before set R), setq (tiny0, and the small-matrix forms without their bound on the
+grid: every default as set Q left it).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -87,6 +88,7 @@ VARIANTS = {
     "tiny4m-w2k": dict(planar_min=4 << 20, whole=(2, 2, 2048, True)),
     "w2k": dict(whole=(2, 2, 2048, True)),
     "tiny0": dict(planar_min=0, whole=(2, 2, 1024, True)),
+    "setq": dict(planar_min=0, whole=(2, 2, 1024, True), small_grid=1 << 62),
     **{f"tiny{m}m-w{w}k": dict(planar_min=m << 20, whole=(2, 2, w << 10, True)) for m in (2, 4, 8, 12) for w in (2, 4, 8)},
 }
 
