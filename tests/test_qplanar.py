@@ -392,6 +392,7 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     assert qplanar.pick_config(5120, 2048, 32) == (8, 2, 32, 2)
     assert qplanar.pick_config(2048, 8192, 32) == (8, 2, 32, 8)
     assert qplanar.pick_config(8192, 1024, 32) == (8, 4, 64, 1)  # a big grid, but K unsplit there: small
+    assert qplanar.pick_config(16384, 768, 32) == (8, 2, 32, 1)  # K unsplit, a big grid, no 64-word rows: general
 
 
 def gguf_experts(E, I, H, down_type="Q4_K", seed=0):

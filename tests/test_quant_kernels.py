@@ -184,6 +184,37 @@ def test_rows_not_whole_steps(device, qtype):
     assert torch.all((d.double() - w).abs() <= 1e-6 * run) and torch.all(out[:, w.shape[1]:] == 7.0)
 
 
+@pytest.mark.parametrize("qtype,k,swiglu", [(Q.Q4_K, 3584, False), (Q.Q8_0, 3584, False), (Q.Q6_K, 3584, False),
+                                            (Q.Q5_0, 1824, True), (Q.Q4_K, 3584, True), (Q.Q8_0, 4864, False)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_small_matrices_read_whole(device, qtype, k, swiglu):
+    """Matrices of at most WHOLE_STEP_BYTES (qlinear.launch_config): a row in one padded step of
+    4,096 weights (Q4_K, Q8_0), 2,048 (Q5_0 with a SwiGLU pair), or in steps of 1,024 where
+    it is longer (Q6_K, a SwiGLU pair at 3,584; Q8_0 at 4,864); the GEMV is the oracle's
+    product in each, a NormedRow's prologue included."""
+    from models.kernels.cuda import qlinear
+    from models.kernels.cuda.linear import NormedRow
+    blocks = k // 32 if qtype < Q.Q4_K else k // 256
+    raw = torch.from_numpy(random_blocks(qtype, rows=10, blocks_per_row=blocks, seed=8))
+    w = gguf_blocks.dequantize(raw, int(qtype)).double().to(device)
+    qw = qlinear.QWeight(qtype.name, raw.to(device), *w.shape)
+    most = qlinear.launch_config(qw, swiglu)[2]
+    assert most == {(Q.Q4_K, False): 4096, (Q.Q8_0, False): 4096 if k <= 4096 else 1024}.get(
+        (qtype, swiglu), 2048 if k <= 2048 else 1024)
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(1, k, generator=g).to(device), torch.randn(1, k, generator=g).to(device)
+    nw = torch.rand(k, generator=g).to(device) + 0.5
+    h = F.rms_norm((x + res).double(), (k,), nw.double(), 1e-6)
+    got = qlinear.gemv(NormedRow(x, res, nw, 1e-6), qw, swiglu=swiglu, out_dtype=torch.float32).double()
+    ref = h @ w.t()
+    if swiglu:
+        gate, up = ref.chunk(2, dim=-1)
+        tol = 1e-5 * (bound(h, w[:5]) * up.abs() + bound(h, w[5:]) * gate.abs()) + 1e-6 * (F.silu(gate) * up).abs()
+        assert torch.all((got - F.silu(gate) * up).abs() <= tol)
+    else:
+        assert torch.all((got - ref).abs() <= 1e-5 * bound(h, w))
+
+
 @pytest.mark.parametrize("config", [(4, 1, 4), (8, 2, 4), (16, 4, 8), (32, 8, 4)], ids=str)
 def test_fp8_gemv_configs(device, config):
     """fp8.py's GEMV per (BLOCK_N, NB, warps): steps that divide the row or pad it (12 blocks),

@@ -512,8 +512,8 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     whole 64-word steps (the 0.8B-like shape's): 8 rows, 4 warps, 64 words a step, K unsplit
     (`--sweep-grid`, bench/RESULTS.md set Q: the 0.8B-like gate/up [7168, 1024] 4.2 against
     5.4 us, its down [1024, 3584] 4.0 against 4.4 with a reduce launch); other small matrices
-    (the 0.5B-like down [896, 4864]: 608 words) on 4 rows, 1 warp, 8 words a step, K in up to 4
-    parts (5.8 against 7.2 us for 8 x 2 x 32 x 1). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
+    with fewer than SMALL_GRID programs (the 0.5B-like down [896, 4864]: 608 words) on 4 rows,
+    1 warp, 8 words a step, K in up to 4 parts (5.8 against 7.2 us for 8 x 2 x 32 x 1). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
     loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
@@ -521,10 +521,11 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
     gw, words = group // 8, k // 8
     general = _general_config(n, words, gw, rows, warps)
-    if small and SMALL and n * k <= SMALL_WEIGHTS and (general[3] == 1 or -(-n // general[0]) * general[3] < SMALL_GRID):
+    few = -(-n // general[0]) * general[3] < SMALL_GRID
+    if small and SMALL and n * k <= SMALL_WEIGHTS and (general[3] == 1 or few):
         if words <= 512 and words % 64 == 0 and 64 % gw == 0:
             return 8, 4, 64, 1
-        if words % 8 == 0 and 8 % gw == 0:  # (rows not in whole 64-word steps: 4 rows, 1 warp, 8-word steps)
+        if few and words % 8 == 0 and 8 % gw == 0:  # (rows not in whole 64-word steps: 4 rows, 1 warp, 8-word steps)
             split = next((s for s in (4, 2) if (words // 8) % s == 0 and words // 8 // s >= 4), 1)
             return 4, 1, 8, split
     return general
