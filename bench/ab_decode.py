@@ -22,7 +22,7 @@ nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid10
 configs of matrices read in one step), tiny* (GGUF matrices up to 1 / 4 Mi weights left in their
 blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weights), w2k (one
 step up to 2,048 weights), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
-the defaults before set R), setq (tiny0, and the small-matrix forms without their bound on the
+the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
 grid: every default as set Q left it).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
@@ -127,7 +127,7 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = loader.PLANAR_MIN_WEIGHTS
+            key = loader.PLANAR_MIN_WEIGHTS if a.format != "bf16" else 0  # (bf16: no GGUF blocks, one model)
             if key not in built:
                 if a.format == "bf16":
                     built[key] = random_model(name, dev, torch.bfloat16)

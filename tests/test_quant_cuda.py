@@ -31,10 +31,13 @@ GGUF_CASES = [("llama", Q.Q4_0, None, Q.Q8_0), ("qwen2", Q.Q4_1, None, Q.Q4_0),
               ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K), ("qwen2", Q.Q5_K, None, Q.Q4_K),
               ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen2", Q.Q8_0, None, Q.Q8_0)]
 # The K-quants twice: every matrix repacked for qplanar.py (PLANAR_MIN_WEIGHTS 0), and as the loader
-# leaves a tiny model's matrices by default (their blocks kept: qlinear.py's GEMV)
+# leaves a tiny model's matrices by default (their blocks kept: qlinear.py's GEMV); the Q4_K_M mix a
+# third time with both in one model (128 Ki: the 256 Ki-weight gate/up repacked, the others kept)
 KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-GGUF_RUNS = [c + (0,) for c in GGUF_CASES if c[1] in KQUANTS] + [c + (None,) for c in GGUF_CASES]
-IDS = [f"{k}-{q.name}-embd_{e.name}" + ("" if m is None else "-planar") for k, q, t, e, m in GGUF_RUNS]
+MIXED = 1 << 17
+GGUF_RUNS = [c + (0,) for c in GGUF_CASES if c[1] in KQUANTS] + [c + (None,) for c in GGUF_CASES] + \
+    [c + (MIXED,) for c in GGUF_CASES if c[2] is Q4_K_M]
+IDS = [f"{k}-{q.name}-embd_{e.name}" + {None: "", 0: "-planar", MIXED: "-mixed"}[m] for k, q, t, e, m in GGUF_RUNS]
 
 
 def tiny_gguf(tmp_path, kind, linear, types, embed):
@@ -92,16 +95,21 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
     assert gate_up.planar == (linear in KQUANTS and gate_up.in_features % 256 == 0
                               and gate_up.in_features * gate_up.out_features > loader.PLANAR_MIN_WEIGHTS)
+    if planar_min == MIXED:  # the Q6_K down and the Q4_K attention keep their blocks beside it
+        assert gate_up.planar and not mlp.down_proj.planar and not layer.self_attn.o_proj.planar
     assert isinstance(q16.model.model.embed_tokens, quant.BlockEmbedding)
     assert q16.weight_format.startswith("GGUF ") and linear.name in q16.weight_format
 
 
-def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch):
-    """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's (every K-quant
-    matrix repacked, as a large model's are)."""
+@pytest.mark.parametrize("planar_min", [0, None], ids=["planar", "default"])
+def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
+    """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's: every K-quant
+    matrix repacked, as a large model's are (planar_min 0), or (the default on a tiny model) every
+    one kept in its blocks, the file's bytes exactly."""
     import gguf
     from models.formats import loader
-    monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", 0)
+    if planar_min is not None:
+        monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     reader = gguf.GGUFReader(path)
     file_bytes = {}
@@ -121,7 +129,10 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch):
     # (every row count here a multiple of the 4 rows interleaved); the embedding keeps the file's blocks
     embed = lm.model.model.embed_tokens
     embed_q4k = embed.blocks.numel() if isinstance(embed, quant.BlockEmbedding) and embed.ggml_type == Q.Q4_K else 0
-    assert got["Q4_K"] == embed_q4k + (file_bytes["Q4_K"] - embed_q4k) * 148 // 144, (got["Q4_K"], file_bytes["Q4_K"])
+    if planar_min is None:
+        assert q6kp == 0 and got["Q4_K"] == file_bytes["Q4_K"] and got["Q6_K"] == file_bytes["Q6_K"], got
+    else:
+        assert got["Q4_K"] == embed_q4k + (file_bytes["Q4_K"] - embed_q4k) * 148 // 144, (got["Q4_K"], file_bytes["Q4_K"])
     quantized = sum(v for k, v in file_bytes.items() if k.startswith("Q"))
     f32 = file_bytes.get("F32", 0)
     assert used <= 1.05 * (quantized + f32 // 2) + (1 << 20), (used, quantized)

@@ -18,11 +18,14 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   either way the dequantized fp32 modules' results up to fp32 rounding.
 - MoE experts (3D tensors, any kept type) stay as stored too on the CPU (`BlockExperts`): a
   token's chosen experts are dequantized exactly, one at a time, and multiplied in the
-  activations' dtype (CUDA dequantizes them at load for its MoE kernels).
+  activations' dtype (on CUDA, a Q4_K half of them is repacked as one Q4KP matrix,
+  `PlanarExperts`; another type is dequantized at load for the MoE kernels).
 Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
-in its blocks as BlockLinear / BlockEmbedding: one-token products run the Triton dequant-GEMV on
-the blocks, longer ones dequantize a chunk of rows to the activations' dtype in a Triton kernel
-and multiply with torch's GEMM (`QuantLinear`, shared with the HF formats of hf_quant.py).
+in its blocks as BlockLinear / BlockEmbedding, but for the K-quant linears of more than
+loader.PLANAR_MIN_WEIGHTS weights, repacked after fusion (`BlockLinear.to_planar`: planar.py's
+layouts): one-token products run the Triton dequant-GEMV, longer ones dequantize a chunk of rows
+to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
+shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
 
