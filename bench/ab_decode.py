@@ -21,7 +21,8 @@ nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid10
 (that form only below that many programs, qplanar.SMALL_GRID), qw* (qlinear.WHOLE_CONFIG: the
 configs of matrices read in one step), tiny* (GGUF matrices up to 1 / 4 Mi weights left in their
 blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weights), w2k (one
-step up to 2,048 weights), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
+step up to 2,048 weights), wholeRxW (the one-step matrices on R rows and W warps a program,
+the defaults' steps), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
 the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
 grid: every default as set Q left it).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
@@ -90,6 +91,7 @@ VARIANTS = {
     "tiny0": dict(planar_min=0, whole=(2, 2, 1024, True)),
     "setq": dict(planar_min=0, whole=(2, 2, 1024, True), small_grid=1 << 62),
     **{f"tiny{m}m-w{w}k": dict(planar_min=m << 20, whole=(2, 2, w << 10, True)) for m in (2, 4, 8, 12) for w in (2, 4, 8)},
+    **{f"whole{r}x{w}": dict(whole=(r, w, 4096, True)) for r, w in ((2, 4), (2, 8), (4, 8), (1, 2), (1, 4), (4, 4))},
 }
 
 
