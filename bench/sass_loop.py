@@ -190,7 +190,7 @@ def main() -> None:
     a = ap.parse_args()
     from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
-    print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.pick_config'}'s (BLOCK_N x num_warps x most "
+    print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.launch_config'}'s (BLOCK_N x num_warps x most "
           f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
     for fmt in a.formats:
         if fmt in qplanar.FMTS:
