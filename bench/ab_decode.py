@@ -85,12 +85,10 @@ VARIANTS = {
                                  (8, 4, 1024, True), (2, 2, 1024, False), (1, 1, 1024, False), (4, 4, 1024, False),
                                  (2, 2, 64, False), (4, 4, 256, False))},
     "tiny1m": dict(planar_min=1 << 20),
-    "tiny1m-w2k": dict(planar_min=1 << 20, whole=(2, 2, 2048, True)),
-    "tiny4m-w2k": dict(planar_min=4 << 20, whole=(2, 2, 2048, True)),
     "w2k": dict(whole=(2, 2, 2048, True)),
     "tiny0": dict(planar_min=0, whole=(2, 2, 1024, True)),
     "setq": dict(planar_min=0, whole=(2, 2, 1024, True), small_grid=1 << 62),
-    **{f"tiny{m}m-w{w}k": dict(planar_min=m << 20, whole=(2, 2, w << 10, True)) for m in (2, 4, 8, 12) for w in (2, 4, 8)},
+    **{f"tiny{m}m-w{w}k": dict(planar_min=m << 20, whole=(2, 2, w << 10, True)) for m in (1, 2, 4, 8, 12) for w in (2, 4, 8)},
     **{f"whole{r}x{w}": dict(whole=(r, w, 4096, True)) for r, w in ((2, 4), (2, 8), (4, 8), (1, 2), (1, 4), (4, 4))},
 }
 

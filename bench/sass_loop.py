@@ -46,12 +46,10 @@ def weight(fmt: str, n: int, k: int):
     return quant.BlockLinear(_random_blocks(fmt, n, k, "cpu", gen), gguf_blocks.TYPES[fmt]).qweight()
 
 
-def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8: bool = False,
-                 picked: bool = False) -> tuple[str, int]:
+def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8: bool = False) -> tuple[str, int]:
     """(the SASS text, weights a program decodes per iteration of its main loop), for the launch
     qlinear.gemv makes on that weight (its constants, and the integer arguments the launcher
-    specializes as divisible by 16); picked: the config gemv picks itself (qlinear.launch_config),
-    not (bn, warps, most)."""
+    specializes as divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -62,7 +60,7 @@ def compile_sass(fmt: str, n: int, k: int, bn: int, warps: int, most: int, int8:
     if fmt == "FP8":
         return _compile_fp8(n, k, bn, warps, most)
     qw = weight(fmt, n, k)
-    bn, warps, most, whole = qlinear.launch_config(qw, config=None if picked else (bn, warps, most))
+    whole = qlinear.launch_config(qw, config=(bn, warps, most))[3]
     (sc, z, stride_s), const = qlinear._args(qw, most, whole=whole)
     dtype = {"float8_e4m3fn": "fp8e4nv", "uint8": "u8", "float16": "fp16", "float32": "fp32"}
     sig = dict(x="*bf16", w="*" + dtype[str(qw.data.dtype).split(".")[1]], sc_ptr="*" + dtype[str(sc.dtype).split(".")[1]],
@@ -200,8 +198,7 @@ def main() -> None:
             cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
         else:  # (gemv's own pick, qlinear.launch_config: a head's rows take fewer for the K-quants)
             cfg = tuple(map(int, a.config.split("x"))) if a.config else qlinear.launch_config(weight(fmt, a.n, a.k))[:3]
-        text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS,
-                                     picked=fmt not in qplanar.FMTS and fmt != "FP8" and not a.config)
+        text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
         body = main_loop(text)
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")
