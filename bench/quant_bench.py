@@ -176,7 +176,7 @@ def sweep_small(device, gen) -> None:
         wb = None
         configs = HEAD_CONFIGS if n > 100000 else SMALL_CONFIGS
         cells = {c: _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu, config=c)) for c in configs}
-        picked = qlinear.pick_config(n // 2 if swiglu else n, qw.fmt, qw.nbytes())
+        picked = qlinear.pick_config(qw, swiglu)
         cells.setdefault(picked, _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu)))
         best = min(cells, key=cells.get)
         print(f"{qw.fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}: bf16 {bf16_us:.1f} us; picked "

@@ -199,6 +199,8 @@ def test_small_matrices_read_whole(device, qtype, k, swiglu):
     w = gguf_blocks.dequantize(raw, int(qtype)).double().to(device)
     qw = qlinear.QWeight(qtype.name, raw.to(device), *w.shape)
     most = qlinear.launch_config(qw, swiglu)[2]
+    # pick_config's result given back as an explicit config (quant_bench's sweeps) launches the same
+    assert qlinear.launch_config(qw, swiglu, qlinear.pick_config(qw, swiglu)) == qlinear.launch_config(qw, swiglu)
     assert most == {(Q.Q4_K, False): 4096, (Q.Q8_0, False): 4096 if k <= 4096 else 1024}.get(
         (qtype, swiglu), 2048 if k <= 2048 else 1024)
     g = torch.Generator().manual_seed(3)

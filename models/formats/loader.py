@@ -291,11 +291,12 @@ def _release_freed_memory() -> None:
 
 
 # GGUF matrices of at most this many weights keep their blocks on CUDA: qlinear.py's GEMV reads such
-# a matrix (rows of up to 4,096 or 2,048 weights: qlinear.launch_config) in one step before its PDL
-# wait, on the 16-bit input (no int8 input launch), where a small model's step is bound by launches. bench/ab_decode.py --format Q4_K, tiny variants (bench/RESULTS.md
-# set R, against every matrix repacked): 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step, the
-# 0.8B-like 1,447.9 against 1,266.5 tok/s, SmolLM2-135M-like 1,997.3 against 1,909.0, 0.5B-like
-# equal; 8 Mi was slower on the 30B-A3B-like (463.0 against 484.3) and the 0.8B-like (1,327.3).
+# a matrix (rows of up to 4,096 or 2,048 weights: qlinear.whole_step) in one step before its PDL
+# wait, on the 16-bit input (no int8 input launch), where a small model's step is bound by
+# launches. bench/ab_decode.py --format Q4_K, tiny variants (bench/RESULTS.md set R, against every
+# matrix repacked): 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step, the 0.8B-like 1,447.9
+# against 1,266.5 tok/s, SmolLM2-135M-like 1,997.3 against 1,909.0, 0.5B-like equal; 8 Mi was
+# slower on the 30B-A3B-like (463.0 against 484.3) and the 0.8B-like (1,327.3).
 PLANAR_MIN_WEIGHTS = 4 << 20
 
 

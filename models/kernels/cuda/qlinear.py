@@ -46,12 +46,12 @@ FORMATS = {
 STEP_WEIGHTS = 1024
 # Matrices up to fp8.WHOLE_STEP_BYTES are decoded in one step of K where `STEP_WEIGHTS` allows.
 WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
-# Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row): rows of up to
-# 4,096 weights in one step for WHOLE_WIDE's formats (no SwiGLU pair), up to 2,048 for the others, so
-# that the small K-quant matrices the loader leaves in their blocks (loader.PLANAR_MIN_WEIGHTS) are
-# read in one step (bench/ab_decode.py, set R: the 0.8B-like Q4_K 1,447.9 tok/s against 1,417.3 at
-# 2,048); several steps were 2-3 times slower (the variants qw2x2s1024 and others, set R). Longer
-# rows: steps of STEP_WEIGHTS, as before set R.
+# Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row): rows of up
+# to 4,096 weights in one step for WHOLE_WIDE's formats (no SwiGLU pair), up to 2,048 for the others
+# (whole_step), so that the small K-quant matrices the loader leaves in their blocks
+# (loader.PLANAR_MIN_WEIGHTS) are read in one step (bench/ab_decode.py, set R: the 0.8B-like Q4_K
+# 1,447.9 tok/s against 1,417.3 at 2,048); several steps were 2-3 times slower (the variants
+# qw2x2s1024 and others, set R). Longer rows: steps of STEP_WEIGHTS, as before set R.
 WHOLE_CONFIG = (2, 2, 4096, True)
 # The formats whose 4,096-weight step compiles without spilling registers (ptxas for sm_90, 2 rows x
 # 2 warps: Q4_K 229 registers, Q8_0 240; Q5_0, Q5_1, Q5_K and Q6_K spill 44-272 bytes, and every
@@ -96,35 +96,41 @@ def _args(qw: QWeight, most: int = STEP_WEIGHTS, whole: bool = False):
     return (sc, z, stride_s), dict(FMT=fid, BYTES=nbytes, W=w, S=s, L=L, GROUP=qw.group or 1, EVEN=qw.k % w == 0)
 
 
-def pick_config(n: int, fmt: str, nbytes: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, most weights a step) for n output rows of `fmt`, nbytes of weights.
-    Measured on an H200 (bench/quant_bench.py --sweep-small, bench/RESULTS.md set O), us a call:
+def whole_step(fmt: str, k: int, swiglu: bool = False) -> int:
+    """Most weights a step for a matrix read `whole` (at most WHOLE_STEP_BYTES): rows of up to
+    4,096 weights in one step for WHOLE_WIDE's formats without a SwiGLU pair, up to 2,048 for the
+    others (ptxas: they spill at 4,096), longer rows in steps of STEP_WEIGHTS."""
+    most = WHOLE_CONFIG[2] if fmt in WHOLE_WIDE and not swiglu else min(WHOLE_CONFIG[2], 2048)
+    return most if k <= most else STEP_WEIGHTS
+
+
+def pick_config(qw: QWeight, swiglu: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, most weights a step) of gemv on qw (its gate and up halves where
+    swiglu). Measured on an H200 (bench/quant_bench.py --sweep-small, bench/RESULTS.md set O), us a call:
     - an LM head's rows (n >= 16384): one warp a program, 256 weights a step; 16 rows for the
       32-weight-block formats (the 0.5B-like shape's Q5_0 head [151936, 896]: 79.0 against 464.1
       for the 8 x 8 x 1024 taken before), 8 for the K-quants (the 27B-like Q6_K head [248320,
       5120]: 1,228 against 1,475);
-    - a matrix of at most WHOLE_STEP_BYTES (rows up to launch_config's step read in one): WHOLE_CONFIG, 2 rows and 2 warps (the 0.5B-like Q5_0
+    - a matrix of at most WHOLE_STEP_BYTES: WHOLE_CONFIG's 2 rows and 2 warps (the 0.5B-like Q5_0
       matrices: 1.8, 1.7 and 6.5 against 1.9, 1.8 and 7.9 for 4 x 4; in the decode step, set R,
-      1 x 1, 2 x 1, 4 x 2, 4 x 4 and 8 x 4 were 3-15% slower on the SmolLM2-135M-like Q4_K);
+      1 x 1, 2 x 1, 4 x 2, 4 x 4 and 8 x 4 were 3-15% slower on the SmolLM2-135M-like Q4_K), and
+      whole_step's weights a step (such a head's rows keep their 1 warp and 8 or 16 rows);
     - else 4 rows and 4 warps (not measured against others)."""
+    n = qw.n // 2 if swiglu else qw.n
+    whole = qw.nbytes() <= WHOLE_STEP_BYTES
     if n >= 16384:
-        return (8 if FORMATS[fmt][2] >= 256 else 16), 1, 256
-    if 0 < nbytes <= WHOLE_STEP_BYTES:
-        return WHOLE_CONFIG[:3]
-    return 4, 4, STEP_WEIGHTS
+        bn, warps, most = (8 if FORMATS[qw.fmt][2] >= 256 else 16), 1, 256
+    else:
+        bn, warps, most = WHOLE_CONFIG[:3] if whole else (4, 4, STEP_WEIGHTS)
+    return bn, warps, whole_step(qw.fmt, qw.k, swiglu) if whole else most
 
 
 def launch_config(qw: QWeight, swiglu: bool = False, config: tuple[int, int, int] | None = None):
-    """(BLOCK_N, num_warps, most weights a step, whole) of gemv's launch on qw: config (BLOCK_N,
-    num_warps, most) where given, else pick_config's; a matrix of at most WHOLE_STEP_BYTES is read
-    `whole` (WHOLE_CONFIG), its row in one padded step where it has at most 4,096 weights
-    (WHOLE_WIDE's formats without a SwiGLU pair) or 2,048 (others), else in steps of STEP_WEIGHTS."""
-    bn, warps, most = config or pick_config(qw.n // 2 if swiglu else qw.n, qw.fmt, qw.nbytes())
-    whole = qw.nbytes() <= WHOLE_STEP_BYTES and WHOLE_CONFIG[3]
-    if whole and config is None:
-        most = WHOLE_CONFIG[2] if qw.fmt in WHOLE_WIDE and not swiglu else min(WHOLE_CONFIG[2], 2048)
-        most = most if qw.k <= most else STEP_WEIGHTS
-    return bn, warps, most, whole
+    """(BLOCK_N, num_warps, most weights a step, whole) of gemv's launch on qw: config where given,
+    else pick_config's; `whole` (a matrix of at most WHOLE_STEP_BYTES, WHOLE_CONFIG[3]): its
+    first step is decoded before the PDL wait, and a row that fits one step is read in one."""
+    bn, warps, most = config or pick_config(qw, swiglu)
+    return bn, warps, most, qw.nbytes() <= WHOLE_STEP_BYTES and WHOLE_CONFIG[3]
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
