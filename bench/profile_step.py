@@ -6,7 +6,9 @@ the GPU busy time with the graph-replayed step's wall time: the gap is launch ov
 graph cannot remove, the busy time is what fusion must shrink. `--prefill N`: one N-token
 prefill instead, with the time the host took to queue it and the lines where it waited on the
 device (torch.cuda's sync debug mode). `--sequence N`: a decode step's first N kernels in launch
-order with their GPU times (one layer's launches, one by one).
+order with their GPU times (one layer's launches, one by one). `--prefill N --host`: also where
+the host's time goes while it queues the prefill (cProfile, the costliest functions by their own
+time), and the host's microseconds a launch of a Triton GEMV against a torch op.
 """
 from __future__ import annotations
 
@@ -66,7 +68,40 @@ def build(name: str, fmt: str, dev):
     return model
 
 
-def profile_prefill(name: str, n: int, fmt: str, top: int) -> None:
+def host_profile(s, ids, top: int) -> None:
+    """cProfile over one prefill (the device synced after it): the functions with the most own time,
+    and the host's cost a launch, a Triton kernel's (linear.gemv) against a torch op's."""
+    import cProfile
+    import pstats
+    s.reset()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    s.prefill(ids)
+    torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in st.stats.values())
+    print(f"  host profile: {total * 1e3:.1f} ms of own time in {sum(v[1] for v in st.stats.values())} calls")
+    for (f, line, fn), (cc, nc, tt, ct, _) in rows:
+        print(f"  {tt * 1e3:8.2f} ms own {ct * 1e3:8.2f} cum {nc:6d}x  {os.path.basename(f)}:{line} {fn}")
+    from models.kernels.cuda import linear
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    for label, fn in (("Triton GEMV (linear.gemv)", lambda: linear.gemv(x, w)), ("torch.add", lambda: torch.add(x, x))):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        us = (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        print(f"  host time a call, {label}: {us:.1f} us")
+
+
+def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False) -> None:
     dev = torch.device("cuda")
     model = build(name, fmt, dev)
     s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
@@ -99,6 +134,8 @@ def profile_prefill(name: str, n: int, fmt: str, top: int) -> None:
           f"after {host:.2f} ms; {sum(syncs.values())} host syncs" + "".join(f"\n  sync at {k} x{v}" for k, v in
                                                                                syncs.most_common(6)))
     top_kernels(prof, 1, top)
+    if host:
+        host_profile(s, ids, max(top, 25))
 
 
 def main() -> None:
@@ -110,9 +147,10 @@ def main() -> None:
     ap.add_argument("--format", default="bf16", help="bf16, or a format of bench/quant_bench.py (Q4_K, AWQ, FP8)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed")
     ap.add_argument("--sequence", type=int, default=0, help="also list a step's first N kernels in order")
+    ap.add_argument("--host", action="store_true", help="with --prefill: where the host's time goes")
     a = ap.parse_args()
     if a.prefill:
-        return profile_prefill(a.name, a.prefill, a.format, a.top)
+        return profile_prefill(a.name, a.prefill, a.format, a.top, a.host)
     dev = torch.device("cuda")
     model = build(a.name, a.format, dev)
     s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)

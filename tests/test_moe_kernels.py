@@ -107,6 +107,23 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     y = torch.empty_like(ys)
     y[order] = ys
     assert (kernels.combine(ys, inv, w) - (y.view(T, k, -1) * w[..., None]).sum(1)).abs().max() <= 1e-5
+# the grouped prefill's routing (a program a token) and sort: the rows, their order and the
+# experts' ends exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
+# scan chunks (E > 128) and scan steps (more than 64 sub-blocks), experts nobody chose
+for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 72), (200, 8, 200, 130), (1100, 8, 40, 24), (7, 6, 512, 16)]:
+    g = torch.Generator().manual_seed(T)
+    logits = torch.randn(T, E, generator=g)
+    idx, w = kernels.route(logits, k, True)
+    ref_w, ref_idx = logits.softmax(-1).topk(k, dim=-1)
+    assert torch.equal(idx, ref_idx) and (w - ref_w / ref_w.sum(-1, keepdim=True)).abs().max() <= 1e-6
+    if T == 200:  # most experts unchosen: ids from a few
+        idx = torch.randint(0, 5, (T, k), generator=g) * 37
+    x = torch.randn(T + 3, H, generator=g)[:T]  # (rows of a larger tensor)
+    xs, inv, offs = kernels.sort_pairs(x, idx, E)
+    order = idx.reshape(-1).argsort(stable=True)
+    assert torch.equal(xs, x[order // k])
+    assert torch.equal(inv[order], torch.arange(T * k))
+    assert torch.equal(offs.long(), torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
 print("ok")
 """
 

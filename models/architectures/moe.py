@@ -61,10 +61,16 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
-        slot order (a fixed order: no atomics). On CUDA the SwiGLU between the GEMMs and the
-        weighted sum after them are one kernel each (cuda_base.silu_mul, cuda_moe.combine)."""
+        slot order (a fixed order: no atomics). On CUDA the sort and x's rows copied into its
+        order are three launches (cuda_moe.sort_pairs: the same order), and the SwiGLU between the
+        GEMMs and the weighted sum after them one kernel each (cuda_base.silu_mul, cuda_moe.combine)."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
+        if cuda_base.prefill_usable(x):  # the sort in three launches (no radix sort), then as below
+            xs, inv, offs = cuda_moe.sort_pairs(x if x.stride(-1) == 1 else x.contiguous(), idx.contiguous(), E)
+            gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+            ys = torch._grouped_mm(cuda_base.silu_mul(gu), self.down_proj.transpose(1, 2), offs=offs)
+            return cuda_moe.combine(ys, inv, weights.float().contiguous())
         flat = idx.reshape(-1)
         # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
         # (8 for int64), and a stable sort's order depends only on the keys' order
@@ -74,11 +80,6 @@ class Experts(nn.Module):
         offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         xs = x[order // k]
         gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
-        if cuda_base.prefill_usable(x):
-            ys = torch._grouped_mm(cuda_base.silu_mul(gu), self.down_proj.transpose(1, 2), offs=offs)
-            inv = torch.empty_like(order)
-            inv[order] = torch.arange(T * k, device=x.device)
-            return cuda_moe.combine(ys, inv, weights.float().contiguous())
         gate, up = gu.chunk(2, dim=-1)
         ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         y = torch.empty_like(ys)
@@ -118,7 +119,10 @@ class Router(nn.Module):
         self.top_k, self.norm_topk = top_k, norm_topk
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.weight).float().softmax(-1)
+        logits = F.linear(x, self.weight)
+        if cuda_base.prefill_usable(x):  # decode's routing kernel, a program a token (ties: the lower id)
+            return cuda_moe.route(logits, self.top_k, self.norm_topk)
+        probs = logits.float().softmax(-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -65,6 +65,12 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def precompiling_now() -> bool:
+    """Whether launches are being skipped (inside `precompiling()`): outputs they would fill hold
+    garbage, so a torch op that reads them as indices must get zeros instead."""
+    return _submitted is not None
+
+
 def can_precompile() -> bool:
     """Whether `precompiling()` compiles in parallel here (Triton >= 3.4 has AsyncCompileMode)."""
     return ENABLED and PRECOMPILE_ENABLED and hasattr(triton, "AsyncCompileMode")

@@ -4,8 +4,9 @@ and the last step of its grouped prefill.
 Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
 models/architectures/moe.py):
 - route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
-  (ids and fp32 weights, renormalised to sum 1 where asked), in one program: the torch form is
-  ~5 kernels (softmax, topk, sum, divide, cast). Ties go to the lower expert id.
+  (ids and fp32 weights, renormalised to sum 1 where asked), in one program a token (decode's
+  one, and prefill's many): the torch form is ~5 kernels (softmax, topk, sum, divide, cast).
+  Ties go to the lower expert id.
 - experts(x, gate_up, down, idx, weights, ...): sum_k w_k * down_e(silu(gate_e x) * up_e x) over
   the chosen experts e = idx[k], reading only their weights, in two launches: gate/up with SwiGLU
   (one program per expert and block of intermediate rows; the intermediate kept in fp32), then
@@ -13,6 +14,9 @@ models/architectures/moe.py):
   run; the experts are a dimension of its tiles, so a step loads every expert's columns at once). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
   where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
+- sort_pairs(x, idx, E): the grouped prefill's (token, slot) pairs in expert order as a stable
+  argsort leaves them, x's rows copied there, the inverse permutation and the experts' row ends,
+  by a per-block count, one scan and a placement (integer counts: the same rows every run).
 - combine(ys, inv, weights): the grouped prefill's per-token weighted sum of its k experts'
   outputs, read where the grouped GEMM left them (expert order), in slot order: no atomics.
 Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
@@ -31,12 +35,17 @@ if triton is not None:
 
     from .base import _pdl_enter
 
-    @triton.jit
-    def _route_kernel(logits, idx_out, w_out, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM: tl.constexpr, PDL: tl.constexpr):
-        """One pass of TOP_K (max, lowest id at the max) reductions; the chosen weights stay in
-        registers until their sum is known (launched with one warp: the reductions are shuffles)."""
+    @triton.jit(do_not_specialize=["stride"])
+    def _route_kernel(logits, idx_out, w_out, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """One pass of TOP_K (max, lowest id at the max) reductions over a row of logits (a program
+        a row); the chosen weights stay in registers until their sum is known (launched with one
+        warp: the reductions are shuffles)."""
         _pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        logits += row * stride
+        idx_out += row * TOP_K
+        w_out += row * TOP_K
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
@@ -70,6 +79,67 @@ if triton is not None:
             r = tl.load(inv + t * TOP_K + j)
             acc += tl.load(weights + t * TOP_K + j) * tl.load(ys + r * H + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["P"])
+    def _count_kernel(idx, hist, P, E, SUB: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        """hist[s, e]: how many of the pairs s SUB .. s SUB + SUB - 1 chose expert e."""
+        _pdl_enter(PDL)
+        s = tl.program_id(0)
+        p = s * SUB + tl.arange(0, SUB)
+        ids = tl.load(idx + p, mask=p < P, other=0).to(tl.int32)
+        counts = tl.histogram(ids, BLOCK_E, mask=p < P)
+        e = tl.arange(0, BLOCK_E)
+        tl.store(hist + s * E + e, counts, mask=e < E)
+
+    @triton.jit(do_not_specialize=["nsub"])
+    def _scan_kernel(hist, base, starts, offs, nsub, E, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr):
+        """One program: base[s, e] = the pairs of sub-blocks before s that chose e; starts[e] = the
+        pairs that chose an expert below e (where e's rows begin in expert order); offs[e] =
+        starts[e] + e's count (torch._grouped_mm's group ends)."""
+        _pdl_enter(PDL)
+        # (while loops: Triton 3.6's interpreter cannot run range() over an argument)
+        start = tl.sum(tl.zeros((BLOCK_C,), dtype=tl.int32), axis=0)
+        c0 = 0
+        while c0 < E:
+            e = c0 + tl.arange(0, BLOCK_C)
+            em = e < E
+            run = tl.zeros((BLOCK_C,), dtype=tl.int32)
+            s0 = 0
+            while s0 < nsub:
+                s = s0 + tl.arange(0, BLOCK_S)
+                m = (s < nsub)[:, None] & em[None, :]
+                h = tl.load(hist + s[:, None] * E + e[None, :], mask=m, other=0)
+                tl.store(base + s[:, None] * E + e[None, :], tl.cumsum(h, axis=0) - h + run[None, :], mask=m)
+                run += tl.sum(h, axis=0)
+                s0 += BLOCK_S
+            ends = tl.cumsum(run, axis=0) + start
+            tl.store(starts + e, ends - run, mask=em)
+            tl.store(offs + e, ends, mask=em)
+            start += tl.sum(run, axis=0)
+            c0 += BLOCK_C
+
+    @triton.jit(do_not_specialize=["P"])
+    def _place_kernel(x, idx, base, starts, xs, inv, P, E, H, stride_x, TOP_K: tl.constexpr, SUB: tl.constexpr,
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        """Pair p = t TOP_K + j (sub-block s = p // SUB) goes to row starts[e] + base[s, e] + its
+        rank among the pairs of s that chose e (a stable sort by expert: ties keep pair order).
+        Writes inv[p] (axis 1's first programs) and xs[that row] = x[t] (columns of axis 1)."""
+        _pdl_enter(PDL)
+        s = tl.program_id(0)
+        i = tl.arange(0, SUB)
+        p = s * SUB + i
+        pm = p < P
+        ids = tl.load(idx + p, mask=pm, other=0).to(tl.int32)
+        earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        pos = tl.load(starts + ids, mask=pm, other=0) + tl.load(base + s * E + ids, mask=pm, other=0) + rank
+        if tl.program_id(1) == 0:
+            tl.store(inv + p, pos.to(tl.int64), mask=pm)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = pm[:, None] & (h < H)[None, :]
+        row = tl.load(x + (p // TOP_K).to(tl.int64)[:, None] * stride_x + h[None, :], mask=m)
+        tl.store(xs + pos.to(tl.int64)[:, None] * H + h[None, :], row, mask=m)
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -188,14 +258,47 @@ def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
           E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [1, >= E] (any float dtype; the first E are the experts') → (ids [1, top_k] int64,
-    weights [1, top_k] fp32)."""
+    """logits [T, >= E] (any float dtype, rows of unit stride; the first E are the experts') →
+    (ids [T, top_k] int64, weights [T, top_k] fp32): a program a token, decode's and prefill's the same."""
+    T = logits.shape[0]
     E = E or logits.shape[-1]
-    idx = torch.empty(1, top_k, dtype=torch.int64, device=logits.device)
-    w = torch.empty(1, top_k, dtype=torch.float32, device=logits.device)
-    launch(_route_kernel, (1,), logits, idx, w, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    launch(_route_kernel, (T,), logits, idx, w, E, logits.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
            BLOCK_K=triton.next_power_of_2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
     return idx, w
+
+
+# Pairs (token, slot) a program of sort_pairs' count and place launches takes: a pair's rank among
+# its sub-block's pairs of the same expert is a [SORT_SUB, SORT_SUB] comparison
+SORT_SUB = 128
+# sort_pairs' row copy: columns a program
+SORT_COLUMNS = 128
+
+
+def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
+    int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
+    pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
+    offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
+    (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync."""
+    T, k = idx.shape
+    P, H = T * k, x.shape[1]
+    nsub = triton.cdiv(P, SORT_SUB)
+    ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
+        2 * E + 2 * nsub * E, dtype=torch.int32, device=x.device)
+    offs, starts = ints[:E], ints[E:2 * E]
+    hist, base = ints[2 * E:2 * E + nsub * E], ints[2 * E + nsub * E:]
+    xs = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    inv = torch.empty(P, dtype=torch.int64, device=x.device)
+    pdl = cuda_base.pdl(x)
+    block_e = triton.next_power_of_2(E)
+    launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
+    launch(_scan_kernel, (1,), hist, base, starts, offs, nsub, E, BLOCK_S=64, BLOCK_C=min(block_e, 128),
+           num_warps=8, **pdl)
+    launch(_place_kernel, (nsub, triton.cdiv(H, SORT_COLUMNS)), x, idx, base, starts, xs, inv, P, E, H, x.stride(0),
+           TOP_K=k, SUB=SORT_SUB, BLOCK_H=SORT_COLUMNS, num_warps=8, **pdl)
+    return xs, inv, offs
 
 
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
