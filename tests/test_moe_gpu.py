@@ -49,6 +49,25 @@ def test_route_kernel_matches_softmax_topk(E):
             assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,E,k", [(2048, 128, 8), (333, 256, 8), (50, 60, 5), (1, 6, 2)])
+def test_prefill_routing_and_sort(T, E, k):
+    """The grouped prefill's routing (decode's kernel, a program a token: each row's result is what
+    decode gives that row alone) and its sort (the stable argsort's order, exactly)."""
+    cuda_moe = kernels()
+    g = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.randn(T, E, device="cuda", generator=g).to(torch.bfloat16)
+    idx, w = cuda_moe.route(logits, k, True)
+    for t in {0, T // 2, T - 1}:
+        one_idx, one_w = cuda_moe.route(logits[t:t + 1], k, True)
+        assert torch.equal(one_idx, idx[t:t + 1]) and torch.equal(one_w, w[t:t + 1])
+    x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    xs, inv, offs = cuda_moe.sort_pairs(x, idx, E)
+    order = idx.reshape(-1).argsort(stable=True)
+    assert torch.equal(xs, x[order // k])
+    assert torch.equal(inv[order], torch.arange(T * k, device="cuda"))
+    assert torch.equal(offs.long(), torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
+
+
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
 def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypatch):
     cuda_moe = kernels()

@@ -285,10 +285,13 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor
     T, k = idx.shape
     P, H = T * k, x.shape[1]
     nsub = triton.cdiv(P, SORT_SUB)
+    # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
+    # alignment: none may change with the prompt's length)
+    a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
     ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
-        2 * E + 2 * nsub * E, dtype=torch.int32, device=x.device)
-    offs, starts = ints[:E], ints[E:2 * E]
-    hist, base = ints[2 * E:2 * E + nsub * E], ints[2 * E + nsub * E:]
+        2 * a + 2 * b, dtype=torch.int32, device=x.device)
+    offs, starts = ints[:E], ints[a:a + E]
+    hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
     xs = torch.empty(P, H, dtype=x.dtype, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
