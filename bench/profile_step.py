@@ -114,7 +114,7 @@ def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False) -
     torch.cuda.synchronize()
     t = time.perf_counter()
     s.prefill(ids)
-    host = (time.perf_counter() - t) * 1e3  # until the host had queued it all (or waited on a sync)
+    queued = (time.perf_counter() - t) * 1e3  # until the host had queued it all (or waited on a sync)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) * 1e3
     s.reset()
@@ -131,7 +131,7 @@ def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False) -
         s.prefill(ids)
         torch.cuda.synchronize()
     print(f"{name}: prefill of {n} tokens {wall:.2f} ms wall ({n / wall * 1e3:.0f} tok/s); the host returned "
-          f"after {host:.2f} ms; {sum(syncs.values())} host syncs" + "".join(f"\n  sync at {k} x{v}" for k, v in
+          f"after {queued:.2f} ms; {sum(syncs.values())} host syncs" + "".join(f"\n  sync at {k} x{v}" for k, v in
                                                                                syncs.most_common(6)))
     top_kernels(prof, 1, top)
     if host:
