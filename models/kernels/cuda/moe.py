@@ -300,7 +300,7 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor
     pdl = cuda_base.pdl(x)
     block_e = triton.next_power_of_2(E)
     launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
-    launch(_scan_kernel, (1,), hist, base, starts, offs, nsub, E, BLOCK_S=64, BLOCK_C=min(block_e, 128),
+    launch(_scan_kernel, (1,), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=min(block_e, 128),
            num_warps=8, **pdl)
     launch(_place_kernel, (nsub,), x, idx, base, starts, xs, inv, P, E, x.stride(0), H=H, TOP_K=k, SUB=SORT_SUB,
            BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), num_warps=4, **pdl)
