@@ -2,12 +2,13 @@
 same shape's bf16 and quantized models held side by side; drift between separate runs would
 swamp a few percent).
 
-    python bench/ab_prefill.py NAME [NAME ...] [--format Q4_K] [--variants bf16,base,noahead]
+    python bench/ab_prefill.py NAME [NAME ...] [--format Q4_K] [--variants bf16,base]
         [--prefill 2048] [--rounds 5]
 Each round times one `--prefill`-token prefill per variant, in turn, on a fresh session (after one
 untimed prefill of each at the start). Prints the median tok/s per variant and its ratio to the
-first. Variants: bf16 (the bf16 model), base (the quantized model, the defaults), noahead (no
-dequantization ahead on a side stream: models/formats/quant.py's dequantize_ahead, AHEAD).
+first. Variants: bf16 (the bf16 model), base (the quantized model, the defaults). A variant sets
+attributes of models/formats/quant.py for its runs (the noahead variant of branch
+next-dequant-ahead: bench/RESULTS.md set S).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from engine.session import DecodeSession  # noqa: E402
 from models.formats import quant  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
-VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "noahead": ("quantized", dict(AHEAD=False))}
+VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {})}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:
@@ -50,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")
     ap.add_argument("--format", default="Q4_K")
-    ap.add_argument("--variants", default="bf16,base,noahead")
+    ap.add_argument("--variants", default="bf16,base")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()

@@ -153,28 +153,3 @@ def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method
     assert linears and all(m.qweight().data.is_cuda for m in linears)
     assert all(m.planar for m in linears if isinstance(m, hf_quant.GroupInt4Linear))  # INT4P on CUDA
     assert name in q16.weight_format
-
-
-@pytest.mark.parametrize("method", ["fp8", "gptq_v2"])
-def test_prefill_weights_dequantized_ahead_equal_in_place(tmp_path, monkeypatch, method):
-    """quant.dequantize_ahead (a Gated DeltaNet layer's out_proj and MLP dequantized on a side
-    stream beside its scan) gives a bf16 prefill the logits of the weights dequantized in place,
-    bit for bit, and its forwards take the weights made ahead."""
-    from tiny_hf_quant import write_quantized
-    qdir, _ = write_quantized("qwen3_5", str(tmp_path), method)
-    lm = models.load(qdir, CUDA, torch.bfloat16, quantized=True)
-    prompt = list(range(3, 200))
-    taken = []
-    weights = quant.QuantLinear._weights
-
-    def spy(self, dtype):
-        taken.append(self._ahead is not None)
-        return weights(self, dtype)
-
-    monkeypatch.setattr(quant.QuantLinear, "_weights", spy)
-    ahead = full_logits(lm.model, prompt, CUDA, torch.bfloat16)
-    assert any(taken)
-    monkeypatch.setattr(quant, "AHEAD", False)
-    taken.clear()
-    in_place = full_logits(lm.model, prompt, CUDA, torch.bfloat16)
-    assert taken and not any(taken) and torch.equal(ahead, in_place)

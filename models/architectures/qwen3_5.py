@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gated_delta
-from ..formats.quant import dequantize_ahead
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
@@ -160,9 +159,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj = fused
             del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor], ahead: nn.Module | None = None) -> torch.Tensor:
-        """ahead: the module run after this one (the layer's MLP), whose quantized linears a CUDA
-        prefill dequantizes beside the scan (quant.dequantize_ahead), with out_proj."""
+    def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         if hasattr(self, "in_proj") and cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
             # the conv, the delta rule and the gated norm in two kernels
@@ -174,8 +171,6 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.in_proj.split(x)
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        if T > 1 and cuda_base.prefill_usable(x):  # (after in_proj: the side stream starts once it is done)
-            dequantize_ahead((self.out_proj, *(ahead.modules() if ahead is not None else ())), x.dtype)
         conv_state = st["conv"]
         if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
             mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)
@@ -258,7 +253,7 @@ class HybridLayer(nn.Module):
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
         x, h = add_norm(x, self.input_layernorm, defer=True)  # both mixers read h through linears only
         if self.linear:
-            h = self.linear_attn(h, state.fixed(i), ahead=self.mlp)
+            h = self.linear_attn(h, state.fixed(i))
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))

@@ -25,9 +25,7 @@ in its blocks as BlockLinear / BlockEmbedding, but for the K-quant linears of mo
 loader.PLANAR_MIN_WEIGHTS weights, repacked after fusion (`BlockLinear.to_planar`: planar.py's
 layouts): one-token products run the Triton dequant-GEMV, longer ones dequantize a chunk of rows
 to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
-shared with the HF formats of hf_quant.py). `dequantize_ahead` runs such a dequantization on a
-side stream, beside the main stream's weight-free kernels (a Gated DeltaNet layer's scan), for
-the layer's next many-row forwards to take.
+shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
 
@@ -261,39 +259,6 @@ class QWeight:
 _CUDA_DEQUANT_ELEMENTS = 256 << 20
 
 
-# Whether dequantize_ahead runs (bench/ab_prefill.py's noahead variant: without)
-AHEAD = True
-_SIDE: dict = {}  # device index → the side stream of dequantize_ahead
-
-
-def dequantize_ahead(linears, dtype: torch.dtype) -> None:
-    """Dequantize these QuantLinears' weights to `dtype` now, on a side stream that starts after
-    the work queued so far, each for its next many-row forward (cuda_forward), which waits for it
-    there. Why: a prefill's dequantization is ~8% of a 4-bit 27B-like model's 2k-token prefill on
-    an H200 (bench/RESULTS.md set Q), and a Gated DeltaNet layer's scan leaves most SMs idle; its
-    dequantizations ahead of it overlap it. Linears whose matrix the many-row path takes in
-    chunks (an LM head) are left to it."""
-    todo = [m for m in linears if isinstance(m, QuantLinear) and m.ahead_serves()]
-    if not AHEAD or not todo:
-        return
-    main = torch.cuda.current_stream()
-    dev = main.device.index if main.device.index is not None else torch.cuda.current_device()
-    side = _SIDE.get(dev)
-    if side is None:
-        side = _SIDE[dev] = torch.cuda.Stream(device=main.device)
-    # allocated on the main stream (their reuse after the GEMMs free them is ordered there); the
-    # side stream writes them only after everything queued on the main stream so far
-    outs = [torch.empty(m.out_features, m.in_features, dtype=dtype, device=main.device) for m in todo]
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for m, w in zip(todo, outs):
-            qw = m.qweight()
-            m.kernels.dequantize(qw, 0, qw.n, dtype, out=w)
-            done = torch.cuda.Event()
-            done.record(side)
-            m._ahead = (w, done)
-
-
 class QuantLinear(nn.Module):
     """The CUDA forms shared by linears on quantized weights (GGUF blocks, FP8, 4-bit groups):
     a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
@@ -305,26 +270,6 @@ class QuantLinear(nn.Module):
     # models.kernels.cuda.qlinear, which sets itself here when imported (formats import no kernel;
     # the architectures import it): None where it was not imported
     kernels = None
-    _ahead = None  # (weights, event): dequantize_ahead's, for the next many-row forward
-
-    def ahead_serves(self) -> bool:
-        """Whether dequantize_ahead takes this linear: on CUDA with the kernels, the whole matrix
-        in one chunk of the many-row path."""
-        k = self.kernels
-        if k is None or not k.fits(self.qweight().fmt, self.in_features):
-            return False
-        qw = self.qweight()
-        return qw.data.is_cuda and max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features) >= self.out_features
-
-    def _weights(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole matrix in dtype for a many-row forward: dequantize_ahead's (the current stream
-        waits for it), else dequantized now."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            torch.cuda.current_stream().wait_event(ahead[1])
-            if ahead[0].dtype == dtype:
-                return ahead[0]
-        return self.kernels.dequantize(self.qweight(), 0, self.out_features, dtype)
 
     def qweight(self) -> QWeight:
         raise NotImplementedError
@@ -367,7 +312,7 @@ class QuantLinear(nn.Module):
             x2 = x2.to(dtype)
             rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
             if rows >= self.out_features:
-                y = x2 @ self._weights(dtype).t()
+                y = x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
             else:
                 y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
                 for i in range(0, self.out_features, rows):
