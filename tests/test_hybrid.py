@@ -88,6 +88,33 @@ print("ok")
 """
 
 
+SOLVE_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from models.architectures import gated_delta
+from models.kernels.cuda import scan
+for T, H, dk, dv, beta_scale in [(150, 2, 32, 16, 1.0), (64, 1, 16, 64, 2.0)]:
+    q, k, v, g, beta, _ = gated_delta.example_inputs(T, H, dk, dv, torch.device("cpu"), seed=T)
+    system, _, v_beta, k_cum, *_ = gated_delta.chunk_terms(q, k, v, g, beta * beta_scale, 64)
+    eye = torch.eye(64, dtype=torch.float64).expand_as(system)
+    inv = torch.linalg.solve_triangular(system.double(), eye, upper=False, unitriangular=True)
+    garbage = system + torch.triu(torch.randn_like(system))  # the diagonal and above: not read
+    u, w = scan.solve(garbage, v_beta, k_cum)
+    for got, want in ((u, inv @ v_beta.double()), (w, inv @ k_cum.double())):
+        assert (got.double() - want).abs().max() <= 1e-5 * float(want.abs().max()), float((got - want).abs().max())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="Triton is not importable here")
+def test_chunk_solve_kernel_under_the_interpreter_equals_the_triangular_solve():
+    """cuda_scan.solve ((I + A)^-1 by 16-row blocks, and its products with v_beta and k_cum, one
+    program a chunk) against torch's triangular solve in fp64, by Triton's interpreter: several
+    chunks and heads, betas up to 2 (OLMo-Hybrid's scale), the system's upper half ignored."""
+    from interpreted import run_interpreted
+    run_interpreted(SOLVE_INTERPRETED)
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="Triton is not importable here")
 def test_chunk_prepare_kernel_under_the_interpreter_equals_the_torch_terms():
     """cuda_scan.prepare (the chunks' terms in one kernel, CUDA prefill) against

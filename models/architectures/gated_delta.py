@@ -84,8 +84,9 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
     q and k may also come with Hk key heads, Hk dividing H (not repeated yet: value head h reads
     key head h // (H / Hk)). `fused` (CUDA): the chunks' terms in one Triton kernel
-    (cuda_scan.prepare, reading q, k and v where they lie) and the scan in another
-    (cuda_scan.chunk_scan), around torch's triangular solve; else torch throughout."""
+    (cuda_scan.prepare, reading q, k and v where they lie), the triangular solve and its products
+    in a second (cuda_scan.solve, 64-token chunks) and the scan in a third (cuda_scan.chunk_scan);
+    else torch throughout."""
     T, H = q.shape[0], v.shape[1]
     fused = fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1])
     terms = cuda_scan.prepare(q, k, v, g.float(), beta.float(), chunk) if fused else \
@@ -95,9 +96,12 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     # (the solver reads only the strict lower triangle; unitriangular supplies the identity).
     # One triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of
     # the solver's work of solving for u and w directly (dk + dv right-hand sides)
-    eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
-    inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
-    u, w = inv @ v_beta, inv @ k_cum
+    if fused and cuda_scan.solve_fits(chunk):  # the solve and both products in one kernel
+        u, w = cuda_scan.solve(system, v_beta, k_cum)
+    else:
+        eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
+        inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+        u, w = inv @ v_beta, inv @ k_cum
     n = system.shape[1]
     if fused:
         out = cuda_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)

@@ -1,4 +1,5 @@
-"""Triton kernel for the chunked gated delta rule's scan across chunks (CUDA prefill).
+"""Triton kernels for the chunked gated delta rule (CUDA prefill): its per-chunk terms (`prepare`),
+the triangular solve inside each chunk (`solve`) and the scan across chunks (`chunk_scan`).
 
 Contract: `chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)` computes exactly the loop at
 the end of gated_delta.chunked, for every chunk in order, in one launch:
@@ -23,6 +24,74 @@ from .base import fits, launch, triton
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _unit_lower_inverse(A):
+        """(I + A)^-1 for a strictly lower [16, 16] A: forward substitution, row i of the inverse
+        being e_i minus A's row i times the rows above it (exact fp32 sums)."""
+        r = tl.arange(0, 16)
+        X = (r[:, None] == r[None, :]).to(tl.float32)
+        for i in tl.static_range(1, 16):
+            a = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)  # A's row i (zero from column i on)
+            row = (r == i).to(tl.float32) - tl.sum(a[:, None] * X, axis=0)
+            X = tl.where(r[:, None] == i, row[None, :], X)
+        return X
+
+    @triton.jit
+    def _block(ptr, a: tl.constexpr, b: tl.constexpr, C: tl.constexpr):
+        """Block (a, b) of 16 x 16 of a [C, C] system at ptr (a diagonal one: its strict lower triangle)."""
+        r = tl.arange(0, 16)
+        t = tl.load(ptr + (16 * a + r)[:, None] * C + 16 * b + r[None, :])
+        if a == b:
+            t = tl.where(r[:, None] > r[None, :], t, 0.0)
+        return t
+
+    @triton.jit
+    def _rows(ptr, a: tl.constexpr, N: tl.constexpr):
+        """Rows 16 a .. 16 a + 15 of a [C, N] matrix at ptr."""
+        return tl.load(ptr + (16 * a + tl.arange(0, 16))[:, None] * N + tl.arange(0, N)[None, :])
+
+    @triton.jit
+    def _apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, dst, N: tl.constexpr, PREC: tl.constexpr):
+        """dst = X src for the block lower-triangular X (16-row blocks) and src [64, N]."""
+        r = tl.arange(0, 16)[:, None] * N + tl.arange(0, N)[None, :]
+        s0 = _rows(src, 0, N)
+        s1 = _rows(src, 1, N)
+        tl.store(dst + r, tl.dot(X00, s0, input_precision=PREC))
+        tl.store(dst + 16 * N + r, tl.dot(X10, s0, input_precision=PREC) + tl.dot(X11, s1, input_precision=PREC))
+        s2 = _rows(src, 2, N)
+        tl.store(dst + 32 * N + r, tl.dot(X20, s0, input_precision=PREC) + tl.dot(X21, s1, input_precision=PREC)
+                 + tl.dot(X22, s2, input_precision=PREC))
+        s3 = _rows(src, 3, N)
+        tl.store(dst + 48 * N + r, tl.dot(X30, s0, input_precision=PREC) + tl.dot(X31, s1, input_precision=PREC)
+                 + tl.dot(X32, s2, input_precision=PREC) + tl.dot(X33, s3, input_precision=PREC))
+
+    @triton.jit
+    def _solve_kernel(system, v_beta, k_cum, u, w, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      PREC: tl.constexpr):
+        """One chunk's (I + A)^-1 (A: system's strict lower triangle, C = 64 in 16-row blocks) by
+        block forward substitution, then u = (I + A)^-1 v_beta and w = (I + A)^-1 k_cum."""
+        c = tl.program_id(0).to(tl.int64)
+        sp = system + c * C * C
+        D0 = _unit_lower_inverse(_block(sp, 0, 0, C))
+        D1 = _unit_lower_inverse(_block(sp, 1, 1, C))
+        D2 = _unit_lower_inverse(_block(sp, 2, 2, C))
+        D3 = _unit_lower_inverse(_block(sp, 3, 3, C))
+        A10, A21, A32 = _block(sp, 1, 0, C), _block(sp, 2, 1, C), _block(sp, 3, 2, C)
+        # below the diagonal: X_kl = -D_k (sum over l <= m < k of A_km X_ml), X_ll = D_l
+        X10 = -tl.dot(D1, tl.dot(A10, D0, input_precision=PREC), input_precision=PREC)
+        X21 = -tl.dot(D2, tl.dot(A21, D1, input_precision=PREC), input_precision=PREC)
+        X32 = -tl.dot(D3, tl.dot(A32, D2, input_precision=PREC), input_precision=PREC)
+        A20, A31 = _block(sp, 2, 0, C), _block(sp, 3, 1, C)
+        X20 = -tl.dot(D2, tl.dot(A20, D0, input_precision=PREC) + tl.dot(A21, X10, input_precision=PREC),
+                      input_precision=PREC)
+        X31 = -tl.dot(D3, tl.dot(A31, D1, input_precision=PREC) + tl.dot(A32, X21, input_precision=PREC),
+                      input_precision=PREC)
+        A30 = _block(sp, 3, 0, C)
+        X30 = -tl.dot(D3, tl.dot(A30, D0, input_precision=PREC) + tl.dot(A31, X10, input_precision=PREC)
+                      + tl.dot(A32, X20, input_precision=PREC), input_precision=PREC)
+        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, v_beta + c * C * DV, u + c * C * DV, DV, PREC)
+        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, k_cum + c * C * DK, w + c * C * DK, DK, PREC)
 
     @triton.jit(do_not_specialize=["n"])  # one compile for every prompt length (n: its chunks)
     def _chunk_scan_kernel(u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
@@ -114,6 +183,24 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     launch(_chunk_prep_kernel, (H, n), q, k, v, g.contiguous(), beta.contiguous(), system, intra, v_beta, k_cum,
            q_dec, k_dec, chunk_decay, T, *q.stride(), *k.stride(), *v.stride(), H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV, PREC=CONFIG["precision"])
     return system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay
+
+
+def solve(system: torch.Tensor, v_beta: torch.Tensor, k_cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gated_delta.chunked's triangular solve and its two products in one launch (a program a
+    chunk): u = (I + A)^-1 v_beta and w = (I + A)^-1 k_cum, A the strict lower triangle of each
+    [64, 64] chunk of system [H, n, 64, 64] (prepare's terms, contiguous fp32). The torch form is
+    a batched triangular solve against the identity (cuBLAS's trsm) and two fp32 GEMMs."""
+    H, n, C, _ = system.shape
+    DV, DK = v_beta.shape[-1], k_cum.shape[-1]
+    u, w = torch.empty_like(v_beta), torch.empty_like(k_cum)
+    launch(_solve_kernel, (H * n,), system, v_beta, k_cum, u, w, C=C, DK=DK, DV=DV, PREC=CONFIG["precision"],
+           num_warps=4 if max(DK, DV) <= 128 else 8)
+    return u, w
+
+
+def solve_fits(chunk: int) -> bool:
+    """solve's chunk: 64 rows (four 16-row blocks)."""
+    return triton is not None and chunk == 64
 
 
 def scan_fits(chunk: int, dk: int, dv: int) -> bool:
