@@ -80,11 +80,12 @@ def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypa
         assert hasattr(m, "router_rows") == bool(shared)  # gate/up: one more expert where I matches
         # the fused GEMV rounds the same sums in another order: within one bf16 step of the largest output
         assert float((m(x).float() - fused).abs().max()) <= 2 ** -7 * float(fused.abs().max())
-        idx, w = m.gate(x)
+        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        idx, w = m.gate(x)  # torch's routing (the kernel's breaks ties to the lower id)
+        plain = m(x).float()
+        monkeypatch.setattr(cuda_base, "ENABLED", True)
         args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)
         direct = cuda_moe.experts(x, m.experts.gate_up_proj, m.experts.down_proj, idx, w, *args).float()
-        monkeypatch.setattr(cuda_base, "ENABLED", False)
-        plain = m(x).float()
     scale = float(plain.abs().max())
     assert float((direct - plain).abs().max()) <= 0.02 * scale  # the same experts, chosen by torch
     with torch.no_grad():  # the whole layer routes by itself: comparable where no two probabilities tie at k

@@ -109,7 +109,7 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     assert (kernels.combine(ys, inv, w) - (y.view(T, k, -1) * w[..., None]).sum(1)).abs().max() <= 1e-5
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
 # experts' ends exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
-# scan chunks (E > 128), scan steps (more than 64 sub-blocks), column steps (H > 256), experts nobody chose
+# scan chunks (E > 128), scan steps (more than 128 sub-blocks), column steps (H > 256), experts nobody chose
 for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8, 40, 24), (7, 6, 512, 16)]:
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E, generator=g)

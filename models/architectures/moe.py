@@ -10,6 +10,8 @@ loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorte
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
 on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
 the chosen experts read on the device: three launches and the shared expert's, inside the graph).
+A CUDA prefill in half precision routes with the decode's kernel too, a program a token, and sorts
+the pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the stable argsort's order).
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        if cuda_base.prefill_usable(x):  # decode's routing kernel, a program a token (ties: the lower id)
+        if cuda_base.prefill_usable(x):  # one launch, not ~5; and a token routes as decode routes it
             return cuda_moe.route(logits, self.top_k, self.norm_topk)
         probs = logits.float().softmax(-1)
         weights, idx = probs.topk(self.top_k, dim=-1)

@@ -263,7 +263,10 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     (ids [T, top_k] int64, weights [T, top_k] fp32): a program a token, decode's and prefill's the same."""
     T = logits.shape[0]
     E = E or logits.shape[-1]
-    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    # (inside precompiling() the launch is skipped: ids a host reads, as the experts' loop form
+    # and PlanarExperts do, must still be ids)
+    idx = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(T, top_k, dtype=torch.int64,
+                                                                          device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     launch(_route_kernel, (T,), logits, idx, w, E, logits.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
            BLOCK_K=triton.next_power_of_2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
@@ -275,8 +278,9 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
 # (the 30B-A3B-like 2k prefill: 128 pairs and a program per 128 columns, 16 comparisons a pair, gave
 # 49.6 us a layer, slower than torch's gather of the rows alone, 21 us)
 SORT_SUB = 64
-# sort_pairs' row copy: columns a step
-SORT_COLUMNS = 256
+# sort_pairs' row copy: columns a step (8 warps; ptxas for sm_90: 186 registers, where 256 columns on
+# 4 warps spilled 644 bytes, each element's 64-bit address held)
+SORT_COLUMNS = 128
 
 
 def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,7 +307,7 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor
     launch(_scan_kernel, (1,), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=min(block_e, 128),
            num_warps=8, **pdl)
     launch(_place_kernel, (nsub,), x, idx, base, starts, xs, inv, P, E, x.stride(0), H=H, TOP_K=k, SUB=SORT_SUB,
-           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), num_warps=4, **pdl)
+           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), num_warps=8, **pdl)
     return xs, inv, offs
 
 

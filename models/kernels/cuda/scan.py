@@ -47,28 +47,32 @@ if triton is not None:
         return t
 
     @triton.jit
-    def _rows(ptr, a: tl.constexpr, N: tl.constexpr):
-        """Rows 16 a .. 16 a + 15 of a [C, N] matrix at ptr."""
-        return tl.load(ptr + (16 * a + tl.arange(0, 16))[:, None] * N + tl.arange(0, N)[None, :])
+    def _rows(ptr, a: tl.constexpr, n0, N: tl.constexpr, BN: tl.constexpr):
+        """Rows 16 a .. 16 a + 15, columns n0 .. n0 + BN - 1, of a [C, N] matrix at ptr."""
+        return tl.load(ptr + (16 * a + tl.arange(0, 16))[:, None] * N + n0 + tl.arange(0, BN)[None, :])
 
     @triton.jit
-    def _apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, dst, N: tl.constexpr, PREC: tl.constexpr):
-        """dst = X src for the block lower-triangular X (16-row blocks) and src [64, N]."""
-        r = tl.arange(0, 16)[:, None] * N + tl.arange(0, N)[None, :]
-        s0 = _rows(src, 0, N)
-        s1 = _rows(src, 1, N)
-        tl.store(dst + r, tl.dot(X00, s0, input_precision=PREC))
-        tl.store(dst + 16 * N + r, tl.dot(X10, s0, input_precision=PREC) + tl.dot(X11, s1, input_precision=PREC))
-        s2 = _rows(src, 2, N)
-        tl.store(dst + 32 * N + r, tl.dot(X20, s0, input_precision=PREC) + tl.dot(X21, s1, input_precision=PREC)
-                 + tl.dot(X22, s2, input_precision=PREC))
-        s3 = _rows(src, 3, N)
-        tl.store(dst + 48 * N + r, tl.dot(X30, s0, input_precision=PREC) + tl.dot(X31, s1, input_precision=PREC)
-                 + tl.dot(X32, s2, input_precision=PREC) + tl.dot(X33, s3, input_precision=PREC))
+    def _apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, dst, N: tl.constexpr, BN: tl.constexpr,
+               PREC: tl.constexpr):
+        """dst = X src for the block lower-triangular X (16-row blocks) and src [64, N], BN columns a step."""
+        r = tl.arange(0, 16)[:, None] * N + tl.arange(0, BN)[None, :]
+        for n0 in tl.static_range(0, N, BN):
+            s0 = _rows(src, 0, n0, N, BN)
+            s1 = _rows(src, 1, n0, N, BN)
+            tl.store(dst + n0 + r, tl.dot(X00, s0, input_precision=PREC))
+            tl.store(dst + 16 * N + n0 + r, tl.dot(X10, s0, input_precision=PREC)
+                     + tl.dot(X11, s1, input_precision=PREC))
+            s2 = _rows(src, 2, n0, N, BN)
+            tl.store(dst + 32 * N + n0 + r, tl.dot(X20, s0, input_precision=PREC)
+                     + tl.dot(X21, s1, input_precision=PREC) + tl.dot(X22, s2, input_precision=PREC))
+            s3 = _rows(src, 3, n0, N, BN)
+            tl.store(dst + 48 * N + n0 + r, tl.dot(X30, s0, input_precision=PREC)
+                     + tl.dot(X31, s1, input_precision=PREC) + tl.dot(X32, s2, input_precision=PREC)
+                     + tl.dot(X33, s3, input_precision=PREC))
 
     @triton.jit
     def _solve_kernel(system, v_beta, k_cum, u, w, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      PREC: tl.constexpr):
+                      BN: tl.constexpr, PREC: tl.constexpr):
         """One chunk's (I + A)^-1 (A: system's strict lower triangle, C = 64 in 16-row blocks) by
         block forward substitution, then u = (I + A)^-1 v_beta and w = (I + A)^-1 k_cum."""
         c = tl.program_id(0).to(tl.int64)
@@ -90,8 +94,8 @@ if triton is not None:
         A30 = _block(sp, 3, 0, C)
         X30 = -tl.dot(D3, tl.dot(A30, D0, input_precision=PREC) + tl.dot(A31, X10, input_precision=PREC)
                       + tl.dot(A32, X20, input_precision=PREC), input_precision=PREC)
-        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, v_beta + c * C * DV, u + c * C * DV, DV, PREC)
-        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, k_cum + c * C * DK, w + c * C * DK, DK, PREC)
+        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, v_beta + c * C * DV, u + c * C * DV, DV, min(BN, DV), PREC)
+        _apply(D0, X10, D1, X20, X21, D2, X30, X31, X32, D3, k_cum + c * C * DK, w + c * C * DK, DK, min(BN, DK), PREC)
 
     @triton.jit(do_not_specialize=["n"])  # one compile for every prompt length (n: its chunks)
     def _chunk_scan_kernel(u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
@@ -193,8 +197,10 @@ def solve(system: torch.Tensor, v_beta: torch.Tensor, k_cum: torch.Tensor) -> tu
     H, n, C, _ = system.shape
     DV, DK = v_beta.shape[-1], k_cum.shape[-1]
     u, w = torch.empty_like(v_beta), torch.empty_like(k_cum)
-    launch(_solve_kernel, (H * n,), system, v_beta, k_cum, u, w, C=C, DK=DK, DV=DV, PREC=CONFIG["precision"],
-           num_warps=4 if max(DK, DV) <= 128 else 8)
+    # (32 columns a product, 4 warps: ptxas for sm_90 237 registers at dk = dv = 128 and 256, no spill;
+    # whole 128-column rows spilled 100 bytes)
+    launch(_solve_kernel, (H * n,), system, v_beta, k_cum, u, w, C=C, DK=DK, DV=DV, BN=32, PREC=CONFIG["precision"],
+           num_warps=4)
     return u, w
 
 
