@@ -6,9 +6,10 @@ swamp a few percent).
         [--prefill 2048] [--rounds 5]
 Each round times one `--prefill`-token prefill per variant, in turn, on a fresh session (after one
 untimed prefill of each at the start). Prints the median tok/s per variant and its ratio to the
-first. Variants: bf16 (the bf16 model), base (the quantized model, the defaults). A variant sets
-attributes of models/formats/quant.py for its runs (the noahead variant of branch
-next-dequant-ahead: bench/RESULTS.md set S).
+first. Variants: bf16 (the bf16 model), base (the quantized model, the defaults), bf16-nosolve and
+nosolve (the same with the Gated DeltaNet prefill's triangular solve in torch, not
+cuda_scan.solve: gated_delta.FUSED_SOLVE). A variant sets module attributes for its runs (the
+noahead variant of branch next-dequant-ahead set quant.AHEAD: bench/RESULTS.md set S).
 """
 from __future__ import annotations
 
@@ -24,16 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from engine.session import DecodeSession  # noqa: E402
-from models.formats import quant  # noqa: E402
+from models.architectures import gated_delta  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
-VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {})}
+NOSOLVE = {(gated_delta, "FUSED_SOLVE"): False}
+VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "bf16-nosolve": ("bf16", NOSOLVE),
+            "nosolve": ("quantized", NOSOLVE)}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:
-    saved = {k: getattr(quant, k) for k in settings}
-    for k, v in settings.items():
-        setattr(quant, k, v)
+    saved = {k: getattr(*k) for k in settings}
+    for (mod, attr), v in settings.items():
+        setattr(mod, attr, v)
     try:
         s = DecodeSession(model, max_context=len(ids) + 8, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph="off")
@@ -43,8 +46,8 @@ def prefill_seconds(model, ids: list[int], settings: dict) -> float:
         torch.cuda.synchronize()
         return time.perf_counter() - t
     finally:
-        for k, v in saved.items():
-            setattr(quant, k, v)
+        for (mod, attr), v in saved.items():
+            setattr(mod, attr, v)
 
 
 def main() -> None:
@@ -59,10 +62,12 @@ def main() -> None:
     dev = torch.device("cuda")
     variants = a.variants.split(",")
     for name in a.names:
-        models = {"bf16": random_model(name, dev, torch.bfloat16) if "bf16" in variants else None}
-        models["quantized"] = random_quantized_model(name, a.format, dev, torch.bfloat16)
-        repack_for_cuda(models["quantized"])
-        vocab = models["quantized"].config.vocab_size
+        kinds = {VARIANTS[v][0] for v in variants}
+        models = {"bf16": random_model(name, dev, torch.bfloat16) if "bf16" in kinds else None}
+        if "quantized" in kinds:
+            models["quantized"] = random_quantized_model(name, a.format, dev, torch.bfloat16)
+            repack_for_cuda(models["quantized"])
+        vocab = next(m for m in models.values() if m is not None).config.vocab_size
         ids = torch.randint(0, vocab, (a.prefill,), generator=torch.Generator().manual_seed(1)).tolist()
         times = {v: [] for v in variants}
         for v in variants:  # compiles, allocator warm-up
@@ -75,7 +80,7 @@ def main() -> None:
         for v in variants:
             tps = a.prefill / statistics.median(times[v])
             cells.append(f"{v} {tps:,.0f} ({tps / first:.3f}x)")
-        print(f"{name} {a.format} {a.prefill}-token prefill, tok/s (median of {a.rounds}): " + "; ".join(cells),
+        print(f"{name} {a.format if 'quantized' in kinds else 'bf16'} {a.prefill}-token prefill, tok/s (median of {a.rounds}): " + "; ".join(cells),
               flush=True)
         del models
         torch.cuda.empty_cache()

@@ -80,6 +80,10 @@ def chunk_terms(q, k, v, g, beta, chunk: int) -> tuple[torch.Tensor, ...]:
             k * (cum[..., -1:] - cum).exp()[..., None], cum[..., -1].exp())
 
 
+# Whether a fused prefill takes cuda_scan.solve (bench/ab_prefill.py's nosolve variants: torch's trsm)
+FUSED_SOLVE = True
+
+
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
     """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
     q and k may also come with Hk key heads, Hk dividing H (not repeated yet: value head h reads
@@ -96,7 +100,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     # (the solver reads only the strict lower triangle; unitriangular supplies the identity).
     # One triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of
     # the solver's work of solving for u and w directly (dk + dv right-hand sides)
-    if fused and cuda_scan.solve_fits(chunk):  # the solve and both products in one kernel
+    if fused and FUSED_SOLVE and cuda_scan.solve_fits(chunk):  # the solve and both products in one kernel
         u, w = cuda_scan.solve(system, v_beta, k_cum)
     else:
         eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
