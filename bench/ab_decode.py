@@ -54,6 +54,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
+_WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
@@ -101,6 +102,9 @@ def apply(variant: str) -> None:
     qplanar.REDUCE_BLOCK = v["reduce"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     qplanar.SMALL_GRID, qlinear.WHOLE_CONFIG = v["small_grid"], v["whole"]
+    # the qw*s variants (not read in one step): steps of their own size, as set R measured them
+    # (qlinear.whole_step picks the one-step widths only for matrices read whole)
+    qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
