@@ -86,10 +86,21 @@ def host_profile(s, ids, top: int) -> None:
     print(f"  host profile: {total * 1e3:.1f} ms of own time in {sum(v[1] for v in st.stats.values())} calls")
     for (f, line, fn), (cc, nc, tt, ct, _) in rows:
         print(f"  {tt * 1e3:8.2f} ms own {ct * 1e3:8.2f} cum {nc:6d}x  {os.path.basename(f)}:{line} {fn}")
-    from models.kernels.cuda import linear
+    from models.kernels.cuda import launcher, linear
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    for label, fn in (("Triton GEMV (linear.gemv)", lambda: linear.gemv(x, w)), ("torch.add", lambda: torch.add(x, x))):
+
+    def triton_launch(direct: bool):
+        def fn():
+            saved, launcher.ENABLED = launcher.ENABLED, direct
+            try:
+                linear.gemv(x, w)
+            finally:
+                launcher.ENABLED = saved
+        return fn
+    for label, fn in (("Triton GEMV (linear.gemv), the direct launch", triton_launch(True)),
+                      ("Triton GEMV (linear.gemv), Triton's launch", triton_launch(False)),
+                      ("torch.add", lambda: torch.add(x, x))):
         for _ in range(50):
             fn()
         torch.cuda.synchronize()

@@ -43,6 +43,35 @@ def test_graphs_on_off_identical(gpu_models, kind):
         assert on[0] == on[2]
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "lfm2", "olmo_hybrid"])
+def test_fast_launch_identical(gpu_models, monkeypatch, kind):
+    """Launches through the compiled kernels' C launchers (kernels/cuda/launcher.py) give the
+    logits Triton's own launch gives, bit for bit: a prefill, eager decode steps and a later
+    turn's prefill, where every kernel of the model launches many times."""
+    from models.kernels.cuda import base as cuda_base, launcher
+    if not cuda_base.ENABLED:
+        pytest.skip("Triton is not installed here")
+    lm = gpu_models[kind]
+    prompt = torch.randint(3, 300, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run():
+        s = DecodeSession(lm.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="off")
+        out = [s.prefill(prompt, all_logits=True)]
+        out += [s.step(t) for t in (5, 6, 7, 8, 9)]
+        out.append(s.prefill(list(range(50, 71)), all_logits=True))
+        return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+
+    monkeypatch.setattr(launcher, "ENABLED", False)
+    slow = run()
+    monkeypatch.setattr(launcher, "ENABLED", True)
+    run()  # (a kernel's first launch under a key goes through Triton's call)
+    before = launcher.cached()
+    fast = run()
+    assert before > 0 and launcher.cached() == before  # no launch of the last run was its key's first
+    assert torch.equal(fast, slow)
+
+
 def test_capture_leaves_no_trace_in_live_state(gpu_models):
     lm = gpu_models["qwen3_5"]
     s = DecodeSession(lm.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from . import launcher
+
 try:
     import triton
     import triton.language as tl
@@ -58,11 +60,12 @@ _submitted: list | None = None  # inside precompiling(): what each launch submit
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs): every kernel here launches through this, so that inside
-    `precompiling()` a launch submits the kernel's compile instead (nothing runs)."""
+    `precompiling()` a launch submits the kernel's compile instead (nothing runs); else through
+    launcher.py (the compiled kernel's C launcher called directly once Triton has launched it)."""
     if _submitted is not None:
         _submitted.append(kernel.warmup(*args, grid=grid, **kwargs))
     else:
-        kernel[grid](*args, **kwargs)
+        launcher.launch(kernel, grid, args, kwargs)
 
 
 def precompiling_now() -> bool:
