@@ -221,6 +221,27 @@ def test_qk_norm_partial_rope_kernel_matches_torch_forms(T):
     assert int(kc[:, :21].count_nonzero()) == 0 and int(vc[:, 21 + T:].count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("H,KVH,D,T", [(32, 4, 128, 2048), (16, 2, 256, 37), (8, 8, 64, 300), (6, 2, 96, 129)])
+def test_prefill_flash_call_equals_sdpa(H, KVH, D, T):
+    """attend_cached's prefill from position 0 calls flash's kernel itself: the same bits as
+    SDPA restricted to its flash backend (GQA read grouped), q in the [T, H, D] memory
+    qk_rope_kv_write leaves it in; and the slower forms' fp32 result to bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from models.architectures.layers import attend_cached
+    g = torch.Generator(device="cuda").manual_seed(H * D + T)
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(0, 1)
+    kc, vc = (torch.randn(KVH, T + 20, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    out = attend_cached(q, kc, vc, T, None)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        ref = F.scaled_dot_product_attention(q[None], kc[None, :, :T], vc[None, :, :T], is_causal=True,
+                                             enable_gqa=KVH != H)[0].transpose(0, 1).reshape(T, -1)
+    assert torch.equal(out, ref)
+    rep = H // KVH
+    exact = F.scaled_dot_product_attention(q[None].float(), kc[None, :, :T].float().repeat_interleave(rep, 1),
+                                           vc[None, :, :T].float().repeat_interleave(rep, 1), is_causal=True)
+    assert torch.allclose(out.float(), exact[0].transpose(0, 1).reshape(T, -1), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("H,KVH,D,S", [(9, 3, 64, 8192), (14, 2, 64, 600), (8, 2, 256, 300)])
 def test_decode_attention_kernel_matches_torch_form(H, KVH, D, S):
     """Live slots only (stale slots past the position hold garbage that must not leak in), at

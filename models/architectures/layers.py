@@ -10,6 +10,7 @@ needs no mask); everywhere else the torch forms here run.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -310,6 +311,12 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     T = q.shape[1]
     if T == 1:
         return decode_attention(q, keys, values, mask)
+    if kv_len == T and _flash_takes(q) and keys.stride(-1) == 1 and values.stride(-1) == 1:
+        # a prefill from position 0: plain causal attention by flash, the KV heads read grouped
+        # (faster than expanding them: bench/RESULTS.md, "Measurements behind the kernels' design").
+        # Its kernel called as SDPA calls it, without SDPA's backend selection and the sdpa_kernel
+        # context (~20 us of the host's time a layer, bench/RESULTS.md set T)
+        return _flash_lse(q[None], keys[None], values[None], causal=True)[0][0].transpose(0, 1).reshape(T, -1)
     gqa = keys.shape[0] != q.shape[0]
     with sdpa_kernel(_PREFILL_BACKENDS):
         if kv_len == T:
@@ -334,11 +341,22 @@ def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
     error against fp32), and on an H200 that flipped a greedy token of a reused prefix against
     the cold prefill (tests/test_gpu.py::test_graphs_on_off_identical), which the masked form
     keeps equal there. It saves ~25 ms of a 27B-like turn at 16k tokens (bench/RESULTS.md)."""
-    return (q.is_cuda and start > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _SPLIT_PREFIX)
+    return start > 0 and _SPLIT_PREFIX and _flash_takes(q)
 
 
 _SPLIT_PREFIX = os.environ.get("CHAT_SPLIT_PREFIX", "0") == "1"
+
+
+def _flash_takes(q: torch.Tensor) -> bool:
+    """Whether torch's flash attention kernel takes these queries: CUDA on sm_80 or newer, half
+    dtypes, head sizes of a multiple of 8 up to 256 (the conditions under which SDPA picks it)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and q.stride(-1) == 1 and _sm80(q.device.index))
+
+
+@functools.cache
+def _sm80(index: "int | None") -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def prefix_and_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
