@@ -88,6 +88,46 @@ print("ok")
 """
 
 
+RAW_INTERPRETED = r"""
+import sys, torch
+import torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+from models.architectures import gated_delta, qwen3_5
+from models.kernels.cuda import scan
+for T, H, Hk, dk, dv, C, beta_scale in [(5, 4, 2, 32, 16, 16, 1.0), (70, 2, 2, 16, 32, 16, 2.0), (40, 4, 1, 16, 16, 32, 1.0)]:
+    g = torch.Generator().manual_seed(T)
+    width = 2 * Hk * dk + H * dv
+    mixed = torch.randn(T, width + 24, generator=g)[:, :width]  # the conv's output, a slice of a wider row
+    proj = torch.randn(T, 3 * H + 5, generator=g) * 3  # a and b: columns of the input projection
+    a, b = proj[:, 1:1 + H], proj[:, 2 + H:2 + 2 * H]
+    a[0, 0] = 30.0  # softplus past its threshold (20): the identity
+    neg_a, dt_bias = -torch.rand(H, generator=g) * 2, torch.randn(H, generator=g)
+    q_raw = mixed[:, :Hk * dk].unflatten(1, (Hk, dk))
+    k_raw = mixed[:, Hk * dk:2 * Hk * dk].unflatten(1, (Hk, dk))
+    v = mixed[:, 2 * Hk * dk:].unflatten(1, (H, dv))
+    # the layer's torch form of the same quantities
+    q = qwen3_5.l2norm_scaled(q_raw, torch.full((dk,), 1.0 / dk))
+    k = qwen3_5.l2norm_scaled(k_raw, torch.full((dk,), dk ** -0.5))
+    beta = b.sigmoid() * beta_scale
+    decay = neg_a * F.softplus(a + dt_bias)
+    want = scan.prepare(q, k, v, decay, beta, C)
+    got = scan.prepare_raw(q_raw, k_raw, v, a, b, neg_a, dt_bias, beta_scale, C)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape, (x.shape, y.shape)
+        assert (x - y).abs().max() <= 1e-5 * max(1.0, float(y.abs().max())), float((x - y).abs().max())
+    # the output norm: o as the scan leaves it ([H, n C, dv] read transposed), z a slice of the projection
+    o = torch.randn(H, T + 9, dv, generator=g)[:, :T].transpose(0, 1)
+    z = torch.randn(T, H * dv + 3, generator=g)[:, :H * dv].unflatten(1, (H, dv))
+    norm = qwen3_5.GatedRMSNorm(dv, 1e-6)
+    norm.weight.data = torch.rand(dv, generator=g) + 0.5
+    got = scan.gated_norm(o, z, norm.weight.data, norm.eps)
+    want = norm(o, z).reshape(T, H * dv)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * float(want.abs().max()), \
+        float((got - want).abs().max())
+print("ok")
+"""
+
+
 SOLVE_INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -122,6 +162,16 @@ def test_chunk_prepare_kernel_under_the_interpreter_equals_the_torch_terms():
     repeated key heads, v read from a strided slice and with a feature stride of T."""
     from interpreted import run_interpreted
     run_interpreted(PREPARE_INTERPRETED)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="Triton is not importable here")
+def test_chunk_prepare_from_raw_projections_under_the_interpreter():
+    """cuda_scan.prepare_raw (the layer's l2 norms, g and beta inside the chunks' first kernel)
+    against prepare on the layer's torch forms of them, and cuda_scan.gated_norm against
+    GatedRMSNorm, by Triton's interpreter: strided slices as the layer passes them, softplus past
+    its threshold, betas scaled by 2, unrepeated key heads."""
+    from interpreted import run_interpreted
+    run_interpreted(RAW_INTERPRETED)
 
 
 def test_model_prefill_forms_agree(hybrids, monkeypatch):

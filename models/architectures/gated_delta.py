@@ -91,11 +91,31 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     (cuda_scan.prepare, reading q, k and v where they lie), the triangular solve and its products
     in a second (cuda_scan.solve, 64-token chunks) and the scan in a third (cuda_scan.chunk_scan);
     else torch throughout."""
-    T, H = q.shape[0], v.shape[1]
     fused = fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1])
     terms = cuda_scan.prepare(q, k, v, g.float(), beta.float(), chunk) if fused else \
         chunk_terms(q, k, v, g, beta, chunk)
+    return _solve_and_scan(terms, state, q.shape[0], chunk, fused)
+
+
+def chunked_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale: float, state: torch.Tensor,
+                chunk: int = 64) -> torch.Tensor:
+    """`chunked`'s fused form (CUDA, raw_fits) from what the layer has before normalising: q, k
+    [T, Hk, dk] as the conv left them, a and b its decay and beta projections [T, H], neg_a and
+    dt_bias [H] fp32: cuda_scan.prepare_raw computes l2norm(q) / sqrt(dk), l2norm(k),
+    g = neg_a softplus(a + dt_bias) and beta = sigmoid(b) beta_scale inside (qwen3_5.GatedDeltaNet's
+    torch form of them: ~10 elementwise kernels a layer)."""
+    terms = cuda_scan.prepare_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale, chunk)
+    return _solve_and_scan(terms, state, q.shape[0], chunk, True)
+
+
+def raw_fits(chunk: int, dk: int, dv: int) -> bool:
+    """Where chunked_raw serves (on CUDA prefills): the fused kernels' sizes."""
+    return cuda_scan.scan_fits(chunk, dk, dv)
+
+
+def _solve_and_scan(terms: tuple, state: torch.Tensor, T: int, chunk: int, fused: bool) -> torch.Tensor:
     system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay = terms
+    H = v_beta.shape[0]
     # (I + A) u = v_beta with A strictly lower: the accumulated delta-rule corrections of a chunk
     # (the solver reads only the strict lower triangle; unitriangular supplies the identity).
     # One triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
+from ..kernels.cuda import scan as cuda_scan
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
 from .moe import SparseMoe, num_experts, stack_experts
@@ -27,6 +28,10 @@ from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
 PREFILL_FORM = "chunked"
+# Whether a CUDA prefill normalises q and k, computes g and beta (inside cuda_scan.prepare_raw)
+# and the gated output norm (cuda_scan.gated_norm) in the fused kernels, not in torch
+# (bench/ab_prefill.py's noraw variants)
+FUSED_PROLOGUE = True
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,16 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_state, mixed.t().to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
             conv_state.copy_(window[:, -(self.kernel - 1):])
             mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0]).t()
+        if T > 1 and FUSED_PROLOGUE and PREFILL_FORM == "chunked" and cuda_base.prefill_usable(x) \
+                and gated_delta.raw_fits(64, self.dk, self.dv):
+            # the l2 norms, g and beta inside the chunks' first kernel, the gated norm in one more
+            # (where the torch form below runs ~12 elementwise kernels)
+            kd = self.key_dim
+            q, k = mixed[:, :kd].unflatten(1, (self.nk, self.dk)), mixed[:, kd:2 * kd].unflatten(1, (self.nk, self.dk))
+            out = gated_delta.chunked_raw(q, k, mixed[:, 2 * kd:].unflatten(1, (self.nv, self.dv)), a, b, self.neg_A,
+                                          self.dt_bias32, self.beta_scale, st["recurrent"])
+            return self.out_proj(cuda_scan.gated_norm(out, z.unflatten(1, (self.nv, self.dv)), self.norm.weight,
+                                                      self.norm.eps))
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
         q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
         k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)

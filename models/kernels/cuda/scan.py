@@ -125,9 +125,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _chunk_prep_kernel(q, k, v, g, beta, system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay, T,
                            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
-                           stride_vd,
+                           stride_vd, stride_g, stride_b, neg_a, dt_bias, beta_scale, q_scale, eps,
                            H: tl.constexpr, HPK: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
-                           DV: tl.constexpr, PREC: tl.constexpr):
+                           DV: tl.constexpr, PREC: tl.constexpr, RAW: tl.constexpr):
+        """One program a (value head, chunk). RAW: q and k as the conv left them (each row
+        l2-normalised here, q also scaled by q_scale), g and beta from the layer's a and b
+        projections (g = neg_a softplus(a + dt_bias), beta = sigmoid(b) beta_scale); else q, k
+        normalised and g, beta given."""
         h = tl.program_id(0)
         i = tl.program_id(1)
         n = tl.num_programs(1)
@@ -147,8 +151,16 @@ if triton is not None:
         V = tl.load(v + t64[:, None] * stride_vt + h * stride_vh + dv[None, :] * stride_vd, mask=tm[:, None],
                     other=0.0)
         Q, K, V = Q.to(tl.float32), K.to(tl.float32), V.to(tl.float32)
-        gg = tl.load(g + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
-        bb = tl.load(beta + t64 * H + h, mask=tm, other=0.0).to(tl.float32)
+        gg = tl.load(g + t64 * stride_g + h, mask=tm, other=0.0).to(tl.float32)
+        bb = tl.load(beta + t64 * stride_b + h, mask=tm, other=0.0).to(tl.float32)
+        if RAW:  # (the layer's torch form: rms_norm with eps / dk and weight q_scale / sqrt(dk): the same)
+            Q = Q * (tl.rsqrt(tl.sum(Q * Q, axis=1) + eps) * q_scale)[:, None]
+            K = K * tl.rsqrt(tl.sum(K * K, axis=1) + eps)[:, None]
+            gg = gg + tl.load(dt_bias + h)
+            gg = tl.load(neg_a + h) * tl.where(gg > 20.0, gg, tl.log(1.0 + tl.exp(gg)))  # torch's softplus
+            # rows past the prompt: decay exp(0) = 1 and beta 0, as the given forms' padding
+            gg = tl.where(tm, gg, 0.0)
+            bb = tl.where(tm, tl.sigmoid(bb) * beta_scale, 0.0)
         cum = tl.cumsum(gg, axis=0)
         last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)
         decay = tl.where(rows[:, None] >= rows[None, :], tl.exp(cum[:, None] - cum[None, :]), 0.0)
@@ -167,6 +179,20 @@ if triton is not None:
         tl.store(v_beta + chunk * C * DV + rows[:, None] * DV + dv[None, :], V * bb[:, None])
         tl.store(chunk_decay + chunk, tl.exp(last))
 
+    @triton.jit(do_not_specialize=["T"])
+    def _gated_norm_kernel(o, z, w, out, T, stride_ot, stride_oh, stride_zt, stride_zh, eps,
+                           H: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr):
+        """BT rows of one head: RMSNorm(o) w SiLU(z) in fp32, rounded once."""
+        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        d = tl.arange(0, DV)
+        m = (t < T)[:, None]
+        x = tl.load(o + t[:, None] * stride_ot + h * stride_oh + d[None, :], mask=m, other=0.0).to(tl.float32)
+        zz = tl.load(z + t[:, None] * stride_zt + h * stride_zh + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, axis=1) / DV + eps)[:, None] * tl.load(w + d).to(tl.float32)[None, :]
+        tl.store(out + t[:, None] * (H * DV) + h * DV + d[None, :], (y * zz * tl.sigmoid(zz)).to(out.dtype.element_ty),
+                 mask=m)
+
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             chunk: int) -> tuple[torch.Tensor, ...]:
@@ -176,6 +202,24 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     Returns fp32 (system [H, n, C, C]: (k_beta k^T) * decay, the triangular solve's matrix; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum: k_beta * exp(cum)
     and q_dec: q * exp(cum), k_dec: k * exp(cum_last - cum) [H, n, C, dk]; chunk_decay [H, n])
     for chunk_scan, after the solve. The torch form: ~25 elementwise kernels and copies a layer."""
+    g, beta = g.contiguous(), beta.contiguous()
+    return _prepare(q, k, v, g, beta, (g.shape[1], beta.shape[1], g, g, 1.0, 1.0, 0.0), False, chunk)
+
+
+def prepare_raw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                neg_a: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, chunk: int,
+                eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """prepare's terms from what the Gated DeltaNet layer has before its torch form's ~10
+    elementwise kernels: q, k [T, Hk, dk] not normalised yet (the conv's output, any strides),
+    a, b [T, H] (its projections, rows of any stride, unit column stride, any float dtype),
+    neg_a = -exp(A_log) and dt_bias [H] fp32. Inside: q = l2norm(q) / sqrt(dk), k = l2norm(k)
+    (eps as qwen3_5.l2norm_scaled's), g = neg_a softplus(a + dt_bias), beta = sigmoid(b) beta_scale."""
+    assert a.stride(-1) == 1 and b.stride(-1) == 1
+    extra = (a.stride(0), b.stride(0), neg_a, dt_bias, float(beta_scale), q.shape[-1] ** -0.5, float(eps))
+    return _prepare(q, k, v, a, b, extra, True, chunk)
+
+
+def _prepare(q, k, v, g, beta, extra: tuple, raw: bool, chunk: int) -> tuple[torch.Tensor, ...]:
     T, Hk, DK = q.shape
     H, DV = v.shape[1], v.shape[2]
     n = triton.cdiv(T, chunk)
@@ -184,8 +228,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     v_beta = torch.empty(H, n, chunk, DV, **f32)
     k_cum, q_dec, k_dec = (torch.empty(H, n, chunk, DK, **f32) for _ in range(3))
     chunk_decay = torch.empty(H, n, **f32)
-    launch(_chunk_prep_kernel, (H, n), q, k, v, g.contiguous(), beta.contiguous(), system, intra, v_beta, k_cum,
-           q_dec, k_dec, chunk_decay, T, *q.stride(), *k.stride(), *v.stride(), H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV, PREC=CONFIG["precision"])
+    launch(_chunk_prep_kernel, (H, n), q, k, v, g, beta, system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay,
+           T, *q.stride(), *k.stride(), *v.stride(), *extra, H=H, HPK=H // Hk, C=chunk, DK=DK, DV=DV,
+           PREC=CONFIG["precision"], RAW=raw)
     return system, intra, v_beta, k_cum, q_dec, k_dec, chunk_decay
 
 
@@ -224,6 +269,21 @@ def chunk_scan(u: torch.Tensor, w: torch.Tensor, q_dec: torch.Tensor, k_dec: tor
     BV, warps, stages = min(DV, CONFIG["BV"]), CONFIG["num_warps"], CONFIG["num_stages"]
     launch(_chunk_scan_kernel, (H, DV // BV), u, w, q_dec, k_dec, intra, chunk_decay, state, out, n,
            C=C, DK=DK, DV=DV, BV=BV, PREC=CONFIG["precision"], num_warps=warps, num_stages=stages)
+    return out
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Gated DeltaNet's output norm (qwen3_5.GatedRMSNorm: RMSNorm(o) weight SiLU(z)) over
+    o [T, H, dv] fp32 as the scan leaves it (any strides, unit feature stride) and z [T, H, dv]
+    (the layer's projection, rows of any stride), in one launch: fp32 inside, one rounding to z's
+    dtype. Returns [T, H * dv] contiguous, out_proj's input. The torch form rounds o to z's dtype
+    first and runs three kernels besides that copy."""
+    T, H, DV = o.shape
+    assert o.stride(-1) == 1 and z.stride(-1) == 1 and z.shape == o.shape
+    out = torch.empty(T, H * DV, dtype=z.dtype, device=z.device)
+    bt = max(1, min(16, 2048 // DV))
+    launch(_gated_norm_kernel, (triton.cdiv(T, bt), H), o, z, weight, out, T, o.stride(0), o.stride(1), z.stride(0),
+           z.stride(1), float(eps), H=H, DV=DV, BT=bt)
     return out
 
 
