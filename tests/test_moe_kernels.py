@@ -107,6 +107,10 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     y = torch.empty_like(ys)
     y[order] = ys
     assert (kernels.combine(ys, inv, w) - (y.view(T, k, -1) * w[..., None]).sum(1)).abs().max() <= 1e-5
+    # with a shared expert's output and its gate's logits (a column of the fused router's logits)
+    shared, logits = torch.randn(T, H), torch.randn(T, 9) * 3
+    want = (y.view(T, k, -1) * w[..., None]).sum(1) + torch.sigmoid(logits[:, 8:]) * shared
+    assert (kernels.combine(ys, inv, w, shared, logits[:, 8:]) - want).abs().max() <= 1e-5
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
 # experts' ends exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
 # scan chunks (E > 128), scan steps (more than 128 sub-blocks), column steps (H > 256), experts nobody chose

@@ -60,19 +60,23 @@ class Experts(nn.Module):
             out.index_add_(0, tok, y)
         return out
 
-    def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
         slot order (a fixed order: no atomics). On CUDA the sort and x's rows copied into its
         order are three launches (cuda_moe.sort_pairs: the same order), and the SwiGLU between the
-        GEMMs and the weighted sum after them one kernel each (cuda_base.silu_mul, cuda_moe.combine)."""
+        GEMMs and the weighted sum after them one kernel each (cuda_base.silu_mul, cuda_moe.combine).
+        `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
+        output and its gate's logits, added in combine's sum."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         if cuda_base.prefill_usable(x):  # the sort in three launches (no radix sort), then as below
             xs, inv, offs = cuda_moe.sort_pairs(x if x.stride(-1) == 1 else x.contiguous(), idx.contiguous(), E)
             gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
             ys = torch._grouped_mm(cuda_base.silu_mul(gu), self.down_proj.transpose(1, 2), offs=offs)
-            return cuda_moe.combine(ys, inv, weights.float().contiguous())
+            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
+        assert shared is None
         flat = idx.reshape(-1)
         # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
         # (8 for int64), and a stable sort's order depends only on the keys' order
@@ -163,15 +167,28 @@ class SparseMoe(nn.Module):
             return self.decode_cuda(x)
         if row:
             x = x.materialize()
+        if hasattr(self, "router_rows") and self.grouped_on_cuda(x):
+            # the router's and the shared gate's logits from one GEMM (fuse()); the shared expert's
+            # gated output added in the routed experts' combine (four launches fewer)
+            E = self.gate.weight.shape[0]
+            logits = F.linear(x, self.router_rows)
+            idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
+            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:])
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    def grouped_on_cuda(self, x: torch.Tensor) -> bool:
+        """Whether these rows take Experts.grouped's CUDA form (a multi-row forward)."""
+        return (x.shape[0] > 1 and type(self.experts) is Experts and EXPERTS_FORM == "grouped"
+                and cuda_base.prefill_usable(x) and grouped_serves(x, self.experts.down_proj.shape[-1]))
+
     def fuse(self) -> None:
         """After loading: the router's rows and the shared expert's gate row in one weight, so
-        that one GEMV gives both on the CUDA decode path (a launch fewer per layer)."""
+        that one GEMV gives both on the CUDA decode path (a launch fewer per layer), and one GEMM
+        both on the grouped prefill's."""
         if hasattr(self, "shared_expert_gate") and isinstance(self.shared_expert_gate, nn.Linear) \
                 and self.gate.weight.is_cuda and self.shared_expert_gate.weight.dtype == self.gate.weight.dtype:
             self.register_buffer("router_rows", torch.cat([self.gate.weight, self.shared_expert_gate.weight]),

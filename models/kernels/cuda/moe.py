@@ -69,7 +69,8 @@ if triton is not None:
         tl.store(w_out + slots, chosen, mask=slots < TOP_K)
 
     @triton.jit
-    def _combine_kernel(ys, inv, weights, out, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -78,6 +79,9 @@ if triton is not None:
         for j in tl.static_range(TOP_K):
             r = tl.load(inv + t * TOP_K + j)
             acc += tl.load(weights + t * TOP_K + j) * tl.load(ys + r * H + c, mask=m, other=0.0).to(tl.float32)
+        if SHARED:  # + sigmoid(the shared expert's gate logit) * its output
+            s = tl.sigmoid(tl.load(gate + t * stride_gate).to(tl.float32))
+            acc += s * tl.load(shared + t * H + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["P"])
@@ -242,17 +246,23 @@ if triton is not None:
 
 
 
-def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+            shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The last step of the grouped prefill (moe.Experts.grouped): out[t] = sum_j weights[t, j] *
     ys[inv[t k + j]] over j in slot order, in fp32, rounded once. ys [T k, H] contiguous: the
     experts' outputs in expert order; inv [T k] int64: the row of ys holding each (token, slot)
-    pair; weights [T, k] fp32. Returns [T, H] in ys' dtype. The torch form (scatter back into
-    pair order, scale, sum over k) is three launches writing the T k rows twice."""
+    pair; weights [T, k] fp32. With `shared` [T, H] contiguous (a shared expert's output) and
+    shared_gate [T, 1] (its gate's logits, rows of any stride): + sigmoid(shared_gate) * shared,
+    in the same sum. Returns [T, H] in ys' dtype. The torch form (scatter back into pair order,
+    scale, sum over k; then the shared expert's sigmoid, product and sum) is three launches
+    writing the T k rows twice, and three more."""
     T, k = weights.shape
     H = ys.shape[1]
     out = torch.empty(T, H, dtype=ys.dtype, device=ys.device)
     block = min(1024, triton.next_power_of_2(H))
-    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, out, H, TOP_K=k, BLOCK=block,
+    on = shared is not None
+    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, shared if on else ys,
+           shared_gate if on else ys, out, H, shared_gate.stride(0) if on else 0, TOP_K=k, BLOCK=block, SHARED=on,
            **cuda_base.pdl(ys))
     return out
 
