@@ -111,6 +111,28 @@ def test_grouped_prefill_matches_the_loop_in_bf16(T):
     assert torch.equal(grouped, m.experts.grouped(x, idx, w).float())  # no atomics: the same bits
 
 
+@pytest.mark.parametrize("T", [2, 65, 700])
+def test_prefill_with_the_shared_expert_in_the_combine(T):
+    """A fused layer's prefill (SparseMoe.forward: the router's and the shared gate's logits from
+    one GEMM, the gated shared output added in combine) against the unfused layer's torch form,
+    computed in fp32 (the experts' loop, the shared expert's sigmoid, product and sum)."""
+    kernels()
+    m = bf16_layer(256, 2048, 512, 8, 512, True, seed=2)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = bf16_layer(256, 2048, 512, 8, 512, True, seed=2).float()
+        moe.EXPERTS_FORM = "loop"
+        try:
+            want = ref(x.float())
+        finally:
+            moe.EXPERTS_FORM = "grouped"
+        models.fuse(m)
+        assert hasattr(m, "router_rows") and m.grouped_on_cuda(x)
+        got = m(x).float()
+        assert torch.equal(got, m(x).float())  # no atomics: the same bits
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), float((got - want).abs().max())
+
+
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     from tiny import hf_model, write_checkpoint
