@@ -173,7 +173,7 @@ class SparseMoe(nn.Module):
             E = self.gate.weight.shape[0]
             logits = F.linear(x, self.router_rows)
             idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
-            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:])
+            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:E + 1])
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):
@@ -191,8 +191,12 @@ class SparseMoe(nn.Module):
         both on the grouped prefill's."""
         if hasattr(self, "shared_expert_gate") and isinstance(self.shared_expert_gate, nn.Linear) \
                 and self.gate.weight.is_cuda and self.shared_expert_gate.weight.dtype == self.gate.weight.dtype:
-            self.register_buffer("router_rows", torch.cat([self.gate.weight, self.shared_expert_gate.weight]),
-                                 persistent=False)
+            w = self.gate.weight
+            # zero rows up to a multiple of 8: the prefill GEMM's output rows then lie 16-byte
+            # aligned (at E + 1 = 257 cuBLAS took an sm_75 kernel, 46 us a layer against 13 us
+            # for the two GEMMs it replaced: bench/RESULTS.md set T)
+            pad = w.new_zeros(-(w.shape[0] + 1) % 8, w.shape[1])
+            self.register_buffer("router_rows", torch.cat([w, self.shared_expert_gate.weight, pad]), persistent=False)
 
     def decode_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """One token on CUDA: the router's logits (rounded to x's dtype, as the torch form; the
@@ -201,9 +205,9 @@ class SparseMoe(nn.Module):
         output is added in the second one's epilogue)."""
         x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
         E = self.gate.weight.shape[0]
-        fused = hasattr(self, "router_rows")  # [E + 1] logits: the last one the shared gate's
+        fused = hasattr(self, "router_rows")  # [E + 1 + padding] logits: logit E the shared gate's
         logits, x, idx, weights = self.gate.decode_cuda(x, self.router_rows if fused else None)
-        gate = logits[:, E:] if fused else self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        gate = logits[:, E:E + 1] if fused else self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
         ex = self.experts
         if not hasattr(self, "shared_expert"):
             return decode_experts(x, ex, idx, weights)
