@@ -17,8 +17,9 @@ models/architectures/moe.py):
 - sort_pairs(x, idx, E): the grouped prefill's (token, slot) pairs in expert order as a stable
   argsort leaves them, x's rows copied there, the inverse permutation and the experts' row ends,
   by a per-block count, one scan and a placement (integer counts: the same rows every run).
-- combine(ys, inv, weights): the grouped prefill's per-token weighted sum of its k experts'
-  outputs, read where the grouped GEMM left them (expert order), in slot order: no atomics.
+- combine(ys, inv, weights[, shared, shared_gate]): the grouped prefill's per-token weighted sum
+  of its k experts' outputs, read where the grouped GEMM left them (expert order), in slot order:
+  no atomics; plus a shared expert's output scaled by sigmoid(its gate's logit) where given.
 Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
 are compile-time constants: one compile per model, none per prompt. The expert ids are read on
 the device, so the launches are recorded in the CUDA graph like any other.

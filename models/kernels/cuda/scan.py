@@ -1,5 +1,7 @@
-"""Triton kernels for the chunked gated delta rule (CUDA prefill): its per-chunk terms (`prepare`),
-the triangular solve inside each chunk (`solve`) and the scan across chunks (`chunk_scan`).
+"""Triton kernels for the chunked gated delta rule (CUDA prefill): its per-chunk terms (`prepare`,
+or `prepare_raw` from the layer's projections before their norms, decay and beta), the triangular
+solve inside each chunk (`solve`), the scan across chunks (`chunk_scan`) and the layer's gated
+output norm (`gated_norm`).
 
 Contract: `chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)` computes exactly the loop at
 the end of gated_delta.chunked, for every chunk in order, in one launch:
