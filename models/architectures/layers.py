@@ -348,15 +348,18 @@ _SPLIT_PREFIX = os.environ.get("CHAT_SPLIT_PREFIX", "0") == "1"
 
 
 def _flash_takes(q: torch.Tensor) -> bool:
-    """Whether torch's flash attention kernel takes these queries: CUDA on sm_80 or newer, half
-    dtypes, head sizes of a multiple of 8 up to 256 (the conditions under which SDPA picks it)."""
+    """Whether torch's flash attention kernel takes these queries: NVIDIA GPUs of sm_80 or newer
+    with flash built and enabled (torch.backends.cuda.enable_flash_sdp), half dtypes, head sizes
+    of a multiple of 8 up to 256 (the conditions under which SDPA picks it)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and q.stride(-1) == 1 and _sm80(q.device.index))
+            and q.shape[-1] <= 256 and q.stride(-1) == 1 and torch.backends.cuda.flash_sdp_enabled()
+            and _flash_built(q.device.index))
 
 
 @functools.cache
-def _sm80(index: "int | None") -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 8
+def _flash_built(index: "int | None") -> bool:
+    return (torch.version.hip is None and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(index)[0] >= 8)
 
 
 def prefix_and_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

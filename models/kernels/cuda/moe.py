@@ -262,7 +262,7 @@ def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: 
     out = torch.empty(T, H, dtype=ys.dtype, device=ys.device)
     block = min(1024, triton.next_power_of_2(H))
     on = shared is not None
-    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, shared if on else ys,
+    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, shared.contiguous() if on else ys,
            shared_gate if on else ys, out, H, shared_gate.stride(0) if on else 0, TOP_K=k, BLOCK=block, SHARED=on,
            **cuda_base.pdl(ys))
     return out

@@ -137,7 +137,8 @@ if triton is not None:
         h = tl.program_id(0)
         i = tl.program_id(1)
         n = tl.num_programs(1)
-        hk = h // HPK  # the key head this value head reads
+        hk = (h // HPK).to(tl.int64)  # the key head this value head reads (64-bit: a conv's transposed
+        h64 = h.to(tl.int64)  # output puts the heads T dk apart)
         rows = tl.arange(0, C)
         t = i * C + rows
         tm = t < T  # rows past the prompt: zero keys, beta 0, decay 1 (gated_delta.chunked's padding)
@@ -150,7 +151,7 @@ if triton is not None:
                     other=0.0)
         K = tl.load(k + t64[:, None] * stride_kt + hk * stride_kh + dk[None, :] * stride_kd, mask=tm[:, None],
                     other=0.0)
-        V = tl.load(v + t64[:, None] * stride_vt + h * stride_vh + dv[None, :] * stride_vd, mask=tm[:, None],
+        V = tl.load(v + t64[:, None] * stride_vt + h64 * stride_vh + dv[None, :] * stride_vd, mask=tm[:, None],
                     other=0.0)
         Q, K, V = Q.to(tl.float32), K.to(tl.float32), V.to(tl.float32)
         gg = tl.load(g + t64 * stride_g + h, mask=tm, other=0.0).to(tl.float32)
