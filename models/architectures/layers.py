@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
+from ..kernels.cuda import prefill_attention as cuda_prefill_attention
 from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
 
 
@@ -304,11 +305,15 @@ def rope_and_attend(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                   mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [H, T, D] over the first kv_len cached slots (already written). [T, H*D]."""
+    """Attention of q [H, T, D] over the first kv_len cached slots (already written). [T, H*D].
+    Several queries are the prompt's last kv_len - T.. kv_len - 1 positions (the engine's prefills)."""
+    T = q.shape[1]
+    if T > 1 and _triton_prefill_takes(q, k_cache, v_cache):
+        # from position 0 or over a cached prefix alike: one kernel, no mask (bench/RESULTS.md, set U)
+        return cuda_prefill_attention.causal(q, k_cache, v_cache, kv_len - T)
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     if keys.dtype != q.dtype:  # caches kept narrower than the activations (fp16 on the CPU)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-    T = q.shape[1]
     if T == 1:
         return decode_attention(q, keys, values, mask)
     if kv_len == T and _flash_takes(q) and keys.stride(-1) == 1 and values.stride(-1) == 1:
@@ -345,6 +350,24 @@ def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
 
 
 _SPLIT_PREFIX = os.environ.get("CHAT_SPLIT_PREFIX", "0") == "1"
+
+# CHAT_TRITON_PREFILL_ATTENTION=0: prefills attend by torch's kernels (flash from position 0, the
+# masked memory-efficient kernel over a cached prefix), as before the Triton kernel
+TRITON_PREFILL_ATTENTION = os.environ.get("CHAT_TRITON_PREFILL_ATTENTION", "1").lower() not in ("0", "false", "off", "no")
+
+
+def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Where prefills attend by cuda_prefill_attention.causal: the Triton kernels serve the
+    device and dtype (cuda_base.prefill_usable), the caches hold q's dtype, rows of D contiguous,
+    and the GPU is sm_90 or newer (measured there; older GPUs keep flash)."""
+    return (TRITON_PREFILL_ATTENTION and cuda_base.prefill_usable(q) and k_cache.dtype == q.dtype
+            and v_cache.dtype == q.dtype and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+            and v_cache.stride(-1) == 1 and q.shape[0] % k_cache.shape[0] == 0 and _sm90(q.device.index))
+
+
+@functools.cache
+def _sm90(index: "int | None") -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _flash_takes(q: torch.Tensor) -> bool:
