@@ -18,8 +18,8 @@ plans each new length for tens of milliseconds.
 Bits: a query's output depends only on its own row, its position and the keys and values up to
 it. The keys are walked in blocks of BLOCK_N from slot 0 whatever the query block, the unmasked
 and the masked blocks take the same arithmetic, and a block wholly past a query's position
-leaves its running max, sum and accumulator exactly as they were (its probabilities are
-exp2(-inf) = 0 and the rescale exp2(0) = 1). So a later turn's queries over the cached prefix
+leaves its running max, sum and accumulator exactly as they were (its probabilities are 0 and
+the rescale exp2(0) = 1). So a later turn's queries over the cached prefix
 give the bits a cold prefill of the whole conversation gives them from the same q, k and v.
 """
 from __future__ import annotations
@@ -51,12 +51,18 @@ if triton is not None:
                 k = tl.load(k_ptrs, mask=d_live[:, None], other=0.0)
             else:
                 k = tl.load(k_ptrs)
-        s = tl.dot(qv, k) * scale                                   # [BLOCK_M, BLOCK_N], log2 units
+        dots = tl.dot(qv, k)                                        # [BLOCK_M, BLOCK_N]
+        # exp2(dots * scale - max) as one explicit FMA in both stages: left to the compiler, the
+        # unmasked stage's multiply and subtract contract into one and the masked stage's (a
+        # select between them) do not, and a query's bits would hang on its block's alignment
         if MASKED:
-            s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))                    # finite: key 0 is in every query's first block
+            seen = cols[None, :] <= pos[:, None]
+            m_new = tl.maximum(m, tl.max(tl.where(seen, dots * scale, float("-inf")), axis=1))
+            p = tl.where(seen, tl.math.exp2(tl.fma(dots, scale, -m_new[:, None])), 0.0)
+        else:
+            m_new = tl.maximum(m, tl.max(dots * scale, axis=1))      # finite: key 0 is in every query's first block
+            p = tl.math.exp2(tl.fma(dots, scale, -m_new[:, None]))
         alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         if MASKED:
             if D_PAD:
@@ -119,10 +125,8 @@ def launch_config(head_dim: int) -> tuple[int, int, int, int]:
     bench/prefill_attention_sweep.py on an H200 (bench/RESULTS.md, set U)."""
     dp = _padded(head_dim)
     if dp <= 64:
-        return 128, 64, 4, 3
-    if dp <= 128:
-        return 128, 64, 8, 3
-    return 64, 64, 4, 2
+        return 64, 64, 4, 4
+    return 64, 64, 4, 3
 
 
 def causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
