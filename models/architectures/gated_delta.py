@@ -99,18 +99,13 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
 
 def chunked_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale: float, state: torch.Tensor,
                 chunk: int = 64) -> torch.Tensor:
-    """`chunked`'s fused form (CUDA, raw_fits) from what the layer has before normalising: q, k
+    """`chunked`'s fused form (CUDA, where cuda_scan.scan_fits) from what the layer has before normalising: q, k
     [T, Hk, dk] as the conv left them, a and b its decay and beta projections [T, H], neg_a and
     dt_bias [H] fp32: cuda_scan.prepare_raw computes l2norm(q) / sqrt(dk), l2norm(k),
     g = neg_a softplus(a + dt_bias) and beta = sigmoid(b) beta_scale inside (qwen3_5.GatedDeltaNet's
     torch form of them: ~10 elementwise kernels a layer)."""
     terms = cuda_scan.prepare_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale, chunk)
     return _solve_and_scan(terms, state, q.shape[0], chunk, True)
-
-
-def raw_fits(chunk: int, dk: int, dv: int) -> bool:
-    """Where chunked_raw serves (on CUDA prefills): the fused kernels' sizes."""
-    return cuda_scan.scan_fits(chunk, dk, dv)
 
 
 def _solve_and_scan(terms: tuple, state: torch.Tensor, T: int, chunk: int, fused: bool) -> torch.Tensor:

@@ -71,23 +71,28 @@ class Experts(nn.Module):
         output and its gate's logits, added in combine's sum."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
-        if cuda_base.prefill_usable(x):  # the sort in three launches (no radix sort), then as below
+        cuda = cuda_base.prefill_usable(x)
+        if cuda:  # the sort in three launches (no radix sort)
             xs, inv, offs = cuda_moe.sort_pairs(x if x.stride(-1) == 1 else x.contiguous(), idx.contiguous(), E)
-            gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
-            ys = torch._grouped_mm(cuda_base.silu_mul(gu), self.down_proj.transpose(1, 2), offs=offs)
-            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
-        assert shared is None
-        flat = idx.reshape(-1)
-        # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
-        # (8 for int64), and a stable sort's order depends only on the keys' order
-        order = (flat.to(torch.int16) if E <= 1 << 15 else flat).argsort(stable=True)
-        # (bincount would read its largest id on the host first; an integer scatter-add is exact)
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device)
-        offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-        xs = x[order // k]
+        else:
+            assert shared is None
+            flat = idx.reshape(-1)
+            # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
+            # (8 for int64), and a stable sort's order depends only on the keys' order
+            order = (flat.to(torch.int16) if E <= 1 << 15 else flat).argsort(stable=True)
+            # (bincount would read its largest id on the host first; an integer scatter-add is exact)
+            counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+            offs = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+            xs = x[order // k]
         gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = gu.chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        if cuda:
+            h = cuda_base.silu_mul(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        ys = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        if cuda:
+            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
         y = torch.empty_like(ys)
         y[order] = ys
         return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
@@ -125,14 +130,21 @@ class Router(nn.Module):
         self.top_k, self.norm_topk = top_k, norm_topk
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        """(ids [T, k] int64, weights [T, k] fp32) of x's rows."""
+        return self.route(x)[1:]
+
+    def route(self, x: torch.Tensor, rows: torch.Tensor | None = None):
+        """(logits [T, len(rows)] in x's dtype, ids, weights) of x's rows; `rows` as decode_cuda's
+        (the experts' softmax and top k over the first num_experts logits only)."""
+        E = self.weight.shape[0]
+        logits = F.linear(x, self.weight if rows is None else rows)
         if cuda_base.prefill_usable(x):  # one launch, not ~5; and a token routes as decode routes it
-            return cuda_moe.route(logits, self.top_k, self.norm_topk)
-        probs = logits.float().softmax(-1)
+            return (logits, *cuda_moe.route(logits, self.top_k, self.norm_topk, E))
+        probs = logits[:, :E].float().softmax(-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        return idx, weights
+        return logits, idx, weights
 
     def decode_cuda(self, x: "torch.Tensor | cuda_linear.NormedRow", rows: torch.Tensor | None = None):
         """One token on CUDA: (logits [1, len(rows)] in x's dtype, as the torch form rounds them;
@@ -171,8 +183,7 @@ class SparseMoe(nn.Module):
             # the router's and the shared gate's logits from one GEMM (fuse()); the shared expert's
             # gated output added in the routed experts' combine (four launches fewer)
             E = self.gate.weight.shape[0]
-            logits = F.linear(x, self.router_rows)
-            idx, weights = cuda_moe.route(logits, self.gate.top_k, self.gate.norm_topk, E)
+            logits, idx, weights = self.gate.route(x, self.router_rows)
             return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:E + 1])
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)

@@ -184,7 +184,7 @@ class GatedDeltaNet(nn.Module):
             conv_state.copy_(window[:, -(self.kernel - 1):])
             mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0]).t()
         if T > 1 and FUSED_PROLOGUE and PREFILL_FORM == "chunked" and cuda_base.prefill_usable(x) \
-                and gated_delta.raw_fits(64, self.dk, self.dv):
+                and cuda_scan.scan_fits(64, self.dk, self.dv):
             # the l2 norms, g and beta inside the chunks' first kernel, the gated norm in one more
             # (where the torch form below runs ~12 elementwise kernels)
             kd = self.key_dim
