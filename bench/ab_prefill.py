@@ -11,7 +11,8 @@ nosolve (the same with the Gated DeltaNet prefill's triangular solve in torch, n
 cuda_scan.solve: gated_delta.FUSED_SOLVE), bf16-tritonlaunch (every Triton kernel launched
 through Triton's own call, not launcher.py's direct one), bf16-noraw and noraw (the Gated
 DeltaNet's q/k norms, g, beta and output norm in torch: qwen3_5.FUSED_PROLOGUE), bf16-flash
-(prefill attention by torch's flash kernel, not prefill_attention.py's: layers.TRITON_PREFILL_ATTENTION). A variant sets module attributes for its runs (the
+(prefill attention by torch's flash kernel, not prefill_attention.py's: layers.TRITON_PREFILL_ATTENTION),
+bf16-torchgrouped (the MoE prefill's GEMMs by torch._grouped_mm, not grouped.py's: moe.TRITON_GROUPED). A variant sets module attributes for its runs (the
 noahead variant of branch next-dequant-ahead set quant.AHEAD: bench/RESULTS.md set S).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from engine.session import DecodeSession  # noqa: E402
-from models.architectures import gated_delta, layers, qwen3_5  # noqa: E402
+from models.architectures import gated_delta, layers, moe, qwen3_5  # noqa: E402
 from models.kernels.cuda import launcher  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
@@ -36,9 +37,11 @@ NOSOLVE = {(gated_delta, "FUSED_SOLVE"): False}
 TRITON_LAUNCH = {(launcher, "ENABLED"): False}
 NORAW = {(qwen3_5, "FUSED_PROLOGUE"): False}
 FLASH = {(layers, "TRITON_PREFILL_ATTENTION"): False}
+TORCH_GROUPED = {(moe, "TRITON_GROUPED"): False}
 VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "bf16-nosolve": ("bf16", NOSOLVE),
             "nosolve": ("quantized", NOSOLVE), "bf16-tritonlaunch": ("bf16", TRITON_LAUNCH),
-            "bf16-noraw": ("bf16", NORAW), "noraw": ("quantized", NORAW), "bf16-flash": ("bf16", FLASH)}
+            "bf16-noraw": ("bf16", NORAW), "noraw": ("quantized", NORAW), "bf16-flash": ("bf16", FLASH),
+            "bf16-torchgrouped": ("bf16", TORCH_GROUPED)}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:

@@ -95,10 +95,16 @@ def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypa
 
 
 @pytest.mark.parametrize("T", [2, 65, 2048])
-def test_grouped_prefill_matches_the_loop_in_bf16(T):
-    m = bf16_layer(256, 2048, 512, 8, 512, True)
+@pytest.mark.parametrize("E,I", [(256, 512), (128, 768)])
+@pytest.mark.parametrize("triton_gemms", [True, False])
+def test_grouped_prefill_matches_the_loop_in_bf16(T, E, I, triton_gemms, monkeypatch):
+    """The grouped prefill by grouped.py's GEMMs (the default) and by torch._grouped_mm over the
+    sorted copy of the rows, against the per-expert loop."""
+    from models.kernels.cuda import grouped as cuda_grouped
+    monkeypatch.setattr(moe, "TRITON_GROUPED", triton_gemms)
+    m = bf16_layer(E, 2048, I, 8, 512, True)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
-    assert moe.grouped_serves(x, 512)
+    assert moe.grouped_serves(x, I) and cuda_grouped.fits(2048, I)
     with torch.no_grad():
         idx, w = m.gate(x)
         grouped = m.experts.grouped(x, idx, w).float()

@@ -128,6 +128,25 @@ for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8
     assert torch.equal(xs, x[order // k])
     assert torch.equal(inv[order], torch.arange(T * k))
     assert torch.equal(offs.long(), torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
+    # without the rows' copy: each sorted row's token, and where each expert's rows begin
+    src, inv2, starts, offs2 = kernels.sort_pairs(x, idx, E, copy=False)
+    assert torch.equal(src.long(), order // k) and torch.equal(inv2, inv) and torch.equal(offs2, offs)
+    assert torch.equal(starts.long(), offs.long() - torch.bincount(idx.reshape(-1), minlength=E))
+# grouped.py's GEMMs (x's rows read in place, SwiGLU in the epilogue) through the sort and combine,
+# against the per-expert loop: row tiles cut mid-way, several per expert, experts nobody chose,
+# column tiles past I (masked), several K steps
+from models.kernels.cuda import grouped
+from test_moe_kernels import forms
+for E, H, I, k, T, cfg in [(8, 64, 32, 3, 40, (16, 16, 16, 4, 1)), (6, 32, 48, 2, 70, (32, 32, 16, 4, 1)),
+                            (16, 64, 32, 4, 3, (16, 32, 32, 4, 1))]:
+    m = layer(E, H, I, k, 0, True, seed=T)
+    x = torch.randn(T + 2, H)[:T]
+    idx, w = m.gate(x)
+    src, inv, starts, offs = kernels.sort_pairs(x, idx, E, copy=False)
+    h = grouped.gate_up(x, src, starts, offs, m.experts.gate_up_proj.data, cfg)
+    ys = grouped.down(h, starts, offs, m.experts.down_proj.data, cfg)
+    err = (kernels.combine(ys, inv, w) - forms(m, x, "loop")).abs().max()
+    assert err <= 1e-4, (E, H, I, T, float(err))
 print("ok")
 """
 

@@ -15,16 +15,21 @@ the pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the sta
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..formats.quant import PlanarExperts
-from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe, qplanar
+from ..kernels.cuda import base as cuda_base, grouped as cuda_grouped, linear as cuda_linear, moe as cuda_moe, qplanar
 from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
+# CHAT_TRITON_GROUPED=0: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of
+# the rows, not grouped.py's GEMMs (bench/RESULTS.md, set U)
+TRITON_GROUPED = os.environ.get("CHAT_TRITON_GROUPED", "1").lower() not in ("0", "false", "off", "no")
 
 
 def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
@@ -64,16 +69,26 @@ class Experts(nn.Module):
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
-        slot order (a fixed order: no atomics). On CUDA the sort and x's rows copied into its
-        order are three launches (cuda_moe.sort_pairs: the same order), and the SwiGLU between the
-        GEMMs and the weighted sum after them one kernel each (cuda_base.silu_mul, cuda_moe.combine).
+        slot order (a fixed order: no atomics). On CUDA the sort is three launches
+        (cuda_moe.sort_pairs: the same order), the GEMMs grouped.py's (x's rows read in place,
+        the SwiGLU in the first's epilogue; else x's rows copied into the sorted order for
+        torch._grouped_mm, then cuda_base.silu_mul), and the weighted sum one kernel (cuda_moe.combine).
         `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
         output and its gate's logits, added in combine's sum."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         cuda = cuda_base.prefill_usable(x)
+        if cuda and x.stride(-1) != 1:
+            x = x.contiguous()
+        if cuda and TRITON_GROUPED and cuda_grouped.fits(x.shape[1], self.down_proj.shape[2]) \
+                and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous():
+            # the sort without the rows' copy, the GEMMs reading x's rows in place, SwiGLU in the first's epilogue
+            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False)
+            h = cuda_grouped.gate_up(x, src, starts, offs, self.gate_up_proj)
+            ys = cuda_grouped.down(h, starts, offs, self.down_proj)
+            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
         if cuda:  # the sort in three launches (no radix sort)
-            xs, inv, offs = cuda_moe.sort_pairs(x if x.stride(-1) == 1 else x.contiguous(), idx.contiguous(), E)
+            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E)
         else:
             assert shared is None
             flat = idx.reshape(-1)

@@ -126,10 +126,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["P"])
     def _place_kernel(x, idx, base, starts, xs, inv, P, E, stride_x, H: tl.constexpr, TOP_K: tl.constexpr,
-                      SUB: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                      SUB: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr):
         """Pair p = t TOP_K + j (sub-block s = p // SUB) goes to row starts[e] + base[s, e] + its
         rank among the pairs of s that chose e (a stable sort by expert: ties keep pair order).
-        Writes inv[p] and xs[that row] = x[t], BLOCK_H columns a step."""
+        Writes inv[p] and xs[that row] = x[t], BLOCK_H columns a step (COPY), or xs[that row] = t."""
         _pdl_enter(PDL)
         s = tl.program_id(0)
         i = tl.arange(0, SUB)
@@ -140,12 +140,15 @@ if triton is not None:
         rank = tl.sum(earlier.to(tl.int32), axis=1)
         pos = tl.load(starts + ids, mask=pm, other=0) + tl.load(base + s * E + ids, mask=pm, other=0) + rank
         tl.store(inv + p, pos.to(tl.int64), mask=pm)
-        src = x + (p // TOP_K).to(tl.int64)[:, None] * stride_x
-        dst = xs + pos.to(tl.int64)[:, None] * H
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            m = pm[:, None] & (h < H)[None, :]
-            tl.store(dst + h[None, :], tl.load(src + h[None, :], mask=m), mask=m)
+        if COPY:
+            src = x + (p // TOP_K).to(tl.int64)[:, None] * stride_x
+            dst = xs + pos.to(tl.int64)[:, None] * H
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                m = pm[:, None] & (h < H)[None, :]
+                tl.store(dst + h[None, :], tl.load(src + h[None, :], mask=m), mask=m)
+        else:
+            tl.store(xs + pos, p // TOP_K, mask=pm)
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -294,12 +297,14 @@ SORT_SUB = 64
 SORT_COLUMNS = 128
 
 
-def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
     int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
     pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
     offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
-    (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync."""
+    (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync.
+    With copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
+    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
     T, k = idx.shape
     P, H = T * k, x.shape[1]
     nsub = triton.cdiv(P, SORT_SUB)
@@ -310,7 +315,7 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor
         2 * a + 2 * b, dtype=torch.int32, device=x.device)
     offs, starts = ints[:E], ints[a:a + E]
     hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
-    xs = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
     block_e = triton.next_power_of_2(E)
@@ -318,8 +323,8 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int) -> tuple[torch.Tensor
     launch(_scan_kernel, (1,), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=min(block_e, 128),
            num_warps=8, **pdl)
     launch(_place_kernel, (nsub,), x, idx, base, starts, xs, inv, P, E, x.stride(0), H=H, TOP_K=k, SUB=SORT_SUB,
-           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), num_warps=8, **pdl)
-    return xs, inv, offs
+           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), COPY=copy, num_warps=8 if copy else 4, **pdl)
+    return (xs, inv, offs) if copy else (xs, inv, starts, offs)
 
 
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:

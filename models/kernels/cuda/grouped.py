@@ -1,0 +1,133 @@
+"""Triton grouped GEMMs of the MoE prefill (moe.Experts.grouped on CUDA): each expert's rows of
+the (token, slot) pairs sorted by expert, through its SwiGLU experts.
+
+Contract:
+- gate_up(x, src, starts, offs, gate_up_w): h [P, I] in x's dtype, row r = silu(g) * u with
+  g, u = gate_up_w[e] x[src[r]] (gate rows first) for the expert e whose rows starts[e] ..
+  offs[e] - 1 hold r. x's rows are read where they lie (src: each sorted row's token), so the
+  sorted copy of x that torch._grouped_mm needs is never written, and the SwiGLU is the GEMM's
+  epilogue, from its fp32 sums (one rounding, where the torch form rounds g and u first).
+- down(h, starts, offs, down_w): ys [P, H], row r = down_w[e] h[r].
+One launch each, a program per (tile of BLOCK_M rows of one expert, BLOCK_N columns); which expert
+and rows a program takes is read on the device from starts/offs (no host sync), programs past the
+last tile do nothing. The tiles of one expert are neighbours in launch order, so its weights are
+read from memory about once however many row tiles it has (at a 2k-token prefill the experts'
+weights, ~1.2 GB a layer of the 30B-A3B-like shape, are read in about the time its products
+take). Sums in fp32 over K in a fixed order: the same bits every run. The experts' K (H for
+gate_up, I for down) must be a multiple of BLOCK_K (`fits`).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import base as cuda_base
+from .base import launch, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .base import _pdl_enter
+
+    @triton.jit
+    def _tile(starts, offs, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(expert, first row, end of its rows) of this program's row tile; expert E past the last tile."""
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        beg = tl.load(starts + e, mask=em, other=0)
+        end = tl.load(offs + e, mask=em, other=0)
+        tiles = (end - beg + BLOCK_M - 1) // BLOCK_M
+        before = tl.cumsum(tiles, axis=0)                           # tiles of experts 0..e
+        t = tl.program_id(0)
+        ex = tl.sum((before <= t).to(tl.int32), axis=0)
+        mine = e == ex
+        row0 = tl.sum(tl.where(mine, beg + (t - (before - tiles)) * BLOCK_M, 0), axis=0)
+        return ex, row0, tl.sum(tl.where(mine, end, 0), axis=0)
+
+    @triton.jit
+    def _gate_up_kernel(x, src, starts, offs, w, h, E, stride_x, stride_we, I: tl.constexpr, K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
+        if ex < E:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            rm = rows < row_end
+            tok = tl.load(src + rows, mask=rm, other=0).to(tl.int64)
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nm = n < I
+            k = tl.arange(0, BLOCK_K)
+            a_ptrs = x + tok[:, None] * stride_x + k[None, :]
+            g_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]   # [BLOCK_K, BLOCK_N]
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
+                acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=nm[None, :], other=0.0), acc_g)
+                acc_u = tl.dot(a, tl.load(g_ptrs + (I * K + k0), mask=nm[None, :], other=0.0), acc_u)
+            out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(h + rows.to(tl.int64)[:, None] * I + n[None, :], out.to(h.dtype.element_ty),
+                     mask=rm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _down_kernel(hs, starts, offs, w, ys, E, stride_we, N: tl.constexpr, K: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
+        if ex < E:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            rm = rows < row_end
+            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nm = n < N
+            k = tl.arange(0, BLOCK_K)
+            a_ptrs = hs + rows.to(tl.int64)[:, None] * K + k[None, :]
+            b_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
+                acc = tl.dot(a, tl.load(b_ptrs + k0, mask=nm[None, :], other=0.0), acc)
+            tl.store(ys + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(ys.dtype.element_ty),
+                     mask=rm[:, None] & nm[None, :])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each launch, from bench/moe_prefill_sweep.py
+# on an H200 (bench/RESULTS.md, set U)
+GATE_UP_CONFIG = (128, 128, 64, 8, 3)
+DOWN_CONFIG = (128, 128, 64, 8, 3)
+
+
+def fits(hidden: int, intermediate: int) -> bool:
+    """Whether both launches take experts of these sizes: each K a multiple of BLOCK_K."""
+    return hidden % GATE_UP_CONFIG[2] == 0 and intermediate % DOWN_CONFIG[2] == 0
+
+
+def _max_tiles(P: int, E: int, block_m: int) -> int:
+    """An upper bound of the row tiles over all experts: sum_e ceil(n_e / BLOCK_M), sum_e n_e = P."""
+    return (P + E * (block_m - 1)) // block_m
+
+
+def gate_up(x: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+            config: tuple | None = None) -> torch.Tensor:
+    """x [T, H] (rows of unit stride); src [P] int32 (each sorted row's token); starts, offs [E]
+    int32; w [E, 2I, H] contiguous. Returns h [P, I] in x's dtype."""
+    E, I2, H = w.shape
+    P = src.shape[0]
+    bm, bn, bk, warps, stages = config or GATE_UP_CONFIG
+    h = torch.empty(P, I2 // 2, dtype=x.dtype, device=x.device)
+    launch(_gate_up_kernel, (_max_tiles(P, E, bm), triton.cdiv(I2 // 2, bn)), x, src, starts, offs, w, h, E,
+           x.stride(0), w.stride(0), I=I2 // 2, K=H, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn,
+           BLOCK_K=bk, num_warps=warps, num_stages=stages, **cuda_base.pdl(x))
+    return h
+
+
+def down(h: torch.Tensor, starts: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+         config: tuple | None = None) -> torch.Tensor:
+    """h [P, I] contiguous (sorted rows); w [E, H, I] contiguous. Returns ys [P, H] in h's dtype."""
+    E, H, I = w.shape
+    P = h.shape[0]
+    bm, bn, bk, warps, stages = config or DOWN_CONFIG
+    ys = torch.empty(P, H, dtype=h.dtype, device=h.device)
+    launch(_down_kernel, (_max_tiles(P, E, bm), triton.cdiv(H, bn)), h, starts, offs, w, ys, E, w.stride(0),
+           N=H, K=I, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+           num_warps=warps, num_stages=stages, **cuda_base.pdl(h))
+    return ys
