@@ -92,7 +92,7 @@ if triton is not None:
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each launch, from bench/moe_prefill_sweep.py
 # on an H200 (bench/RESULTS.md, set U)
-GATE_UP_CONFIG = (128, 128, 64, 8, 3)
+GATE_UP_CONFIG = (128, 128, 64, 8, 4)
 DOWN_CONFIG = (128, 128, 64, 8, 3)
 
 
