@@ -359,8 +359,9 @@ TRITON_PREFILL_ATTENTION = os.environ.get("CHAT_TRITON_PREFILL_ATTENTION", "1").
 def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Where prefills attend by cuda_prefill_attention.causal: the Triton kernels serve the
     device and dtype (cuda_base.prefill_usable), the caches hold q's dtype, rows of D contiguous,
-    and the GPU is sm_90 or newer (measured there; older GPUs keep flash)."""
-    return (TRITON_PREFILL_ATTENTION and cuda_base.prefill_usable(q) and k_cache.dtype == q.dtype
+    head sizes up to 256 (its tiles' shared memory), and the GPU is sm_90 or newer (measured
+    there; older GPUs keep flash)."""
+    return (TRITON_PREFILL_ATTENTION and cuda_base.prefill_usable(q) and q.shape[-1] <= 256 and k_cache.dtype == q.dtype
             and v_cache.dtype == q.dtype and q.stride(-1) == 1 and k_cache.stride(-1) == 1
             and v_cache.stride(-1) == 1 and q.shape[0] % k_cache.shape[0] == 0 and _sm90(q.device.index))
 
