@@ -15,6 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cuda_events import median_us as timed  # noqa: E402
 
 from models.architectures import moe  # noqa: E402
 from models.kernels.cuda import grouped  # noqa: E402
@@ -22,20 +25,6 @@ from models.kernels.cuda import moe as cuda_moe  # noqa: E402
 
 SWEEP = ["128x128x64x8x3", "128x128x64x8x4", "64x128x64x4x4", "128x64x64x4x4", "64x64x64x4x4", "128x256x64x8x3",
          "64x256x64x8x3"]
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def cfg(text: str) -> tuple:

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cuda_events import median_us as timed  # noqa: E402
 
 from models.architectures import layers  # noqa: E402
 from models.kernels.cuda import prefill_attention as pa  # noqa: E402
@@ -29,20 +32,6 @@ SWEEP = {
     256: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3),
           (128, 64, 8, 1), (64, 128, 8, 1)],
 }
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def reference(q, kc, vc, start):
