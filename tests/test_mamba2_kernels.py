@@ -78,7 +78,7 @@ def _compiled_ssd_kernels() -> int:
     from models.kernels.cuda import base, conv, moe, ssd
     kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
                moe._route_kernel, moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel,
-               moe._count_kernel, moe._scan_kernel, moe._place_kernel, conv._causal_conv_kernel,
+               moe._sort_kernel, conv._causal_conv_kernel,
                base._silu_mul_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
@@ -142,7 +142,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.kernels.cuda import linear, moe, scan, ssd
+    from models.kernels.cuda import grouped, linear, moe, scan, ssd
     cases = [
         # (the Gated DeltaNet prefill's triangular solve, compiled here with the others)
         (scan._solve_kernel, dict(system="*fp32", v_beta="*fp32", k_cum="*fp32", u="*fp32", w="*fp32"),
@@ -160,11 +160,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (moe._route_kernel, dict(logits="*bf16", idx_out="*i64", w_out="*fp32", E="i32", stride="i32"),
          dict(TOP_K=6, BLOCK_E=64, BLOCK_K=8, NORM=True, PDL=True)),
         # the grouped prefill's sort by expert
-        (moe._count_kernel, dict(idx="*i64", hist="*i32", P="i32", E="i32"), dict(SUB=64, BLOCK_E=64, PDL=True)),
-        (moe._scan_kernel, dict(hist="*i32", base="*i32", starts="*i32", offs="*i32", nsub="i32", E="i32"),
-         dict(BLOCK_S=128, BLOCK_C=64, PDL=True)),
-        (moe._place_kernel, dict(x="*bf16", idx="*i64", base="*i32", starts="*i32", xs="*bf16", inv="*i64", P="i32",
-                                 E="i32", stride_x="i32"), dict(H=1536, TOP_K=6, SUB=64, BLOCK_H=128, PDL=True)),
+        (moe._sort_kernel, dict(idx="*i64", src="*i32", inv="*i64", starts="*i32", offs="*i32", P="i32"),
+         dict(TOP_K=6, BLOCK=1024, PDL=True)),
         (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
          dict(I=512, H=1536, TOP_K=6, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
@@ -175,6 +172,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                                    res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16"),
          dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, BLOCK_N=4,
               BLOCK_K=2048, PDL=True)),
+        # the grouped prefill's GEMMs, their half tiles included (grouped.py)
+        (grouped._gate_up_kernel, dict(x="*bf16", src="*i32", starts="*i32", offs="*i32", w="*bf16", h="*bf16",
+                                       E="i32", stride_x="i32", stride_we="i32"),
+         dict(I=512, K=1536, BLOCK_E=64, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, HALF=True, PDL=True)),
+        (grouped._down_kernel, dict(hs="*bf16", starts="*i32", offs="*i32", w="*bf16", ys="*bf16", E="i32",
+                                    stride_we="i32"),
+         dict(N=1536, K=512, BLOCK_E=64, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, HALF=True, PDL=True)),
     ]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)

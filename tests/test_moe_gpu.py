@@ -71,7 +71,11 @@ def test_prefill_routing_and_sort(T, E, k):
     order = idx.reshape(-1).argsort(stable=True)
     assert torch.equal(xs, x[order // k])
     assert torch.equal(inv[order], torch.arange(T * k, device="cuda"))
-    assert torch.equal(offs.long(), torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    assert torch.equal(offs.long(), counts.cumsum(0))
+    src, inv2, starts, offs2 = cuda_moe.sort_pairs(x, idx, E, copy=False)
+    assert torch.equal(src.long(), order // k) and torch.equal(inv2, inv) and torch.equal(offs2, offs)
+    assert torch.equal(starts.long(), offs.long() - counts)
 
 
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
@@ -126,6 +130,28 @@ def test_grouped_prefill_matches_the_loop_in_bf16(T, E, I, triton_gemms, monkeyp
             moe.EXPERTS_FORM = "grouped"
     assert float((grouped - loop).abs().max()) <= 0.02 * float(loop.abs().max())
     assert torch.equal(grouped, m.experts.grouped(x, idx, w).float())  # no atomics: the same bits
+
+
+@pytest.mark.parametrize("T", [65, 2048])
+@pytest.mark.parametrize("E,I", [(256, 512), (128, 768)])
+def test_half_tiles_give_the_bits_of_whole_tiles(T, E, I, monkeypatch):
+    """grouped.py's half tiles (an expert's last tile of at most BLOCK_M / 2 rows) multiply as the
+    whole tile does: the same h and ys, bit for bit, with grouped.HALF_TILES off; and some tile
+    here is a half tile (the 2k prefill: about half the experts spill a few rows into one)."""
+    cuda_moe = kernels()
+    from models.kernels.cuda import grouped as cuda_grouped
+    m = _grouped_layer(E, I)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        idx, w = m.gate(x)
+        src, inv, starts, offs = cuda_moe.sort_pairs(x, idx, E, copy=False)
+        last = (offs - starts) % cuda_grouped.GATE_UP_CONFIG[0]
+        assert bool(((last > 0) & (last <= cuda_grouped.GATE_UP_CONFIG[0] // 2)).any())
+        h = cuda_grouped.gate_up(x, src, starts, offs, m.experts.gate_up_proj)
+        ys = cuda_grouped.down(h, starts, offs, m.experts.down_proj)
+        monkeypatch.setattr(cuda_grouped, "HALF_TILES", False)
+        assert torch.equal(h, cuda_grouped.gate_up(x, src, starts, offs, m.experts.gate_up_proj))
+        assert torch.equal(ys, cuda_grouped.down(h, starts, offs, m.experts.down_proj))
 
 
 @pytest.mark.parametrize("T", [2, 65, 700])

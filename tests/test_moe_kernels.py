@@ -112,8 +112,8 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     want = (y.view(T, k, -1) * w[..., None]).sum(1) + torch.sigmoid(logits[:, 8:]) * shared
     assert (kernels.combine(ys, inv, w, shared, logits[:, 8:]) - want).abs().max() <= 1e-5
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
-# experts' ends exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
-# scan chunks (E > 128), scan steps (more than 128 sub-blocks), column steps (H > 256), experts nobody chose
+# experts' bounds exactly as the torch form's stable argsort; the passes in several steps (more than
+# SORT_BLOCK pairs), many experts (E = 512), experts nobody chose, rows of a larger tensor
 for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8, 40, 24), (7, 6, 512, 16)]:
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E, generator=g)
@@ -138,7 +138,7 @@ for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8
 from models.kernels.cuda import grouped
 from test_moe_kernels import forms
 for E, H, I, k, T, cfg in [(8, 64, 32, 3, 40, (16, 16, 16, 4, 1)), (6, 32, 48, 2, 70, (32, 32, 16, 4, 1)),
-                            (16, 64, 32, 4, 3, (16, 32, 32, 4, 1))]:
+                            (16, 64, 32, 4, 3, (16, 32, 32, 4, 1)), (5, 32, 32, 2, 190, (64, 32, 16, 4, 1))]:
     m = layer(E, H, I, k, 0, True, seed=T)
     x = torch.randn(T + 2, H)[:T]
     idx, w = m.gate(x)
@@ -147,6 +147,15 @@ for E, H, I, k, T, cfg in [(8, 64, 32, 3, 40, (16, 16, 16, 4, 1)), (6, 32, 48, 2
     ys = grouped.down(h, starts, offs, m.experts.down_proj.data, cfg)
     err = (kernels.combine(ys, inv, w) - forms(m, x, "loop")).abs().max()
     assert err <= 1e-4, (E, H, I, T, float(err))
+    # an expert's last tile of at most BLOCK_M / 2 rows takes the half tile: the same rows
+    last = (offs - starts) % cfg[0]
+    if cfg[0] >= 32:
+        assert bool(((last > 0) & (last <= cfg[0] // 2)).any())  # (some tile here is a half tile)
+        grouped.HALF_TILES = False
+        whole_h = grouped.gate_up(x, src, starts, offs, m.experts.gate_up_proj.data, cfg)
+        whole_ys = grouped.down(h, starts, offs, m.experts.down_proj.data, cfg)
+        grouped.HALF_TILES = True
+        assert (whole_h - h).abs().max() <= 1e-5 and (whole_ys - ys).abs().max() <= 1e-5
 print("ok")
 """
 

@@ -10,7 +10,8 @@ Contract:
 - down(h, starts, offs, down_w): ys [P, H], row r = down_w[e] h[r].
 One launch each, a program per (tile of BLOCK_M rows of one expert, BLOCK_N columns); which expert
 and rows a program takes is read on the device from starts/offs (no host sync), programs past the
-last tile do nothing. The tiles of one expert are neighbours in launch order, so its weights are
+last tile do nothing, and a tile of at most BLOCK_M / 2 live rows multiplies as a tile of
+BLOCK_M / 2 (the same sums over K, in the same order: a row's bits do not depend on its tile). The tiles of one expert are neighbours in launch order, so its weights are
 read from memory about once however many row tiles it has (at a 2k-token prefill the experts'
 weights, ~1.2 GB a layer of the 30B-A3B-like shape, are read in about the time its products
 take). Sums in fp32 over K in a fixed order: the same bits every run. The experts' K (H for
@@ -44,56 +45,79 @@ if triton is not None:
         return ex, row0, tl.sum(tl.where(mine, end, 0), axis=0)
 
     @triton.jit
+    def _gate_up_tile(x, src, w, h, ex, row0, row_end, stride_x, stride_we, I: tl.constexpr, K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rm = rows < row_end
+        tok = tl.load(src + rows, mask=rm, other=0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < I
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = x + tok[:, None] * stride_x + k[None, :]
+        g_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]   # [BLOCK_K, BLOCK_N]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
+            acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=nm[None, :], other=0.0), acc_g)
+            acc_u = tl.dot(a, tl.load(g_ptrs + (I * K + k0), mask=nm[None, :], other=0.0), acc_u)
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h + rows.to(tl.int64)[:, None] * I + n[None, :], out.to(h.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+    @triton.jit
     def _gate_up_kernel(x, src, starts, offs, w, h, E, stride_x, stride_we, I: tl.constexpr, K: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        HALF: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
         if ex < E:
-            rows = row0 + tl.arange(0, BLOCK_M)
-            rm = rows < row_end
-            tok = tl.load(src + rows, mask=rm, other=0).to(tl.int64)
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            nm = n < I
-            k = tl.arange(0, BLOCK_K)
-            a_ptrs = x + tok[:, None] * stride_x + k[None, :]
-            g_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]   # [BLOCK_K, BLOCK_N]
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
-                acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=nm[None, :], other=0.0), acc_g)
-                acc_u = tl.dot(a, tl.load(g_ptrs + (I * K + k0), mask=nm[None, :], other=0.0), acc_u)
-            out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(h + rows.to(tl.int64)[:, None] * I + n[None, :], out.to(h.dtype.element_ty),
-                     mask=rm[:, None] & nm[None, :])
+            if HALF and row_end - row0 <= BLOCK_M // 2:  # an expert's last rows: half the products
+                _gate_up_tile(x, src, w, h, ex, row0, row_end, stride_x, stride_we, I, K, BLOCK_M // 2, BLOCK_N,
+                              BLOCK_K)
+            else:
+                _gate_up_tile(x, src, w, h, ex, row0, row_end, stride_x, stride_we, I, K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _down_tile(hs, w, ys, ex, row0, row_end, stride_we, N: tl.constexpr, K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rm = rows < row_end
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = hs + rows.to(tl.int64)[:, None] * K + k[None, :]
+        b_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
+            acc = tl.dot(a, tl.load(b_ptrs + k0, mask=nm[None, :], other=0.0), acc)
+        tl.store(ys + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(ys.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
 
     @triton.jit
     def _down_kernel(hs, starts, offs, w, ys, E, stride_we, N: tl.constexpr, K: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     HALF: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
         if ex < E:
-            rows = row0 + tl.arange(0, BLOCK_M)
-            rm = rows < row_end
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            nm = n < N
-            k = tl.arange(0, BLOCK_K)
-            a_ptrs = hs + rows.to(tl.int64)[:, None] * K + k[None, :]
-            b_ptrs = w + ex.to(tl.int64) * stride_we + n[None, :] * K + k[:, None]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(a_ptrs + k0, mask=rm[:, None], other=0.0)
-                acc = tl.dot(a, tl.load(b_ptrs + k0, mask=nm[None, :], other=0.0), acc)
-            tl.store(ys + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(ys.dtype.element_ty),
-                     mask=rm[:, None] & nm[None, :])
+            if HALF and row_end - row0 <= BLOCK_M // 2:
+                _down_tile(hs, w, ys, ex, row0, row_end, stride_we, N, K, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+            else:
+                _down_tile(hs, w, ys, ex, row0, row_end, stride_we, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each launch, from bench/moe_prefill_sweep.py
 # on an H200 (bench/RESULTS.md, set U)
 GATE_UP_CONFIG = (128, 128, 64, 8, 4)
 DOWN_CONFIG = (128, 128, 64, 8, 3)
+# A tile holding at most BLOCK_M / 2 rows (an expert's last rows) multiplies them as a tile of
+# BLOCK_M / 2: at ~BLOCK_M rows an expert (the 30B-A3B-like 2k prefill: 128 on average) about half
+# the experts spill a few rows into a second tile, which otherwise costs a whole tile's products
+# (bench/RESULTS.md, set V). HALF_TILES = False: every tile whole (the A/B of bench/ab_prefill.py).
+# (Only where BLOCK_M >= 32: the tensor cores' products take at least 16 rows.)
+HALF_TILES = True
 
 
 def fits(hidden: int, intermediate: int) -> bool:
@@ -116,7 +140,7 @@ def gate_up(x: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, offs: torc
     h = torch.empty(P, I2 // 2, dtype=x.dtype, device=x.device)
     launch(_gate_up_kernel, (_max_tiles(P, E, bm), triton.cdiv(I2 // 2, bn)), x, src, starts, offs, w, h, E,
            x.stride(0), w.stride(0), I=I2 // 2, K=H, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_K=bk, num_warps=warps, num_stages=stages, **cuda_base.pdl(x))
+           BLOCK_K=bk, HALF=HALF_TILES and bm >= 32, num_warps=warps, num_stages=stages, **cuda_base.pdl(x))
     return h
 
 
@@ -128,6 +152,6 @@ def down(h: torch.Tensor, starts: torch.Tensor, offs: torch.Tensor, w: torch.Ten
     bm, bn, bk, warps, stages = config or DOWN_CONFIG
     ys = torch.empty(P, H, dtype=h.dtype, device=h.device)
     launch(_down_kernel, (_max_tiles(P, E, bm), triton.cdiv(H, bn)), h, starts, offs, w, ys, E, w.stride(0),
-           N=H, K=I, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+           N=H, K=I, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HALF=HALF_TILES and bm >= 32,
            num_warps=warps, num_stages=stages, **cuda_base.pdl(h))
     return ys
