@@ -78,7 +78,7 @@ def _compiled_ssd_kernels() -> int:
     from models.kernels.cuda import base, conv, moe, ssd
     kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
                moe._route_kernel, moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel,
-               moe._sort_kernel, conv._causal_conv_kernel,
+               moe._count_kernel, moe._scan_kernel, moe._place_kernel, conv._causal_conv_kernel,
                base._silu_mul_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
@@ -160,8 +160,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (moe._route_kernel, dict(logits="*bf16", idx_out="*i64", w_out="*fp32", E="i32", stride="i32"),
          dict(TOP_K=6, BLOCK_E=64, BLOCK_K=8, NORM=True, PDL=True)),
         # the grouped prefill's sort by expert
-        (moe._sort_kernel, dict(idx="*i64", src="*i32", inv="*i64", starts="*i32", offs="*i32", P="i32"),
-         dict(TOP_K=6, BLOCK=1024, PDL=True)),
+        (moe._count_kernel, dict(idx="*i64", hist="*i32", P="i32", E="i32"), dict(SUB=64, BLOCK_E=64, PDL=True)),
+        (moe._scan_kernel, dict(hist="*i32", base="*i32", starts="*i32", offs="*i32", nsub="i32", E="i32"),
+         dict(BLOCK_S=128, BLOCK_C=32, PDL=True)),
+        (moe._place_kernel, dict(x="*bf16", idx="*i64", base="*i32", starts="*i32", xs="*bf16", inv="*i64", P="i32",
+                                 E="i32", stride_x="i32"), dict(H=1536, TOP_K=6, SUB=64, BLOCK_H=128, PDL=True)),
         (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
          dict(I=512, H=1536, TOP_K=6, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",

@@ -112,8 +112,9 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     want = (y.view(T, k, -1) * w[..., None]).sum(1) + torch.sigmoid(logits[:, 8:]) * shared
     assert (kernels.combine(ys, inv, w, shared, logits[:, 8:]) - want).abs().max() <= 1e-5
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
-# experts' bounds exactly as the torch form's stable argsort; the passes in several steps (more than
-# SORT_BLOCK pairs), many experts (E = 512), experts nobody chose, rows of a larger tensor
+# experts' bounds exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
+# several scan programs (E > SCAN_EXPERTS) and steps (more than 128 sub-blocks), column steps (H > 256),
+# experts nobody chose
 for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8, 40, 24), (7, 6, 512, 16)]:
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E, generator=g)

@@ -11,11 +11,13 @@ Contract:
 One launch each, a program per (tile of BLOCK_M rows of one expert, BLOCK_N columns); which expert
 and rows a program takes is read on the device from starts/offs (no host sync), programs past the
 last tile do nothing, and a tile of at most BLOCK_M / 2 live rows multiplies as a tile of
-BLOCK_M / 2 (the same sums over K, in the same order: a row's bits do not depend on its tile). The tiles of one expert are neighbours in launch order, so its weights are
-read from memory about once however many row tiles it has (at a 2k-token prefill the experts'
-weights, ~1.2 GB a layer of the 30B-A3B-like shape, are read in about the time its products
-take). Sums in fp32 over K in a fixed order: the same bits every run. The experts' K (H for
-gate_up, I for down) must be a multiple of BLOCK_K (`fits`).
+BLOCK_M / 2 (the same sums over K, in the same order: a row's bits do not depend on its tile).
+Launch order: gate_up's row tiles of one column block are neighbours (an expert's weights are
+read from memory about once however many row tiles it has; x, a few MB, stays in L2); down's
+column blocks of one row tile are neighbours (its rows of h are read once, and the next tile of
+the same expert finds the expert's weights, ~3 MB at the 30B-A3B-like shape, in L2). Sums in fp32
+over K in a fixed order: the same bits every run. The experts' K (H for gate_up, I for down) must
+be a multiple of BLOCK_K (`fits`).
 """
 from __future__ import annotations
 
@@ -30,15 +32,14 @@ if triton is not None:
     from .base import _pdl_enter
 
     @triton.jit
-    def _tile(starts, offs, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-        """(expert, first row, end of its rows) of this program's row tile; expert E past the last tile."""
+    def _tile(t, starts, offs, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(expert, first row, end of its rows) of row tile t; expert E past the last tile."""
         e = tl.arange(0, BLOCK_E)
         em = e < E
         beg = tl.load(starts + e, mask=em, other=0)
         end = tl.load(offs + e, mask=em, other=0)
         tiles = (end - beg + BLOCK_M - 1) // BLOCK_M
         before = tl.cumsum(tiles, axis=0)                           # tiles of experts 0..e
-        t = tl.program_id(0)
         ex = tl.sum((before <= t).to(tl.int32), axis=0)
         mine = e == ex
         row0 = tl.sum(tl.where(mine, beg + (t - (before - tiles)) * BLOCK_M, 0), axis=0)
@@ -70,7 +71,7 @@ if triton is not None:
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         HALF: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
-        ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
+        ex, row0, row_end = _tile(tl.program_id(0), starts, offs, E, BLOCK_M, BLOCK_E)
         if ex < E:
             if HALF and row_end - row0 <= BLOCK_M // 2:  # an expert's last rows: half the products
                 _gate_up_tile(x, src, w, h, ex, row0, row_end, stride_x, stride_we, I, K, BLOCK_M // 2, BLOCK_N,
@@ -83,7 +84,7 @@ if triton is not None:
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = row0 + tl.arange(0, BLOCK_M)
         rm = rows < row_end
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         k = tl.arange(0, BLOCK_K)
         a_ptrs = hs + rows.to(tl.int64)[:, None] * K + k[None, :]
@@ -100,7 +101,10 @@ if triton is not None:
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      HALF: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
-        ex, row0, row_end = _tile(starts, offs, E, BLOCK_M, BLOCK_E)
+        # the column blocks of one row tile are neighbours in launch order (program_id(0)): its rows
+        # of h are read from memory once, where the tile-major order read them once a column block
+        # (h is [T k, I]: 16 times at the 30B-A3B-like shape, as many bytes as the experts' weights)
+        ex, row0, row_end = _tile(tl.program_id(1), starts, offs, E, BLOCK_M, BLOCK_E)
         if ex < E:
             if HALF and row_end - row0 <= BLOCK_M // 2:
                 _down_tile(hs, w, ys, ex, row0, row_end, stride_we, N, K, BLOCK_M // 2, BLOCK_N, BLOCK_K)
@@ -151,7 +155,7 @@ def down(h: torch.Tensor, starts: torch.Tensor, offs: torch.Tensor, w: torch.Ten
     P = h.shape[0]
     bm, bn, bk, warps, stages = config or DOWN_CONFIG
     ys = torch.empty(P, H, dtype=h.dtype, device=h.device)
-    launch(_down_kernel, (_max_tiles(P, E, bm), triton.cdiv(H, bn)), h, starts, offs, w, ys, E, w.stride(0),
+    launch(_down_kernel, (triton.cdiv(H, bn), _max_tiles(P, E, bm)), h, starts, offs, w, ys, E, w.stride(0),
            N=H, K=I, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HALF=HALF_TILES and bm >= 32,
            num_warps=warps, num_stages=stages, **cuda_base.pdl(h))
     return ys

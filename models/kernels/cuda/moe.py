@@ -16,8 +16,8 @@ models/architectures/moe.py):
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
 - sort_pairs(x, idx, E): the grouped prefill's (token, slot) pairs in expert order as a stable
   argsort leaves them, x's rows copied there (or each row's token), the inverse permutation and
-  the experts' row bounds, in one launch of a program an expert (integer counts: the same rows
-  every run).
+  the experts' row bounds, by a per-block count, a scan and a placement (integer counts: the
+  same rows every run).
 - combine(ys, inv, weights[, shared, shared_gate]): the grouped prefill's per-token weighted sum
   of its k experts' outputs, read where the grouped GEMM left them (expert order), in slot order:
   no atomics; plus a shared expert's output scaled by sigmoid(its gate's logit) where given.
@@ -87,32 +87,70 @@ if triton is not None:
         tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["P"])
-    def _sort_kernel(idx, src, inv, starts, offs, P, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Program e: the pairs that chose expert e, in pair order (a stable sort's ties), at rows
-        starts[e] .. offs[e] - 1, where starts[e] counts the pairs that chose an expert below e.
-        Two passes over the P ids, BLOCK a step: the count below e, then each pair of e's rank by
-        a cumulative sum. Writes inv[p] (the pair's row) and src[row] (its token)."""
+    def _count_kernel(idx, hist, P, E, SUB: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        """hist[s, e]: how many of the pairs s SUB .. s SUB + SUB - 1 chose expert e."""
         _pdl_enter(PDL)
-        e = tl.program_id(0)
-        i = tl.arange(0, BLOCK)
-        below = tl.zeros((BLOCK,), dtype=tl.int32)
-        for p0 in range(0, P, BLOCK):
-            p = p0 + i
-            ids = tl.load(idx + p, mask=p < P, other=e)
-            below += (ids < e).to(tl.int32)
-        start = tl.sum(below, axis=0)
-        run = start
-        for p0 in range(0, P, BLOCK):
-            p = p0 + i
-            ids = tl.load(idx + p, mask=p < P, other=-1)
-            mine = ids == e
-            mi = mine.to(tl.int32)
-            row = run + tl.cumsum(mi, axis=0) - mi
-            tl.store(inv + p, row.to(tl.int64), mask=mine)
-            tl.store(src + row, (p // TOP_K).to(tl.int32), mask=mine)
-            run += tl.sum(mi, axis=0)
-        tl.store(starts + e, start)
-        tl.store(offs + e, run)
+        s = tl.program_id(0)
+        p = s * SUB + tl.arange(0, SUB)
+        ids = tl.load(idx + p, mask=p < P, other=0).to(tl.int32)
+        counts = tl.histogram(ids, BLOCK_E, mask=p < P)
+        e = tl.arange(0, BLOCK_E)
+        tl.store(hist + s * E + e, counts, mask=e < E)
+
+    @triton.jit(do_not_specialize=["nsub"])
+    def _scan_kernel(hist, base, starts, offs, nsub, E, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr):
+        """A program a block of BLOCK_C experts: base[s, e] = the pairs of sub-blocks before s that
+        chose e; starts[e] = the pairs that chose an expert below e (where e's rows begin in expert
+        order: the counts of the experts below the block, summed here by each program, plus the
+        block's own running sum); offs[e] = starts[e] + e's count (torch._grouped_mm's group ends)."""
+        _pdl_enter(PDL)
+        c0 = tl.program_id(0) * BLOCK_C
+        c = tl.arange(0, BLOCK_C)
+        e = c0 + c
+        em = e < E
+        below = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.int32)
+        for b0 in range(0, c0, BLOCK_C):  # (every column here is below c0)
+            for s0 in range(0, nsub, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                below += tl.load(hist + s[:, None] * E + (b0 + c)[None, :], mask=(s < nsub)[:, None], other=0)
+        start = tl.sum(tl.sum(below, axis=1), axis=0)
+        run = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for s0 in range(0, nsub, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            m = (s < nsub)[:, None] & em[None, :]
+            h = tl.load(hist + s[:, None] * E + e[None, :], mask=m, other=0)
+            tl.store(base + s[:, None] * E + e[None, :], tl.cumsum(h, axis=0) - h + run[None, :], mask=m)
+            run += tl.sum(h, axis=0)
+        ends = tl.cumsum(run, axis=0) + start
+        tl.store(starts + e, ends - run, mask=em)
+        tl.store(offs + e, ends, mask=em)
+
+    @triton.jit(do_not_specialize=["P"])
+    def _place_kernel(x, idx, base, starts, xs, inv, P, E, stride_x, H: tl.constexpr, TOP_K: tl.constexpr,
+                      SUB: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr):
+        """Pair p = t TOP_K + j (sub-block s = p // SUB) goes to row starts[e] + base[s, e] + its
+        rank among the pairs of s that chose e (a stable sort by expert: ties keep pair order).
+        Writes inv[p] and xs[that row] = x[t], BLOCK_H columns a step (COPY), or xs[that row] = t."""
+        _pdl_enter(PDL)
+        s = tl.program_id(0)
+        i = tl.arange(0, SUB)
+        p = s * SUB + i
+        pm = p < P
+        ids = tl.load(idx + p, mask=pm, other=0).to(tl.int32)
+        earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        pos = tl.load(starts + ids, mask=pm, other=0) + tl.load(base + s * E + ids, mask=pm, other=0) + rank
+        tl.store(inv + p, pos.to(tl.int64), mask=pm)
+        if COPY:
+            src = x + (p // TOP_K).to(tl.int64)[:, None] * stride_x
+            dst = xs + pos.to(tl.int64)[:, None] * H
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                m = pm[:, None] & (h < H)[None, :]
+                tl.store(dst + h[None, :], tl.load(src + h[None, :], mask=m), mask=m)
+        else:
+            tl.store(xs + pos, p // TOP_K, mask=pm)
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -251,35 +289,48 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     return idx, w
 
 
-# Pairs a step of sort_pairs' passes over the ids (a program an expert, each reading all T k ids
-# twice, from L2: the 30B-A3B-like 2k prefill's 16,384 ids, 128 KB, in 16 steps a pass)
-SORT_BLOCK = 1024
+# Pairs (token, slot) a program of sort_pairs' count and place launches takes: a pair's rank among
+# its sub-block's pairs of the same expert is a [SORT_SUB, SORT_SUB] comparison, done once a program
+# (the 30B-A3B-like 2k prefill: 128 pairs and a program per 128 columns, 16 comparisons a pair, gave
+# 49.6 us a layer, slower than torch's gather of the rows alone, 21 us)
+SORT_SUB = 64
+# sort_pairs' row copy: columns a step (8 warps; ptxas for sm_90: 186 registers, where 256 columns on
+# 4 warps spilled 644 bytes, each element's 64-bit address held)
+SORT_COLUMNS = 128
+# Experts a program of sort_pairs' scan takes (one program for all of them took 12.6 us of a 2k
+# prefill's layer at E = 128: bench/RESULTS.md, set V)
+SCAN_EXPERTS = 32
 
 
 def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
     int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
     pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
-    offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). One launch, a
-    program an expert (_sort_kernel), and with copy the rows' gather; no host sync. With
-    copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
+    offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
+    (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync.
+    With copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
     where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
     T, k = idx.shape
-    P = T * k
-    # (inside precompiling() the launch is skipped: the experts' bounds and the rows' tokens must
-    # still be in range; each bound at a multiple of 16 bytes, so that no kernel's specialization
-    # of their pointers changes with E)
-    zeros_or_empty = torch.zeros if cuda_base.precompiling_now() else torch.empty
-    a = -(-E // 4) * 4
-    bounds = zeros_or_empty(2 * a, dtype=torch.int32, device=x.device)
-    starts, offs = bounds[:E], bounds[a:a + E]
-    src = zeros_or_empty(P, dtype=torch.int32, device=x.device)
+    P, H = T * k, x.shape[1]
+    nsub = triton.cdiv(P, SORT_SUB)
+    # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
+    # alignment: none may change with the prompt's length)
+    a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
+    ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
+        2 * a + 2 * b, dtype=torch.int32, device=x.device)
+    offs, starts = ints[:E], ints[a:a + E]
+    hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
+    xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
-    launch(_sort_kernel, (E,), idx, src, inv, starts, offs, P, TOP_K=k, BLOCK=SORT_BLOCK, num_warps=4,
-           **cuda_base.pdl(x))
-    if copy:
-        return x.index_select(0, src), inv, offs
-    return src, inv, starts, offs
+    pdl = cuda_base.pdl(x)
+    block_e = triton.next_power_of_2(E)
+    launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
+    block_c = min(block_e, SCAN_EXPERTS)
+    launch(_scan_kernel, (triton.cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
+           num_warps=4, **pdl)
+    launch(_place_kernel, (nsub,), x, idx, base, starts, xs, inv, P, E, x.stride(0), H=H, TOP_K=k, SUB=SORT_SUB,
+           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), COPY=copy, num_warps=8 if copy else 4, **pdl)
+    return (xs, inv, offs) if copy else (xs, inv, starts, offs)
 
 
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
