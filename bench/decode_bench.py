@@ -125,6 +125,7 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
             sync(device)
             pf.append(time.perf_counter() - t)
         rec["prefill_tok_s"] = round(prefill_len / statistics.median(pf[1:]), 1)
+        rec["prefill_ms"] = [round(t * 1e3, 2) for t in pf]
         del s
     if device.type == "cuda":
         rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)

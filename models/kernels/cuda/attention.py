@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -79,7 +79,7 @@ if triton is not None:
 
 def n_splits(max_context: int) -> int:
     """Slices of the live slots: about 512 slots each at the longest context, 4 to 64."""
-    return min(64, max(4, triton.next_power_of_2(triton.cdiv(max_context, 512))))
+    return min(64, max(4, next_pow2(cdiv(max_context, 512))))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -95,7 +95,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     acc = torch.empty(H, ns, D, dtype=torch.float32, device=q.device)
     launch(_split_kernel, (kvh, ns),
            q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
-           D ** -0.5, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **cuda_base.pdl(q))
+           D ** -0.5, G=G, GP=max(16, next_pow2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **cuda_base.pdl(q))
     out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
     launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
            HAS_GATE=gate is not None, D=D, NSPLIT=ns, **cuda_base.pdl(q))

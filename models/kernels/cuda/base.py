@@ -35,6 +35,17 @@ ENABLED = triton is not None and os.environ.get("CHAT_TRITON", "1").lower() not 
 HALF = (torch.bfloat16, torch.float16)
 
 
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv for the host's launch arithmetic: Triton 3.6 wraps its own as a constexpr
+    function, ~2.5 us a call in Python (a 2k-token MoE prefill made ~670 such calls)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 (0 for 0) without its constexpr-function wrapper (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels serve forwards on this device in this dtype: CUDA, half precision (an
     fp32 model keeps the exact torch forms: the kernels' tensor-core dots would round to TF32),
@@ -255,7 +266,7 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     q = torch.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     q_w, k_w = norm_weights if norm_weights is not None else (cos, cos)  # unread without NORM
     block_t = 1 if T == 1 else 16  # (two compiled forms: decode's and prefill's)
-    launch(_qk_rope_kv_kernel, (n_heads + 2 * n_kv, triton.cdiv(T, block_t)),
+    launch(_qk_rope_kv_kernel, (n_heads + 2 * n_kv, cdiv(T, block_t)),
         qkv, cos, sin, positions, q_w, k_w, q, k_cache, v_cache, k_cache.stride(0), v_cache.stride(0), eps,
         qkv.stride(0), T,
         Q_STRIDE=q_stride, K_OFF=n_heads * q_stride, V_OFF=n_heads * q_stride + n_kv * D, H=n_heads, KVH=n_kv,
@@ -270,8 +281,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     model's 2k-token prefill, bench/RESULTS.md set M)."""
     M, N = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, N, dtype=gu.dtype, device=gu.device)
-    block = min(1024, triton.next_power_of_2(N))
-    launch(_silu_mul_kernel, (M, triton.cdiv(N, block)), gu, out, N, gu.stride(0), BLOCK=block, **pdl(gu))
+    block = min(1024, next_pow2(N))
+    launch(_silu_mul_kernel, (M, cdiv(N, block)), gu, out, N, gu.stride(0), BLOCK=block, **pdl(gu))
     return out
 
 
@@ -284,5 +295,5 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     n = x.shape[-1]
     s, out = sum_out if sum_out is not None else torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
     launch(_add_rms_norm_kernel, (x.shape[0],),
-           x, y, weight, s, out, eps, N=n, BLOCK=triton.next_power_of_2(n), EARLY=early, **pdl(x))
+           x, y, weight, s, out, eps, N=n, BLOCK=next_pow2(n), EARLY=early, **pdl(x))
     return s, out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ENABLED, launch, triton
+from .base import cdiv, ENABLED, launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -44,5 +44,5 @@ def masked_logits(logits: torch.Tensor, words: torch.Tensor, out: torch.Tensor) 
     if not (ENABLED and logits.is_cuda and logits.is_contiguous() and out.is_contiguous()):
         return masked_logits_torch(logits, words, out)
     n = logits.numel()
-    launch(_masked_logits_kernel, (triton.cdiv(n, _BLOCK),), logits, words, out, n, BLOCK=_BLOCK)
+    launch(_masked_logits_kernel, (cdiv(n, _BLOCK),), logits, words, out, n, BLOCK=_BLOCK)
     return out

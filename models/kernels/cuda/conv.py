@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -61,7 +61,7 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
     w = weight.reshape(C, K)
     out = torch.empty(T, C, dtype=x.dtype, device=x.device)
     bt, bc = 32, 128
-    launch(_causal_conv_kernel, (triton.cdiv(T, bt), triton.cdiv(C, bc)), x, state, w,
+    launch(_causal_conv_kernel, (cdiv(T, bt), cdiv(C, bc)), x, state, w,
            bias if bias is not None else w, out, T, C, x.stride(0), state.stride(0), state.stride(1), K=K,
            HAS_BIAS=bias is not None, SILU=silu, BT=bt, BC=bc, **cuda_base.pdl(x))
     # the window's last K-1 inputs (stream order: after the launch has read the old state)

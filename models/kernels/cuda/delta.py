@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -98,8 +98,8 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     k = conv_weight.shape[-1]
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
-    launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj, conv_state, conv_weight, conv_weight, act,
-           conv_dim, KM1=k - 1, KP=triton.next_power_of_2(k), BLOCK=block, HAS_BIAS=False, **cuda_base.pdl(proj))
+    launch(_conv_step_kernel, (cdiv(conv_dim, block),), proj, conv_state, conv_weight, conv_weight, act,
+           conv_dim, KM1=k - 1, KP=next_pow2(k), BLOCK=block, HAS_BIAS=False, **cuda_base.pdl(proj))
     out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
     launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out,
            conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5, float(beta_scale),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
@@ -37,7 +37,7 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
     A small matrix is read in one step."""
     blocks = k // 128
     if n * k <= WHOLE_STEP_BYTES and blocks <= 32:
-        return 4, triton.next_power_of_2(blocks), 4
+        return 4, next_pow2(blocks), 4
     return 2, 8, (1 if n >= 32768 else 4)
 
 
@@ -59,12 +59,12 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     # a program's rows share one row of scales where BLOCK_N divides the rows a scale covers (and,
     # with SwiGLU, the up rows N below start on a multiple of BLOCK_N too)
     row_scales = group % bn != 0 or (swiglu and n_out % bn != 0)
-    launch(_fp8_gemv_kernel, (triton.cdiv(n_out, bn),),
+    launch(_fp8_gemv_kernel, (cdiv(n_out, bn),),
            src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
            qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
            HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
            HAS_RES=pre is not None and pre.res is not None, EVEN=qw.k % (nb * 128) == 0,
-           STEPS=triton.cdiv(qw.k, nb * 128), BLOCK_N=bn, NB=nb, num_warps=warps, **cuda_base.pdl(src))
+           STEPS=cdiv(qw.k, nb * 128), BLOCK_N=bn, NB=nb, num_warps=warps, **cuda_base.pdl(src))
     return out
 
 

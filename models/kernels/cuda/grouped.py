@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -142,8 +142,8 @@ def gate_up(x: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, offs: torc
     P = src.shape[0]
     bm, bn, bk, warps, stages = config or GATE_UP_CONFIG
     h = torch.empty(P, I2 // 2, dtype=x.dtype, device=x.device)
-    launch(_gate_up_kernel, (_max_tiles(P, E, bm), triton.cdiv(I2 // 2, bn)), x, src, starts, offs, w, h, E,
-           x.stride(0), w.stride(0), I=I2 // 2, K=H, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn,
+    launch(_gate_up_kernel, (_max_tiles(P, E, bm), cdiv(I2 // 2, bn)), x, src, starts, offs, w, h, E,
+           x.stride(0), w.stride(0), I=I2 // 2, K=H, BLOCK_E=next_pow2(E), BLOCK_M=bm, BLOCK_N=bn,
            BLOCK_K=bk, HALF=HALF_TILES and bm >= 32, num_warps=warps, num_stages=stages, **cuda_base.pdl(x))
     return h
 
@@ -155,7 +155,7 @@ def down(h: torch.Tensor, starts: torch.Tensor, offs: torch.Tensor, w: torch.Ten
     P = h.shape[0]
     bm, bn, bk, warps, stages = config or DOWN_CONFIG
     ys = torch.empty(P, H, dtype=h.dtype, device=h.device)
-    launch(_down_kernel, (triton.cdiv(H, bn), _max_tiles(P, E, bm)), h, starts, offs, w, ys, E, w.stride(0),
-           N=H, K=I, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HALF=HALF_TILES and bm >= 32,
+    launch(_down_kernel, (cdiv(H, bn), _max_tiles(P, E, bm)), h, starts, offs, w, ys, E, w.stride(0),
+           N=H, K=I, BLOCK_E=next_pow2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HALF=HALF_TILES and bm >= 32,
            num_warps=warps, num_stages=stages, **cuda_base.pdl(h))
     return ys

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -120,7 +120,7 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight, from bench/gemv_sweep.py on an H200
     (bench/RESULTS.md): few rows per program below 4k rows (more programs in flight), more above;
     an LM head's ~50-250k rows take short K steps."""
-    whole = triton.next_power_of_2(K)
+    whole = next_pow2(K)
     if N * K * 2 <= WHOLE_K_MAX_BYTES and whole <= 4096:
         return (4 if N < 4096 else 8), whole, 8
     if N >= 40000:  # K = 2048 (the MoE shapes' heads): 140 us against 149 at (8, 64, 4), 2026-12-01
@@ -203,7 +203,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
-    launch(_gemv_kernel, (triton.cdiv(n_out, bn),),
+    launch(_gemv_kernel, (cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         normed_out if normed_out is not None and pre is not None else out,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,

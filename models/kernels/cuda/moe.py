@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -265,9 +265,9 @@ def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: 
     T, k = weights.shape
     H = ys.shape[1]
     out = torch.empty(T, H, dtype=ys.dtype, device=ys.device)
-    block = min(1024, triton.next_power_of_2(H))
+    block = min(1024, next_pow2(H))
     on = shared is not None
-    launch(_combine_kernel, (T, triton.cdiv(H, block)), ys, inv, weights, shared.contiguous() if on else ys,
+    launch(_combine_kernel, (T, cdiv(H, block)), ys, inv, weights, shared.contiguous() if on else ys,
            shared_gate if on else ys, out, H, shared_gate.stride(0) if on else 0, TOP_K=k, BLOCK=block, SHARED=on,
            **cuda_base.pdl(ys))
     return out
@@ -284,8 +284,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     idx = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(T, top_k, dtype=torch.int64,
                                                                           device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    launch(_route_kernel, (T,), logits, idx, w, E, logits.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
-           BLOCK_K=triton.next_power_of_2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
+    launch(_route_kernel, (T,), logits, idx, w, E, logits.stride(0), TOP_K=top_k, BLOCK_E=next_pow2(E),
+           BLOCK_K=next_pow2(top_k), NORM=renormalise, num_warps=1, **cuda_base.pdl(logits))
     return idx, w
 
 
@@ -312,7 +312,7 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
     T, k = idx.shape
     P, H = T * k, x.shape[1]
-    nsub = triton.cdiv(P, SORT_SUB)
+    nsub = cdiv(P, SORT_SUB)
     # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
     # alignment: none may change with the prompt's length)
     a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
@@ -323,13 +323,13 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
-    block_e = triton.next_power_of_2(E)
+    block_e = next_pow2(E)
     launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
     block_c = min(block_e, SCAN_EXPERTS)
-    launch(_scan_kernel, (triton.cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
+    launch(_scan_kernel, (cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
            num_warps=4, **pdl)
     launch(_place_kernel, (nsub,), x, idx, base, starts, xs, inv, P, E, x.stride(0), H=H, TOP_K=k, SUB=SORT_SUB,
-           BLOCK_H=min(SORT_COLUMNS, triton.next_power_of_2(H)), COPY=copy, num_warps=8 if copy else 4, **pdl)
+           BLOCK_H=min(SORT_COLUMNS, next_pow2(H)), COPY=copy, num_warps=8 if copy else 4, **pdl)
     return (xs, inv, offs) if copy else (xs, inv, starts, offs)
 
 
@@ -379,7 +379,7 @@ def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
     block_n, block_k, warps, unroll = config or pick_config(H, I)[0]
     extra = shared_gate_up is not None
     h = torch.empty(k + extra, I, dtype=torch.float32, device=x.device)
-    launch(_gate_up_kernel, (k + extra, triton.cdiv(I, block_n)), x, gate_up, idx, h,
+    launch(_gate_up_kernel, (k + extra, cdiv(I, block_n)), x, gate_up, idx, h,
            shared_gate_up if extra else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
            BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(x))
     return h
@@ -397,12 +397,12 @@ def experts_down(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights
     mode = 2 if shared_down is not None else 1 if shared is not None else 0
     out = torch.empty(1, H, dtype=out_dtype, device=h.device)
     if wide and wide[0]:
-        launch(_down_wide_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
+        launch(_down_wide_kernel, (cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
                shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H,
-               TOP_K=k, SHARED=mode, SLOTS=triton.next_power_of_2(k + (mode == 2)), BLOCK_N=block_n,
+               TOP_K=k, SHARED=mode, SLOTS=next_pow2(k + (mode == 2)), BLOCK_N=block_n,
                BLOCK_K=block_k, num_warps=warps, **cuda_base.pdl(h))
         return out
-    launch(_down_kernel, (triton.cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
+    launch(_down_kernel, (cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
            shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H, TOP_K=k,
            SHARED=mode, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
     return out

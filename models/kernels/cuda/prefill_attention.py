@@ -29,7 +29,7 @@ import math
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -117,7 +117,7 @@ if triton is not None:
 
 def _padded(head_dim: int) -> int:
     """The head size the kernel's tiles take: a power of two, at least the tensor cores' 16."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_pow2(head_dim))
 
 
 def launch_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -138,7 +138,7 @@ def causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start:
     kvh = k_cache.shape[0]
     bm, bn, warps, stages = config or launch_config(D)
     out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
-    launch(_causal_kernel, (triton.cdiv(T, bm), H),
+    launch(_causal_kernel, (cdiv(T, bm), H),
            q, k_cache, v_cache, out, T, start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
            v_cache.stride(0), v_cache.stride(1), math.log2(math.e) / math.sqrt(D),
            H=H, G=H // kvh, D=D, DP=_padded(D), BLOCK_M=bm, BLOCK_N=bn,

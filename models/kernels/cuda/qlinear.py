@@ -29,7 +29,7 @@ import sys
 import torch
 
 from . import base as cuda_base, fp8, qplanar
-from .base import launch, triton
+from .base import cdiv, launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
@@ -153,10 +153,10 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
     (sc, z, stride_s), consts = _args(qw, most, whole=whole)
-    launch(_qgemv_kernel, (triton.cdiv(n_out, bn),),
+    launch(_qgemv_kernel, (cdiv(n_out, bn),),
            src, qw.data, sc, z, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0), stride_s,
            res, norm_w, stream, eps, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-           HAS_RES=pre is not None and pre.res is not None, STEPS=triton.cdiv(qw.k, consts["W"]), BLOCK_N=bn,
+           HAS_RES=pre is not None and pre.res is not None, STEPS=cdiv(qw.k, consts["W"]), BLOCK_N=bn,
            num_warps=warps, **consts, **cuda_base.pdl(src))
     return out
 
@@ -170,7 +170,7 @@ def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torc
     out = torch.empty(rows, qw.k, dtype=dtype, device=qw.data.device) if out is None else out
     (sc, z, stride_s), consts = _args(qw, 256)  # (smaller tiles: one program per tile, no loop)
     bn = 16
-    launch(_qdequant_kernel, (triton.cdiv(rows, bn), triton.cdiv(qw.k, consts["W"])),
+    launch(_qdequant_kernel, (cdiv(rows, bn), cdiv(qw.k, consts["W"])),
            qw.data, sc, z, out, start, stop, qw.k, qw.data.stride(0), stride_s, out.stride(0), BLOCK_N=bn, num_warps=4,
            **consts)
     return out

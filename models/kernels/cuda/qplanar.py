@@ -37,7 +37,7 @@ import os
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
 from .linear import NormedRow
@@ -496,7 +496,7 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     ng = 1  # groups a program: up to `most` weights, whole groups that divide the row's
     while ng * 2 * pw.group <= most and groups % (ng * 2) == 0:
         ng *= 2
-    launch(_planar_dequant_kernel, (triton.cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
+    launch(_planar_dequant_kernel, (cdiv(rows, bn), groups // ng), pw.data, pw.scales, z, out, start,
            stop, pw.data.stride(0), pw.scales.stride(0), z.stride(0), out.stride(0), pw.k // 8, G=pw.group, NG=ng,
            FMT=FMTS[pw.fmt], BLOCK_N=bn, FLAT=flat, num_warps=warps)
     return out
@@ -560,7 +560,7 @@ def quantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
     S, K = x.shape
     out = torch.empty(S, 4, K // 8, dtype=torch.int32, device=x.device)
     n_groups, gb = K // group, 4
-    launch(_quantize_kernel, (triton.cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
+    launch(_quantize_kernel, (cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
            KW8=K // 8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
     return out
 
@@ -587,10 +587,10 @@ def normed_input(row: NormedRow, group: int) -> torch.Tensor:
         else:
             K = row.x.shape[-1]
             q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
-            ngb = triton.next_power_of_2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
-            launch(_norm_quantize_kernel, (triton.cdiv(K // group, ngb),), row.x,
+            ngb = next_pow2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
+            launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x,
                    row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
-                   BLOCK=triton.next_power_of_2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
+                   BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
                    INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
         row.forms[("int8", group)] = q
     return q
@@ -626,7 +626,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     b = bias if bias is not None else src
     part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
         if split > 1 else out
-    _launch(src, pw, (triton.cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
+    _launch(src, pw, (cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
             split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     if split > 1:
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
@@ -644,7 +644,7 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
             shared_gate=None) -> None:
-    launch(_reduce_kernel, (triton.cdiv(n, REDUCE_BLOCK),), part, bias if bias is not None else part,
+    launch(_reduce_kernel, (cdiv(n, REDUCE_BLOCK),), part, bias if bias is not None else part,
            weights if weights is not None else part, shared if shared is not None else part,
            shared_gate if shared_gate is not None else part, out, n, PARTS=parts, HAS_BIAS=bias is not None,
            SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=REDUCE_BLOCK,
@@ -671,7 +671,7 @@ def experts_gate_up(x: torch.Tensor, pw: QWeight, idx: torch.Tensor, num_experts
     h = torch.empty(k, n_out, dtype=torch.float32, device=x.device)
     int8 = int8_inputs(x.dtype)
     src = quantize_input(x, pw.group) if int8 else x
-    _launch(src, pw, (triton.cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
+    _launch(src, pw, (cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
             split=1, experts=True, partial=False, has_bias=False, swiglu=True, int8=int8)
     return h
 
@@ -692,7 +692,7 @@ def experts_down(h: torch.Tensor, pw: QWeight, idx: torch.Tensor, weights: torch
     out = torch.empty(1, rows_e, dtype=out_dtype, device=h.device)
     int8 = int8_inputs(out_dtype)  # (h is fp32 in every model: the model's dtype decides)
     src = quantize_input(h, pw.group) if int8 else h
-    _launch(src, pw, (triton.cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, src.stride(0), kw, steps,
+    _launch(src, pw, (cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, src.stride(0), kw, steps,
             rows, warps, split=1, experts=True, partial=True, has_bias=False, swiglu=False, int8=int8)
     _reduce(part, k, out, rows_e, weights=weights, shared=shared, shared_gate=shared_gate)
     return out

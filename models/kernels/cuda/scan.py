@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import fits, launch, triton
+from .base import cdiv, fits, launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -225,7 +225,7 @@ def prepare_raw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
 def _prepare(q, k, v, g, beta, extra: tuple, raw: bool, chunk: int) -> tuple[torch.Tensor, ...]:
     T, Hk, DK = q.shape
     H, DV = v.shape[1], v.shape[2]
-    n = triton.cdiv(T, chunk)
+    n = cdiv(T, chunk)
     f32 = dict(dtype=torch.float32, device=q.device)
     system, intra = torch.empty(H, n, chunk, chunk, **f32), torch.empty(H, n, chunk, chunk, **f32)
     v_beta = torch.empty(H, n, chunk, DV, **f32)
@@ -285,7 +285,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     assert o.stride(-1) == 1 and z.stride(-1) == 1 and z.shape == o.shape
     out = torch.empty(T, H * DV, dtype=z.dtype, device=z.device)
     bt = max(1, min(16, 2048 // DV))
-    launch(_gated_norm_kernel, (triton.cdiv(T, bt), H), o, z, weight, out, T, o.stride(0), o.stride(1), z.stride(0),
+    launch(_gated_norm_kernel, (cdiv(T, bt), H), o, z, weight, out, T, o.stride(0), o.stride(1), z.stride(0),
            z.stride(1), float(eps), H=H, DV=DV, BT=bt)
     return out
 

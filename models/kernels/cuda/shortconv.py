@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import base as cuda_base
-from .base import launch, triton
+from .base import cdiv, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -55,7 +55,7 @@ def decode(bcx: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: t
     C, K = weight.shape[0], weight.shape[-1]
     out = torch.empty(1, C, dtype=bcx.dtype, device=bcx.device)
     block = 256
-    launch(_short_conv_step_kernel, (triton.cdiv(C, block),), bcx, state, weight, bias if bias is not None else out,
-           out, C, KM1=K - 1, KP=triton.next_power_of_2(K), BLOCK=block, HAS_BIAS=bias is not None,
+    launch(_short_conv_step_kernel, (cdiv(C, block),), bcx, state, weight, bias if bias is not None else out,
+           out, C, KM1=K - 1, KP=next_pow2(K), BLOCK=block, HAS_BIAS=bias is not None,
            **cuda_base.pdl(bcx))
     return out

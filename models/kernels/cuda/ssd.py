@@ -26,7 +26,7 @@ import os
 import torch
 
 from . import base as cuda_base
-from .base import fits, launch, triton
+from .base import cdiv, fits, launch, next_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -115,16 +115,16 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
     block = 256
     opts = cuda_base.pdl(proj)
-    launch(_conv_step_kernel, (triton.cdiv(conv_dim, block),), proj[0, inner:], conv_state, conv_weight,
+    launch(_conv_step_kernel, (cdiv(conv_dim, block),), proj[0, inner:], conv_state, conv_weight,
            conv_bias if conv_bias is not None else conv_weight, act, conv_dim, KM1=k - 1,
-           KP=triton.next_power_of_2(k), BLOCK=block, HAS_BIAS=conv_bias is not None, **opts)
+           KP=next_pow2(k), BLOCK=block, HAS_BIAS=conv_bias is not None, **opts)
     gated = torch.empty(inner, dtype=torch.float32, device=proj.device)
     lo, hi = (min(max(v, -3.0e38), 3.0e38) for v in dt_limit)  # finite: a float argument, not inf
     launch(_ssm_step_kernel, (H,), act, proj, ssm_state, A, dt_bias, D, gated, inner + conv_dim, lo, hi,
            INNER=inner, G=G, R=H // G, P=P, N=N, num_warps=4, **opts)
     out = torch.empty(1, inner, dtype=proj.dtype, device=proj.device)
     gs = inner // G
-    launch(_group_norm_kernel, (G,), gated, norm_weight, out, eps, GS=gs, BLOCK=triton.next_power_of_2(gs),
+    launch(_group_norm_kernel, (G,), gated, norm_weight, out, eps, GS=gs, BLOCK=next_pow2(gs),
            num_warps=8, **opts)
     return out
 
