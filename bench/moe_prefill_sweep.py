@@ -3,12 +3,16 @@ SwiGLU in the epilogue) against torch._grouped_mm over a sorted copy of the rows
 layer (CUDA events, median of --iters after warm-up; the sort and combine included in both),
 for each tile config of the sweep, and the largest error of each against the fp32 per-expert loop.
 
-    python3 bench/moe_prefill_sweep.py [--shapes E,H,I,K,T ...] [--iters 20]
+    python3 bench/moe_prefill_sweep.py [--shapes E,H,I,K,T ...] [--iters 20] [--reps 1]
         [--gate-up BMxBNxBKxWxS,...] [--down BMxBNxBKxWxS,...]
+--reps N: each sample times N calls queued back to back (the device's time, not the host's
+launches: cuda_events.py). Also times the default configs with every tile whole
+(grouped.HALF_TILES off) beside them.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -17,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cuda_events import median_us as timed  # noqa: E402
+from cuda_events import median_us  # noqa: E402
 
 from models.architectures import moe  # noqa: E402
 from models.kernels.cuda import grouped  # noqa: E402
@@ -37,7 +41,9 @@ def main() -> None:
     ap.add_argument("--gate-up", default=",".join(SWEEP))
     ap.add_argument("--down", default=",".join(SWEEP))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
+    timed = functools.partial(median_us, reps=args.reps)
     for spec in args.shapes:
         E, H, I, k, T = (int(v) for v in spec.split(","))
         torch.manual_seed(E + T)
@@ -80,6 +86,13 @@ def main() -> None:
                     print(f"[{spec}] down {c}: failed: {str(e).splitlines()[0][:100]}")
                     continue
                 print(f"[{spec}] down {c}: {us:8.1f} us")
+            for half in (True, False):
+                grouped.HALF_TILES = half
+                gu_us = timed(lambda: grouped.gate_up(x, src, starts, offs, ex.gate_up_proj), args.iters)
+                dn_us = timed(lambda: grouped.down(h, starts, offs, ex.down_proj), args.iters)
+                print(f"[{spec}] defaults, {'half tiles' if half else 'every tile whole'}: gate_up {gu_us:8.1f} us, "
+                      f"down {dn_us:8.1f} us")
+            grouped.HALF_TILES = True
             sort_us = timed(lambda: cuda_moe.sort_pairs(x, idx, E, copy=False), args.iters)
             comb_us = timed(lambda: cuda_moe.combine(grouped.down(h, starts, offs, ex.down_proj), inv, wc), args.iters)
             new_us = timed(lambda: ex.grouped(x, idx, w), args.iters)
