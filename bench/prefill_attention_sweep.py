@@ -3,7 +3,7 @@ flash kernel and the form attend_cached took before it, on one CUDA device: micr
 (CUDA events, median of --iters after warm-up), TFLOP/s of the causal product, and the largest
 error against the fp32 masked form, for each tile config in --configs or the default sweep.
 
-    python3 bench/prefill_attention_sweep.py [--shapes H,KVH,D,START,T ...] [--iters 20]
+    python3 bench/prefill_attention_sweep.py [--shapes H,KVH,D,START,T ...] [--iters 20] [--reps 1]
 
 A shape with START > 0 is a continued prefill (a later turn over START cached tokens); there the
 old form is the masked memory-efficient kernel over expanded KV heads. Also checks that a
@@ -11,6 +11,7 @@ continued prefill gives the bits of a cold prefill of the whole text (the kernel
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cuda_events import median_us as timed  # noqa: E402
+from cuda_events import median_us  # noqa: E402
 
 from models.architectures import layers  # noqa: E402
 from models.kernels.cuda import prefill_attention as pa  # noqa: E402
@@ -62,7 +63,9 @@ def main() -> None:
                                                     "14,2,64,0,2048", "32,4,128,14000,2048", "24,4,256,16000,201"])
     ap.add_argument("--configs", default="", help="BMxBNxWxS,... (else the sweep for the head size)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=1, help="calls queued back to back a sample (cuda_events.py)")
     args = ap.parse_args()
+    timed = functools.partial(median_us, reps=args.reps)
     for spec in args.shapes:
         H, KVH, D, start, T = (int(x) for x in spec.split(","))
         g = torch.Generator(device="cuda").manual_seed(H + D + T)
