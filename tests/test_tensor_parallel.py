@@ -4,9 +4,13 @@ Each test runs tests/tp_driver.py, which opens the runtime as `chat` does (the w
 rank loads its slices) and runs a scripted session: turns that reuse the cache, a reply stopped
 after 3 tokens (as Ctrl-C stops it) then the same message again, a rollback, a reset and a seeded
 sampled reply. Two ranks must give one rank's tokens exactly, and next-token logits within 1e-5
-(fp32: the ranks' partial sums are added in another order than one device's; seen: <= 1.2e-7).
+(fp32: the ranks' partial sums are added in another order than one device's).
 The seed's re-zero regression runs under two ranks with its non-vacuity check; a killed or a hung
 worker ends the chat with one line (exit 3) and leaves no process behind.
+The logits bound is relative to the row's largest logit: the tiny models' random weights are
+transformers' init (their values change with its version), and the hybrid's, at initializer_range
+0.3, gave logits near 8 and a difference of 2.5e-5 after a reset under transformers 5.24 (on
+2026-12-01: ~26 units in fp32's last place at 8; the other rows 4-6e-6).
 """
 import json
 import os
@@ -67,14 +71,15 @@ def test_two_ranks_give_one_ranks_replies(dirs, kind, tmp_path):
 
 
 def same_replies(one: list[dict], two: list[dict], tol: float) -> int:
-    """The driver's answers under 1 and N ranks: the same tokens, and logits within tol where
-    both returned them. Returns how many logit rows it compared (a check that compared none
-    proves nothing)."""
+    """The driver's answers under 1 and N ranks: the same tokens, and logits within tol of the
+    row's largest logit (at least 1) where both returned them. Returns how many logit rows it
+    compared (a check that compared none proves nothing)."""
     assert [c.get("tokens") for c in one] == [c.get("tokens") for c in two]
     compared = 0
     for a, b in zip(one, two):
         if a.get("logits") is not None:
-            assert max(abs(x - y) for x, y in zip(a["logits"], b["logits"])) <= tol
+            scale = max(1.0, max(abs(x) for x in a["logits"]))
+            assert max(abs(x - y) for x, y in zip(a["logits"], b["logits"])) <= tol * scale
             compared += 1
     return compared
 
