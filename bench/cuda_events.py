@@ -2,9 +2,9 @@
 `median_us(fn, iters)` is the median of `iters` calls' times in microseconds between CUDA events
 recorded around each call (the host's launch time included: each call is synchronized), after three
 untimed calls. `median_us(fn, iters, reps)` with reps > 1 records the events around `reps` calls
-queued back to back and divides: the host queues ahead of the device, so a call of more than a few
-launches' host time is timed by the device's time alone (where one synchronized call of a 150 us
-kernel read ~50 us more on a slow host: bench/RESULTS.md, set V)."""
+queued back to back and divides, so that the host's launch time of one call overlaps the device's
+work on the one before (bench/RESULTS.md set V: even so, the grouped GEMMs read above their
+profiled times)."""
 from __future__ import annotations
 
 import torch

@@ -4,7 +4,8 @@ Each test runs tests/tp_driver.py, which opens the runtime as `chat` does (the w
 rank loads its slices) and runs a scripted session: turns that reuse the cache, a reply stopped
 after 3 tokens (as Ctrl-C stops it) then the same message again, a rollback, a reset and a seeded
 sampled reply. Two ranks must give one rank's tokens exactly, and next-token logits within 1e-5
-(fp32: the ranks' partial sums are added in another order than one device's).
+of the row's largest logit, at least 1 (fp32: the ranks' partial sums are added in another order
+than one device's).
 The seed's re-zero regression runs under two ranks with its non-vacuity check; a killed or a hung
 worker ends the chat with one line (exit 3) and leaves no process behind.
 The logits bound is relative to the row's largest logit: the tiny models' random weights are
