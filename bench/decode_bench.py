@@ -116,16 +116,20 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
     del s
     if prefill_len:
         s = DecodeSession(model, max_context=prefill_len + 8, device=device, dtype=dtype, cuda_graph="off")
-        pf = []
+        pf, queued = [], []
         for _ in range(4):
             s.reset()
             sync(device)
             t = time.perf_counter()
             s.prefill(ids[:prefill_len])
+            queued.append(time.perf_counter() - t)
             sync(device)
             pf.append(time.perf_counter() - t)
         rec["prefill_tok_s"] = round(prefill_len / statistics.median(pf[1:]), 1)
+        # each run's time, and when the host had queued it: where the two are equal, the host's
+        # queueing bounded the prefill (bench/RESULTS.md set V)
         rec["prefill_ms"] = [round(t * 1e3, 2) for t in pf]
+        rec["prefill_queued_ms"] = [round(t * 1e3, 2) for t in queued]
         del s
     if device.type == "cuda":
         rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
