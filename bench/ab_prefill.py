@@ -13,8 +13,7 @@ through Triton's own call, not launcher.py's direct one), bf16-noraw and noraw (
 DeltaNet's q/k norms, g, beta and output norm in torch: qwen3_5.FUSED_PROLOGUE), bf16-flash
 (prefill attention by torch's flash kernel, not prefill_attention.py's: layers.TRITON_PREFILL_ATTENTION),
 bf16-torchgrouped (the MoE prefill's GEMMs by torch._grouped_mm, not grouped.py's: moe.TRITON_GROUPED),
-bf16-wholetiles (grouped.py's GEMMs without half tiles: grouped.HALF_TILES), bf16-noroutecount (the
-MoE prefill's router as F.linear, route and the sort's count launch: moe.ROUTE_COUNT). A variant sets module attributes for its runs (the
+bf16-wholetiles (grouped.py's GEMMs without half tiles: grouped.HALF_TILES). A variant sets module attributes for its runs (the
 noahead variant of branch next-dequant-ahead set quant.AHEAD: bench/RESULTS.md set S).
 """
 from __future__ import annotations
@@ -41,12 +40,10 @@ NORAW = {(qwen3_5, "FUSED_PROLOGUE"): False}
 FLASH = {(layers, "TRITON_PREFILL_ATTENTION"): False}
 TORCH_GROUPED = {(moe, "TRITON_GROUPED"): False}
 WHOLE_TILES = {(grouped, "HALF_TILES"): False}
-NO_ROUTE_COUNT = {(moe, "ROUTE_COUNT"): False}
 VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "bf16-nosolve": ("bf16", NOSOLVE),
             "nosolve": ("quantized", NOSOLVE), "bf16-tritonlaunch": ("bf16", TRITON_LAUNCH),
             "bf16-noraw": ("bf16", NORAW), "noraw": ("quantized", NORAW), "bf16-flash": ("bf16", FLASH),
-            "bf16-torchgrouped": ("bf16", TORCH_GROUPED), "bf16-wholetiles": ("bf16", WHOLE_TILES),
-            "bf16-noroutecount": ("bf16", NO_ROUTE_COUNT)}
+            "bf16-torchgrouped": ("bf16", TORCH_GROUPED), "bf16-wholetiles": ("bf16", WHOLE_TILES)}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:

@@ -78,27 +78,6 @@ def test_prefill_routing_and_sort(T, E, k):
     assert torch.equal(starts.long(), offs.long() - counts)
 
 
-@pytest.mark.parametrize("T,E,R,k,H", [(2048, 128, 128, 8, 2048), (333, 256, 264, 8, 2048), (50, 60, 64, 4, 1024),
-                                       (2, 16, 16, 8, 256)])
-def test_router_in_one_launch(T, E, R, k, H):
-    """route_count: its logits as cuBLAS's F.linear gives them (to a bf16 rounding: other sums'
-    orders), route's ids and weights on its own logits, and the sort's counts of the count launch.
-    R > E: a shared gate's row and padding below the experts' (Qwen3.5-MoE's fused router)."""
-    cuda_moe = kernels()
-    g = torch.Generator(device="cuda").manual_seed(T + R)
-    x = torch.randn(T + 1, H, device="cuda", generator=g).to(torch.bfloat16)[:T]
-    rows = (torch.randn(R, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
-    assert cuda_moe.route_count_fits(x, rows, k)
-    logits, idx, w, counted = cuda_moe.route_count(x, rows, k, True, E)
-    ref = torch.nn.functional.linear(x, rows).float()
-    assert ((logits.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
-    ref_idx, ref_w = cuda_moe.route(logits, k, True, E)
-    assert torch.equal(idx, ref_idx) and (w - ref_w).abs().max() <= 1e-6
-    for a, b in zip(cuda_moe.sort_pairs(x, idx, E, copy=False, counted=counted),
-                    cuda_moe.sort_pairs(x, idx, E, copy=False)):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
 def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypatch):
     cuda_moe = kernels()
@@ -178,8 +157,8 @@ def test_half_tiles_give_the_bits_of_whole_tiles(T, E, I, monkeypatch):
 @pytest.mark.parametrize("T", [2, 65, 700])
 def test_prefill_with_the_shared_expert_in_the_combine(T):
     """A fused layer's prefill (SparseMoe.forward: the router's and the shared gate's logits from
-    one launch with the top k and the sort's counts, the gated shared output added in combine)
-    against its parts: the routed experts' grouped form on the same routing (test_grouped_prefill_matches_the_loop_in_bf16 checks it
+    one GEMM, the gated shared output added in combine) against its parts: the routed experts'
+    grouped form on the same routing (test_grouped_prefill_matches_the_loop_in_bf16 checks it
     against the loop) plus sigmoid(the shared gate's logit) * the shared expert, in fp32.
     (Routing the fp32 layer separately would choose other experts at near ties.)"""
     cuda_moe = kernels()
@@ -190,10 +169,8 @@ def test_prefill_with_the_shared_expert_in_the_combine(T):
         assert hasattr(m, "router_rows") and m.grouped_on_cuda(x)
         got = m(x).float()
         assert torch.equal(got, m(x).float())  # no atomics: the same bits
-        # the routing the layer takes (route_count's logits: F.linear's to a bf16 rounding, and a
-        # rounding apart can choose another expert at a near tie)
-        logits, idx, w, _ = m.gate.route_counted(x, m.router_rows)
-        assert cuda_moe.route_count_fits(x, m.router_rows, 8)
+        logits = torch.nn.functional.linear(x, m.router_rows)
+        idx, w = cuda_moe.route(logits, 8, True, 256)
         want = m.experts.grouped(x, idx, w).float() + torch.sigmoid(logits[:, 256:257].float()) * m.shared_expert(x).float()
     assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max()), float((got - want).abs().max())
 

@@ -133,23 +133,6 @@ for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8
     src, inv2, starts, offs2 = kernels.sort_pairs(x, idx, E, copy=False)
     assert torch.equal(src.long(), order // k) and torch.equal(inv2, inv) and torch.equal(offs2, offs)
     assert torch.equal(starts.long(), offs.long() - torch.bincount(idx.reshape(-1), minlength=E))
-# the router in one launch (route_count): its logits as F.linear's, route's ids and weights on
-# those logits, and the sort's counts as the count launch leaves them; tokens past the last
-# program's, experts nobody chose, rows below the experts' (a shared gate's, padding), k of 1 to 8
-for T, k, E, R, H, norm in [(37, 8, 16, 16, 64, True), (5, 4, 24, 32, 48, False), (70, 2, 8, 8, 32, True),
-                            (33, 8, 128, 136, 32, True), (16, 1, 40, 40, 16, False)]:
-    g = torch.Generator().manual_seed(T + k)
-    x = torch.randn(T + 1, H, generator=g)[:T]  # (rows of a larger tensor)
-    rows = torch.randn(R, H, generator=g)
-    assert kernels.route_count_fits(x, rows, k)
-    logits, idx, w, counted = kernels.route_count(x, rows, k, norm, E)
-    assert (logits - F.linear(x, rows)).abs().max() <= 1e-4
-    ref_idx, ref_w = kernels.route(logits, k, norm, E)
-    assert torch.equal(idx, ref_idx) and (w - ref_w).abs().max() <= 1e-6
-    got = kernels.sort_pairs(x, idx, E, copy=False, counted=counted)
-    for a, b in zip(got, kernels.sort_pairs(x, idx, E, copy=False)):
-        assert torch.equal(a, b)
-assert not kernels.route_count_fits(x, rows, 6) and not kernels.route_count_fits(x, torch.randn(600, H), 8)
 # grouped.py's GEMMs (x's rows read in place, SwiGLU in the epilogue) through the sort and combine,
 # against the per-expert loop: row tiles cut mid-way, several per expert, experts nobody chose,
 # column tiles past I (masked), several K steps

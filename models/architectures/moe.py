@@ -10,10 +10,8 @@ loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorte
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
 on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
 the chosen experts read on the device: three launches and the shared expert's, inside the graph).
-A CUDA prefill in half precision routes in one launch that also counts the pairs for the sort
-(kernels/cuda/moe.py's route_count: the router's GEMM, route's softmax and top k, the counts), or
-where that does not fit with F.linear and the decode's route kernel (a program a token), and sorts
-the pairs by expert in two or three more launches (sort_pairs, the stable argsort's order).
+A CUDA prefill in half precision routes with the decode's kernel too, a program a token, and sorts
+the pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the stable argsort's order).
 """
 from __future__ import annotations
 
@@ -32,9 +30,6 @@ EXPERTS_FORM = "grouped"
 # CHAT_TRITON_GROUPED=0: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of
 # the rows, not grouped.py's GEMMs (bench/RESULTS.md, set U)
 TRITON_GROUPED = os.environ.get("CHAT_TRITON_GROUPED", "1").lower() not in ("0", "false", "off", "no")
-# CHAT_ROUTE_COUNT=0: the CUDA grouped prefill's router as F.linear, cuda_moe.route and sort_pairs'
-# count launch, not cuda_moe.route_count's one launch (bench/ab_prefill.py's bf16-noroutecount)
-ROUTE_COUNT = os.environ.get("CHAT_ROUTE_COUNT", "1").lower() not in ("0", "false", "off", "no")
 
 
 def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
@@ -71,7 +66,7 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
-                shared_gate: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
         slot order (a fixed order: no atomics). On CUDA the sort is three launches
@@ -79,8 +74,7 @@ class Experts(nn.Module):
         the SwiGLU in the first's epilogue; else x's rows copied into the sorted order for
         torch._grouped_mm, then cuda_base.silu_mul), and the weighted sum one kernel (cuda_moe.combine).
         `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
-        output and its gate's logits, added in combine's sum. `counted` (CUDA only): the pairs'
-        counts from cuda_moe.route_count (Router.route_counted), which the sort takes."""
+        output and its gate's logits, added in combine's sum."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         cuda = cuda_base.prefill_usable(x)
@@ -89,14 +83,14 @@ class Experts(nn.Module):
         if cuda and TRITON_GROUPED and cuda_grouped.fits(x.shape[1], self.down_proj.shape[2]) \
                 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous():
             # the sort without the rows' copy, the GEMMs reading x's rows in place, SwiGLU in the first's epilogue
-            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False, counted=counted)
+            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False)
             h = cuda_grouped.gate_up(x, src, starts, offs, self.gate_up_proj)
             ys = cuda_grouped.down(h, starts, offs, self.down_proj)
             return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
         if cuda:  # the sort in three launches (no radix sort)
-            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, counted=counted)
+            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E)
         else:
-            assert shared is None and counted is None
+            assert shared is None
             flat = idx.reshape(-1)
             # the ids as 16-bit keys where they fit: a stable radix sort makes a pass per key byte
             # (8 for int64), and a stable sort's order depends only on the keys' order
@@ -167,15 +161,6 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, idx, weights
 
-    def route_counted(self, x: torch.Tensor, rows: torch.Tensor | None = None):
-        """route(x, rows) for Experts.grouped's CUDA form, plus the counts its sort takes: (logits,
-        ids, weights, counted), from one launch where cuda_moe.route_count takes the operands (else
-        counted is None)."""
-        w = self.weight if rows is None else rows
-        if ROUTE_COUNT and cuda_moe.route_count_fits(x, w, self.top_k):
-            return cuda_moe.route_count(x, w, self.top_k, self.norm_topk, self.weight.shape[0])
-        return (*self.route(x, rows), None)
-
     def decode_cuda(self, x: "torch.Tensor | cuda_linear.NormedRow", rows: torch.Tensor | None = None):
         """One token on CUDA: (logits [1, len(rows)] in x's dtype, as the torch form rounds them;
         the input row as a tensor; ids [1, k]; weights [1, k] fp32), with no host sync. `rows`:
@@ -209,16 +194,12 @@ class SparseMoe(nn.Module):
             return self.decode_cuda(x)
         if row:
             x = x.materialize()
-        fused = hasattr(self, "router_rows")
-        if (fused or not hasattr(self, "shared_expert")) and self.grouped_on_cuda(x):
-            # the router's logits, top k and the sort's counts in one launch where they fit; the
-            # shared gate's logits from the same GEMM (fuse()) and the shared expert's gated output
-            # added in the routed experts' combine (four launches fewer)
+        if hasattr(self, "router_rows") and self.grouped_on_cuda(x):
+            # the router's and the shared gate's logits from one GEMM (fuse()); the shared expert's
+            # gated output added in the routed experts' combine (four launches fewer)
             E = self.gate.weight.shape[0]
-            logits, idx, weights, counted = self.gate.route_counted(x, self.router_rows if fused else None)
-            if not fused:
-                return self.experts.grouped(x, idx, weights, counted=counted)
-            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:E + 1], counted)
+            logits, idx, weights = self.gate.route(x, self.router_rows)
+            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:E + 1])
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):

@@ -18,10 +18,6 @@ models/architectures/moe.py):
   argsort leaves them, x's rows copied there (or each row's token), the inverse permutation and
   the experts' row bounds, by a per-block count, a scan and a placement (integer counts: the
   same rows every run).
-- route_count(x, rows, top_k, renormalise, E): the grouped prefill's router GEMM (fp32 sums on the
-  tensor cores, rounded to x's dtype as F.linear's are), route's softmax and top k on each row
-  of those logits (the same ids; weights within an ulp: the softmax's sum in another order), and
-  sort_pairs' count, in one launch where three were (sort_pairs(counted=...) takes its counts).
 - combine(ys, inv, weights[, shared, shared_gate]): the grouped prefill's per-token weighted sum
   of its k experts' outputs, read where the grouped GEMM left them (expert order), in slot order:
   no atomics; plus a shared expert's output scaled by sigmoid(its gate's logit) where given.
@@ -73,59 +69,6 @@ if triton is not None:
             chosen = chosen / total
         tl.store(idx_out + slots, ids, mask=slots < TOP_K)
         tl.store(w_out + slots, chosen, mask=slots < TOP_K)
-
-    @triton.jit(do_not_specialize=["T", "nsub"])
-    def _route_count_kernel(x, w, logits, idx_out, w_out, hist, T, R, E, nsub, stride_x, H: tl.constexpr,
-                            TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, SUB_T: tl.constexpr, NS: tl.constexpr, NORM: tl.constexpr,
-                            PDL: tl.constexpr):
-        """BLOCK_T tokens' router logits (x's rows against the R rows of w: a tensor-core dot over
-        H, fp32, rounded to the logits' dtype as F.linear's are), then _route_kernel's softmax and
-        top k on each row of them, then the counts of sort_pairs' NS sub-blocks (SUB_T tokens
-        each) these tokens make up: _count_kernel's hist rows."""
-        _pdl_enter(PDL)
-        pid = tl.program_id(0)
-        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        tm = t < T
-        r = tl.arange(0, BLOCK_R)
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            xt = tl.load(x + t.to(tl.int64)[:, None] * stride_x + h[None, :], mask=tm[:, None], other=0.0)
-            wt = tl.load(w + r[:, None] * H + h[None, :], mask=(r < R)[:, None], other=0.0)
-            acc = tl.dot(xt, tl.trans(wt), acc)
-        lg = acc.to(logits.dtype.element_ty)
-        tl.store(logits + t.to(tl.int64)[:, None] * R + r[None, :], lg, mask=tm[:, None] & (r < R)[None, :])
-        live = (r < E)[None, :]
-        v = tl.where(live, lg.to(tl.float32), float("-inf"))
-        p = tl.exp(v - tl.max(v, axis=1)[:, None])
-        p = p / tl.sum(p, axis=1)[:, None]
-        p = tl.where(live, p, -1.0)
-        slots = tl.arange(0, BLOCK_K)
-        chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.max(p, axis=1)
-            i = tl.min(tl.where(p == best[:, None], r[None, :], BLOCK_R), axis=1)  # the lowest id among equals
-            chosen = tl.where(slots[None, :] == k, best[:, None], chosen)
-            ids = tl.where(slots[None, :] == k, i[:, None], ids)
-            p = tl.where(r[None, :] == i[:, None], -1.0, p)
-        if NORM:  # in slot order, as _route_kernel sums
-            total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                total += tl.sum(tl.where(slots[None, :] == k, chosen, 0.0), axis=1)
-            chosen = chosen / total[:, None]
-        out = t.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-        om = tm[:, None] & (slots < TOP_K)[None, :]
-        tl.store(idx_out + out, ids.to(tl.int64), mask=om)
-        tl.store(w_out + out, chosen, mask=om)
-        local = tl.arange(0, BLOCK_T)
-        for j in tl.static_range(NS):
-            s = pid * NS + j
-            m = om & ((local >= j * SUB_T) & (local < (j + 1) * SUB_T))[:, None]
-            counts = tl.histogram(tl.reshape(ids, (BLOCK_T * BLOCK_K,)), BLOCK_R,
-                                  mask=tl.reshape(m, (BLOCK_T * BLOCK_K,)))
-            tl.store(hist + s * E + r, counts, mask=(r < E) & (s < nsub))
 
     @triton.jit
     def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, TOP_K: tl.constexpr,
@@ -359,87 +302,29 @@ SORT_COLUMNS = 128
 SCAN_EXPERTS = 32
 
 
-# Tokens a program of route_count takes at least: the rows of its logits' dot (16, the least a
-# tensor-core dot takes)
-ROUTE_TOKENS = 16
-# Rows of the router's weight route_count takes at most (its logits are a [tokens, rows] fp32 tile
-# in registers: 512 fit four warps with 64 values a thread)
-ROUTE_ROWS = 512
-
-
-def route_count_fits(x: torch.Tensor, rows: torch.Tensor, top_k: int) -> bool:
-    """Whether route_count takes these operands: x [T, H] with rows of unit stride, rows [R, H]
-    contiguous in x's dtype, R <= ROUTE_ROWS, H a multiple of 16, and the pairs of sort_pairs'
-    sub-blocks whole tokens (top_k divides SORT_SUB)."""
-    return (x.dim() == 2 and x.stride(-1) == 1 and rows.dim() == 2 and rows.is_contiguous()
-            and rows.dtype == x.dtype and rows.shape[1] == x.shape[1] and rows.shape[0] <= ROUTE_ROWS
-            and x.shape[1] % 16 == 0 and SORT_SUB % top_k == 0)
-
-
-def _sort_ints(E: int, nsub: int, device) -> torch.Tensor:
-    """sort_pairs' int32 scratch, one allocation: offs [E], starts [E], hist and base [nsub, E],
-    each part at a multiple of 16 bytes (the kernels' pointers specialize on alignment: none may
-    change with the prompt's length)."""
-    a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
-    return (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
-        2 * a + 2 * b, dtype=torch.int32, device=device)
-
-
-def _sort_parts(ints: torch.Tensor, E: int, nsub: int):
-    a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
-    return ints[:E], ints[a:a + E], ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
-
-
-def route_count(x: torch.Tensor, rows: torch.Tensor, top_k: int, renormalise: bool, E: int):
-    """The grouped prefill's router in one launch (route_count_fits): x [T, H] → (logits [T, R] in
-    x's dtype: x @ rows^T, summed in fp32 on the tensor cores; ids [T, top_k] int64 and weights
-    [T, top_k] fp32 over the first E logits, as route gives them from those logits; counted:
-    sort_pairs' scratch with the pairs' counts per sub-block in it, for sort_pairs(counted=...)).
-    It replaces F.linear, route and sort_pairs' count launch: a program per ROUTE_TOKENS tokens
-    (at least a sub-block's). rows: the router's weight, or it with more rows below (a shared
-    expert's gate), R >= E."""
-    T, H = x.shape
-    R = rows.shape[0]
-    nsub = cdiv(T * top_k, SORT_SUB)
-    sub_t = SORT_SUB // top_k
-    block_t = max(ROUTE_TOKENS, sub_t)
-    block_r = max(16, next_pow2(R))
-    block_h = max(16, min(64, 8192 // block_r))  # (the w tile a step: 16 KB in bf16)
-    while H % block_h:  # (H's steps whole: the loads are masked by row only)
-        block_h //= 2
-    dev = x.device
-    logits = torch.empty(T, R, dtype=x.dtype, device=dev)
-    idx = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(T, top_k, dtype=torch.int64, device=dev)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ints = _sort_ints(E, nsub, dev)
-    hist = _sort_parts(ints, E, nsub)[2]
-    launch(_route_count_kernel, (cdiv(T, block_t),), x, rows, logits, idx, w, hist, T, R, E, nsub, x.stride(0),
-           H=H, TOP_K=top_k, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_H=block_h,
-           BLOCK_K=next_pow2(top_k), SUB_T=sub_t, NS=block_t // sub_t, NORM=renormalise, num_warps=4,
-           **cuda_base.pdl(x))
-    return logits, idx, w, ints
-
-
-def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True, counted: torch.Tensor | None = None):
+def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
     int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
     pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
     offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
     (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync.
     With copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
-    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place).
-    counted: route_count's scratch for these ids, whose counts it holds (the count launch skipped)."""
+    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
     T, k = idx.shape
     P, H = T * k, x.shape[1]
     nsub = cdiv(P, SORT_SUB)
-    ints = counted if counted is not None else _sort_ints(E, nsub, x.device)
-    offs, starts, hist, base = _sort_parts(ints, E, nsub)
+    # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
+    # alignment: none may change with the prompt's length)
+    a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
+    ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
+        2 * a + 2 * b, dtype=torch.int32, device=x.device)
+    offs, starts = ints[:E], ints[a:a + E]
+    hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
     xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
     block_e = next_pow2(E)
-    if counted is None:
-        launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
+    launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
     block_c = min(block_e, SCAN_EXPERTS)
     launch(_scan_kernel, (cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
            num_warps=4, **pdl)
