@@ -12,7 +12,8 @@ on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token
 of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
 benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
 lines (run in the same device command) and prints ratios; `--hf-script` runs hf_baseline.py
-first (eager, static cache compiled, prefill) so that one command prints ours against HF's best.
+first (eager, static cache compiled, prefill) so that one command prints ours against HF's best
+(the table names which variant that was, and shows a dash where one did not run or timed out).
 `--graph-check`: the graph's tokens against a graph-off session's. `--startup NAME`: process start to
 ready-to-decode (model built, state allocated, graph captured) in a fresh child process.
 """
@@ -258,18 +259,24 @@ def main() -> None:
                 key = "prefill" if r.get("tag") == "prefill" else ("static" if r.get("static") else "eager")
                 hf.setdefault(r["model"], {})[key] = r
     if rows:
-        print(f"\n{'shape':20}{'ours tok/s':>11}{'HF eager':>9}{'HF best':>9}{'ratio':>7}{'floor':>8}"
+        def cell(v: float, width: int, fmt: str = ".1f", suffix: str = "") -> str:
+            """A figure, or a dash where that baseline did not run (or timed out: its JSON line says)."""
+            return f"{v:>{width - len(suffix)}{fmt}}{suffix}" if v else f"{'-':>{width}}"
+        print(f"\n{'shape':20}{'ours tok/s':>11}{'HF eager':>9}{'HF best':>9}{'of':>7}{'ratio':>7}{'floor':>8}"
               f"{'ours prefill':>14}{'HF prefill':>12}{'ratio':>7}")
         for r in rows:
             h = hf.get(r["model"], {})
             eager = h.get("eager", {}).get("decode_tok_s", 0)
-            best = max((v.get("decode_tok_s", 0) for k, v in h.items() if k != "prefill"), default=0)
+            ran = {k: v.get("decode_tok_s", 0) for k, v in h.items() if k != "prefill" and v.get("decode_tok_s")}
+            which = max(ran, key=ran.get) if ran else ""
+            best = ran.get(which, 0)
             hf_pf = h.get("prefill", {}).get("ttft_ms")
             hf_pf_tps = a.prefill / (hf_pf / 1e3) if hf_pf else 0
-            print(f"{r['model']:20}{r['decode_tok_s']:>11.1f}{eager:>9.1f}{best:>9.1f}"
-                  f"{(r['decode_tok_s'] / best if best else 0):>6.2f}x{1000 / (r['floor_ms_per_tok'] or float('inf')):>8.0f}"
-                  f"{r.get('prefill_tok_s', 0):>14.0f}{hf_pf_tps:>12.0f}"
-                  f"{(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0):>6.2f}x")
+            print(f"{r['model']:20}{r['decode_tok_s']:>11.1f}{cell(eager, 9)}{cell(best, 9)}{which or '-':>7}"
+                  f"{cell(r['decode_tok_s'] / best if best else 0, 7, '.2f', 'x')}"
+                  f"{1000 / (r['floor_ms_per_tok'] or float('inf')):>8.0f}"
+                  f"{r.get('prefill_tok_s', 0):>14.0f}{cell(hf_pf_tps, 12, '.0f')}"
+                  f"{cell(r.get('prefill_tok_s', 0) / hf_pf_tps if hf_pf_tps else 0, 7, '.2f', 'x')}")
     if a.startup:
         total, detail = startup(a.startup, a.device, a.graph, a.compile)
         print(f"\nstartup {a.startup}: process start to first decoded token (graph={a.graph}, "
