@@ -76,6 +76,13 @@ def test_prefill_routing_and_sort(T, E, k):
     src, inv2, starts, offs2 = cuda_moe.sort_pairs(x, idx, E, copy=False)
     assert torch.equal(src.long(), order // k) and torch.equal(inv2, inv) and torch.equal(offs2, offs)
     assert torch.equal(starts.long(), offs.long() - counts)
+    # the routing with the sort's counts in its launch (TOK rows a program): route's bits, and
+    # the same sort from its scratch
+    idx3, w3, scratch = cuda_moe.route_count(logits, k, True)
+    assert torch.equal(idx3, idx) and torch.equal(w3, w) and (scratch is None) == (cuda_moe.SORT_SUB % k != 0)
+    if scratch is not None:
+        got = cuda_moe.sort_pairs(x, idx, E, copy=False, scratch=scratch)
+        assert all(torch.equal(a, b) for a, b in zip(got, (src, inv2, starts, offs2)))
 
 
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
@@ -173,6 +180,67 @@ def test_prefill_with_the_shared_expert_in_the_combine(T):
         idx, w = cuda_moe.route(logits, 8, True, 256)
         want = m.experts.grouped(x, idx, w).float() + torch.sigmoid(logits[:, 256:257].float()) * m.shared_expert(x).float()
     assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max()), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("T", [2, 65, 700])
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_joined_with_the_next_add_norm_gives_the_two_launches_bits(T, shared):
+    """cuda_moe.combine_add_rms_norm against combine and then base.add_rms_norm, at the MoE
+    shapes' hidden size, with and without a shared expert, normed rows in bf16 and in fp32 (the
+    final norm's)."""
+    cuda_moe = kernels()
+    from models.kernels.cuda import base as cuda_base
+    H, k = 2048, 8
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ys = torch.randn(T * k, H, device="cuda", generator=g).bfloat16()
+    inv = torch.randperm(T * k, device="cuda", generator=g)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    extra = (torch.randn(T, H, device="cuda", generator=g).bfloat16(),
+             torch.randn(T, 264, device="cuda", generator=g).bfloat16()[:, 256:257]) if shared else ()
+    for nw in (torch.rand(H, device="cuda", generator=g) + 0.5, (torch.rand(H, device="cuda", generator=g) + 0.5).bfloat16()):
+        for out in (None, torch.float32):
+            want = cuda_base.add_rms_norm(x, cuda_moe.combine(ys, inv, w, *extra), nw, 1e-6, out_dtype=out)
+            got = cuda_moe.combine_add_rms_norm(ys, inv, w, x, nw, 1e-6, *extra, out_dtype=out)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.fixture(scope="module")
+def wide_moe_models(tmp_path_factory):
+    """The tiny MoE models at hidden 128 and expert size 64: multiples of grouped.py's BLOCK_K, so
+    their prefill takes its GEMMs and the combine joined with the next norm (moe.branch)."""
+    from tiny import hf_model, write_checkpoint
+    sizes = dict(hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    return {kind: models.load(write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)),
+                                               model=hf_model(kind, **sizes)), "cuda", torch.bfloat16)
+            for kind in ("qwen3_5_moe", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_the_combine_joined_with_the_next_norm_changes_no_bit(wide_moe_models, monkeypatch, kind):
+    """A prefill (and the steps after it) with each MoE layer's combine in the next add_norm's
+    launch, against the combine as its own launch (moe.FUSED_COMBINE off): the same logits bit
+    for bit, and the joined launch taken."""
+    cuda_moe = kernels()
+    lm = wide_moe_models[kind]
+    calls = []
+    real = cuda_moe.combine_add_rms_norm
+    monkeypatch.setattr(cuda_moe, "combine_add_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run():
+        s = DecodeSession(lm.model, max_context=160, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="off")
+        first = s.prefill(list(range(3, 90)))[-1]
+        later = s.prefill(list(range(5, 40)))[-1]  # a later turn's prefill, over the cached prefix
+        return torch.stack([first, later] + [s.step(t)[-1] for t in (5, 6, 7)])
+
+    fused = run()
+    assert calls
+    n = len(calls)
+    monkeypatch.setattr(moe, "FUSED_COMBINE", False)
+    plain = run()
+    assert len(calls) == n
+    assert torch.equal(fused, plain)
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,14 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
     shared, logits = torch.randn(T, H), torch.randn(T, 9) * 3
     want = (y.view(T, k, -1) * w[..., None]).sum(1) + torch.sigmoid(logits[:, 8:]) * shared
     assert (kernels.combine(ys, inv, w, shared, logits[:, 8:]) - want).abs().max() <= 1e-5
+    # the combine joined with the next residual add and RMSNorm: the bits of the two launches
+    for dtype in (torch.float32, torch.bfloat16):
+        ysd, xd, sh = ys.to(dtype), torch.randn(T, H).to(dtype), shared.to(dtype)
+        nw, out = torch.rand(H) + 0.5, torch.float32 if dtype == torch.bfloat16 else None
+        for extra in ((), (sh, logits[:, 8:])):
+            want_s, want_n = base.add_rms_norm(xd, kernels.combine(ysd, inv, w, *extra), nw, 1e-6, out_dtype=out)
+            got_s, got_n = kernels.combine_add_rms_norm(ysd, inv, w, xd, nw, 1e-6, *extra, out_dtype=out)
+            assert torch.equal(got_s, want_s) and torch.equal(got_n, want_n)
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
 # experts' bounds exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
 # several scan programs (E > SCAN_EXPERTS) and steps (more than 128 sub-blocks), column steps (H > 256),
@@ -121,6 +129,13 @@ for T, k, E, H in [(1, 2, 8, 40), (31, 3, 16, 600), (200, 8, 200, 130), (1100, 8
     idx, w = kernels.route(logits, k, True)
     ref_w, ref_idx = logits.softmax(-1).topk(k, dim=-1)
     assert torch.equal(idx, ref_idx) and (w - ref_w / ref_w.sum(-1, keepdim=True)).abs().max() <= 1e-6
+    # the routing with the sort's counts in its launch: route's bits, and the sort it feeds
+    idx2, w2, scratch = kernels.route_count(logits, k, True)
+    assert torch.equal(idx2, idx) and torch.equal(w2, w) and (scratch is None) == (kernels.SORT_SUB % k != 0)
+    if scratch is not None:
+        x = torch.randn(T, H, generator=g)
+        got, want = kernels.sort_pairs(x, idx, E, copy=False, scratch=scratch), kernels.sort_pairs(x, idx, E, copy=False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
     if T == 200:  # most experts unchosen: ids from a few
         idx = torch.randint(0, 5, (T, k), generator=g) * 37
     x = torch.randn(T + 3, H, generator=g)[:T]  # (rows of a larger tensor)

@@ -58,12 +58,15 @@ class RMSNorm(nn.Module):
 
 class Residual(NamedTuple):
     """The residual stream with its newest branch not added yet. A layer hands this on instead of
-    `x + branch`, so the next norm can add and normalise in one step (one kernel on CUDA)."""
+    `x + branch`, so the next norm can add and normalise in one step (one kernel on CUDA). The
+    branch is a tensor, or where moe.branch made it an MoE prefill's combine not run yet
+    (moe.PendingCombine), which add_norm runs in its own launch."""
     x: torch.Tensor
-    branch: torch.Tensor
+    branch: "torch.Tensor | moe.PendingCombine"
 
     def last_row(self) -> "Residual":
-        return Residual(self.x[-1:], self.branch[-1:])
+        b = self.branch
+        return Residual(self.x[-1:], b[-1:] if isinstance(b, torch.Tensor) else b.last_row())
 
 
 def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
@@ -74,6 +77,13 @@ def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
     the stream tensor is written by that GEMV. `out_dtype`: the normed rows' dtype (the
     stream's by default); the stream itself always keeps its dtype."""
     s, b = x if isinstance(x, Residual) else (x, None)
+    if b is not None and not isinstance(b, torch.Tensor):  # moe.PendingCombine: its combine joins this launch
+        # (one row under defer: the combine alone, then the GEMV's prologue norms it as before)
+        if not (defer and s.shape[0] == 1) and (norm.offset != 0.0 or norm.weight.dtype == s.dtype):
+            done = b.add_norm(s, norm.fused_weight(), norm.eps, out_dtype)
+            if done is not None:
+                return done
+        b = b.materialize()
     if (cuda_base.prefill_usable(s) and (b is None or s.dtype == b.dtype)
             and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
         if defer and s.shape[0] == 1:

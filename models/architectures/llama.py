@@ -16,6 +16,7 @@ from .. import kernels
 from ..sharding import Plan, Split, divisible, expert_splits
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
+from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention)
@@ -129,7 +130,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         # an MoE MLP's router GEMV writes the normed row its experts read (SparseMoe.decode_cuda)
         x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
-        return Residual(x, self.mlp(h))
+        return Residual(x, moe.branch(self.mlp, h))  # an MoE prefill's combine joins the next add_norm
 
 
 class LlamaForCausalLM(CausalLM):

@@ -10,8 +10,11 @@ loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorte
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
 on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
 the chosen experts read on the device: three launches and the shared expert's, inside the graph).
-A CUDA prefill in half precision routes with the decode's kernel too, a program a token, and sorts
-the pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the stable argsort's order).
+A CUDA prefill in half precision routes with the decode's code too (a row's ids and weights are the
+same bits), TOK rows a program with the sort's counts in the same launch (cuda_moe.route_count),
+sorts the pairs by expert in two more (kernels/cuda/moe.py's sort_pairs, the stable argsort's
+order), and through grouped.py's GEMMs hands its combine to the next add_norm (PendingCombine: the
+combine, the residual add and the RMSNorm in one launch).
 """
 from __future__ import annotations
 
@@ -66,7 +69,8 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
-                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                shared_gate: torch.Tensor | None = None, defer: bool = False,
+                scratch: torch.Tensor | None = None) -> "torch.Tensor | PendingCombine":
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
         slot order (a fixed order: no atomics). On CUDA the sort is three launches
@@ -74,7 +78,9 @@ class Experts(nn.Module):
         the SwiGLU in the first's epilogue; else x's rows copied into the sorted order for
         torch._grouped_mm, then cuda_base.silu_mul), and the weighted sum one kernel (cuda_moe.combine).
         `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
-        output and its gate's logits, added in combine's sum."""
+        output and its gate's logits, added in combine's sum. `defer`: grouped.py's form returns
+        the combine not run yet (PendingCombine: the next add_norm runs it in its own launch).
+        `scratch`: cuda_moe.route_count's (the sort's counts already made), for grouped.py's form."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         cuda = cuda_base.prefill_usable(x)
@@ -83,12 +89,13 @@ class Experts(nn.Module):
         if cuda and TRITON_GROUPED and cuda_grouped.fits(x.shape[1], self.down_proj.shape[2]) \
                 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous():
             # the sort without the rows' copy, the GEMMs reading x's rows in place, SwiGLU in the first's epilogue
-            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False)
+            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False, scratch=scratch)
             h = cuda_grouped.gate_up(x, src, starts, offs, self.gate_up_proj)
             ys = cuda_grouped.down(h, starts, offs, self.down_proj)
-            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
+            pending = PendingCombine(ys, inv, weights.float().contiguous(), shared, shared_gate)
+            return pending if defer else pending.materialize()
         if cuda:  # the sort in three launches (no radix sort)
-            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E)
+            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, scratch=scratch)
         else:
             assert shared is None
             flat = idx.reshape(-1)
@@ -111,6 +118,59 @@ class Experts(nn.Module):
         y = torch.empty_like(ys)
         y[order] = ys
         return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
+
+
+class PendingCombine:
+    """A grouped CUDA prefill's branch whose last launch (cuda_moe.combine: each token's weighted
+    sum of its experts' rows) has not run: `Residual.branch` as add_norm takes it, which runs it
+    with the residual add and the next RMSNorm in one launch (cuda_moe.combine_add_rms_norm: the
+    same bits as combine and then add_rms_norm). Anything else takes materialize()'s tensor."""
+    __slots__ = ("ys", "inv", "weights", "shared", "shared_gate")
+
+    def __init__(self, ys, inv, weights, shared=None, shared_gate=None):
+        self.ys, self.inv, self.weights, self.shared, self.shared_gate = ys, inv, weights, shared, shared_gate
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.weights.shape[0], self.ys.shape[1]))
+
+    def materialize(self) -> torch.Tensor:
+        return cuda_moe.combine(self.ys, self.inv, self.weights, self.shared, self.shared_gate)
+
+    def last_row(self) -> "PendingCombine":
+        """The last token's branch (its k rows of ys stay where they are)."""
+        k = self.weights.shape[1]
+        return PendingCombine(self.ys, self.inv[-k:], self.weights[-1:],
+                              None if self.shared is None else self.shared[-1:],
+                              None if self.shared_gate is None else self.shared_gate[-1:])
+
+    def add_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None) -> "tuple[torch.Tensor, torch.Tensor] | None":
+        """(x + branch, rms_norm(x + branch) * weight) in one launch, or None where x is not rows
+        the kernel takes (then add_norm adds materialize()'s tensor)."""
+        if not (x.is_contiguous() and x.dtype == self.ys.dtype and x.shape == self.shape):
+            return None
+        return cuda_moe.combine_add_rms_norm(self.ys, self.inv, self.weights, x, weight, eps, self.shared,
+                                             self.shared_gate, out_dtype)
+
+
+# CHAT_SPLIT_COUNT=1: the grouped prefill's routing and its sort's counts in two launches, not
+# cuda_moe.route_count's one (the A/B of bench/ab_prefill.py)
+SPLIT_COUNT = os.environ.get("CHAT_SPLIT_COUNT", "0").lower() not in ("0", "false", "off", "no")
+# CHAT_FUSED_COMBINE=0: the grouped prefill's combine as its own launch, the next add_norm apart
+# (the A/B of bench/ab_prefill.py)
+FUSED_COMBINE = os.environ.get("CHAT_FUSED_COMBINE", "1").lower() not in ("0", "false", "off", "no")
+
+
+def branch(mlp: nn.Module, h: torch.Tensor) -> "torch.Tensor | PendingCombine":
+    """mlp(h) for a decoder layer's Residual: a SparseMoe's grouped CUDA prefill hands on its
+    combine not run yet (PendingCombine), for the next add_norm to join. Not where hooks watch the
+    module's output (tensor parallelism's all-reduce: sharding.install_collectives), which must
+    see the tensor."""
+    if (FUSED_COMBINE and isinstance(mlp, SparseMoe) and not mlp._forward_hooks and not mlp._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and isinstance(h, torch.Tensor)):
+        return mlp.forward(h, defer=True)
+    return mlp(h)
 
 
 def decode_serves(ex: nn.Module) -> bool:
@@ -148,11 +208,15 @@ class Router(nn.Module):
         """(ids [T, k] int64, weights [T, k] fp32) of x's rows."""
         return self.route(x)[1:]
 
-    def route(self, x: torch.Tensor, rows: torch.Tensor | None = None):
+    def route(self, x: torch.Tensor, rows: torch.Tensor | None = None, counted: bool = False):
         """(logits [T, len(rows)] in x's dtype, ids, weights) of x's rows; `rows` as decode_cuda's
-        (the experts' softmax and top k over the first num_experts logits only)."""
+        (the experts' softmax and top k over the first num_experts logits only). `counted` (CUDA
+        only: the grouped prefill's): (logits, ids, weights, the sort's scratch with its counts
+        made in the routing's launch, or None: cuda_moe.route_count)."""
         E = self.weight.shape[0]
         logits = F.linear(x, self.weight if rows is None else rows)
+        if counted:
+            return (logits, *cuda_moe.route_count(logits, self.top_k, self.norm_topk, E))
         if cuda_base.prefill_usable(x):  # one launch, not ~5; and a token routes as decode routes it
             return (logits, *cuda_moe.route(logits, self.top_k, self.norm_topk, E))
         probs = logits[:, :E].float().softmax(-1)
@@ -186,20 +250,25 @@ class SparseMoe(nn.Module):
             self.shared_expert = SwiGLU(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
-    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow", defer: bool = False) -> torch.Tensor:
         """x may be a NormedRow (a deferred norm, one row on CUDA: the decoder layer's add_norm
-        with defer), which the CUDA decode path takes as it is and the torch form materializes."""
+        with defer), which the CUDA decode path takes as it is and the torch form materializes.
+        `defer` (moe.branch): the grouped CUDA prefill returns a PendingCombine."""
         row = isinstance(x, cuda_linear.NormedRow)
         if decode_serves(self.experts) and (row or cuda_base.usable(x)):
             return self.decode_cuda(x)
         if row:
             x = x.materialize()
-        if hasattr(self, "router_rows") and self.grouped_on_cuda(x):
+        fused = hasattr(self, "router_rows")
+        if (fused or not hasattr(self, "shared_expert")) and self.grouped_on_cuda(x):
             # the router's and the shared gate's logits from one GEMM (fuse()); the shared expert's
-            # gated output added in the routed experts' combine (four launches fewer)
+            # gated output added in the routed experts' combine (four launches fewer); the sort's
+            # counts made in the routing's launch (SPLIT_COUNT: apart)
             E = self.gate.weight.shape[0]
-            logits, idx, weights = self.gate.route(x, self.router_rows)
-            return self.experts.grouped(x, idx, weights, self.shared_expert(x), logits[:, E:E + 1])
+            logits, idx, weights, *scratch = self.gate.route(x, self.router_rows if fused else None,
+                                                             counted=not SPLIT_COUNT)
+            shared = (self.shared_expert(x), logits[:, E:E + 1]) if fused else (None, None)
+            return self.experts.grouped(x, idx, weights, *shared, defer=defer, scratch=(scratch or [None])[0])
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):

@@ -21,6 +21,7 @@ from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv 
 from ..kernels.cuda import scan as cuda_scan
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
+from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
@@ -272,7 +273,7 @@ class HybridLayer(nn.Module):
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
-        return Residual(x, self.mlp(h))
+        return Residual(x, moe.branch(self.mlp, h))  # an MoE prefill's combine joins the next add_norm
 
 
 class HybridForCausalLM(CausalLM):

@@ -14,6 +14,7 @@ models/architectures/moe.py):
   run; the experts are a dimension of its tiles, so a step loads every expert's columns at once). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
   where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
+- route_count: route with sort_pairs' count in the same launch (TOK rows a program).
 - sort_pairs(x, idx, E): the grouped prefill's (token, slot) pairs in expert order as a stable
   argsort leaves them, x's rows copied there (or each row's token), the inverse permutation and
   the experts' row bounds, by a per-block count, a scan and a placement (integer counts: the
@@ -21,6 +22,8 @@ models/architectures/moe.py):
 - combine(ys, inv, weights[, shared, shared_gate]): the grouped prefill's per-token weighted sum
   of its k experts' outputs, read where the grouped GEMM left them (expert order), in slot order:
   no atomics; plus a shared expert's output scaled by sigmoid(its gate's logit) where given.
+  combine_add_rms_norm: the same sum with the next residual add and RMSNorm in one launch (the
+  bits of combine followed by base.add_rms_norm).
 Everything accumulates in fp32 and rounds once to the output dtype. The model's sizes (H, I, k)
 are compile-time constants: one compile per model, none per prompt. The expert ids are read on
 the device, so the launches are recorded in the CUDA graph like any other.
@@ -37,17 +40,14 @@ if triton is not None:
 
     from .base import _pdl_enter
 
-    @triton.jit(do_not_specialize=["stride"])
-    def _route_kernel(logits, idx_out, w_out, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        """One pass of TOP_K (max, lowest id at the max) reductions over a row of logits (a program
-        a row); the chosen weights stay in registers until their sum is known (launched with one
-        warp: the reductions are shuffles)."""
-        _pdl_enter(PDL)
-        row = tl.program_id(0).to(tl.int64)
+    @triton.jit
+    def _route_row(logits, idx_out, w_out, row, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+        """One pass of TOP_K (max, lowest id at the max) reductions over row `row` of logits; the
+        chosen weights stay in registers until their sum is known. Returns the row's ids [BLOCK_K]
+        (slots past TOP_K: 0). Both routing kernels run it in one warp (the reductions are
+        shuffles), so a row's ids and weights are the same bits from either."""
         logits += row * stride
-        idx_out += row * TOP_K
-        w_out += row * TOP_K
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
@@ -67,8 +67,49 @@ if triton is not None:
             for k in tl.static_range(TOP_K):
                 total += tl.sum(tl.where(slots == k, chosen, 0.0), axis=0)
             chosen = chosen / total
-        tl.store(idx_out + slots, ids, mask=slots < TOP_K)
-        tl.store(w_out + slots, chosen, mask=slots < TOP_K)
+        tl.store(idx_out + row * TOP_K + slots, ids, mask=slots < TOP_K)
+        tl.store(w_out + row * TOP_K + slots, chosen, mask=slots < TOP_K)
+        return ids
+
+    @triton.jit(do_not_specialize=["stride"])
+    def _route_kernel(logits, idx_out, w_out, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """A program a row (launched with one warp)."""
+        _pdl_enter(PDL)
+        _route_row(logits, idx_out, w_out, tl.program_id(0).to(tl.int64), E, stride, TOP_K, BLOCK_E, BLOCK_K, NORM)
+
+    @triton.jit(do_not_specialize=["stride", "T"])
+    def _route_count_kernel(logits, idx_out, w_out, hist, T, E, stride, TOP_K: tl.constexpr, TOK: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """_route_kernel for TOK rows a program (one warp), and _count_kernel's row of hist for
+        their TOK TOP_K pairs (sub-block s = this program: TOK TOP_K = SORT_SUB), summed from each
+        row's histogram of its TOP_K ids (integer counts: the same in any order)."""
+        _pdl_enter(PDL)
+        s = tl.program_id(0)
+        slots = tl.arange(0, BLOCK_K)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for t in tl.static_range(TOK):
+            row = s.to(tl.int64) * TOK + t
+            if row < T:
+                ids = _route_row(logits, idx_out, w_out, row, E, stride, TOP_K, BLOCK_E, BLOCK_K, NORM)
+                counts += tl.histogram(ids.to(tl.int32), BLOCK_E, mask=slots < TOP_K)
+        e = tl.arange(0, BLOCK_E)
+        tl.store(hist + s * E + e, counts, mask=e < E)
+
+    @triton.jit
+    def _combined(ys, inv, weights, shared, gate, t, c, m, H, stride_gate, TOP_K: tl.constexpr,
+                  SHARED: tl.constexpr):
+        """Token t's weighted sum of its k experts' rows of ys over the columns c, in slot order, in
+        fp32 (+ sigmoid(its shared gate's logit) * its shared expert's row): combine's and
+        combine_add_rms_norm's one code, so both give the same bits."""
+        acc = tl.zeros(c.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            r = tl.load(inv + t * TOP_K + j)
+            acc += tl.load(weights + t * TOP_K + j) * tl.load(ys + r * H + c, mask=m, other=0.0).to(tl.float32)
+        if SHARED:  # + sigmoid(the shared expert's gate logit) * its output
+            s = tl.sigmoid(tl.load(gate + t * stride_gate).to(tl.float32))
+            acc += s * tl.load(shared + t * H + c, mask=m, other=0.0).to(tl.float32)
+        return acc
 
     @triton.jit
     def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, TOP_K: tl.constexpr,
@@ -77,14 +118,30 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < H
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            r = tl.load(inv + t * TOP_K + j)
-            acc += tl.load(weights + t * TOP_K + j) * tl.load(ys + r * H + c, mask=m, other=0.0).to(tl.float32)
-        if SHARED:  # + sigmoid(the shared expert's gate logit) * its output
-            s = tl.sigmoid(tl.load(gate + t * stride_gate).to(tl.float32))
-            acc += s * tl.load(shared + t * H + c, mask=m, other=0.0).to(tl.float32)
+        acc = _combined(ys, inv, weights, shared, gate, t, c, m, H, stride_gate, TOP_K, SHARED)
         tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _combine_add_norm_kernel(ys, inv, weights, shared, gate, x, nw_ptr, sum_out, norm_out, eps, stride_gate,
+                                 N: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr,
+                                 PDL: tl.constexpr):
+        """A program a row: the branch as _combine_kernel rounds it, then base._add_rms_norm_kernel's
+        steps on (x, branch) in the same order (the stream rounded to its dtype, the norm of the
+        rounded stream), so the bits are those of the two launches."""
+        c = tl.arange(0, BLOCK)
+        m = c < N
+        nw = tl.load(nw_ptr + c, mask=m, other=0.0)  # a weight: before the wait
+        _pdl_enter(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        acc = _combined(ys, inv, weights, shared, gate, t, c, m, N, stride_gate, TOP_K, SHARED)
+        b = acc.to(ys.dtype.element_ty)
+        s = (tl.load(x + t * N + c, mask=m, other=0.0).to(tl.float32) + b.to(tl.float32))
+        s = s.to(sum_out.dtype.element_ty)
+        tl.store(sum_out + t * N + c, s, mask=m)
+        sf = s.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        out = sf * r * nw.to(tl.float32)
+        tl.store(norm_out + t * N + c, out.to(norm_out.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["P"])
     def _count_kernel(idx, hist, P, E, SUB: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
@@ -273,6 +330,25 @@ def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: 
     return out
 
 
+def combine_add_rms_norm(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float, shared: torch.Tensor | None = None,
+                         shared_gate: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`combine` and the next residual add and RMSNorm in one launch: b = combine(ys, inv, weights,
+    shared, shared_gate) (rounded to ys' dtype, as combine returns it), then base.add_rms_norm(x,
+    b, norm_weight, eps, out_dtype=out_dtype)'s (x + b, rms_norm(x + b) * norm_weight), the same
+    bits as those two launches (tests/test_moe_gpu.py). x [T, H] contiguous in ys' dtype; b is
+    never written (the two launches wrote and read back T rows)."""
+    T, k = weights.shape
+    H = ys.shape[1]
+    s, out = torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
+    on = shared is not None
+    launch(_combine_add_norm_kernel, (T,), ys, inv, weights, shared.contiguous() if on else ys,
+           shared_gate if on else ys, x, norm_weight, s, out, eps, shared_gate.stride(0) if on else 0, N=H,
+           TOP_K=k, BLOCK=next_pow2(H), SHARED=on, **cuda_base.pdl(ys))
+    return s, out
+
+
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
           E: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, >= E] (any float dtype, rows of unit stride; the first E are the experts') →
@@ -302,29 +378,59 @@ SORT_COLUMNS = 128
 SCAN_EXPERTS = 32
 
 
-def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
+def _sort_scratch(P: int, E: int, device) -> torch.Tensor:
+    """sort_pairs' int32 scratch for P pairs: offs, starts, hist and base in one allocation, each
+    part at a multiple of 16 bytes (the kernels' pointers specialize on alignment: none may
+    change with the prompt's length)."""
+    a, b = -(-E // 4) * 4, -(-cdiv(P, SORT_SUB) * E // 4) * 4
+    return (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
+        2 * a + 2 * b, dtype=torch.int32, device=device)
+
+
+def route_count(logits: torch.Tensor, top_k: int, renormalise: bool,
+                E: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`route` for a grouped prefill, with sort_pairs' first launch (the experts' counts a
+    sub-block of SORT_SUB pairs) in the same one: (ids, weights, the sort's scratch with those
+    counts, for sort_pairs(..., scratch=)). Each row's ids and weights are route's bits. Where
+    top_k does not divide SORT_SUB (a sub-block's pairs would split a token), route's launch
+    alone and None: sort_pairs counts them itself."""
+    if SORT_SUB % top_k:
+        return (*route(logits, top_k, renormalise, E), None)
+    T = logits.shape[0]
+    E = E or logits.shape[-1]
+    idx = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(T, top_k, dtype=torch.int64,
+                                                                          device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ints = _sort_scratch(T * top_k, E, logits.device)
+    a = -(-E // 4) * 4
+    launch(_route_count_kernel, (cdiv(T * top_k, SORT_SUB),), logits, idx, w, ints[2 * a:], T, E, logits.stride(0),
+           TOP_K=top_k, TOK=SORT_SUB // top_k, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(top_k), NORM=renormalise,
+           num_warps=1, **cuda_base.pdl(logits))
+    return idx, w, ints
+
+
+def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True, scratch: torch.Tensor | None = None):
     """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
     int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
     pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
     offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
     (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync.
     With copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
-    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
+    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place).
+    `scratch`: route_count's, its counts already made (two launches)."""
     T, k = idx.shape
     P, H = T * k, x.shape[1]
     nsub = cdiv(P, SORT_SUB)
-    # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
-    # alignment: none may change with the prompt's length)
     a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
-    ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
-        2 * a + 2 * b, dtype=torch.int32, device=x.device)
+    ints = _sort_scratch(P, E, x.device) if scratch is None else scratch
     offs, starts = ints[:E], ints[a:a + E]
     hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
     xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
     block_e = next_pow2(E)
-    launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
+    if scratch is None:
+        launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
     block_c = min(block_e, SCAN_EXPERTS)
     launch(_scan_kernel, (cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
            num_warps=4, **pdl)
