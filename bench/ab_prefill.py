@@ -14,9 +14,7 @@ DeltaNet's q/k norms, g, beta and output norm in torch: qwen3_5.FUSED_PROLOGUE),
 (prefill attention by torch's flash kernel, not prefill_attention.py's: layers.TRITON_PREFILL_ATTENTION),
 bf16-torchgrouped (the MoE prefill's GEMMs by torch._grouped_mm, not grouped.py's: moe.TRITON_GROUPED),
 bf16-wholetiles (grouped.py's GEMMs without half tiles: grouped.HALF_TILES), bf16-apartcombine (the MoE
-prefill's combine as its own launch, not joined with the next add_norm's: moe.FUSED_COMBINE),
-bf16-splitcount (the MoE prefill's routing and its sort's counts in two launches: moe.SPLIT_COUNT),
-bf16-apart (both). A variant sets module attributes for its runs (the
+prefill's combine as its own launch, not joined with the next add_norm's: moe.FUSED_COMBINE). A variant sets module attributes for its runs (the
 noahead variant of branch next-dequant-ahead set quant.AHEAD: bench/RESULTS.md set S).
 """
 from __future__ import annotations
@@ -44,13 +42,11 @@ FLASH = {(layers, "TRITON_PREFILL_ATTENTION"): False}
 TORCH_GROUPED = {(moe, "TRITON_GROUPED"): False}
 WHOLE_TILES = {(grouped, "HALF_TILES"): False}
 APART_COMBINE = {(moe, "FUSED_COMBINE"): False}
-SPLIT_COUNT = {(moe, "SPLIT_COUNT"): True}
 VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "bf16-nosolve": ("bf16", NOSOLVE),
             "nosolve": ("quantized", NOSOLVE), "bf16-tritonlaunch": ("bf16", TRITON_LAUNCH),
             "bf16-noraw": ("bf16", NORAW), "noraw": ("quantized", NORAW), "bf16-flash": ("bf16", FLASH),
             "bf16-torchgrouped": ("bf16", TORCH_GROUPED), "bf16-wholetiles": ("bf16", WHOLE_TILES),
-            "bf16-apartcombine": ("bf16", APART_COMBINE), "bf16-splitcount": ("bf16", SPLIT_COUNT),
-            "bf16-apart": ("bf16", {**APART_COMBINE, **SPLIT_COUNT})}
+            "bf16-apartcombine": ("bf16", APART_COMBINE)}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:

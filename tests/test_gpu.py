@@ -415,7 +415,7 @@ def _compiled_kernels() -> int:
                cuda_scan._chunk_scan_kernel, cuda_scan._chunk_prep_kernel, cuda_moe._route_kernel,
                cuda_moe._gate_up_kernel, cuda_moe._down_kernel, cuda_moe._down_wide_kernel,
                cuda_moe._combine_kernel, cuda_moe._count_kernel, cuda_moe._scan_kernel, cuda_moe._place_kernel,
-               cuda_moe._combine_add_norm_kernel, cuda_moe._route_count_kernel,
+               cuda_moe._combine_add_norm_kernel,
                cuda_scan._solve_kernel, cuda_scan._gated_norm_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 

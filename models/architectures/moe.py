@@ -10,11 +10,10 @@ loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorte
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
 on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
 the chosen experts read on the device: three launches and the shared expert's, inside the graph).
-A CUDA prefill in half precision routes with the decode's code too (a row's ids and weights are the
-same bits), TOK rows a program with the sort's counts in the same launch (cuda_moe.route_count),
-sorts the pairs by expert in two more (kernels/cuda/moe.py's sort_pairs, the stable argsort's
-order), and through grouped.py's GEMMs hands its combine to the next add_norm (PendingCombine: the
-combine, the residual add and the RMSNorm in one launch).
+A CUDA prefill in half precision routes with the decode's kernel too, a program a token, sorts the
+pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the stable argsort's order),
+and through grouped.py's GEMMs hands its combine to the next add_norm (PendingCombine: the combine,
+the residual add and the RMSNorm in one launch).
 """
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
-                shared_gate: torch.Tensor | None = None, defer: bool = False,
-                scratch: torch.Tensor | None = None) -> "torch.Tensor | PendingCombine":
+                shared_gate: torch.Tensor | None = None, defer: bool = False) -> "torch.Tensor | PendingCombine":
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
         slot order (a fixed order: no atomics). On CUDA the sort is three launches
@@ -79,8 +77,7 @@ class Experts(nn.Module):
         torch._grouped_mm, then cuda_base.silu_mul), and the weighted sum one kernel (cuda_moe.combine).
         `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
         output and its gate's logits, added in combine's sum. `defer`: grouped.py's form returns
-        the combine not run yet (PendingCombine: the next add_norm runs it in its own launch).
-        `scratch`: cuda_moe.route_count's (the sort's counts already made), for grouped.py's form."""
+        the combine not run yet (PendingCombine: the next add_norm runs it in its own launch)."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         cuda = cuda_base.prefill_usable(x)
@@ -89,13 +86,13 @@ class Experts(nn.Module):
         if cuda and TRITON_GROUPED and cuda_grouped.fits(x.shape[1], self.down_proj.shape[2]) \
                 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous():
             # the sort without the rows' copy, the GEMMs reading x's rows in place, SwiGLU in the first's epilogue
-            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False, scratch=scratch)
+            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False)
             h = cuda_grouped.gate_up(x, src, starts, offs, self.gate_up_proj)
             ys = cuda_grouped.down(h, starts, offs, self.down_proj)
             pending = PendingCombine(ys, inv, weights.float().contiguous(), shared, shared_gate)
             return pending if defer else pending.materialize()
         if cuda:  # the sort in three launches (no radix sort)
-            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, scratch=scratch)
+            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E)
         else:
             assert shared is None
             flat = idx.reshape(-1)
@@ -154,9 +151,6 @@ class PendingCombine:
                                              self.shared_gate, out_dtype)
 
 
-# CHAT_SPLIT_COUNT=1: the grouped prefill's routing and its sort's counts in two launches, not
-# cuda_moe.route_count's one (the A/B of bench/ab_prefill.py)
-SPLIT_COUNT = os.environ.get("CHAT_SPLIT_COUNT", "0").lower() not in ("0", "false", "off", "no")
 # CHAT_FUSED_COMBINE=0: the grouped prefill's combine as its own launch, the next add_norm apart
 # (the A/B of bench/ab_prefill.py)
 FUSED_COMBINE = os.environ.get("CHAT_FUSED_COMBINE", "1").lower() not in ("0", "false", "off", "no")
@@ -208,15 +202,11 @@ class Router(nn.Module):
         """(ids [T, k] int64, weights [T, k] fp32) of x's rows."""
         return self.route(x)[1:]
 
-    def route(self, x: torch.Tensor, rows: torch.Tensor | None = None, counted: bool = False):
+    def route(self, x: torch.Tensor, rows: torch.Tensor | None = None):
         """(logits [T, len(rows)] in x's dtype, ids, weights) of x's rows; `rows` as decode_cuda's
-        (the experts' softmax and top k over the first num_experts logits only). `counted` (CUDA
-        only: the grouped prefill's): (logits, ids, weights, the sort's scratch with its counts
-        made in the routing's launch, or None: cuda_moe.route_count)."""
+        (the experts' softmax and top k over the first num_experts logits only)."""
         E = self.weight.shape[0]
         logits = F.linear(x, self.weight if rows is None else rows)
-        if counted:
-            return (logits, *cuda_moe.route_count(logits, self.top_k, self.norm_topk, E))
         if cuda_base.prefill_usable(x):  # one launch, not ~5; and a token routes as decode routes it
             return (logits, *cuda_moe.route(logits, self.top_k, self.norm_topk, E))
         probs = logits[:, :E].float().softmax(-1)
@@ -262,13 +252,11 @@ class SparseMoe(nn.Module):
         fused = hasattr(self, "router_rows")
         if (fused or not hasattr(self, "shared_expert")) and self.grouped_on_cuda(x):
             # the router's and the shared gate's logits from one GEMM (fuse()); the shared expert's
-            # gated output added in the routed experts' combine (four launches fewer); the sort's
-            # counts made in the routing's launch (SPLIT_COUNT: apart)
+            # gated output added in the routed experts' combine (four launches fewer)
             E = self.gate.weight.shape[0]
-            logits, idx, weights, *scratch = self.gate.route(x, self.router_rows if fused else None,
-                                                             counted=not SPLIT_COUNT)
+            logits, idx, weights = self.gate.route(x, self.router_rows if fused else None)
             shared = (self.shared_expert(x), logits[:, E:E + 1]) if fused else (None, None)
-            return self.experts.grouped(x, idx, weights, *shared, defer=defer, scratch=(scratch or [None])[0])
+            return self.experts.grouped(x, idx, weights, *shared, defer=defer)
         idx, weights = self.gate(x)
         out = self.experts(x, idx, weights)
         if hasattr(self, "shared_expert"):

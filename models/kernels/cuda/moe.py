@@ -14,7 +14,6 @@ models/architectures/moe.py):
   run; the experts are a dimension of its tiles, so a step loads every expert's columns at once). The shared expert, scaled by sigmoid(its gate), joins both launches as one more expert
   where its size is the experts' (Qwen3-Next, Qwen3.5-MoE), else its output is added in the
   second one's epilogue. The torch form gathers the k experts' weights into a copy first.
-- route_count: route with sort_pairs' count in the same launch (TOK rows a program).
 - sort_pairs(x, idx, E): the grouped prefill's (token, slot) pairs in expert order as a stable
   argsort leaves them, x's rows copied there (or each row's token), the inverse permutation and
   the experts' row bounds, by a per-block count, a scan and a placement (integer counts: the
@@ -40,14 +39,17 @@ if triton is not None:
 
     from .base import _pdl_enter
 
-    @triton.jit
-    def _route_row(logits, idx_out, w_out, row, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-        """One pass of TOP_K (max, lowest id at the max) reductions over row `row` of logits; the
-        chosen weights stay in registers until their sum is known. Returns the row's ids [BLOCK_K]
-        (slots past TOP_K: 0). Both routing kernels run it in one warp (the reductions are
-        shuffles), so a row's ids and weights are the same bits from either."""
+    @triton.jit(do_not_specialize=["stride"])
+    def _route_kernel(logits, idx_out, w_out, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """One pass of TOP_K (max, lowest id at the max) reductions over a row of logits (a program
+        a row); the chosen weights stay in registers until their sum is known (launched with one
+        warp: the reductions are shuffles)."""
+        _pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
         logits += row * stride
+        idx_out += row * TOP_K
+        w_out += row * TOP_K
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
@@ -67,34 +69,8 @@ if triton is not None:
             for k in tl.static_range(TOP_K):
                 total += tl.sum(tl.where(slots == k, chosen, 0.0), axis=0)
             chosen = chosen / total
-        tl.store(idx_out + row * TOP_K + slots, ids, mask=slots < TOP_K)
-        tl.store(w_out + row * TOP_K + slots, chosen, mask=slots < TOP_K)
-        return ids
-
-    @triton.jit(do_not_specialize=["stride"])
-    def _route_kernel(logits, idx_out, w_out, E, stride, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        """A program a row (launched with one warp)."""
-        _pdl_enter(PDL)
-        _route_row(logits, idx_out, w_out, tl.program_id(0).to(tl.int64), E, stride, TOP_K, BLOCK_E, BLOCK_K, NORM)
-
-    @triton.jit(do_not_specialize=["stride", "T"])
-    def _route_count_kernel(logits, idx_out, w_out, hist, T, E, stride, TOP_K: tl.constexpr, TOK: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        """_route_kernel for TOK rows a program (one warp), and _count_kernel's row of hist for
-        their TOK TOP_K pairs (sub-block s = this program: TOK TOP_K = SORT_SUB), summed from each
-        row's histogram of its TOP_K ids (integer counts: the same in any order)."""
-        _pdl_enter(PDL)
-        s = tl.program_id(0)
-        slots = tl.arange(0, BLOCK_K)
-        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for t in tl.static_range(TOK):
-            row = s.to(tl.int64) * TOK + t
-            if row < T:
-                ids = _route_row(logits, idx_out, w_out, row, E, stride, TOP_K, BLOCK_E, BLOCK_K, NORM)
-                counts += tl.histogram(ids.to(tl.int32), BLOCK_E, mask=slots < TOP_K)
-        e = tl.arange(0, BLOCK_E)
-        tl.store(hist + s * E + e, counts, mask=e < E)
+        tl.store(idx_out + slots, ids, mask=slots < TOP_K)
+        tl.store(w_out + slots, chosen, mask=slots < TOP_K)
 
     @triton.jit
     def _combined(ys, inv, weights, shared, gate, t, c, m, H, stride_gate, TOP_K: tl.constexpr,
@@ -378,59 +354,29 @@ SORT_COLUMNS = 128
 SCAN_EXPERTS = 32
 
 
-def _sort_scratch(P: int, E: int, device) -> torch.Tensor:
-    """sort_pairs' int32 scratch for P pairs: offs, starts, hist and base in one allocation, each
-    part at a multiple of 16 bytes (the kernels' pointers specialize on alignment: none may
-    change with the prompt's length)."""
-    a, b = -(-E // 4) * 4, -(-cdiv(P, SORT_SUB) * E // 4) * 4
-    return (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
-        2 * a + 2 * b, dtype=torch.int32, device=device)
-
-
-def route_count(logits: torch.Tensor, top_k: int, renormalise: bool,
-                E: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`route` for a grouped prefill, with sort_pairs' first launch (the experts' counts a
-    sub-block of SORT_SUB pairs) in the same one: (ids, weights, the sort's scratch with those
-    counts, for sort_pairs(..., scratch=)). Each row's ids and weights are route's bits. Where
-    top_k does not divide SORT_SUB (a sub-block's pairs would split a token), route's launch
-    alone and None: sort_pairs counts them itself."""
-    if SORT_SUB % top_k:
-        return (*route(logits, top_k, renormalise, E), None)
-    T = logits.shape[0]
-    E = E or logits.shape[-1]
-    idx = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(T, top_k, dtype=torch.int64,
-                                                                          device=logits.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ints = _sort_scratch(T * top_k, E, logits.device)
-    a = -(-E // 4) * 4
-    launch(_route_count_kernel, (cdiv(T * top_k, SORT_SUB),), logits, idx, w, ints[2 * a:], T, E, logits.stride(0),
-           TOP_K=top_k, TOK=SORT_SUB // top_k, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(top_k), NORM=renormalise,
-           num_warps=1, **cuda_base.pdl(logits))
-    return idx, w, ints
-
-
-def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True, scratch: torch.Tensor | None = None):
+def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
     """The grouped prefill's sort (moe.Experts.grouped): x [T, H] (rows of unit stride), idx [T, k]
     int64 contiguous → (xs [T k, H]: x's row of each (token, slot) pair in expert order, ties in
     pair order, as a stable argsort of idx gives; inv [T k] int64: the row of xs holding each pair;
     offs [E] int32: where each expert's rows end, torch._grouped_mm's offsets). Three launches
     (count, scan, place) where the torch form takes ~13 (a radix sort among them); no host sync.
     With copy=False, (src [T k] int32: the token of each row of that order, inv, starts [E] int32:
-    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place).
-    `scratch`: route_count's, its counts already made (two launches)."""
+    where each expert's rows begin, offs), x's rows not copied (grouped.py reads them in place)."""
     T, k = idx.shape
     P, H = T * k, x.shape[1]
     nsub = cdiv(P, SORT_SUB)
+    # one allocation, each part at a multiple of 16 bytes (the kernels' pointers specialize on
+    # alignment: none may change with the prompt's length)
     a, b = -(-E // 4) * 4, -(-nsub * E // 4) * 4
-    ints = _sort_scratch(P, E, x.device) if scratch is None else scratch
+    ints = (torch.zeros if cuda_base.precompiling_now() else torch.empty)(  # (skipped launches: empty groups)
+        2 * a + 2 * b, dtype=torch.int32, device=x.device)
     offs, starts = ints[:E], ints[a:a + E]
     hist, base = ints[2 * a:2 * a + nsub * E], ints[2 * a + b:2 * a + b + nsub * E]
     xs = torch.empty(P, H, dtype=x.dtype, device=x.device) if copy else torch.empty(P, dtype=torch.int32, device=x.device)
     inv = torch.empty(P, dtype=torch.int64, device=x.device)
     pdl = cuda_base.pdl(x)
     block_e = next_pow2(E)
-    if scratch is None:
-        launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
+    launch(_count_kernel, (nsub,), idx, hist, P, E, SUB=SORT_SUB, BLOCK_E=block_e, **pdl)
     block_c = min(block_e, SCAN_EXPERTS)
     launch(_scan_kernel, (cdiv(E, block_c),), hist, base, starts, offs, nsub, E, BLOCK_S=128, BLOCK_C=block_c,
            num_warps=4, **pdl)
