@@ -408,14 +408,15 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
 def _compiled_kernels() -> int:
     """How many compiled variants Triton holds in memory for the kernels of models/fused_*.py."""
     from models.kernels.cuda import (attention as cuda_attention, base as cuda_base, conv as cuda_conv,
-                                     delta as cuda_delta, linear as cuda_linear, moe as cuda_moe, scan as cuda_scan)
+                                     delta as cuda_delta, grouped as cuda_grouped, linear as cuda_linear,
+                                     moe as cuda_moe, scan as cuda_scan)
     kernels = [cuda_linear._gemv_kernel, cuda_base._qk_rope_kv_kernel, cuda_base._add_rms_norm_kernel,
-               cuda_base._silu_mul_kernel, cuda_conv._causal_conv_kernel, cuda_delta._conv_step_kernel,
-               cuda_delta._delta_step_kernel, cuda_attention._split_kernel, cuda_attention._merge_kernel,
-               cuda_scan._chunk_scan_kernel, cuda_scan._chunk_prep_kernel, cuda_moe._route_kernel,
-               cuda_moe._gate_up_kernel, cuda_moe._down_kernel, cuda_moe._down_wide_kernel,
-               cuda_moe._combine_kernel, cuda_moe._count_kernel, cuda_moe._scan_kernel, cuda_moe._place_kernel,
-               cuda_moe._combine_add_norm_kernel,
+               cuda_grouped._gate_up_kernel, cuda_grouped._down_kernel, cuda_base._silu_mul_kernel,
+               cuda_conv._causal_conv_kernel, cuda_delta._conv_step_kernel, cuda_delta._delta_step_kernel,
+               cuda_attention._split_kernel, cuda_attention._merge_kernel, cuda_scan._chunk_scan_kernel,
+               cuda_scan._chunk_prep_kernel, cuda_moe._route_kernel, cuda_moe._gate_up_kernel,
+               cuda_moe._down_kernel, cuda_moe._down_wide_kernel, cuda_moe._combine_kernel, cuda_moe._count_kernel,
+               cuda_moe._scan_kernel, cuda_moe._place_kernel, cuda_moe._combine_add_norm_kernel,
                cuda_scan._solve_kernel, cuda_scan._gated_norm_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
@@ -437,15 +438,21 @@ def _start_compiles_what_a_conversation_runs(lm, compiled, dtype=torch.bfloat16)
     return prompts, tokens, later, cfg
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_moe-fp16"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_moe-fp16",
+                                  "qwen3_moe-grouped"])
 def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monkeypatch, kind):
     """The session compiles (side by side) the kernels of prefill and decode when it starts: no
     prompt length, later turn or decode step compiles another; and the throwaway forwards that
     compile them leave no trace (the same tokens as a session started without them). Shapes
     no other test uses, so no earlier test compiled these kernels. In fp16 an MoE's prefill takes
     the experts' loop form, which reads the routed ids on the host (the skipped routing launch of
-    the throwaway forward must leave ids there)."""
+    the throwaway forward must leave ids there). "-grouped": sizes that grouped.py's GEMMs take (H
+    and I multiples of 64), so the combine joins the next norm, the last row's alone, at top 3 (a
+    top k that is not a multiple of 4: views at the last token's rows would change their alignment
+    with the prompt's length)."""
     kind, dtype = (kind[:-5], torch.float16) if kind.endswith("-fp16") else (kind, torch.bfloat16)
+    grouped = kind.endswith("-grouped")
+    kind = kind.removesuffix("-grouped")
     from models.kernels.cuda import base as cuda_base
     from tiny import write_checkpoint
     if not cuda_base.ENABLED or not hasattr(cuda_base.triton, "AsyncCompileMode"):
@@ -457,6 +464,8 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
         over.update(moe_intermediate_size=48, shared_expert_intermediate_size=80)
     if kind == "qwen3_moe":  # its other kernels are the llama case's, compiled there
         over.update(moe_intermediate_size=56)
+    if grouped:
+        over.update(hidden_size=192, moe_intermediate_size=64)
     lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", dtype)
     prompts, tokens, later, cfg = _start_compiles_what_a_conversation_runs(lm, _compiled_kernels, dtype)
     monkeypatch.setattr(cuda_base, "PRECOMPILE_ENABLED", False)  # a session started without them

@@ -119,6 +119,12 @@ for T, k, H in [(19, 3, 1100), (5, 8, 64)]:
             want_s, want_n = base.add_rms_norm(xd, kernels.combine(ysd, inv, w, *extra), nw, 1e-6, out_dtype=out)
             got_s, got_n = kernels.combine_add_rms_norm(ysd, inv, w, xd, nw, 1e-6, *extra, out_dtype=out)
             assert torch.equal(got_s, want_s) and torch.equal(got_n, want_n)
+            # the last token's rows alone (`first`: a prefill's last row), the same bits as its row of all
+            last = kernels.combine(ysd, inv, w, *extra, first=T - 1)
+            assert torch.equal(last, kernels.combine(ysd, inv, w, *extra)[-1:])
+            last_s, last_n = kernels.combine_add_rms_norm(ysd, inv, w, xd[-1:], nw, 1e-6, *extra, out_dtype=out,
+                                                          first=T - 1)
+            assert torch.equal(last_s, want_s[-1:]) and torch.equal(last_n, want_n[-1:])
 # the grouped prefill's routing (a program a token) and sort: the rows, their order and the
 # experts' bounds exactly as the torch form's stable argsort; several sub-blocks (SORT_SUB pairs),
 # several scan programs (E > SCAN_EXPERTS) and steps (more than 128 sub-blocks), column steps (H > 256),

@@ -121,25 +121,27 @@ class PendingCombine:
     """A grouped CUDA prefill's branch whose last launch (cuda_moe.combine: each token's weighted
     sum of its experts' rows) has not run: `Residual.branch` as add_norm takes it, which runs it
     with the residual add and the next RMSNorm in one launch (cuda_moe.combine_add_rms_norm: the
-    same bits as combine and then add_rms_norm). Anything else takes materialize()'s tensor."""
-    __slots__ = ("ys", "inv", "weights", "shared", "shared_gate")
+    same bits as combine and then add_rms_norm). Anything else takes materialize()'s tensor.
+    `first`: the branch of tokens first .. T - 1 only (last_row), the kernels handed the whole
+    tensors and the token to start at."""
+    __slots__ = ("ys", "inv", "weights", "shared", "shared_gate", "first")
 
-    def __init__(self, ys, inv, weights, shared=None, shared_gate=None):
+    def __init__(self, ys, inv, weights, shared=None, shared_gate=None, first: int = 0):
         self.ys, self.inv, self.weights, self.shared, self.shared_gate = ys, inv, weights, shared, shared_gate
+        self.first = first
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.weights.shape[0], self.ys.shape[1]))
+        return torch.Size((self.weights.shape[0] - self.first, self.ys.shape[1]))
 
     def materialize(self) -> torch.Tensor:
-        return cuda_moe.combine(self.ys, self.inv, self.weights, self.shared, self.shared_gate)
+        return cuda_moe.combine(self.ys, self.inv, self.weights, self.shared, self.shared_gate, self.first)
 
     def last_row(self) -> "PendingCombine":
-        """The last token's branch (its k rows of ys stay where they are)."""
-        k = self.weights.shape[1]
-        return PendingCombine(self.ys, self.inv[-k:], self.weights[-1:],
-                              None if self.shared is None else self.shared[-1:],
-                              None if self.shared_gate is None else self.shared_gate[-1:])
+        """The last token's branch. Not views at its rows (inv[-k:], ...): their alignment would
+        follow the prompt's length, and with it the kernels' compiled variants."""
+        return PendingCombine(self.ys, self.inv, self.weights, self.shared, self.shared_gate,
+                              self.weights.shape[0] - 1)
 
     def add_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype | None) -> "tuple[torch.Tensor, torch.Tensor] | None":
@@ -148,7 +150,7 @@ class PendingCombine:
         if not (x.is_contiguous() and x.dtype == self.ys.dtype and x.shape == self.shape):
             return None
         return cuda_moe.combine_add_rms_norm(self.ys, self.inv, self.weights, x, weight, eps, self.shared,
-                                             self.shared_gate, out_dtype)
+                                             self.shared_gate, out_dtype, self.first)
 
 
 # CHAT_FUSED_COMBINE=0: the grouped prefill's combine as its own launch, the next add_norm apart

@@ -87,18 +87,21 @@ if triton is not None:
             acc += s * tl.load(shared + t * H + c, mask=m, other=0.0).to(tl.float32)
         return acc
 
-    @triton.jit
-    def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, TOP_K: tl.constexpr,
+    # t0, the first token (not views of inv, weights, ... at its rows): a view's 16-byte alignment,
+    # on which Triton specializes, would follow the prompt's length where k is not a multiple of 4,
+    # and compile a variant in the middle of a conversation (bench/RESULTS.md, set X, X9)
+    @triton.jit(do_not_specialize=["t0"])
+    def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, t0, TOP_K: tl.constexpr,
                         BLOCK: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
-        t = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < H
-        acc = _combined(ys, inv, weights, shared, gate, t, c, m, H, stride_gate, TOP_K, SHARED)
-        tl.store(out + t * H + c, acc.to(out.dtype.element_ty), mask=m)
+        acc = _combined(ys, inv, weights, shared, gate, t0 + row, c, m, H, stride_gate, TOP_K, SHARED)
+        tl.store(out + row * H + c, acc.to(out.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def _combine_add_norm_kernel(ys, inv, weights, shared, gate, x, nw_ptr, sum_out, norm_out, eps, stride_gate,
+    @triton.jit(do_not_specialize=["t0"])
+    def _combine_add_norm_kernel(ys, inv, weights, shared, gate, x, nw_ptr, sum_out, norm_out, eps, stride_gate, t0,
                                  N: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr,
                                  PDL: tl.constexpr):
         """A program a row: the branch as _combine_kernel rounds it, then base._add_rms_norm_kernel's
@@ -109,7 +112,7 @@ if triton is not None:
         nw = tl.load(nw_ptr + c, mask=m, other=0.0)  # a weight: before the wait
         _pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
-        acc = _combined(ys, inv, weights, shared, gate, t, c, m, N, stride_gate, TOP_K, SHARED)
+        acc = _combined(ys, inv, weights, shared, gate, t0 + t, c, m, N, stride_gate, TOP_K, SHARED)
         b = acc.to(ys.dtype.element_ty)
         s = (tl.load(x + t * N + c, mask=m, other=0.0).to(tl.float32) + b.to(tl.float32))
         s = s.to(sum_out.dtype.element_ty)
@@ -286,41 +289,43 @@ if triton is not None:
 
 
 def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
-            shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+            shared_gate: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
     """The last step of the grouped prefill (moe.Experts.grouped): out[t] = sum_j weights[t, j] *
     ys[inv[t k + j]] over j in slot order, in fp32, rounded once. ys [T k, H] contiguous: the
     experts' outputs in expert order; inv [T k] int64: the row of ys holding each (token, slot)
     pair; weights [T, k] fp32. With `shared` [T, H] contiguous (a shared expert's output) and
     shared_gate [T, 1] (its gate's logits, rows of any stride): + sigmoid(shared_gate) * shared,
-    in the same sum. Returns [T, H] in ys' dtype. The torch form (scatter back into pair order,
+    in the same sum. Returns [T, H] in ys' dtype; with `first`, the rows of tokens first .. T - 1
+    only ([T - first, H]: the last row of a prefill, say). The torch form (scatter back into pair order,
     scale, sum over k; then the shared expert's sigmoid, product and sum) is three launches
     writing the T k rows twice, and three more."""
     T, k = weights.shape
     H = ys.shape[1]
-    out = torch.empty(T, H, dtype=ys.dtype, device=ys.device)
+    out = torch.empty(T - first, H, dtype=ys.dtype, device=ys.device)
     block = min(1024, next_pow2(H))
     on = shared is not None
-    launch(_combine_kernel, (T, cdiv(H, block)), ys, inv, weights, shared.contiguous() if on else ys,
-           shared_gate if on else ys, out, H, shared_gate.stride(0) if on else 0, TOP_K=k, BLOCK=block, SHARED=on,
-           **cuda_base.pdl(ys))
+    launch(_combine_kernel, (T - first, cdiv(H, block)), ys, inv, weights, shared.contiguous() if on else ys,
+           shared_gate if on else ys, out, H, shared_gate.stride(0) if on else 0, first, TOP_K=k, BLOCK=block,
+           SHARED=on, **cuda_base.pdl(ys))
     return out
 
 
 def combine_add_rms_norm(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
                          norm_weight: torch.Tensor, eps: float, shared: torch.Tensor | None = None,
-                         shared_gate: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         shared_gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                         first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`combine` and the next residual add and RMSNorm in one launch: b = combine(ys, inv, weights,
     shared, shared_gate) (rounded to ys' dtype, as combine returns it), then base.add_rms_norm(x,
     b, norm_weight, eps, out_dtype=out_dtype)'s (x + b, rms_norm(x + b) * norm_weight), the same
-    bits as those two launches (tests/test_moe_gpu.py). x [T, H] contiguous in ys' dtype; b is
-    never written (the two launches wrote and read back T rows)."""
-    T, k = weights.shape
+    bits as those two launches (tests/test_moe_gpu.py). x [T - first, H] contiguous in ys' dtype (the
+    rows of tokens first .. T - 1, as combine's `first`); b is never written (the two launches wrote
+    and read back T rows)."""
+    k = weights.shape[1]
     H = ys.shape[1]
     s, out = torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
     on = shared is not None
-    launch(_combine_add_norm_kernel, (T,), ys, inv, weights, shared.contiguous() if on else ys,
-           shared_gate if on else ys, x, norm_weight, s, out, eps, shared_gate.stride(0) if on else 0, N=H,
+    launch(_combine_add_norm_kernel, (x.shape[0],), ys, inv, weights, shared.contiguous() if on else ys,
+           shared_gate if on else ys, x, norm_weight, s, out, eps, shared_gate.stride(0) if on else 0, first, N=H,
            TOP_K=k, BLOCK=next_pow2(H), SHARED=on, **cuda_base.pdl(ys))
     return s, out
 
