@@ -164,6 +164,12 @@ def test_gemv_kernel_matches_linear(K, N):
     assert torch.allclose(cuda_linear.gemv(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
     gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
     assert torch.allclose(cuda_linear.gemv(x, w, swiglu=True).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    # times a scale in the epilogue (Granite's residual multiplier): the bits of the product after it
+    for scale in (0.22, 1.0, 3.0):
+        assert torch.equal(cuda_linear.gemv(x, w, b, scale=scale), cuda_linear.gemv(x, w, b) * scale)
+        r, nw = x.flip(-1), torch.rand(K, device=dev, generator=g) + 0.5  # a NormedRow input too
+        want = cuda_linear.gemv(cuda_linear.NormedRow(x, r, nw, 1e-6), w) * scale
+        assert torch.equal(cuda_linear.gemv(cuda_linear.NormedRow(x, r, nw, 1e-6), w, scale=scale), want)
 
 
 @pytest.mark.parametrize("res,K,N", [(True, 576, 1536), (False, 576, 1536), (True, 5120, 2048)])

@@ -75,11 +75,11 @@ def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
 
 
 def _compiled_ssd_kernels() -> int:
-    from models.kernels.cuda import base, conv, moe, ssd
+    from models.kernels.cuda import base, conv, linear, moe, ssd
     kernels = [ssd._conv_step_kernel, ssd._ssm_step_kernel, ssd._group_norm_kernel, ssd._chunk_scan_kernel,
-               moe._route_kernel, moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel,
+               moe._route_kernel, moe._gate_up_kernel, moe._down_kernel, moe._down_wide_kernel, moe._combine_kernel,
                moe._count_kernel, moe._scan_kernel, moe._place_kernel, conv._causal_conv_kernel,
-               base._silu_mul_kernel]
+               base._silu_mul_kernel, linear._gemv_kernel]
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -134,6 +134,37 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
     assert (first_gpu - first_cpu).abs().max() <= 0.05 * max(1.0, first_cpu.abs().max())
 
 
+@pytest.mark.gpu
+def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkeypatch):
+    """Granite's residual multiplier (0.5 here) in the out projections' GEMV epilogue and, with the
+    routed and shared MLPs' sum, in the experts' down launch (layers.scaled_linear,
+    RoutedExperts.forward), against torch's products after them (layers.FUSED_SCALE off): the same
+    logits bit for bit over a prefill, a later turn's prefill and decode steps; the fused forms ran."""
+    from engine.session import DecodeSession
+    from models.architectures import layers
+    from models.kernels.cuda import linear, moe
+    _, lm, _ = gpu_granite
+    calls = []
+    for mod, name in ((linear, "gemv"), (moe, "experts")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: calls.append(
+            name if k.get("scale") not in (None, 1.0) else "") or real(*a, **k))
+
+    def run():
+        s = DecodeSession(lm.model, max_context=256, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph="off")
+        rows = [s.prefill(list(range(3, 70)))[-1], s.prefill(list(range(5, 30)))[-1]]
+        return torch.stack(rows + [s.step(t)[-1] for t in (5, 6, 7, 8)])
+
+    fused = run()
+    assert {"gemv", "experts"} <= set(calls)
+    calls.clear()
+    monkeypatch.setattr(layers, "FUSED_SCALE", False)
+    apart = run()
+    assert not set(calls) - {""}
+    assert torch.equal(fused, apart)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Each kernel compiles to an sm_90 binary at the granite-4.0-h-tiny sizes (Triton's own ptxas,
@@ -168,13 +199,24 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
          dict(I=512, H=1536, TOP_K=6, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
-                                shared_gate="*bf16", out="*bf16", stride_e="i32"),
+                                shared_gate="*bf16", out="*bf16", stride_e="i32", scale="fp32"),
          dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
+        # Granite's: the shared MLP's output added to the routed sum, then the residual multiplier
+        (moe._down_wide_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16",
+                                     shared_w="*bf16", shared_gate="*fp32", out="*bf16", stride_e="i32", scale="fp32"),
+         dict(I=512, H=1536, TOP_K=6, SHARED=3, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=True)),
         # the router's GEMV with the norm in its prologue, writing the normed row (linear.gemv_and_row)
         (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
-                                   res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16"),
-         dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, BLOCK_N=4,
-              BLOCK_K=2048, PDL=True)),
+                                   res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16",
+                                   scale="fp32"),
+         dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, SCALE=False,
+              BLOCK_N=4, BLOCK_K=2048, PDL=True)),
+        # the out projection times Granite's residual multiplier (layers.scaled_linear)
+        (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+                                   res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32", normed_out="*bf16",
+                                   scale="fp32"),
+         dict(HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False, NORM_OUT=False, EVEN=True, SCALE=True,
+              BLOCK_N=4, BLOCK_K=2048, PDL=True)),
         # the grouped prefill's GEMMs, their half tiles included (grouped.py)
         (grouped._gate_up_kernel, dict(x="*bf16", src="*i32", starts="*i32", offs="*i32", w="*bf16", h="*bf16",
                                        E="i32", stride_x="i32", stride_we="i32"),

@@ -93,6 +93,14 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
             continue  # (the kernel takes the shared expert as an expert only at the experts' size)
         out = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, **way, **blocks)
         assert (out - ref).abs().max() <= 1e-5, float((out - ref).abs().max())
+    # Granite's: an ungated shared output added to the rounded routed sum, then the residual
+    # multiplier, each rounded as torch rounds it: the same bits as the two torch operations (in fp16:
+    # the interpreter rounds fp32 to bf16 toward zero, the GPU and torch to nearest even)
+    xb, gu, dn = x.half(), m.experts.gate_up_proj.data.half(), m.experts.down_proj.data.half()
+    plain = torch.randn(1, H).half()
+    routed = kernels.experts(xb, gu, dn, idx, w, **blocks)
+    got = kernels.experts(xb, gu, dn, idx, w, plain, scale=0.22, **blocks)
+    assert torch.equal(got, (routed + plain) * 0.22)
 # the grouped prefill's kernels: the SwiGLU between its GEMMs and the weighted sum after them
 from models.kernels.cuda import base
 gu = torch.randn(37, 2 * 1500)

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base
+from ..kernels.cuda import base as cuda_base, moe as cuda_moe
 from .causal_lm import Body, CausalLM
+from . import layers
 from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
 from .nemotron_h import Attention, float_value, layer_kinds
@@ -104,14 +105,23 @@ class RoutedExperts(nn.Module):
         self.router = Router(cfg.num_experts, cfg.hidden_size, cfg.experts_per_tok, cfg.norm_topk_prob)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
-    def forward(self, x):
+    def forward(self, x, shared: torch.Tensor, scale: float):
+        """(experts(x) + shared) * scale: `shared` the shared MLP's output, `scale` the residual
+        multiplier, each operation rounded as torch rounds it. One token on CUDA: the router's GEMV
+        (rounded to x's dtype, as the torch form), the top k on the device, the chosen experts read
+        where they are stored, the sum with `shared` and the product in the last launch's epilogue
+        (bf16 experts; quantized ones add and scale in torch)."""
         if cuda_base.usable(x) and moe.decode_serves(self.experts):
-            # one token: the router's GEMV (rounded to x's dtype, as the torch form), the top k on the
-            # device, the chosen experts read where they are stored
             _, x, idx, weights = self.router.decode_cuda(x.contiguous())
-            return moe.decode_experts(x, self.experts, idx, weights)
-        idx, weights = self.router(x)
-        return self.experts(x, idx, weights)  # many tokens: grouped GEMMs where they serve (moe.py)
+            if (layers.FUSED_SCALE and isinstance(self.experts, Experts) and shared.dtype == x.dtype
+                    and shared.is_contiguous()):
+                return cuda_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights,
+                                        shared, scale=scale)
+            out = moe.decode_experts(x, self.experts, idx, weights) + shared
+        else:
+            idx, weights = self.router(x)
+            out = self.experts(x, idx, weights) + shared  # many tokens: grouped GEMMs where they serve (moe.py)
+        return out * scale
 
 
 class GraniteHybridLayer(nn.Module):
@@ -140,14 +150,15 @@ class GraniteHybridLayer(nn.Module):
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
         # a Mamba2 mixer reads h through its in_proj only: on CUDA the norm runs in that GEMV's prologue
         x, h = add_norm(x, self.input_layernorm, defer=self.kind == "mamba")
+        # each branch times the residual multiplier: in the GEMV or expert launch that ends it (one token on CUDA)
         if self.kind == "mamba":
-            h = self.mamba(h, state.fixed(i))
+            h = self.mamba(h, state.fixed(i), out_scale=self.rm)
         else:
-            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
-        x, h = add_norm(Residual(x, h * self.rm), self.post_attention_layernorm)
+            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask, out_scale=self.rm)
+        x, h = add_norm(Residual(x, h), self.post_attention_layernorm)
         out = self.shared_mlp(h)
         if hasattr(self, "block_sparse_moe"):
-            out = self.block_sparse_moe(h) + out
+            return Residual(x, self.block_sparse_moe(h, out, self.rm))
         return Residual(x, out * self.rm)
 
 

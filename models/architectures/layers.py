@@ -217,6 +217,25 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+# CHAT_FUSED_SCALE=0: a branch's residual multiplier (Granite's) as torch's product after the GEMV
+# or expert launch, not in its epilogue (the A/B of bench/ab_decode.py's variant apartscale)
+FUSED_SCALE = os.environ.get("CHAT_FUSED_SCALE", "1").lower() not in ("0", "false", "off", "no")
+
+
+def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", scale: float) -> torch.Tensor:
+    """linear(x) * scale, rounded as that product is (the output in its dtype, then scaled and
+    rounded again). A plain Linear's one-row CUDA GEMV scales in its epilogue: one launch, not
+    two (Granite's residual multiplier on each branch). Modules with forward hooks (tensor
+    parallelism's) and other linears (quantized ones) take the product."""
+    if scale == 1.0:
+        return linear(x)
+    if (FUSED_SCALE and type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and x.dtype == linear.weight.dtype
+            and (isinstance(x, cuda_linear.NormedRow) or (cuda_base.usable(x) and x.is_contiguous()))):
+        return cuda_linear.gemv(x, linear.weight, linear.bias, scale=scale)
+    return linear(x) * scale
+
+
 class FusedLinear(Linear):
     """Linears that read the same input, concatenated; `sizes` splits the output back."""
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cuda import base as cuda_base, conv as cuda_conv, ssd as cuda_ssd
-from .layers import Linear
+from .layers import Linear, scaled_linear
 from .state_spec import FixedState
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -160,7 +160,8 @@ class Mamba2Mixer(nn.Module):
         return FixedState((("conv", (self.conv_dim, self.K - 1), None),
                            ("ssm", (self.H, self.P, self.N), torch.float32)))
 
-    def forward(self, h: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, st: dict[str, torch.Tensor], out_scale: float = 1.0) -> torch.Tensor:
+        """out_scale: the output times it (layers.scaled_linear: in the out projection's GEMV)."""
         zxbcdt = self.in_proj(h)
         T, dtype = zxbcdt.shape[0], zxbcdt.dtype
         if cuda_base.usable(zxbcdt) and cuda_ssd.decode_fits(self.P, self.N):
@@ -168,7 +169,7 @@ class Mamba2Mixer(nn.Module):
             out = cuda_ssd.decode(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
                                   self.A, self.dt_bias32, self.D32, self.norm.weight, self.norm.eps, self.dt_limit,
                                   self.H, self.P, self.N, self.G)
-            return self.out_proj(out)
+            return scaled_linear(self.out_proj, out, out_scale)
         z, xBC, dt = zxbcdt.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state = st["conv"]
         if cuda_conv.usable(xBC, self.conv1d.weight):  # one kernel, read where the projection left it
@@ -189,4 +190,4 @@ class Mamba2Mixer(nn.Module):
             y = chunked(x, dt, self.A, B, C, self.D32, ssm, self.chunk, fused=cuda_base.prefill_usable(zxbcdt))
         else:
             y = naive(x, dt, self.A, B, C, self.D32, ssm)
-        return self.out_proj(self.norm(y.reshape(T, self.inner), z, dtype))
+        return scaled_linear(self.out_proj, self.norm(y.reshape(T, self.inner), z, dtype), out_scale)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .causal_lm import Body, CausalLM
-from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, add_norm, rope_and_attend
+from .layers import Linear, QKVProjections, Residual, RMSNorm, Rope, add_norm, rope_and_attend, scaled_linear
 from .mamba2 import Mamba2Mixer
 from .state_spec import AttentionState, FixedState, StateView
 
@@ -104,15 +104,16 @@ class Attention(QKVProjections):
         self.v_proj = Linear(hidden, n_kv * head_dim, bias=bias)
         self.o_proj = Linear(n_heads * head_dim, hidden, bias=bias)
 
-    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
+    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask, out_scale: float = 1.0):
+        """out_scale: the output times it (layers.scaled_linear: in o_proj's GEMV)."""
         T = x.shape[0]
         q, k, v = self.project_qkv(x)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k = q.view(T, self.nh, self.d).transpose(0, 1), k.view(T, self.nkv, self.d).transpose(0, 1)
         v = v.view(T, self.nkv, self.d).transpose(0, 1)
-        return self.o_proj(rope_and_attend(x, q, k, v, positions, rope if self.rope else None, cos, sin, kv, kv_len,
-                                           mask))
+        return scaled_linear(self.o_proj, rope_and_attend(x, q, k, v, positions, rope if self.rope else None, cos, sin,
+                                                          kv, kv_len, mask), out_scale)
 
 
 class ReluSquaredMLP(nn.Module):

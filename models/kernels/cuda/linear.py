@@ -53,9 +53,10 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, HAS_BIAS: tl.constexpr,
-                     SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_OUT: tl.constexpr,
-                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, scale,
+                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     NORM_OUT: tl.constexpr, EVEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -108,6 +109,8 @@ if triton is not None:
             y += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)
         if SWIGLU:
             y = y / (1.0 + tl.exp(-y)) * y_up
+        if SCALE:  # `F.linear(...) * scale` as torch rounds it: the output in its dtype, then the product
+            y = y.to(out.dtype.element_ty).to(tl.float32) * scale
         tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
 
 
@@ -188,10 +191,11 @@ def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.
 
 def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
          config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None,
-         normed_out: torch.Tensor | None = None) -> torch.Tensor:
+         normed_out: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one), any float dtype; w [N, K] with contiguous
     rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32).
-    normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there."""
+    normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there.
+    scale: the output times it, with torch's roundings (gemv(...) * scale: the same bits)."""
     N, K = w.shape
     if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or
                                      (x._h is not None and normed_out is None)):
@@ -205,8 +209,8 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
     launch(_gemv_kernel, (cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
-        normed_out if normed_out is not None and pre is not None else out,
+        normed_out if normed_out is not None and pre is not None else out, 1.0 if scale is None else float(scale),
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
-        NORM_OUT=normed_out is not None and pre is not None, EVEN=K % bk == 0 and n_out % bn == 0, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
+        NORM_OUT=normed_out is not None and pre is not None, EVEN=K % bk == 0 and n_out % bn == 0,
+        SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
     return out

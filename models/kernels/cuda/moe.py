@@ -227,7 +227,14 @@ if triton is not None:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, I: tl.constexpr,
+    def _routed_plus_shared(y, shared, n, nm, scale, out):
+        """SHARED == 3 (Granite's): (routed + shared) * scale as torch rounds it, from the routed
+        sum's fp32 y: the sum in out's dtype, plus the shared MLP's output, rounded, times scale."""
+        r = y.to(out.dtype.element_ty).to(tl.float32) + tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
+        return r.to(out.dtype.element_ty).to(tl.float32) * scale
+
+    @triton.jit
+    def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, scale, I: tl.constexpr,
                      H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,7 +244,9 @@ if triton is not None:
         for k in tl.static_range(TOP_K):
             e = tl.load(idx + k).to(tl.int64)
             y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
-        if SHARED > 0:
+        if SHARED == 3:
+            y = _routed_plus_shared(y, shared, n, nm, scale, out)
+        elif SHARED > 0:
             sg = tl.load(shared_gate).to(tl.float32)
             if SHARED == 1:  # the shared expert's output, computed apart
                 s = tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
@@ -247,7 +256,7 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _down_wide_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, I: tl.constexpr,
+    def _down_wide_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, scale, I: tl.constexpr,
                           H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """_down_kernel with the experts as one more tile dimension: a step loads BLOCK_K columns of
@@ -276,7 +285,7 @@ if triton is not None:
             acc += wv.to(tl.float32) * hv
         part = tl.sum(acc, axis=2)
         wk = tl.load(weights + j, mask=j < TOP_K, other=0.0)
-        if SHARED > 0:
+        if SHARED == 1 or SHARED == 2:
             sg = tl.load(shared_gate).to(tl.float32)
             gate = 1.0 / (1.0 + tl.exp(-sg))
             if SHARED == 2:
@@ -284,6 +293,8 @@ if triton is not None:
         y = tl.sum(part * wk[:, None], axis=0)
         if SHARED == 1:
             y += tl.load(shared + n, mask=nm, other=0.0).to(tl.float32) * gate
+        elif SHARED == 3:
+            y = _routed_plus_shared(y, shared, n, nm, scale, out)
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
 
@@ -416,15 +427,16 @@ WIDE_MAX_I = 2048
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-            config=None) -> torch.Tensor:
+            config=None, scale: float = 1.0) -> torch.Tensor:
     """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
     int64, weights [1, k] fp32. The shared expert, where there is one: shared_gate [1, 1] (its
     gate's logit) and either its weights, shared_gate_up [2I, H] and shared_down [H, I] (the same
     I: it runs as one more program of each launch), or its output `shared` [1, H]. Returns [1, H]
-    in x's dtype. `config`: pick_config's pair by default."""
+    in x's dtype. `shared` without shared_gate (Granite's shared MLP): (routed + shared) * scale,
+    rounded as torch rounds those two operations. `config`: pick_config's pair by default."""
     gu_config, down_config = config or pick_config(gate_up.shape[2], down.shape[2])
     h = experts_gate_up(x, gate_up, idx, shared_gate_up, gu_config)
-    return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, down_config)
+    return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, down_config, scale)
 
 
 def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
@@ -444,22 +456,24 @@ def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
 
 def experts_down(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                  out_dtype: torch.dtype, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-                 shared_down: torch.Tensor | None = None, config=None) -> torch.Tensor:
+                 shared_down: torch.Tensor | None = None, config=None, scale: float = 1.0) -> torch.Tensor:
     """The second launch of `experts`: sum_k w_k down_e(h_k) [1, H] in out_dtype, from any h [k, I]
     fp32 (qplanar.experts' too), the shared expert's as `experts` takes it (shared_down: its
-    intermediate is h's row k)."""
+    intermediate is h's row k; `shared` without shared_gate: added after the sum, then `scale`)."""
     E, H, I = down.shape
     k = idx.shape[-1]
     block_n, block_k, warps, unroll, *wide = config or pick_config(H, I)[1]
-    mode = 2 if shared_down is not None else 1 if shared is not None else 0
+    mode = 2 if shared_down is not None else 0 if shared is None else 1 if shared_gate is not None else 3
+    assert mode == 3 or scale == 1.0, "scale: only with an ungated shared output"
     out = torch.empty(1, H, dtype=out_dtype, device=h.device)
+    plain = shared if mode in (1, 3) else h
+    gate = shared_gate if mode in (1, 2) else h
     if wide and wide[0]:
-        launch(_down_wide_kernel, (cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
-               shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H,
-               TOP_K=k, SHARED=mode, SLOTS=next_pow2(k + (mode == 2)), BLOCK_N=block_n,
-               BLOCK_K=block_k, num_warps=warps, **cuda_base.pdl(h))
+        launch(_down_wide_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if mode == 2 else down,
+               gate, out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode,
+               SLOTS=next_pow2(k + (mode == 2)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **cuda_base.pdl(h))
         return out
-    launch(_down_kernel, (cdiv(H, block_n),), h, down, idx, weights, shared if mode == 1 else h,
-           shared_down if mode == 2 else down, shared_gate if mode else h, out, down.stride(0), I=I, H=H, TOP_K=k,
-           SHARED=mode, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
+    launch(_down_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if mode == 2 else down, gate,
+           out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode, BLOCK_N=block_n, BLOCK_K=block_k,
+           UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
     return out
