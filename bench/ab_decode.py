@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.architectures import layers  # noqa: E402
+from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
@@ -53,14 +53,16 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
-                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE)
+                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
+                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
     "nopipeline": dict(pipeline=False),
-    "apartscale": dict(fusedscale=False),  # Granite's residual multiplier as torch's products
+    "apartscale": dict(fusedscale=False, sharedexperts=False),  # Granite's residual multiplier as torch's products
+    "sharedapart": dict(sharedexperts=False),  # Granite's shared MLP as its own GEMVs
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "prologue1": dict(prologue=1 << 20),
@@ -107,7 +109,7 @@ def apply(variant: str) -> None:
     # the qw*s variants (not read in one step): steps of their own size, as set R measured them
     # (qlinear.whole_step picks the one-step widths only for matrices read whole)
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
-    layers.FUSED_SCALE = v["fusedscale"]
+    layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

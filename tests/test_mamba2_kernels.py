@@ -139,16 +139,19 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkey
     """Granite's residual multiplier (0.5 here) in the out projections' GEMV epilogue and, with the
     routed and shared MLPs' sum, in the experts' down launch (layers.scaled_linear,
     RoutedExperts.forward), against torch's products after them (layers.FUSED_SCALE off): the same
-    logits bit for bit over a prefill, a later turn's prefill and decode steps; the fused forms ran."""
+    logits bit for bit over a prefill, a later turn's prefill and decode steps; the fused forms ran.
+    The shared MLP as more experts (SHARED_AS_EXPERTS, its sum in fp32) stays within bf16 steps of
+    them, and takes two launches fewer a layer."""
     from engine.session import DecodeSession
-    from models.architectures import layers
+    from models.architectures import granitemoehybrid, layers
     from models.kernels.cuda import linear, moe
     _, lm, _ = gpu_granite
     calls = []
     for mod, name in ((linear, "gemv"), (moe, "experts")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: calls.append(
-            name if k.get("scale") not in (None, 1.0) else "") or real(*a, **k))
+            (name if k.get("scale") not in (None, 1.0) else "") + ("/parts" if k.get("shared_down") is not None
+                                                                      else "")) or real(*a, **k))
 
     def run():
         s = DecodeSession(lm.model, max_context=256, device=torch.device("cuda"), dtype=torch.bfloat16,
@@ -156,13 +159,21 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkey
         rows = [s.prefill(list(range(3, 70)))[-1], s.prefill(list(range(5, 30)))[-1]]
         return torch.stack(rows + [s.step(t)[-1] for t in (5, 6, 7, 8)])
 
+    parts = run()
+    assert {"gemv", "experts/parts"} <= set(calls)
+    n_parts = len(calls)
+    monkeypatch.setattr(granitemoehybrid, "SHARED_AS_EXPERTS", False)
+    calls.clear()
     fused = run()
-    assert {"gemv", "experts"} <= set(calls)
+    assert {"gemv", "experts"} <= set(calls) and "experts/parts" not in calls
+    assert len(calls) > n_parts  # (the shared MLP's two GEMVs a layer)
     calls.clear()
     monkeypatch.setattr(layers, "FUSED_SCALE", False)
     apart = run()
     assert not set(calls) - {""}
     assert torch.equal(fused, apart)
+    assert torch.equal(parts[:2], apart[:2])  # (prefill: the torch forms either way)
+    assert float((parts - apart).abs().max()) <= 2 ** -6 * float(apart.abs().max())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
@@ -197,14 +208,20 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         (moe._place_kernel, dict(x="*bf16", idx="*i64", base="*i32", starts="*i32", xs="*bf16", inv="*i64", P="i32",
                                  E="i32", stride_x="i32"), dict(H=1536, TOP_K=6, SUB=64, BLOCK_H=128, PDL=True)),
         (moe._gate_up_kernel, dict(x="*bf16", w="*bf16", idx="*i64", h="*fp32", shared_w="*bf16", stride_e="i32"),
-         dict(I=512, H=1536, TOP_K=6, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
+         dict(I=512, H=1536, TOP_K=6, SF=1024, BLOCK_N=4, BLOCK_K=512, UNROLL=1, PDL=True)),
         (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
                                 shared_gate="*bf16", out="*bf16", stride_e="i32", scale="fp32"),
-         dict(I=512, H=1536, TOP_K=6, SHARED=0, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
-        # Granite's: the shared MLP's output added to the routed sum, then the residual multiplier
-        (moe._down_wide_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16",
-                                     shared_w="*bf16", shared_gate="*fp32", out="*bf16", stride_e="i32", scale="fp32"),
-         dict(I=512, H=1536, TOP_K=6, SHARED=3, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=True)),
+         dict(I=512, H=1536, TOP_K=6, SHARED=0, SF=512, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
+        # Granite's: the shared MLP's output added to the routed sum, then the residual multiplier; its
+        # weights as two more experts (shared size 1024), the sum times the multiplier
+        *((moe._down_wide_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16",
+                                       shared_w="*bf16", shared_gate="*fp32", out="*bf16", stride_e="i32",
+                                       scale="fp32"),
+           dict(I=512, H=1536, TOP_K=6, SHARED=mode, SF=1024, SLOTS=8, BLOCK_N=8, BLOCK_K=256, PDL=True))
+          for mode in (3, 4)),
+        (moe._down_kernel, dict(h="*fp32", w="*bf16", idx="*i64", weights="*fp32", shared="*bf16", shared_w="*bf16",
+                                shared_gate="*bf16", out="*bf16", stride_e="i32", scale="fp32"),
+         dict(I=512, H=1536, TOP_K=6, SHARED=4, SF=1024, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
         # the router's GEMV with the norm in its prologue, writing the normed row (linear.gemv_and_row)
         (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
                                    res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16",

@@ -68,6 +68,7 @@ INTERPRETED = r"""
 import sys, torch
 import torch.nn.functional as F
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from models.architectures import layers
 from models.kernels.cuda import moe as kernels
 from test_moe_kernels import layer
 for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, False), (16, 72, 40, 5, 24, True),
@@ -101,6 +102,22 @@ for E, H, I, k, shared, norm in [(8, 64, 32, 3, 48, True), (6, 40, 24, 2, 0, Fal
     routed = kernels.experts(xb, gu, dn, idx, w, **blocks)
     got = kernels.experts(xb, gu, dn, idx, w, plain, scale=0.22, **blocks)
     assert torch.equal(got, (routed + plain) * 0.22)
+    # Granite's shared MLP (twice and once the experts' width) as that many more experts of both
+    # launches, weight 1, the whole sum times the multiplier; and gated (Qwen3.5's form, two parts)
+    for parts in (1, 2):
+        mlp = layers.SwiGLU(H, parts * I)
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        sgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).data
+        routed = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, **blocks)
+        got = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, shared_gate_up=sgu,
+                              shared_down=mlp.down_proj.weight.data, scale=0.22, **blocks)
+        assert (got - (routed + mlp(x)) * 0.22).abs().max() <= 1e-5
+        logit = torch.randn(1, 1)
+        got = kernels.experts(x, m.experts.gate_up_proj.data, m.experts.down_proj.data, idx, w, shared_gate=logit,
+                              shared_gate_up=sgu, shared_down=mlp.down_proj.weight.data, **blocks)
+        assert (got - (routed + torch.sigmoid(logit) * mlp(x))).abs().max() <= 1e-5
 # the grouped prefill's kernels: the SwiGLU between its GEMMs and the weighted sum after them
 from models.kernels.cuda import base
 gu = torch.randn(37, 2 * 1500)

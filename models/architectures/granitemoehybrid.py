@@ -13,6 +13,7 @@ multi-token forward as two grouped GEMMs.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from ..kernels.cuda import base as cuda_base, moe as cuda_moe
 from .causal_lm import Body, CausalLM
 from . import layers
-from .layers import Residual, RMSNorm, Rope, SwiGLU, add_norm
+from .layers import FusedLinear, Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .mamba2 import Mamba2Mixer
 from .nemotron_h import Attention, float_value, layer_kinds
 from . import moe
@@ -105,23 +106,53 @@ class RoutedExperts(nn.Module):
         self.router = Router(cfg.num_experts, cfg.hidden_size, cfg.experts_per_tok, cfg.norm_topk_prob)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
-    def forward(self, x, shared: torch.Tensor, scale: float):
-        """(experts(x) + shared) * scale: `shared` the shared MLP's output, `scale` the residual
-        multiplier, each operation rounded as torch rounds it. One token on CUDA: the router's GEMV
-        (rounded to x's dtype, as the torch form), the top k on the device, the chosen experts read
-        where they are stored, the sum with `shared` and the product in the last launch's epilogue
-        (bf16 experts; quantized ones add and scale in torch)."""
+    def forward(self, x, shared_mlp: SwiGLU, scale: float):
+        """(experts(x) + shared_mlp(x)) * scale (`scale`: the residual multiplier), each operation
+        rounded as torch rounds it. One token on CUDA: the router's GEMV (rounded to x's dtype, as
+        the torch form), the top k on the device, the chosen experts read where they are stored.
+        With bf16 experts, the sum and the product in the last launch's epilogue; and where the
+        shared MLP's width is a multiple of the experts' (SHARED_AS_EXPERTS), its weights as that
+        many more experts of both launches (two GEMV launches fewer), the sum then in fp32, rounded
+        once. Quantized experts add and scale in torch."""
         if cuda_base.usable(x) and moe.decode_serves(self.experts):
             _, x, idx, weights = self.router.decode_cuda(x.contiguous())
-            if (layers.FUSED_SCALE and isinstance(self.experts, Experts) and shared.dtype == x.dtype
-                    and shared.is_contiguous()):
-                return cuda_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, idx, weights,
-                                        shared, scale=scale)
+            if layers.FUSED_SCALE and isinstance(self.experts, Experts):
+                ex = self.experts
+                parts = shared_parts(shared_mlp, ex) if SHARED_AS_EXPERTS else None
+                if parts is not None:
+                    return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate_up=parts[0],
+                                            shared_down=parts[1], scale=scale)
+                shared = shared_mlp(x)
+                if shared.dtype == x.dtype and shared.is_contiguous():
+                    return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, scale=scale)
+                return (moe.decode_experts(x, ex, idx, weights) + shared) * scale
+            shared = shared_mlp(x)
             out = moe.decode_experts(x, self.experts, idx, weights) + shared
         else:
+            shared = shared_mlp(x)
             idx, weights = self.router(x)
             out = self.experts(x, idx, weights) + shared  # many tokens: grouped GEMMs where they serve (moe.py)
         return out * scale
+
+
+# CHAT_SHARED_AS_EXPERTS=0: the shared MLP as its own two GEMVs in a one-token step, its output
+# added in the experts' down launch (the A/B of bench/ab_decode.py's variant sharedapart)
+SHARED_AS_EXPERTS = os.environ.get("CHAT_SHARED_AS_EXPERTS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def shared_parts(mlp: SwiGLU, ex: Experts) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """(the shared MLP's [gate; up] weight [2F, H], its down weight [H, F]) where the experts'
+    decode launches take it as F / I more experts: fused (one [gate; up] weight), plain Linears of
+    the experts' dtype, contiguous, F a multiple of the experts' width I; else None."""
+    gu, dn = getattr(mlp, "gate_up_proj", None), mlp.down_proj
+    I = ex.down_proj.shape[2]
+    if not (type(gu) is FusedLinear and type(dn) is Linear and gu.bias is None and dn.bias is None):
+        return None
+    w, d = gu.weight, dn.weight
+    if (w.dtype != ex.gate_up_proj.dtype or d.dtype != w.dtype or not w.is_contiguous() or not d.is_contiguous()
+            or w.shape[1] != ex.gate_up_proj.shape[2] or (w.shape[0] // 2) % I or d.shape[1] != w.shape[0] // 2):
+        return None
+    return w, d
 
 
 class GraniteHybridLayer(nn.Module):
@@ -156,10 +187,9 @@ class GraniteHybridLayer(nn.Module):
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask, out_scale=self.rm)
         x, h = add_norm(Residual(x, h), self.post_attention_layernorm)
-        out = self.shared_mlp(h)
         if hasattr(self, "block_sparse_moe"):
-            return Residual(x, self.block_sparse_moe(h, out, self.rm))
-        return Residual(x, out * self.rm)
+            return Residual(x, self.block_sparse_moe(h, self.shared_mlp, self.rm))
+        return Residual(x, self.shared_mlp(h) * self.rm)
 
 
 class GraniteHybridForCausalLM(CausalLM):

@@ -190,16 +190,22 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, w, idx, h, shared_w, stride_e, I: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
-        k = tl.program_id(0)  # TOP_K: the shared expert (when the launch has that program)
+                        SF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                        PDL: tl.constexpr):
+        """Program k < TOP_K: the k-th chosen expert; k >= TOP_K: part k - TOP_K of the shared
+        expert (its I gate rows from row (k - TOP_K) I of shared_w [2 SF, H], its up rows SF below:
+        a shared expert of SF = S I in S parts of the experts' size, each as one more expert)."""
+        k = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < I
         _pdl_enter(PDL)
         if k < TOP_K:
             e = tl.load(idx + k).to(tl.int64)
             rows = w + e * stride_e + n[:, None] * H  # gate rows; the up rows sit I rows below
+            up = I * H
         else:
-            rows = shared_w + n[:, None] * H
+            rows = shared_w + ((k - TOP_K) * I + n[:, None]) * H
+            up = SF * H
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, loop_unroll_factor=UNROLL):
@@ -208,21 +214,21 @@ if triton is not None:
             xv = tl.load(x + kk, mask=km, other=0.0).to(tl.float32)
             m = nm[:, None] & km[None, :]
             acc_g += tl.load(rows + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
-            acc_u += tl.load(rows + I * H + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
+            acc_u += tl.load(rows + up + kk[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :]
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
         tl.store(h + k * I + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.jit
-    def _down_rows(h, rows, n, nm, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UNROLL: tl.constexpr):
-        """sum_j rows[n, j] * h[j] for the program's rows, in fp32."""
+    def _down_rows(h, rows, n, nm, I: tl.constexpr, STRIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+        """sum_j rows[n, j] * h[j] for the program's rows (STRIDE apart), j < I, in fp32."""
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < I
             hv = tl.load(h + kk, mask=km, other=0.0)
-            wv = tl.load(rows + n[:, None] * I + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            wv = tl.load(rows + n[:, None] * STRIDE + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc += wv.to(tl.float32) * hv[None, :]
         return tl.sum(acc, axis=1)
 
@@ -235,45 +241,57 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, scale, I: tl.constexpr,
-                     H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+                     H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SF: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+        """SHARED: 0 none; 1 the shared expert's output, times sigmoid(its gate logit); 2 its
+        weights, shared_w [H, SF] (SF = S I), as S more experts (h's rows TOP_K ..), times that
+        sigmoid; 3 an ungated output added to the rounded routed sum, then times `scale`, each
+        rounded (torch's form); 4 the weights as in 2 with weight 1, the whole sum times `scale`."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < H
         _pdl_enter(PDL)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             e = tl.load(idx + k).to(tl.int64)
-            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
+            y += tl.load(weights + k) * _down_rows(h + k * I, w + e * stride_e, n, nm, I, I, BLOCK_N, BLOCK_K,
+                                                   UNROLL)
         if SHARED == 3:
             y = _routed_plus_shared(y, shared, n, nm, scale, out)
         elif SHARED > 0:
-            sg = tl.load(shared_gate).to(tl.float32)
             if SHARED == 1:  # the shared expert's output, computed apart
                 s = tl.load(shared + n, mask=nm, other=0.0).to(tl.float32)
-            else:  # its intermediate is row TOP_K of h: its down rows here
-                s = _down_rows(h + TOP_K * I, shared_w, n, nm, I, BLOCK_N, BLOCK_K, UNROLL)
-            y += s / (1.0 + tl.exp(-sg))
+            else:  # its parts' intermediates are rows TOP_K .. of h: their down rows here
+                s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for p in tl.static_range(SF // I):
+                    s += _down_rows(h + (TOP_K + p) * I, shared_w + p * I, n, nm, I, SF, BLOCK_N, BLOCK_K, UNROLL)
+            if SHARED == 4:
+                y = (y + s) * scale
+            else:
+                y += s / (1.0 + tl.exp(-tl.load(shared_gate).to(tl.float32)))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
     def _down_wide_kernel(h, w, idx, weights, shared, shared_w, shared_gate, out, stride_e, scale, I: tl.constexpr,
-                          H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SLOTS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          H: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SF: tl.constexpr,
+                          SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """_down_kernel with the experts as one more tile dimension: a step loads BLOCK_K columns of
-        the program's rows of every chosen expert (the shared one too where SHARED == 2) at once,
+        the program's rows of every chosen expert (the shared one's parts too where SHARED is 2 or 4) at once,
         so each thread has several 16-byte loads in flight where the expert-by-expert loop had one
         short load (at I = 768, 2 bf16 a thread a step)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < H
         j = tl.arange(0, SLOTS)
-        NS: tl.constexpr = TOP_K + (SHARED == 2)
+        PARTS: tl.constexpr = SHARED == 2 or SHARED == 4
+        NS: tl.constexpr = TOP_K + (SF // I if PARTS else 0)
         jm = j < NS
         _pdl_enter(PDL)
         e = tl.load(idx + j, mask=j < TOP_K, other=0).to(tl.int64)
-        if SHARED == 2:
-            base = tl.where(j < TOP_K, w + e * stride_e, shared_w)
+        if PARTS:  # the shared expert's part j - TOP_K: columns (j - TOP_K) I .. of its rows, SF apart
+            base = tl.where(j < TOP_K, w + e * stride_e, shared_w + (j - TOP_K) * I)
+            row_off = n[None, :, None] * tl.where(j < TOP_K, I, SF)[:, None, None]
         else:
             base = w + e * stride_e
+            row_off = n[None, :, None] * I
         acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.static_range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -281,7 +299,7 @@ if triton is not None:
             hv = tl.load(h + j[:, None, None] * I + kk[None, None, :], mask=jm[:, None, None] & km[None, None, :],
                          other=0.0)
             m = jm[:, None, None] & nm[None, :, None] & km[None, None, :]
-            wv = tl.load(base[:, None, None] + n[None, :, None] * I + kk[None, None, :], mask=m, other=0.0)
+            wv = tl.load(base[:, None, None] + row_off + kk[None, None, :], mask=m, other=0.0)
             acc += wv.to(tl.float32) * hv
         part = tl.sum(acc, axis=2)
         wk = tl.load(weights + j, mask=j < TOP_K, other=0.0)
@@ -289,12 +307,16 @@ if triton is not None:
             sg = tl.load(shared_gate).to(tl.float32)
             gate = 1.0 / (1.0 + tl.exp(-sg))
             if SHARED == 2:
-                wk = tl.where(j == TOP_K, gate, wk)
+                wk = tl.where((j >= TOP_K) & jm, gate, wk)
+        if SHARED == 4:
+            wk = tl.where((j >= TOP_K) & jm, 1.0, wk)
         y = tl.sum(part * wk[:, None], axis=0)
         if SHARED == 1:
             y += tl.load(shared + n, mask=nm, other=0.0).to(tl.float32) * gate
         elif SHARED == 3:
             y = _routed_plus_shared(y, shared, n, nm, scale, out)
+        elif SHARED == 4:
+            y = y * scale
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
 
@@ -431,9 +453,10 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: tor
     """x [1, H]; gate_up [E, 2I, H] (gate rows first), down [E, H, I], both contiguous; idx [1, k]
     int64, weights [1, k] fp32. The shared expert, where there is one: shared_gate [1, 1] (its
     gate's logit) and either its weights, shared_gate_up [2I, H] and shared_down [H, I] (the same
-    I: it runs as one more program of each launch), or its output `shared` [1, H]. Returns [1, H]
-    in x's dtype. `shared` without shared_gate (Granite's shared MLP): (routed + shared) * scale,
-    rounded as torch rounds those two operations. `config`: pick_config's pair by default."""
+    I, or a multiple S I: it runs as S more programs of each launch), or its output `shared` [1, H].
+    Returns [1, H] in x's dtype. Without shared_gate (Granite's shared MLP): `shared`, (routed +
+    shared) * scale, rounded as torch rounds those two operations; its weights, (routed + shared) *
+    scale summed in fp32 and rounded once. `config`: pick_config's pair by default."""
     gu_config, down_config = config or pick_config(gate_up.shape[2], down.shape[2])
     h = experts_gate_up(x, gate_up, idx, shared_gate_up, gu_config)
     return experts_down(h, down, idx, weights, x.dtype, shared, shared_gate, shared_down, down_config, scale)
@@ -441,15 +464,18 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: tor
 
 def experts_gate_up(x: torch.Tensor, gate_up: torch.Tensor, idx: torch.Tensor,
                     shared_gate_up: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """The first launch of `experts`: h [k (+1 with shared_gate_up), I] fp32, silu(gate) * up of
-    each chosen expert (then the shared one's)."""
+    """The first launch of `experts`: h [k (+ S with shared_gate_up), I] fp32, silu(gate) * up of
+    each chosen expert, then of the shared expert's S parts (shared_gate_up [2 S I, H], contiguous:
+    its gate rows, then its up rows, as stored; part p the rows p I .. of each)."""
     E, I2, H = gate_up.shape
     I, k = I2 // 2, idx.shape[-1]
     block_n, block_k, warps, unroll = config or pick_config(H, I)[0]
-    extra = shared_gate_up is not None
+    sf = shared_gate_up.shape[0] // 2 if shared_gate_up is not None else I
+    assert sf % I == 0, "the shared expert's size: a multiple of the experts'"
+    extra = sf // I if shared_gate_up is not None else 0
     h = torch.empty(k + extra, I, dtype=torch.float32, device=x.device)
     launch(_gate_up_kernel, (k + extra, cdiv(I, block_n)), x, gate_up, idx, h,
-           shared_gate_up if extra else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, BLOCK_N=block_n,
+           shared_gate_up if extra else gate_up, gate_up.stride(0), I=I, H=H, TOP_K=k, SF=sf, BLOCK_N=block_n,
            BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(x))
     return h
 
@@ -458,22 +484,26 @@ def experts_down(h: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, weights
                  out_dtype: torch.dtype, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
                  shared_down: torch.Tensor | None = None, config=None, scale: float = 1.0) -> torch.Tensor:
     """The second launch of `experts`: sum_k w_k down_e(h_k) [1, H] in out_dtype, from any h [k, I]
-    fp32 (qplanar.experts' too), the shared expert's as `experts` takes it (shared_down: its
-    intermediate is h's row k; `shared` without shared_gate: added after the sum, then `scale`)."""
+    fp32 (qplanar.experts' too), the shared expert's as `experts` takes it (shared_down [H, S I],
+    contiguous: its S parts' intermediates are h's rows k ..; `shared` without shared_gate: added after
+    the sum, then `scale`; shared_down without shared_gate: weight 1, the whole sum times `scale`)."""
     E, H, I = down.shape
     k = idx.shape[-1]
     block_n, block_k, warps, unroll, *wide = config or pick_config(H, I)[1]
-    mode = 2 if shared_down is not None else 0 if shared is None else 1 if shared_gate is not None else 3
-    assert mode == 3 or scale == 1.0, "scale: only with an ungated shared output"
+    gated = shared_gate is not None
+    mode = (2 if gated else 4) if shared_down is not None else 0 if shared is None else 1 if gated else 3
+    assert mode in (3, 4) or scale == 1.0, "scale: only with an ungated shared expert"
+    sf = shared_down.shape[1] if shared_down is not None else I
     out = torch.empty(1, H, dtype=out_dtype, device=h.device)
     plain = shared if mode in (1, 3) else h
-    gate = shared_gate if mode in (1, 2) else h
+    gate = shared_gate if gated else h
+    parts = sf // I if mode in (2, 4) else 0
     if wide and wide[0]:
-        launch(_down_wide_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if mode == 2 else down,
-               gate, out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode,
-               SLOTS=next_pow2(k + (mode == 2)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **cuda_base.pdl(h))
+        launch(_down_wide_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if parts else down,
+               gate, out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode, SF=sf,
+               SLOTS=next_pow2(k + parts), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **cuda_base.pdl(h))
         return out
-    launch(_down_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if mode == 2 else down, gate,
-           out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode, BLOCK_N=block_n, BLOCK_K=block_k,
-           UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
+    launch(_down_kernel, (cdiv(H, block_n),), h, down, idx, weights, plain, shared_down if parts else down, gate,
+           out, down.stride(0), float(scale), I=I, H=H, TOP_K=k, SHARED=mode, SF=sf, BLOCK_N=block_n,
+           BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, **cuda_base.pdl(h))
     return out
