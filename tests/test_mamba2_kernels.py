@@ -140,12 +140,13 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkey
     routed and shared MLPs' sum, in the experts' down launch (layers.scaled_linear,
     RoutedExperts.forward), against torch's products after them (layers.FUSED_SCALE off): the same
     logits bit for bit over a prefill, a later turn's prefill and decode steps; the fused forms ran.
-    The shared MLP as more experts (SHARED_AS_EXPERTS, its sum in fp32) stays within bf16 steps of
-    them, and takes two launches fewer a layer."""
+    The shared MLP as more experts (SHARED_AS_EXPERTS, its sum in fp32, rounded once) stays as
+    close to the CPU's fp32 model as the bf16 forward is held to (the session-start test's bound),
+    and takes two launches fewer a layer."""
     from engine.session import DecodeSession
     from models.architectures import granitemoehybrid, layers
     from models.kernels.cuda import linear, moe
-    _, lm, _ = gpu_granite
+    _, lm, lm_cpu = gpu_granite
     calls = []
     for mod, name in ((linear, "gemv"), (moe, "experts")):
         real = getattr(mod, name)
@@ -153,11 +154,10 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkey
             (name if k.get("scale") not in (None, 1.0) else "") + ("/parts" if k.get("shared_down") is not None
                                                                       else "")) or real(*a, **k))
 
-    def run():
-        s = DecodeSession(lm.model, max_context=256, device=torch.device("cuda"), dtype=torch.bfloat16,
-                          cuda_graph="off")
+    def run(model=lm.model, device="cuda", dtype=torch.bfloat16):
+        s = DecodeSession(model, max_context=256, device=torch.device(device), dtype=dtype, cuda_graph="off")
         rows = [s.prefill(list(range(3, 70)))[-1], s.prefill(list(range(5, 30)))[-1]]
-        return torch.stack(rows + [s.step(t)[-1] for t in (5, 6, 7, 8)])
+        return torch.stack(rows + [s.step(t)[-1] for t in (5, 6, 7, 8)]).float().cpu()
 
     parts = run()
     assert {"gemv", "experts/parts"} <= set(calls)
@@ -173,7 +173,10 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkey
     assert not set(calls) - {""}
     assert torch.equal(fused, apart)
     assert torch.equal(parts[:2], apart[:2])  # (prefill: the torch forms either way)
-    assert float((parts - apart).abs().max()) <= 2 ** -6 * float(apart.abs().max())
+    ref = run(lm_cpu.model, "cpu", torch.float32)
+    bound = 0.05 * max(1.0, float(ref.abs().max()))
+    errs = [float((got - ref).abs().max()) for got in (parts, apart)]
+    assert max(errs) <= bound, (errs, bound)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
