@@ -135,18 +135,23 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
 
 
 @pytest.mark.gpu
-def test_residual_multiplier_in_the_epilogues_changes_no_bit(gpu_granite, monkeypatch):
+def test_residual_multiplier_in_the_epilogues_changes_no_bit(tmp_path, monkeypatch):
     """Granite's residual multiplier (0.5 here) in the out projections' GEMV epilogue and, with the
     routed and shared MLPs' sum, in the experts' down launch (layers.scaled_linear,
     RoutedExperts.forward), against torch's products after them (layers.FUSED_SCALE off): the same
     logits bit for bit over a prefill, a later turn's prefill and decode steps; the fused forms ran.
     The shared MLP as more experts (SHARED_AS_EXPERTS, its sum in fp32, rounded once) stays as
     close to the CPU's fp32 model as the bf16 forward is held to (the session-start test's bound),
-    and takes two launches fewer a layer."""
+    and takes two launches fewer a layer. (The shared MLP twice the experts' width, as in
+    Granite-4.0-H-Tiny, so that it splits into experts.)"""
+    import models
     from engine.session import DecodeSession
     from models.architectures import granitemoehybrid, layers
     from models.kernels.cuda import linear, moe
-    _, lm, lm_cpu = gpu_granite
+    from tiny import write_checkpoint
+    path = write_checkpoint("granitemoehybrid", str(tmp_path), hidden_size=96, mamba_d_head=32, mamba_n_heads=6,
+                            shared_intermediate_size=64)  # (the experts: 32 wide)
+    lm, lm_cpu = models.load(path, "cuda", torch.bfloat16), models.load(path)
     calls = []
     for mod, name in ((linear, "gemv"), (moe, "experts")):
         real = getattr(mod, name)
