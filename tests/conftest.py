@@ -7,6 +7,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process under Triton's interpreter
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from interpreted import PRELUDE
+        exec(PRELUDE)  # (a loop over a runtime bound, under NumPy >= 2.4: interpreted.py)
+
 
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, moe as cuda_moe
+from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
 from .causal_lm import Body, CausalLM
 from . import layers
 from .layers import FusedLinear, Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
@@ -113,9 +113,12 @@ class RoutedExperts(nn.Module):
         With bf16 experts, the sum and the product in the last launch's epilogue; and where the
         shared MLP's width is a multiple of the experts' (SHARED_AS_EXPERTS), its weights as that
         many more experts of both launches (two GEMV launches fewer), the sum then in fp32, rounded
-        once. Quantized experts add and scale in torch."""
+        once. Quantized experts add and scale in torch. x may be a NormedRow (one token on CUDA:
+        the layer's norm in the router GEMV's prologue, which writes the normed row the experts
+        read)."""
+        row = isinstance(x, cuda_linear.NormedRow)
         if cuda_base.usable(x) and moe.decode_serves(self.experts):
-            _, x, idx, weights = self.router.decode_cuda(x.contiguous())
+            _, x, idx, weights = self.router.decode_cuda(x if row else x.contiguous())
             if layers.FUSED_SCALE and isinstance(self.experts, Experts):
                 ex = self.experts
                 parts = shared_parts(shared_mlp, ex) if SHARED_AS_EXPERTS else None
@@ -129,11 +132,16 @@ class RoutedExperts(nn.Module):
             shared = shared_mlp(x)
             out = moe.decode_experts(x, self.experts, idx, weights) + shared
         else:
+            x = x.materialize() if row else x
             shared = shared_mlp(x)
             idx, weights = self.router(x)
             out = self.experts(x, idx, weights) + shared  # many tokens: grouped GEMMs where they serve (moe.py)
         return out * scale
 
+
+# CHAT_GRANITE_DEFER_NORM=0: the norm before the MLPs in its own add_rms_norm launch, not in the
+# prologue of the router's GEMV (or the shared MLP's gate/up; bench/ab_decode.py's normapart)
+DEFER_MLP_NORM = os.environ.get("CHAT_GRANITE_DEFER_NORM", "1").lower() not in ("0", "false", "off", "no")
 
 # CHAT_SHARED_AS_EXPERTS=0: the shared MLP as its own two GEMVs in a one-token step, its output
 # added in the experts' down launch (the A/B of bench/ab_decode.py's variant sharedapart)
@@ -186,7 +194,8 @@ class GraniteHybridLayer(nn.Module):
             h = self.mamba(h, state.fixed(i), out_scale=self.rm)
         else:
             h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask, out_scale=self.rm)
-        x, h = add_norm(Residual(x, h), self.post_attention_layernorm)
+        # the routed experts' router, or the shared MLP, reads h through a linear first (defer: add_norm)
+        x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=DEFER_MLP_NORM)
         if hasattr(self, "block_sparse_moe"):
             return Residual(x, self.block_sparse_moe(h, self.shared_mlp, self.rm))
         return Residual(x, self.shared_mlp(h) * self.rm)
