@@ -6,7 +6,8 @@ percent would otherwise swamp the differences being measured).
 For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
 whether its tokens equal the first's. Variants: base (the defaults), stepapart (a Mamba2 step's
-conv and group norm in launches of their own, not in its projections' GEMVs), normapart
+conv and group norm in launches of their own, not in its projections' GEMVs; convapart,
+gnormapart: one of them), normapart
 (Granite's norm before the MLPs in its own launch), bothapart (both), nopipeline (the greedy
 decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
@@ -56,7 +57,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
-                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, mambastep=mamba2.FUSED_STEP,
+                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, mambaconv=mamba2.FUSED_CONV, mambanorm=mamba2.FUSED_NORM,
                 defernorm=granitemoehybrid.DEFER_MLP_NORM)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
@@ -66,9 +67,11 @@ VARIANTS = {
     "nopipeline": dict(pipeline=False),
     "apartscale": dict(fusedscale=False, sharedexperts=False),  # Granite's residual multiplier as torch's products
     "sharedapart": dict(sharedexperts=False),  # Granite's shared MLP as its own GEMVs
-    "stepapart": dict(mambastep=False),  # a Mamba2 step's conv and group norm in launches of their own
+    "stepapart": dict(mambaconv=False, mambanorm=False),  # a Mamba2 step's conv and group norm in launches of their own
+    "convapart": dict(mambaconv=False),
+    "gnormapart": dict(mambanorm=False),
     "normapart": dict(defernorm=False),  # Granite's norm before the MLPs in its own launch
-    "bothapart": dict(mambastep=False, defernorm=False),
+    "bothapart": dict(mambaconv=False, mambanorm=False, defernorm=False),
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "prologue1": dict(prologue=1 << 20),
@@ -116,7 +119,7 @@ def apply(variant: str) -> None:
     # (qlinear.whole_step picks the one-step widths only for matrices read whole)
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
-    mamba2.FUSED_STEP, granitemoehybrid.DEFER_MLP_NORM = v["mambastep"], v["defernorm"]
+    mamba2.FUSED_CONV, mamba2.FUSED_NORM, granitemoehybrid.DEFER_MLP_NORM = v["mambaconv"], v["mambanorm"], v["defernorm"]
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

@@ -100,7 +100,7 @@ def test_conv_in_the_gemv_epilogue_equals_the_conv_step(device, bias):
 @pytest.mark.parametrize("groups", [1, 2])
 def test_fused_step_against_its_own_launches(groups, monkeypatch):
     """Mamba2Mixer's one-token CUDA step with its conv in in_proj's GEMV epilogue and, with one
-    group, its norm in out_proj's GEMV prologue (FUSED_STEP), against the same step in its own
+    group, its norm in out_proj's GEMV prologue (FUSED_CONV, FUSED_NORM), against the same step in its own
     launches, from the same states over five steps, on a NormedRow input (the layer's norm in
     in_proj's prologue) and a residual multiplier: both states bit for bit; the output bit for
     bit with two groups (only the conv moved) and within bf16 rounding with one (the normed row
@@ -118,7 +118,8 @@ def test_fused_step_against_its_own_launches(groups, monkeypatch):
         x, res = (torch.randn(1, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
         out = {}
         for fused, st in ((False, st_apart), (True, st_fused)):
-            monkeypatch.setattr(mamba2, "FUSED_STEP", fused)
+            monkeypatch.setattr(mamba2, "FUSED_CONV", fused)
+            monkeypatch.setattr(mamba2, "FUSED_NORM", fused)
             calls.clear()
             out[fused] = m(linear.NormedRow(x, res, norm_w, 1e-5), st, out_scale=0.5).float()
             assert calls == ([] if fused and groups == 1 else ["group_norm"] if fused else ["conv_step", "group_norm"])
@@ -179,7 +180,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
     assert started > before
     calls = []
     from models.kernels.cuda import moe
-    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (moe, "experts"), (moe, "route")):
+    for mod, name in ((ssd, "scan_step"), (ssd, "chunk_scan"), (moe, "experts"), (moe, "route")):
         real, key = getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}"
         # (route's one-token calls apart: a prefill routes through it too)
         monkeypatch.setattr(mod, name, lambda *a, real=real, key=key, **k: calls.append(
@@ -195,7 +196,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
                         cuda_graph="off")
     calls.clear()
     assert [list(off.generate(p, cfg)) for p in prompts] == tokens
-    assert {"ssd.decode", "moe.experts", "moe.route"} <= set(calls)  # the eager step ran the decode kernels
+    assert {"ssd.scan_step", "moe.experts", "moe.route"} <= set(calls)  # the eager step ran the decode kernels
     cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
     first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
                               dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()

@@ -239,9 +239,12 @@ def gemv_serves(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", dt
     epilogue's scale or conv step): a plain Linear (not a quantized one), without forward hooks
     (tensor parallelism's), on one CUDA row (or a NormedRow of one) of `dtype` (the weight's by
     default)."""
+    w = linear.weight
     return (type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and x.dtype == (dtype or linear.weight.dtype)
-            and (isinstance(x, cuda_linear.NormedRow) or (cuda_base.usable(x) and x.is_contiguous())))
+            and not nn.modules.module._global_forward_hooks and x.dtype == (dtype or w.dtype)
+            and (isinstance(x, cuda_linear.NormedRow)
+                 or (cuda_base.serves(x.device, w.dtype) and x.shape[0] == 1 and x.is_contiguous()
+                     and not torch.compiler.is_compiling())))
 
 
 class FusedLinear(Linear):

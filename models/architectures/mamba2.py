@@ -34,8 +34,9 @@ from .state_spec import FixedState
 PREFILL_FORM = "chunked"
 
 # CHAT_MAMBA_FUSED_STEP=0: the one-token CUDA step's conv and group norm in launches of their own
-# (ssd.conv_step, ssd.group_norm), not in the projections' GEMVs (bench/ab_decode.py's stepapart)
-FUSED_STEP = os.environ.get("CHAT_MAMBA_FUSED_STEP", "1").lower() not in ("0", "false", "off", "no")
+# (ssd.conv_step, ssd.group_norm), not in the projections' GEMVs (bench/ab_decode.py's stepapart;
+# convapart and gnormapart: one of them)
+FUSED_CONV = FUSED_NORM = os.environ.get("CHAT_MAMBA_FUSED_STEP", "1").lower() not in ("0", "false", "off", "no")
 
 
 def example_inputs(T: int, H: int, P: int, N: int, G: int, device="cpu", seed: int = 6) -> tuple[torch.Tensor, ...]:
@@ -199,11 +200,11 @@ class Mamba2Mixer(nn.Module):
 
     def _decode_cuda(self, h, st: dict[str, torch.Tensor], out_scale: float) -> torch.Tensor:
         """One token on CUDA: the conv, the scan step and the gated norm of kernels/cuda/ssd.py
-        between the two projections. With FUSED_STEP, the conv runs in in_proj's GEMV epilogue
-        (on its output as stored: the same bits, a launch fewer) and, with one group, the norm in
+        between the two projections. With FUSED_CONV, the conv runs in in_proj's GEMV epilogue
+        (on its output as stored: the same bits, a launch fewer); with FUSED_NORM and one group, the norm in
         out_proj's GEMV prologue (as NormedRows are: the normed row not rounded to the model's
         dtype before the products; a launch fewer)."""
-        if FUSED_STEP and gemv_serves(self.in_proj, h):
+        if FUSED_CONV and gemv_serves(self.in_proj, h):
             conv = cuda_linear.ConvStep(self.inner, st["conv"], self.conv1d.weight, self.conv1d.bias)
             zxbcdt = cuda_linear.gemv(h, self.in_proj.weight, self.in_proj.bias, conv=conv)
             act = conv.act
@@ -214,7 +215,7 @@ class Mamba2Mixer(nn.Module):
         gated = cuda_ssd.scan_step(act, zxbcdt, st["ssm"], self.A, self.dt_bias32, self.D32, self.dt_limit,
                                    self.H, self.P, self.N, self.G)
         w, gated = self.out_proj.weight, gated.view(1, self.inner)
-        if (FUSED_STEP and self.G == 1 and w.numel() * w.element_size() <= cuda_linear.PROLOGUE_MAX_BYTES
+        if (FUSED_NORM and self.G == 1 and w.numel() * w.element_size() <= cuda_linear.PROLOGUE_MAX_BYTES
                 and gemv_serves(self.out_proj, gated, torch.float32)):
             row = cuda_linear.NormedRow(gated, None, self.norm.weight, self.norm.eps)
             if out_scale != 1.0 and not layers.FUSED_SCALE:  # (torch's product after it)

@@ -22,6 +22,8 @@ from .base import cdiv, launch, next_pow2, triton
 if triton is not None:
     import triton.language as tl
 
+    from .conv import conv_window
+
     @triton.jit
     def _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                      EVEN: tl.constexpr):
@@ -53,24 +55,25 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _conv_rows(n, nm, conv_state, conv_w, conv_b, conv_lo, conv_n, CONV_BIAS: tl.constexpr, KM1: tl.constexpr,
-                   KP: tl.constexpr):
-        """The conv epilogue's reads, made before the PDL wait (only this layer's own step kernels
-        write its conv state, as delta.py's conv step relies on): for the output rows that are
-        conv channels (n - conv_lo in [0, conv_n)), the channel, its mask, its taps [.., KP], its
-        bias (zeros without CONV_BIAS) and its window's columns 0..K-2 and 1..K-2 (the window
-        after the shift, less its new column)."""
-        c = n - conv_lo
-        cm = nm & (c >= 0) & (c < conv_n)
-        j = tl.arange(0, KP)
-        taps = tl.load(conv_w + c[:, None] * (KM1 + 1) + j[None, :], mask=cm[:, None] & (j[None, :] <= KM1), other=0.0)
-        old = tl.load(conv_state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
-        shifted = tl.load(conv_state + c[:, None] * KM1 + j[None, :] + 1,
-                          mask=cm[:, None] & (j[None, :] + 1 < KM1), other=0.0)
-        cb = tl.zeros([n.shape[0]], tl.float32)
-        if CONV_BIAS:
-            cb = tl.load(conv_b + c, mask=cm, other=0.0).to(tl.float32)
-        return c, cm, taps, cb, old, shifted
+    def _conv_epilogue(yo, n, nm, first, conv_state, conv_w, conv_b, act, conv_lo, conv_n, BLOCK_N: tl.constexpr,
+                       CONV_BIAS: tl.constexpr, KM1: tl.constexpr, KP: tl.constexpr):
+        """delta.py's conv step on the output rows that are conv channels (n - conv_lo in [0,
+        conv_n)), from the rows as stored (yo): the conv (conv.conv_window: its bits), its bias,
+        SiLU into act; the window moved by one. Only programs whose rows hold channels run it."""
+        if (first < conv_lo + conv_n) & (first + BLOCK_N > conv_lo):
+            c = n - conv_lo
+            cm = nm & (c >= 0) & (c < conv_n)
+            j = tl.arange(0, KP)[None, :]
+            taps = tl.load(conv_w + c[:, None] * (KM1 + 1) + j, mask=cm[:, None] & (j <= KM1), other=0.0)
+            old = tl.load(conv_state + c[:, None] * KM1 + j, mask=cm[:, None] & (j < KM1), other=0.0)
+            shifted = tl.load(conv_state + c[:, None] * KM1 + j + 1, mask=cm[:, None] & (j + 1 < KM1), other=0.0)
+            a = conv_window(taps, old, yo.to(tl.float32), KM1, KP)
+            if CONV_BIAS:
+                a += tl.load(conv_b + c, mask=cm, other=0.0).to(tl.float32)
+            tl.store(act + c, a / (1.0 + tl.exp(-a)), mask=cm)
+            tl.debug_barrier()  # every thread has read the window before any writes it (rows span threads)
+            shifted = tl.where(j == KM1 - 1, yo[:, None].to(shifted.dtype), shifted)
+            tl.store(conv_state + c[:, None] * KM1 + j, shifted, mask=cm[:, None] & (j < KM1))
 
     @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, scale,
@@ -84,9 +87,6 @@ if triton is not None:
         nm = n < N
         if PDL:  # let the next kernel launch now: it prefetches its weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
-        if CONV:
-            c, cm, taps, cb, old, shifted = _conv_rows(n, nm, conv_state, conv_w, conv_b, conv_lo, conv_n, CONV_BIAS,
-                                                       KM1, KP)
         # the first weight tile before waiting on the previous kernel (no kernel writes weights)
         kk = tl.arange(0, BLOCK_K)
         w_rows = w + n[:, None] * stride_w
@@ -138,15 +138,9 @@ if triton is not None:
             y = y.to(out.dtype.element_ty).to(tl.float32) * scale
         yo = y.to(out.dtype.element_ty)
         tl.store(out + n, yo, mask=None if EVEN else nm)
-        if CONV:  # delta.py's conv step on the rows as stored: the conv, its bias, SiLU; the window shifted
-            j = tl.arange(0, KP)
-            win = tl.where(j[None, :] == KM1, yo[:, None].to(tl.float32), old.to(tl.float32))
-            a = tl.sum(win * taps.to(tl.float32), axis=1)
-            if CONV_BIAS:  # (added only where there is one: + 0.0 would turn a -0.0 sum into +0.0)
-                a += cb
-            tl.store(act + c, a / (1.0 + tl.exp(-a)), mask=cm)
-            shifted = tl.where(j[None, :] == KM1 - 1, yo[:, None].to(shifted.dtype), shifted)
-            tl.store(conv_state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
+        if CONV:
+            _conv_epilogue(yo, n, nm, pid * BLOCK_N, conv_state, conv_w, conv_b, act, conv_lo, conv_n, BLOCK_N,
+                           CONV_BIAS, KM1, KP)
 
 
 # Weights up to this size are read in one K step per program, all of it before the kernel waits
