@@ -5,10 +5,8 @@ percent would otherwise swamp the differences being measured).
         [--rounds 5] [--prompt 128] [--new 256]
 For each shape: one model; each round builds a fresh graphed session per variant, in turn, and
 times `--new` greedy tokens. Prints the median tok/s per variant, its ratio to the first, and
-whether its tokens equal the first's. Variants: base (the defaults), stepapart (a Mamba2 step's
-conv and group norm in launches of their own, not in its projections' GEMVs; convapart,
-gnormapart: one of them), normapart
-(Granite's norm before the MLPs in its own launch), bothapart (both), nopipeline (the greedy
+whether its tokens equal the first's. Variants: base (the defaults), normapart (Granite's norm before
+the MLPs in its own launch, not in the router GEMV's prologue), nopipeline (the greedy
 decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
@@ -45,7 +43,7 @@ import torch  # noqa: E402
 
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
-from models.architectures import granitemoehybrid, layers, mamba2  # noqa: E402
+from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
 from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
@@ -57,8 +55,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
-                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, mambaconv=mamba2.FUSED_CONV, mambanorm=mamba2.FUSED_NORM,
-                defernorm=granitemoehybrid.DEFER_MLP_NORM)
+                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
@@ -67,11 +64,7 @@ VARIANTS = {
     "nopipeline": dict(pipeline=False),
     "apartscale": dict(fusedscale=False, sharedexperts=False),  # Granite's residual multiplier as torch's products
     "sharedapart": dict(sharedexperts=False),  # Granite's shared MLP as its own GEMVs
-    "stepapart": dict(mambaconv=False, mambanorm=False),  # a Mamba2 step's conv and group norm in launches of their own
-    "convapart": dict(mambaconv=False),
-    "gnormapart": dict(mambanorm=False),
     "normapart": dict(defernorm=False),  # Granite's norm before the MLPs in its own launch
-    "bothapart": dict(mambaconv=False, mambanorm=False, defernorm=False),
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "prologue1": dict(prologue=1 << 20),
@@ -119,7 +112,7 @@ def apply(variant: str) -> None:
     # (qlinear.whole_step picks the one-step widths only for matrices read whole)
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
-    mamba2.FUSED_CONV, mamba2.FUSED_NORM, granitemoehybrid.DEFER_MLP_NORM = v["mambaconv"], v["mambanorm"], v["defernorm"]
+    granitemoehybrid.DEFER_MLP_NORM = v["defernorm"]
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

@@ -61,76 +61,6 @@ def test_decode_kernels_match_the_torch_step(device, groups):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bias", [True, False])
-def test_conv_in_the_gemv_epilogue_equals_the_conv_step(device, bias):
-    """linear.gemv with a ConvStep (the conv of output rows lo .. lo + C - 1 in its epilogue)
-    against the GEMV and then ssd.conv_step's launch on its stored output: the output, the conv's
-    SiLU output and the shifted window bit for bit, over steps that carry the window, the channels
-    starting inside a program's block of rows (lo = 5) and ending before the last rows; a plain
-    row and a NormedRow (the layer's norm in the prologue) as the input."""
-    from models.kernels.cuda import linear, ssd
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # (the interpreter rounds bf16 toward zero)
-    g = torch.Generator().manual_seed(2)
-    K, C, lo = 64, 37, 5
-    N = lo + C + 6
-    w = (torch.randn(N, K, generator=g) * 0.3).to(device, dtype)
-    taps = torch.randn(C, 1, 4, generator=g).to(device, dtype)
-    b = torch.randn(C, generator=g).to(device, dtype) if bias else None
-    norm_w = (torch.rand(K, generator=g) + 0.5).to(device, dtype)
-    state_ref = torch.randn(C, 3, generator=g).to(device, dtype)
-    state = state_ref.clone()
-    for t in range(4):
-        x = torch.randn(1, K, generator=g).to(device, dtype)
-        res = torch.randn(1, K, generator=g).to(device, dtype)
-        if t % 2:  # a NormedRow: the norm in the prologue, as the mixer's in_proj reads it
-            ref = linear.gemv(linear.NormedRow(x, res, norm_w, 1e-5), w)
-            conv = linear.ConvStep(lo, state, taps, b)
-            got = linear.gemv(linear.NormedRow(x, res, norm_w, 1e-5), w, conv=conv)
-        else:
-            ref = linear.gemv(x, w)
-            conv = linear.ConvStep(lo, state, taps, b)
-            got = linear.gemv(x, w, conv=conv)
-        act_ref = ssd.conv_step(ref[0, lo:lo + C], state_ref, taps, b)
-        assert torch.equal(got, ref), t
-        assert torch.equal(conv.act, act_ref), t
-        assert torch.equal(state, state_ref), t
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("groups", [1, 2])
-def test_fused_step_against_its_own_launches(groups, monkeypatch):
-    """Mamba2Mixer's one-token CUDA step with its conv in in_proj's GEMV epilogue and, with one
-    group, its norm in out_proj's GEMV prologue (FUSED_CONV, FUSED_NORM), against the same step in its own
-    launches, from the same states over five steps, on a NormedRow input (the layer's norm in
-    in_proj's prologue) and a residual multiplier: both states bit for bit; the output bit for
-    bit with two groups (only the conv moved) and within bf16 rounding with one (the normed row
-    not rounded before the products); the launches it saves did not run."""
-    from models.kernels.cuda import linear, ssd
-    m = mixer("cuda", torch.bfloat16, groups)
-    st_apart, st_fused = states(m, "cuda", torch.bfloat16), states(m, "cuda", torch.bfloat16)
-    calls = []
-    for name in ("conv_step", "group_norm"):
-        real = getattr(ssd, name)
-        monkeypatch.setattr(ssd, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    g = torch.Generator().manual_seed(7)
-    norm_w = (torch.rand(64, generator=g) + 0.5).to("cuda", torch.bfloat16)
-    for t in range(5):
-        x, res = (torch.randn(1, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-        out = {}
-        for fused, st in ((False, st_apart), (True, st_fused)):
-            monkeypatch.setattr(mamba2, "FUSED_CONV", fused)
-            monkeypatch.setattr(mamba2, "FUSED_NORM", fused)
-            calls.clear()
-            out[fused] = m(linear.NormedRow(x, res, norm_w, 1e-5), st, out_scale=0.5).float()
-            assert calls == ([] if fused and groups == 1 else ["group_norm"] if fused else ["conv_step", "group_norm"])
-        assert torch.equal(st_fused["conv"], st_apart["conv"]) and torch.equal(st_fused["ssm"], st_apart["ssm"]), t
-        if groups == 2:
-            assert torch.equal(out[True], out[False]), t
-        else:
-            assert (out[True] - out[False]).abs().max() <= 2 ** -6 * max(1.0, float(out[False].abs().max())), t
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_fused_chunk_scan_matches_the_loop_and_the_oracle(device):
     sizes = [(1, 16), (17, 16), (40, 16)] if device == "cpu" else [(1, 64), (63, 64), (64, 64), (65, 64), (700, 64)]
     H, P, N, G = (2, 16, 16, 1) if device == "cpu" else (48, 64, 128, 1)
@@ -180,7 +110,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
     assert started > before
     calls = []
     from models.kernels.cuda import moe
-    for mod, name in ((ssd, "scan_step"), (ssd, "chunk_scan"), (moe, "experts"), (moe, "route")):
+    for mod, name in ((ssd, "decode"), (ssd, "chunk_scan"), (moe, "experts"), (moe, "route")):
         real, key = getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}"
         # (route's one-token calls apart: a prefill routes through it too)
         monkeypatch.setattr(mod, name, lambda *a, real=real, key=key, **k: calls.append(
@@ -196,7 +126,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
                         cuda_graph="off")
     calls.clear()
     assert [list(off.generate(p, cfg)) for p in prompts] == tokens
-    assert {"ssd.scan_step", "moe.experts", "moe.route"} <= set(calls)  # the eager step ran the decode kernels
+    assert {"ssd.decode", "moe.experts", "moe.route"} <= set(calls)  # the eager step ran the decode kernels
     cpu = DecodeSession(lm_cpu.model, max_context=512, device=torch.device("cpu"), dtype=torch.float32)
     first_gpu = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"),
                               dtype=torch.bfloat16).prefill(prompts[2]).float().cpu()
@@ -254,6 +184,43 @@ def test_residual_multiplier_in_the_epilogues_changes_no_bit(tmp_path, monkeypat
     assert max(errs) <= bound, (errs, bound)
 
 
+@pytest.mark.gpu
+def test_granite_norm_before_the_mlps_runs_in_the_router_gemv(gpu_granite, monkeypatch):
+    """Granite's norm before its MLPs, deferred (granitemoehybrid.DEFER_MLP_NORM): a one-token step
+    computes it in the router GEMV's prologue, which writes the normed row the experts read, so
+    no add_rms_norm launches for it (only the attention layers' norms and the final one keep
+    theirs); the logits of a prefill and decode steps stay as close to the CPU's fp32 model as
+    with the norm in its own launch (the session-start test's bound)."""
+    from engine.session import DecodeSession
+    from models.architectures import granitemoehybrid
+    from models.kernels.cuda import base as cuda_base, linear
+    _, lm, lm_cpu = gpu_granite
+    norms, prologues = [], []
+    real_norm, real_row = cuda_base.add_rms_norm, linear.gemv_and_row
+    monkeypatch.setattr(cuda_base, "add_rms_norm", lambda *a, **k: norms.append(1) or real_norm(*a, **k))
+    monkeypatch.setattr(linear, "gemv_and_row", lambda x, w: prologues.append(isinstance(x, linear.NormedRow))
+                        or real_row(x, w))
+
+    def run(model=lm.model, device="cuda", dtype=torch.bfloat16):
+        s = DecodeSession(model, max_context=256, device=torch.device(device), dtype=dtype, cuda_graph="off")
+        rows = [s.prefill(list(range(3, 40)))[-1]]
+        norms.clear()
+        prologues.clear()
+        return torch.stack(rows + [s.step(t)[-1] for t in (5, 6, 7)]).float().cpu()
+
+    deferred = run()
+    steps = (len(norms), prologues.count(True), len(prologues))
+    monkeypatch.setattr(granitemoehybrid, "DEFER_MLP_NORM", False)
+    apart = run()
+    n_layers = len(lm.model.model.layers)
+    assert steps[1] == steps[2] == 3 * n_layers  # every router's GEMV normed its row, three steps
+    assert len(norms) == steps[0] + 3 * n_layers  # the launches the prologue saved
+    ref = run(lm_cpu.model, "cpu", torch.float32)
+    bound = 0.05 * max(1.0, float(ref.abs().max()))
+    errs = [float((got - ref).abs().max()) for got in (deferred, apart)]
+    assert max(errs) <= bound, (errs, bound)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETED, reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Each kernel compiles to an sm_90 binary at the granite-4.0-h-tiny sizes (Triton's own ptxas,
@@ -263,11 +230,6 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     from triton.compiler import ASTSource
 
     from models.kernels.cuda import grouped, linear, moe, scan, ssd
-    gemv_sig = dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32", res="*bf16",
-                    norm_w="*bf16", sum_out="*bf16", eps="fp32", normed_out="*bf16", scale="fp32",
-                    conv_state="*bf16", conv_w="*bf16", conv_b="*bf16", act="*fp32", conv_lo="constexpr",
-                    conv_n="constexpr")
-    no_conv = dict(conv_lo=0, conv_n=0, CONV=False, CONV_BIAS=False, KM1=1, KP=2)
     cases = [
         # (the Gated DeltaNet prefill's triangular solve, compiled here with the others)
         (scan._solve_kernel, dict(system="*fp32", v_beta="*fp32", k_cum="*fp32", u="*fp32", w="*fp32"),
@@ -306,18 +268,17 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                                 shared_gate="*bf16", out="*bf16", stride_e="i32", scale="fp32"),
          dict(I=512, H=1536, TOP_K=6, SHARED=4, SF=1024, BLOCK_N=8, BLOCK_K=256, UNROLL=1, PDL=True)),
         # the router's GEMV with the norm in its prologue, writing the normed row (linear.gemv_and_row)
-        (linear._gemv_kernel, {**gemv_sig, "norm_w": "*fp32"},
-         dict(**no_conv, HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, SCALE=False,
+        (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+                                   res="*bf16", norm_w="*fp32", sum_out="*bf16", eps="fp32", normed_out="*bf16",
+                                   scale="fp32"),
+         dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=True, EVEN=True, SCALE=False,
               BLOCK_N=4, BLOCK_K=2048, PDL=True)),
-        # the out projection times Granite's residual multiplier (layers.scaled_linear), and its
-        # group norm in the prologue (on the scan step's fp32 output: Mamba2Mixer._decode_cuda)
-        *((linear._gemv_kernel, {**gemv_sig, "x": x},
-           dict(**no_conv, HAS_BIAS=False, SWIGLU=False, NORM=x == "*fp32", HAS_RES=False, NORM_OUT=False,
-                EVEN=False, SCALE=True, BLOCK_N=4, BLOCK_K=4096, PDL=True)) for x in ("*bf16", "*fp32")),
-        # in_proj with the layer's norm in its prologue and the conv step in its epilogue
-        (linear._gemv_kernel, {**gemv_sig, "conv_lo": "i32", "conv_n": "i32"},
-         dict(HAS_BIAS=False, SWIGLU=False, NORM=True, HAS_RES=True, NORM_OUT=False, EVEN=False, SCALE=False,
-              BLOCK_N=8, BLOCK_K=2048, PDL=True, CONV=True, CONV_BIAS=True, KM1=3, KP=4)),
+        # the out projection times Granite's residual multiplier (layers.scaled_linear)
+        (linear._gemv_kernel, dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+                                   res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32", normed_out="*bf16",
+                                   scale="fp32"),
+         dict(HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False, NORM_OUT=False, EVEN=True, SCALE=True,
+              BLOCK_N=4, BLOCK_K=2048, PDL=True)),
         # the grouped prefill's GEMMs, their half tiles included (grouped.py)
         (grouped._gate_up_kernel, dict(x="*bf16", src="*i32", starts="*i32", offs="*i32", w="*bf16", h="*bf16",
                                        E="i32", stride_x="i32", stride_we="i32"),

@@ -229,22 +229,11 @@ def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", 
     parallelism's) and other linears (quantized ones) take the product."""
     if scale == 1.0:
         return linear(x)
-    if FUSED_SCALE and gemv_serves(linear, x):
+    if (FUSED_SCALE and type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and x.dtype == linear.weight.dtype
+            and (isinstance(x, cuda_linear.NormedRow) or (cuda_base.usable(x) and x.is_contiguous()))):
         return cuda_linear.gemv(x, linear.weight, linear.bias, scale=scale)
     return linear(x) * scale
-
-
-def gemv_serves(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", dtype: torch.dtype | None = None) -> bool:
-    """Whether a caller may run `linear` on x as cuda_linear.gemv with options of its own (an
-    epilogue's scale or conv step): a plain Linear (not a quantized one), without forward hooks
-    (tensor parallelism's), on one CUDA row (or a NormedRow of one) of `dtype` (the weight's by
-    default)."""
-    w = linear.weight
-    return (type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and x.dtype == (dtype or w.dtype)
-            and (isinstance(x, cuda_linear.NormedRow)
-                 or (cuda_base.serves(x.device, w.dtype) and x.shape[0] == 1 and x.is_contiguous()
-                     and not torch.compiler.is_compiling())))
 
 
 class FusedLinear(Linear):

@@ -23,20 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import os
-
-from ..kernels.cuda import base as cuda_base, conv as cuda_conv, linear as cuda_linear, ssd as cuda_ssd
-from . import layers
-from .layers import Linear, gemv_serves, scaled_linear
+from ..kernels.cuda import base as cuda_base, conv as cuda_conv, ssd as cuda_ssd
+from .layers import Linear, scaled_linear
 from .state_spec import FixedState
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
 PREFILL_FORM = "chunked"
-
-# CHAT_MAMBA_FUSED_STEP=0: the one-token CUDA step's conv and group norm in launches of their own
-# (ssd.conv_step, ssd.group_norm), not in the projections' GEMVs (bench/ab_decode.py's stepapart;
-# convapart and gnormapart: one of them)
-FUSED_CONV = FUSED_NORM = os.environ.get("CHAT_MAMBA_FUSED_STEP", "1").lower() not in ("0", "false", "off", "no")
 
 
 def example_inputs(T: int, H: int, P: int, N: int, G: int, device="cpu", seed: int = 6) -> tuple[torch.Tensor, ...]:
@@ -168,14 +160,16 @@ class Mamba2Mixer(nn.Module):
         return FixedState((("conv", (self.conv_dim, self.K - 1), None),
                            ("ssm", (self.H, self.P, self.N), torch.float32)))
 
-    def forward(self, h: "torch.Tensor | cuda_linear.NormedRow", st: dict[str, torch.Tensor],
-                out_scale: float = 1.0) -> torch.Tensor:
-        """out_scale: the output times it (layers.scaled_linear: in the out projection's GEMV).
-        h may be a NormedRow (one token on CUDA: the layer's norm in in_proj's prologue)."""
-        if cuda_base.usable(h) and cuda_ssd.decode_fits(self.P, self.N):
-            return self._decode_cuda(h, st, out_scale)
+    def forward(self, h: torch.Tensor, st: dict[str, torch.Tensor], out_scale: float = 1.0) -> torch.Tensor:
+        """out_scale: the output times it (layers.scaled_linear: in the out projection's GEMV)."""
         zxbcdt = self.in_proj(h)
         T, dtype = zxbcdt.shape[0], zxbcdt.dtype
+        if cuda_base.usable(zxbcdt) and cuda_ssd.decode_fits(self.P, self.N):
+            # the conv, the scan step and the gated norm in three kernels
+            out = cuda_ssd.decode(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
+                                  self.A, self.dt_bias32, self.D32, self.norm.weight, self.norm.eps, self.dt_limit,
+                                  self.H, self.P, self.N, self.G)
+            return scaled_linear(self.out_proj, out, out_scale)
         z, xBC, dt = zxbcdt.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state = st["conv"]
         if cuda_conv.usable(xBC, self.conv1d.weight):  # one kernel, read where the projection left it
@@ -197,30 +191,3 @@ class Mamba2Mixer(nn.Module):
         else:
             y = naive(x, dt, self.A, B, C, self.D32, ssm)
         return scaled_linear(self.out_proj, self.norm(y.reshape(T, self.inner), z, dtype), out_scale)
-
-    def _decode_cuda(self, h, st: dict[str, torch.Tensor], out_scale: float) -> torch.Tensor:
-        """One token on CUDA: the conv, the scan step and the gated norm of kernels/cuda/ssd.py
-        between the two projections. With FUSED_CONV, the conv runs in in_proj's GEMV epilogue
-        (on its output as stored: the same bits, a launch fewer); with FUSED_NORM and one group, the norm in
-        out_proj's GEMV prologue (as NormedRows are: the normed row not rounded to the model's
-        dtype before the products; a launch fewer)."""
-        if FUSED_CONV and gemv_serves(self.in_proj, h):
-            conv = cuda_linear.ConvStep(self.inner, st["conv"], self.conv1d.weight, self.conv1d.bias)
-            zxbcdt = cuda_linear.gemv(h, self.in_proj.weight, self.in_proj.bias, conv=conv)
-            act = conv.act
-        else:
-            zxbcdt = self.in_proj(h).contiguous()
-            act = cuda_ssd.conv_step(zxbcdt[0, self.inner:], st["conv"], self.conv1d.weight, self.conv1d.bias)
-        dtype = zxbcdt.dtype
-        gated = cuda_ssd.scan_step(act, zxbcdt, st["ssm"], self.A, self.dt_bias32, self.D32, self.dt_limit,
-                                   self.H, self.P, self.N, self.G)
-        w, gated = self.out_proj.weight, gated.view(1, self.inner)
-        if (FUSED_NORM and self.G == 1 and w.numel() * w.element_size() <= cuda_linear.PROLOGUE_MAX_BYTES
-                and gemv_serves(self.out_proj, gated, torch.float32)):
-            row = cuda_linear.NormedRow(gated, None, self.norm.weight, self.norm.eps)
-            if out_scale != 1.0 and not layers.FUSED_SCALE:  # (torch's product after it)
-                return cuda_linear.gemv(row, w, self.out_proj.bias, out_dtype=dtype) * out_scale
-            return cuda_linear.gemv(row, w, self.out_proj.bias, out_dtype=dtype,
-                                    scale=None if out_scale == 1.0 else out_scale)
-        out = cuda_ssd.group_norm(gated[0], self.norm.weight, self.norm.eps, self.G, dtype)
-        return scaled_linear(self.out_proj, out, out_scale)

@@ -27,25 +27,6 @@ if triton is not None:
 
     from .base import _pdl_enter
 
-    @triton.jit
-    def _column(t, j, jj: tl.constexpr):
-        """Column jj of a [B, KP] tile, exactly (a sum of it and -0.0s, in any order)."""
-        return tl.sum(tl.where(j == jj, t, -0.0), axis=1)
-
-    @triton.jit
-    def conv_window(taps, old, new, KM1: tl.constexpr, KP: tl.constexpr):
-        """One token's depthwise conv, before its bias: the window [old's columns 0..K-2, new]
-        times the taps, summed column by column from 0 in fp32. taps and old: [B, KP] tiles as
-        loaded (columns past K-1, and K-2, not read); new [B] fp32. The columns come out of the
-        tiles exactly and the sum is elementwise, so every kernel that calls this gets the same
-        bits whatever its layout (delta.py's conv step, linear.py's conv epilogue)."""
-        j = tl.arange(0, KP)[None, :]
-        tf, of = taps.to(tl.float32), old.to(tl.float32)
-        a = tl.zeros_like(new)
-        for jj in tl.static_range(KM1):
-            a += _column(tf, j, jj) * _column(of, j, jj)
-        return a + _column(tf, j, KM1) * new
-
     @triton.jit(do_not_specialize=["T"])  # (C and the strides: the model's, one compile each)
     def _causal_conv_kernel(x, state, w, bias, out, T, C, stride_x, stride_sc, stride_sk, K: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,

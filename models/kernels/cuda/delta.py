@@ -22,7 +22,6 @@ if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
-    from .conv import conv_window
 
     # Both kernels read their layer's own state before waiting on the previous kernel (PDL), as
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
@@ -40,17 +39,17 @@ if triton is not None:
         j = tl.arange(0, KP)  # window column: 0..K-2 the stored window, K-1 the new input
         w = tl.load(weight + c[:, None] * (KM1 + 1) + j[None, :], mask=cm[:, None] & (j[None, :] <= KM1), other=0.0)
         old = tl.load(state + c[:, None] * KM1 + j[None, :], mask=cm[:, None] & (j[None, :] < KM1), other=0.0)
-        # the window after its move by one, less the new input: column j takes column j + 1
-        shifted = tl.load(state + c[:, None] * KM1 + j[None, :] + 1,
-                          mask=cm[:, None] & (j[None, :] + 1 < KM1), other=0.0)
         _pdl_enter(PDL)
         new = tl.load(x + c, mask=cm, other=0.0)
-        y = conv_window(w, old, new.to(tl.float32), KM1, KP)
+        win = tl.where(j[None, :] == KM1, new[:, None].to(tl.float32), old.to(tl.float32))
+        y = tl.sum(win * w.to(tl.float32), axis=1)
         if HAS_BIAS:
             y += tl.load(bias + c, mask=cm, other=0.0).to(tl.float32)
         tl.store(out + c, y / (1.0 + tl.exp(-y)), mask=cm)
-        tl.debug_barrier()  # every thread has read the window before any writes it (a row may span threads)
-        shifted = tl.where(j[None, :] == KM1 - 1, new[:, None].to(shifted.dtype), shifted)  # (the row keeps its dtype)
+        # the window moves by one: column j takes column j + 1 (the state row keeps its dtype)
+        shifted = tl.load(state + c[:, None] * KM1 + j[None, :] + 1,
+                          mask=cm[:, None] & (j[None, :] + 1 < KM1), other=0.0)
+        shifted = tl.where(j[None, :] == KM1 - 1, new[:, None].to(shifted.dtype), shifted)
         tl.store(state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
 
     @triton.jit

@@ -22,8 +22,6 @@ from .base import cdiv, launch, next_pow2, triton
 if triton is not None:
     import triton.language as tl
 
-    from .conv import conv_window
-
     @triton.jit
     def _input_chunk(x, res, norm_w, sum_out, write, kk, K, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                      EVEN: tl.constexpr):
@@ -55,33 +53,10 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _conv_epilogue(yo, n, nm, first, conv_state, conv_w, conv_b, act, conv_lo, conv_n, BLOCK_N: tl.constexpr,
-                       CONV_BIAS: tl.constexpr, KM1: tl.constexpr, KP: tl.constexpr):
-        """delta.py's conv step on the output rows that are conv channels (n - conv_lo in [0,
-        conv_n)), from the rows as stored (yo): the conv (conv.conv_window: its bits), its bias,
-        SiLU into act; the window moved by one. Only programs whose rows hold channels run it."""
-        if (first < conv_lo + conv_n) & (first + BLOCK_N > conv_lo):
-            c = n - conv_lo
-            cm = nm & (c >= 0) & (c < conv_n)
-            j = tl.arange(0, KP)[None, :]
-            taps = tl.load(conv_w + c[:, None] * (KM1 + 1) + j, mask=cm[:, None] & (j <= KM1), other=0.0)
-            old = tl.load(conv_state + c[:, None] * KM1 + j, mask=cm[:, None] & (j < KM1), other=0.0)
-            shifted = tl.load(conv_state + c[:, None] * KM1 + j + 1, mask=cm[:, None] & (j + 1 < KM1), other=0.0)
-            a = conv_window(taps, old, yo.to(tl.float32), KM1, KP)
-            if CONV_BIAS:
-                a += tl.load(conv_b + c, mask=cm, other=0.0).to(tl.float32)
-            tl.store(act + c, a / (1.0 + tl.exp(-a)), mask=cm)
-            tl.debug_barrier()  # every thread has read the window before any writes it (rows span threads)
-            shifted = tl.where(j == KM1 - 1, yo[:, None].to(shifted.dtype), shifted)
-            tl.store(conv_state + c[:, None] * KM1 + j, shifted, mask=cm[:, None] & (j < KM1))
-
-    @triton.jit
     def _gemv_kernel(x, w, bias, out, N, K, stride_w, res, norm_w, sum_out, eps, normed_out, scale,
-                     conv_state, conv_w, conv_b, act, conv_lo, conv_n,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                      NORM_OUT: tl.constexpr, EVEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, CONV: tl.constexpr, CONV_BIAS: tl.constexpr,
-                     KM1: tl.constexpr, KP: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -136,11 +111,7 @@ if triton is not None:
             y = y / (1.0 + tl.exp(-y)) * y_up
         if SCALE:  # `F.linear(...) * scale` as torch rounds it: the output in its dtype, then the product
             y = y.to(out.dtype.element_ty).to(tl.float32) * scale
-        yo = y.to(out.dtype.element_ty)
-        tl.store(out + n, yo, mask=None if EVEN else nm)
-        if CONV:
-            _conv_epilogue(yo, n, nm, pid * BLOCK_N, conv_state, conv_w, conv_b, act, conv_lo, conv_n, BLOCK_N,
-                           CONV_BIAS, KM1, KP)
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=None if EVEN else nm)
 
 
 # Weights up to this size are read in one K step per program, all of it before the kernel waits
@@ -218,30 +189,14 @@ def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.
     return gemv(row, w), row
 
 
-class ConvStep:
-    """A depthwise causal conv step for gemv's epilogue: output rows lo .. lo + C - 1 are the
-    channels of a conv whose window is `state` [C, K-1] (shifted by one in place), taps `weight`
-    [C, 1, K], optional `bias` [C]; the conv of [window, row as stored] plus the bias, through
-    SiLU, goes into `act` [C] fp32: what delta.py's conv step computes from the stored output,
-    bit for bit, without its launch (a Mamba2 mixer's in_proj: mamba2.Mamba2Mixer)."""
-
-    def __init__(self, lo: int, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.lo, self.state, self.weight, self.bias = lo, state, weight, bias
-        self.act = torch.empty(state.shape[0], dtype=torch.float32, device=state.device)
-
-
 def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
          config: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None,
-         normed_out: torch.Tensor | None = None, scale: float | None = None,
-         conv: ConvStep | None = None) -> torch.Tensor:
+         normed_out: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one), any float dtype; w [N, K] with contiguous
     rows. Returns [1, N] (swiglu: [1, N/2]) in out_dtype (x's by default; the LM head: fp32).
     normed_out (gemv_and_row's): where x is a NormedRow normed in this prologue, its row goes there.
-    scale: the output times it, with torch's roundings (gemv(...) * scale: the same bits).
-    conv: a conv step over some of the output rows in the epilogue (ConvStep; not with swiglu)."""
+    scale: the output times it, with torch's roundings (gemv(...) * scale: the same bits)."""
     N, K = w.shape
-    assert conv is None or (not swiglu and conv.state.is_contiguous() and conv.weight.is_contiguous()
-                            and conv.lo + conv.state.shape[0] <= N)
     if isinstance(x, NormedRow) and (N * K * w.element_size() > PROLOGUE_MAX_BYTES or
                                      (x._h is not None and normed_out is None)):
         x = x.materialize()
@@ -255,11 +210,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     launch(_gemv_kernel, (cdiv(n_out, bn),),
         src, w, bias if bias is not None else w, out, n_out, K, w.stride(0), res, norm_w, stream, eps,
         normed_out if normed_out is not None and pre is not None else out, 1.0 if scale is None else float(scale),
-        *((conv.state, conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.act, conv.lo,
-           conv.state.shape[0]) if conv is not None else (out, out, out, out, 0, 0)),
         HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None, HAS_RES=pre is not None and pre.res is not None,
         NORM_OUT=normed_out is not None and pre is not None, EVEN=K % bk == 0 and n_out % bn == 0,
-        SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src),
-        CONV=conv is not None, CONV_BIAS=conv is not None and conv.bias is not None,
-        KM1=conv.state.shape[1] if conv is not None else 1, KP=next_pow2(conv.weight.shape[-1]) if conv is not None else 2)
+        SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **cuda_base.pdl(src))
     return out

@@ -102,42 +102,6 @@ def decode_fits(head_dim: int, state_size: int) -> bool:
     return triton is not None and fits(head_dim, state_size)
 
 
-def conv_step(xbc: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-              conv_bias: torch.Tensor | None) -> torch.Tensor:
-    """The conv launch: xbc [conv_dim] (the projection's conv channels, contiguous), conv_state
-    [conv_dim, K-1] shifted in place. Returns the conv's SiLU output [conv_dim] fp32."""
-    conv_dim, k = conv_state.shape[0], conv_weight.shape[-1]
-    act = torch.empty(conv_dim, dtype=torch.float32, device=xbc.device)
-    block = 256
-    launch(_conv_step_kernel, (cdiv(conv_dim, block),), xbc, conv_state, conv_weight,
-           conv_bias if conv_bias is not None else conv_weight, act, conv_dim, KM1=k - 1,
-           KP=next_pow2(k), BLOCK=block, HAS_BIAS=conv_bias is not None, **cuda_base.pdl(xbc))
-    return act
-
-
-def scan_step(act: torch.Tensor, proj: torch.Tensor, ssm_state: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor,
-              D: torch.Tensor, dt_limit: tuple[float, float], H: int, P: int, N: int, G: int) -> torch.Tensor:
-    """The scan step launch: act (conv_step's), proj [1, inner + conv_dim + H] (z and dt read
-    from it); ssm_state updated in place. Returns y gated by SiLU(z), [inner] fp32 (not normed)."""
-    inner = H * P
-    gated = torch.empty(inner, dtype=torch.float32, device=proj.device)
-    lo, hi = (min(max(v, -3.0e38), 3.0e38) for v in dt_limit)  # finite: a float argument, not inf
-    launch(_ssm_step_kernel, (H,), act, proj, ssm_state, A, dt_bias, D, gated, inner + act.shape[0], lo, hi,
-           INNER=inner, G=G, R=H // G, P=P, N=N, num_warps=4, **cuda_base.pdl(proj))
-    return gated
-
-
-def group_norm(gated: torch.Tensor, norm_weight: torch.Tensor, eps: float, G: int, dtype: torch.dtype) -> torch.Tensor:
-    """The group norm launch: RMSNorm over each of G groups of `gated` [inner] fp32, times the
-    weight, rounded to dtype. Returns [1, inner]."""
-    inner = gated.shape[0]
-    out = torch.empty(1, inner, dtype=dtype, device=gated.device)
-    gs = inner // G
-    launch(_group_norm_kernel, (G,), gated, norm_weight, out, eps, GS=gs, BLOCK=next_pow2(gs),
-           num_warps=8, **cuda_base.pdl(gated))
-    return out
-
-
 def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
            ssm_state: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor,
            norm_weight: torch.Tensor, eps: float, dt_limit: tuple[float, float], H: int, P: int, N: int,
@@ -146,9 +110,23 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     conv_state [conv_dim, K-1] and ssm_state [H, P, N] fp32, both updated in place; conv_weight
     [conv_dim, 1, K]; A, dt_bias, D [H] fp32. Returns the normed, gated output [1, H * P]."""
     inner = H * P
-    act = conv_step(proj[0, inner:], conv_state, conv_weight, conv_bias)
-    gated = scan_step(act, proj, ssm_state, A, dt_bias, D, dt_limit, H, P, N, G)
-    return group_norm(gated, norm_weight, eps, G, proj.dtype)
+    conv_dim = inner + 2 * G * N
+    k = conv_weight.shape[-1]
+    act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
+    block = 256
+    opts = cuda_base.pdl(proj)
+    launch(_conv_step_kernel, (cdiv(conv_dim, block),), proj[0, inner:], conv_state, conv_weight,
+           conv_bias if conv_bias is not None else conv_weight, act, conv_dim, KM1=k - 1,
+           KP=next_pow2(k), BLOCK=block, HAS_BIAS=conv_bias is not None, **opts)
+    gated = torch.empty(inner, dtype=torch.float32, device=proj.device)
+    lo, hi = (min(max(v, -3.0e38), 3.0e38) for v in dt_limit)  # finite: a float argument, not inf
+    launch(_ssm_step_kernel, (H,), act, proj, ssm_state, A, dt_bias, D, gated, inner + conv_dim, lo, hi,
+           INNER=inner, G=G, R=H // G, P=P, N=N, num_warps=4, **opts)
+    out = torch.empty(1, inner, dtype=proj.dtype, device=proj.device)
+    gs = inner // G
+    launch(_group_norm_kernel, (G,), gated, norm_weight, out, eps, GS=gs, BLOCK=next_pow2(gs),
+           num_warps=8, **opts)
+    return out
 
 
 def scan_fits(chunk: int, head_dim: int, state_size: int) -> bool:
