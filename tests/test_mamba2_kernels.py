@@ -135,7 +135,7 @@ def test_mamba2_session_start_compiles_every_kernel_and_graph_on_equals_off(gpu_
 
 
 @pytest.mark.gpu
-def test_residual_multiplier_in_the_epilogues_changes_no_bit(tmp_path, monkeypatch):
+def test_residual_multiplier_and_shared_mlp_in_the_expert_launches(tmp_path, monkeypatch):
     """Granite's residual multiplier (0.5 here) in the out projections' GEMV epilogue and, with the
     routed and shared MLPs' sum, in the experts' down launch (layers.scaled_linear,
     RoutedExperts.forward), against torch's products after them (layers.FUSED_SCALE off): the same

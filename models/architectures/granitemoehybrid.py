@@ -117,25 +117,22 @@ class RoutedExperts(nn.Module):
         the layer's norm in the router GEMV's prologue, which writes the normed row the experts
         read)."""
         row = isinstance(x, cuda_linear.NormedRow)
-        if cuda_base.usable(x) and moe.decode_serves(self.experts):
-            _, x, idx, weights = self.router.decode_cuda(x if row else x.contiguous())
-            if layers.FUSED_SCALE and isinstance(self.experts, Experts):
-                ex = self.experts
-                parts = shared_parts(shared_mlp, ex) if SHARED_AS_EXPERTS else None
-                if parts is not None:
-                    return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate_up=parts[0],
-                                            shared_down=parts[1], scale=scale)
-                shared = shared_mlp(x)
-                if shared.dtype == x.dtype and shared.is_contiguous():
-                    return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, scale=scale)
-                return (moe.decode_experts(x, ex, idx, weights) + shared) * scale
-            shared = shared_mlp(x)
-            out = moe.decode_experts(x, self.experts, idx, weights) + shared
-        else:
+        ex = self.experts
+        if not (cuda_base.usable(x) and moe.decode_serves(ex)):
             x = x.materialize() if row else x
-            shared = shared_mlp(x)
             idx, weights = self.router(x)
-            out = self.experts(x, idx, weights) + shared  # many tokens: grouped GEMMs where they serve (moe.py)
+            # many tokens: grouped GEMMs where they serve (moe.py)
+            return (ex(x, idx, weights) + shared_mlp(x)) * scale
+        _, x, idx, weights = self.router.decode_cuda(x if row else x.contiguous())
+        fused = layers.FUSED_SCALE and isinstance(ex, Experts)
+        parts = shared_parts(shared_mlp, ex) if fused and SHARED_AS_EXPERTS else None
+        if parts is not None:
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate_up=parts[0],
+                                    shared_down=parts[1], scale=scale)
+        shared = shared_mlp(x)
+        if fused and shared.dtype == x.dtype and shared.is_contiguous():
+            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, scale=scale)
+        out = moe.decode_experts(x, ex, idx, weights) + shared
         return out * scale
 
 
