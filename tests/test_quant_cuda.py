@@ -153,3 +153,54 @@ def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method
     assert linears and all(m.qweight().data.is_cuda for m in linears)
     assert all(m.planar for m in linears if isinstance(m, hf_quant.GroupInt4Linear))  # INT4P on CUDA
     assert name in q16.weight_format
+
+
+@pytest.mark.parametrize("case", ["qwen3_5-gptq_v2", "llama-Q4_K_M"])
+def test_split_sums_joined_with_the_next_launches_change_no_bit(tmp_path, monkeypatch, case):
+    """Decode steps in which each split-K GEMV of a branch (a mixer's out projection, the MLP's down)
+    hands its sums to the next norm's int8 launch (qplanar.PendingSum) and each split-K SwiGLU's
+    reduce makes the down's int8 input (qplanar.QuantizedRow), against each in a launch of its own
+    (qplanar.JOIN_SUMS off): the same logits bit for bit, graphs on and off, with fewer reduce and
+    quantize launches, and the joined forms taken. Every planar GEMV's K is split in two here (a
+    tiny model's are not split by pick_config)."""
+    from models.formats import loader
+    from models.kernels.cuda import qplanar
+    monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", 0)
+
+    def split_config(n, k, group, rows=8, warps=2, small=True):  # one group a step, K in two halves
+        steps = k // group
+        return 8, 2, group // 8, 2 if steps % 2 == 0 else 1
+
+    monkeypatch.setattr(qplanar, "pick_config", split_config)
+    kind, fmt = case.split("-")
+    if fmt == "Q4_K_M":
+        path = tiny_gguf(tmp_path, kind, Q.Q4_K, Q4_K_M, Q.Q6_K)
+    else:
+        from tiny_hf_quant import write_quantized
+        path = write_quantized(kind, str(tmp_path), fmt)[0]
+    lm = models.load(path, CUDA, torch.bfloat16, quantized=True)
+    launched = {}
+    real = qplanar.launch
+
+    def counted(kernel, grid, *args, **kw):
+        name = kernel.fn.__name__ + ("+parts" if kw.get("PARTS") else "") + ("+quantize" if kw.get("QG") else "")
+        launched[name] = launched.get(name, 0) + 1
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(qplanar, "launch", counted)
+    prompt, steps = list(range(3, 40)), [5, 9, 200, 7]
+    joined = {g: step_logits(lm, torch.bfloat16, g, prompt, steps) for g in ("off", "on")}
+    eager_joined = dict(launched)
+    assert eager_joined.get("_norm_quantize_kernel+parts"), launched
+    # (the tiny GPTQ model's gate/up rows are one group of 128 long: not split, no reduce to quantize in)
+    assert bool(eager_joined.get("_reduce_kernel+quantize")) == (fmt == "Q4_K_M"), launched
+    monkeypatch.setattr(qplanar, "JOIN_SUMS", False)
+    launched.clear()
+    apart = {g: step_logits(lm, torch.bfloat16, g, prompt, steps) for g in ("off", "on")}
+    assert not launched.get("_norm_quantize_kernel+parts") and not launched.get("_reduce_kernel+quantize")
+    assert torch.equal(joined["off"], apart["off"]) and torch.equal(joined["on"], apart["on"])
+    assert torch.equal(joined["on"], joined["off"])
+    saved = eager_joined["_norm_quantize_kernel+parts"] + eager_joined["_reduce_kernel+quantize"]
+    assert launched["_reduce_kernel"] - eager_joined.get("_reduce_kernel", 0) >= saved
+    assert launched.get("_quantize_kernel", 0) - eager_joined.get("_quantize_kernel", 0) >= \
+        eager_joined.get("_reduce_kernel+quantize", 0)

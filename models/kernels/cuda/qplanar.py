@@ -43,7 +43,7 @@ from ...formats.quant import QWeight
 from .linear import NormedRow
 
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
-           "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
+           "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down", "PendingSum", "QuantizedRow"]
 
 FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
@@ -68,6 +68,10 @@ PROGRAMS = 8192
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
 SMALL_GRID = 1024
+# Where a GEMV's K is split: a branch's parts summed by the next norm's launch (PendingSum), a
+# SwiGLU output quantized for the next GEMV by its reduce launch (QuantizedRow); 0: each in a
+# launch of its own, as before (CHAT_JOIN_SUMS=0, bench/ab_decode.py's variant apartsums)
+JOIN_SUMS = os.environ.get("CHAT_JOIN_SUMS", "1").lower() not in ("0", "false", "off", "no")
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -268,14 +272,16 @@ if triton is not None:
                          INTERPRETED)
 
     @triton.jit
-    def _norm_quantize_kernel(x, y, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-                              INTERPRETED: tl.constexpr):
+    def _norm_quantize_kernel(x, y, bias, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PARTS: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
         written where HAS_RES), then the normed row, re-read once stored, quantized as
         _quantize_kernel does, into qout [4, N/8]. Each program sums the whole row's squares and
         writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row
-        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other)."""
+        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other).
+        PARTS > 0: y is a split-K GEMV's fp32 parts [PARTS, N] (a PendingSum), summed with the
+        bias as _reduce_kernel sums them (_summed: the reduce launch's bits, without it)."""
         SL: tl.constexpr = NGB * G  # a program's elements
         mine = tl.program_id(0) * SL + tl.arange(0, SL)
         ok = mine < N
@@ -285,9 +291,9 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         offs = tl.arange(0, BLOCK)
         mask = offs < N
-        sf = _summed(x, y, offs, mask, HAS_RES).to(tl.float32)
+        sf = _summed(x, y, bias, offs, mask, N, HAS_RES, PARTS, HAS_BIAS).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        s = _summed(x, y, mine, ok, HAS_RES)
+        s = _summed(x, y, bias, mine, ok, N, HAS_RES, PARTS, HAS_BIAS)
         if HAS_RES:
             tl.store(sum_out + mine, s, mask=ok)
         tl.store(norm_out + mine, (s.to(tl.float32) * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=ok)
@@ -298,11 +304,21 @@ if triton is not None:
         _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
 
     @triton.jit
-    def _summed(x, y, offs, mask, HAS_RES: tl.constexpr):
-        """x + y at offs in x's dtype, as add_rms_norm rounds it (no y: x + 0, -0 becoming +0)."""
+    def _summed(x, y, bias, offs, mask, N, HAS_RES: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """x + y at offs in x's dtype, as add_rms_norm rounds it (no y: x + 0, -0 becoming +0).
+        PARTS > 0: y is PARTS rows of N fp32 sums, added in their order to zero, then the bias, and
+        rounded to x's dtype, as _reduce_kernel computes the branch it stores."""
         s = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
-            s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
+            if PARTS > 0:
+                b = tl.zeros(offs.shape, dtype=tl.float32)
+                for p in tl.static_range(PARTS):
+                    b += tl.load(y + p * N + offs, mask=mask, other=0.0)
+                if HAS_BIAS:
+                    b += tl.load(bias + offs, mask=mask, other=0.0).to(tl.float32)
+                s += b.to(x.dtype.element_ty).to(tl.float32)
+            else:
+                s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             s += 0.0
         return s.to(x.dtype.element_ty)
@@ -404,13 +420,16 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
     @triton.jit
-    def _reduce_kernel(part, bias, weights, shared, shared_gate, out, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _reduce_kernel(part, bias, weights, shared, shared_gate, out, qout, N, PARTS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, SHARED: tl.constexpr,
+                       QG: tl.constexpr, KW8: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
         """out = the sum of part's PARTS rows in their order (deterministic, unlike atomics), each
         times weights[s] where WEIGHTED (the experts' routing weights); then the bias and SwiGLU
         as the one-launch kernel applies them; SHARED: plus shared * sigmoid(shared_gate) (a
-        shared expert's output and its gate's logit)."""
+        shared expert's output and its gate's logit). QG > 0 (a multiple of 8 dividing BLOCK):
+        the program's outputs, re-read once stored, also quantized as _quantize_kernel quantizes
+        groups of QG (the int8 input of the GEMV that reads out next, into qout [4, KW8])."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -435,6 +454,12 @@ if triton is not None:
             sg = tl.load(shared_gate).to(tl.float32)
             y += tl.load(shared + n, mask=m, other=0.0).to(tl.float32) / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=m)
+        if QG > 0:
+            tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
+            GW: tl.constexpr = QG // 8
+            g = tl.program_id(0) * (BLOCK // QG) + tl.arange(0, BLOCK // QG)[:, None]
+            mw = tl.arange(0, GW)[None, :]
+            _quantize_groups(out, qout, g, mw, (g < N // QG) & (mw < GW), QG, KW8, INTERPRETED)
 
 
 if triton is not None:
@@ -574,11 +599,51 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
-def normed_input(row: NormedRow, group: int) -> torch.Tensor:
+class PendingSum:
+    """A one-row split-K GEMV's output whose reduce launch has not run (gemv's `defer`): a decoder
+    layer's branch (layers.Residual) for the next add_norm, whose NormedRow's int8 input
+    (normed_input) sums the parts in its own launch, as _reduce_kernel sums them: the same bits,
+    one launch fewer. Anything else takes materialize()'s tensor (the reduce launch then, once)."""
+    __slots__ = ("part", "parts", "bias", "shape", "dtype", "device", "_out")
+
+    def __init__(self, part: torch.Tensor, parts: int, n: int, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.part, self.parts, self.bias = part, parts, bias
+        self.shape, self.dtype, self.device = torch.Size((1, n)), dtype, part.device
+        self._out: torch.Tensor | None = None
+
+    def materialize(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            _reduce(self.part, self.parts, self._out, self.shape[1], bias=self.bias)
+        return self._out
+
+    def last_row(self) -> "PendingSum":
+        return self
+
+
+class QuantizedRow:
+    """A one-row activation (a split-K SwiGLU GEMV's output: gemv's `then`) whose int8 input for
+    the GEMVs of `group` its reduce launch made as quantize_input would (the same bits, one
+    launch fewer): qplanar's gemv takes its forms as it takes a NormedRow's; anything else the
+    tensor (materialize())."""
+
+    def __init__(self, x: torch.Tensor, group: int, q: torch.Tensor):
+        self.x, self.forms, self.out_dtype = x, {("int8", group): q}, None
+        self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
+
+    def materialize(self) -> torch.Tensor:
+        return self.x
+
+    def row_for_prologue(self) -> None:
+        return None
+
+
+def normed_input(row: "NormedRow | QuantizedRow", group: int) -> torch.Tensor:
     """The int8 input (quantize_input's) of a NormedRow for GEMVs of `group`, made once a row (its
     other GEMVs of that group take the same): where the row is not normed yet, one launch norms
     it (the stream written, the row kept as materialize() would leave it) and quantizes it (the
-    bits of add_rms_norm then quantize_input, one launch fewer)."""
+    bits of add_rms_norm then quantize_input, one launch fewer); a PendingSum as the row's
+    residual branch is summed in that launch too. A QuantizedRow's was made with it."""
     q = row.forms.get(("int8", group))
     if q is None:
         h = row.row_for_prologue() if NORM_QUANTIZE else None  # None: normed already, or two launches asked for
@@ -588,23 +653,32 @@ def normed_input(row: NormedRow, group: int) -> torch.Tensor:
             K = row.x.shape[-1]
             q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
             ngb = next_pow2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
-            launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x,
-                   row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
-                   BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
+            sums = row.pending()
+            res = sums.part if sums is not None else row.res
+            bias = sums.bias if sums is not None and sums.bias is not None else row.x
+            launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x, res if res is not None else row.x, bias,
+                   row.weight, row.stream, h, q, row.eps, N=K, BLOCK=next_pow2(K), G=group, NGB=ngb,
+                   HAS_RES=res is not None, PARTS=sums.parts if sums is not None else 0,
+                   HAS_BIAS=sums is not None and sums.bias is not None,
                    INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
         row.forms[("int8", group)] = q
     return q
 
 
-def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
-         int8: bool | None = None) -> torch.Tensor:
-    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input);
-    pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
-    in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
-    int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
+def gemv(x: "torch.Tensor | NormedRow | QuantizedRow", pw: QWeight, bias: torch.Tensor | None = None,
+         swiglu: bool = False, out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
+         int8: bool | None = None, defer: bool = False,
+         then: QWeight | None = None) -> "torch.Tensor | PendingSum | QuantizedRow":
+    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input;
+    or a QuantizedRow); pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N]
+    (swiglu: [1, N/2], the gate rows first; in one launch where N/2 is whole blocks of R rows) in
+    out_dtype (the row's dtype by default). int8 (int8_inputs of the row's dtype by default):
+    against x~ = quantized_reference(x) instead of x. Where K is split (JOIN_SUMS): `defer`, the
+    output as a PendingSum (no reduce launch: the next add_norm sums it); `then` (the QWeight of
+    the planar GEMV that reads a SwiGLU output next), the output as a QuantizedRow whose int8
+    input for `then` the reduce launch made."""
     n_out = pw.n // 2 if swiglu else pw.n
-    normed = isinstance(x, NormedRow)
+    normed = not isinstance(x, torch.Tensor)
     row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
     int8 = int8_inputs(row_dtype) if int8 is None else int8
     if normed and not int8:
@@ -622,15 +696,32 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
         src = normed_input(x, pw.group) if normed else quantize_input(x, pw.group)
     else:
         src = x
-    out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=x.device)
+    dtype = out_dtype or row_dtype
     b = bias if bias is not None else src
-    part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
-        if split > 1 else out
-    _launch(src, pw, (cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
-            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     if split > 1:
+        part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device)
+        _launch(src, pw, (cdiv(n_out, rows), split), b, part, part, src, n_out, 0, 0, kw, steps, rows, warps,
+                split=split, experts=False, partial=True, has_bias=bias is not None, swiglu=swiglu, int8=int8)
+        if JOIN_SUMS and defer and not swiglu:
+            return PendingSum(part, split, n_out, bias, dtype)
+        out = torch.empty(1, n_out, dtype=dtype, device=x.device)
+        if JOIN_SUMS and swiglu and then is not None and _quantizes_for(then, n_out, dtype):
+            q = torch.empty(1, 4, n_out // 8, dtype=torch.int32, device=x.device)
+            _reduce(part, split, out, n_out, bias=bias, swiglu=True, quantize=(q, then.group))
+            return QuantizedRow(out, then.group, q)
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
+        return out
+    out = torch.empty(1, n_out, dtype=dtype, device=x.device)
+    _launch(src, pw, (cdiv(n_out, rows), split), b, out, out, src, n_out, 0, 0, kw, steps, rows, warps,
+            split=split, experts=False, partial=False, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     return out
+
+
+def _quantizes_for(then: QWeight, n: int, dtype: torch.dtype) -> bool:
+    """Whether the reduce launch of a SwiGLU output of n values in `dtype` can make the int8 input
+    of the planar GEMV `then` reads it with: whole groups of `then` in each of its programs."""
+    return (then.fmt in FMTS and then.k == n and int8_inputs(dtype) and os.environ.get("CHAT_PLANAR_A16") != "1"
+            and then.group % 8 == 0 and REDUCE_BLOCK % then.group == 0 and n % then.group == 0)
 
 
 def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
@@ -643,13 +734,16 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
-            shared_gate=None) -> None:
+            shared_gate=None, quantize: tuple[torch.Tensor, int] | None = None) -> None:
+    """_reduce_kernel's launch; `quantize`: (qout, group), out's int8 input for GEMVs of that group
+    made in the same launch (_quantizes_for)."""
+    qout, qg = quantize if quantize is not None else (part, 0)
     launch(_reduce_kernel, (cdiv(n, REDUCE_BLOCK),), part, bias if bias is not None else part,
            weights if weights is not None else part, shared if shared is not None else part,
-           shared_gate if shared_gate is not None else part, out, n, PARTS=parts, HAS_BIAS=bias is not None,
-           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=REDUCE_BLOCK,
-           num_warps=max(1, min(4, REDUCE_BLOCK // 256)),
-           **cuda_base.pdl(part))
+           shared_gate if shared_gate is not None else part, out, qout, n, PARTS=parts, HAS_BIAS=bias is not None,
+           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, QG=qg, KW8=n // 8 if qg else 0,
+           BLOCK=REDUCE_BLOCK, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           num_warps=max(1, min(4, REDUCE_BLOCK // 256)), **cuda_base.pdl(part))
 
 
 def _expert_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
