@@ -469,7 +469,7 @@ def test_a_swiglu_reduce_makes_the_next_gemvs_int8_input(device, fmt, then_fmt, 
         y = qplanar.gemv(row, then)
         monkeypatch.setattr(qplanar, "quantize_input", real)
         assert not quantized and torch.equal(y, qplanar.gemv(h, then))
-    monkeypatch.setattr(qplanar, "JOIN_SUMS", False)
+    monkeypatch.setattr(qplanar, "REDUCE_QUANTIZES", False)
     assert isinstance(qplanar.gemv(x, pw, swiglu=True, config=config, then=then), torch.Tensor)
 
 

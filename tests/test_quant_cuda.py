@@ -160,8 +160,8 @@ def test_split_sums_joined_with_the_next_launches_change_no_bit(tmp_path, monkey
     """Decode steps in which each split-K GEMV of a branch (a mixer's out projection, the MLP's down)
     hands its sums to the next norm's int8 launch (qplanar.PendingSum) and each split-K SwiGLU's
     reduce makes the down's int8 input (qplanar.QuantizedRow), against each in a launch of its own
-    (qplanar.JOIN_SUMS off): the same logits bit for bit, graphs on and off, with fewer reduce and
-    quantize launches, and the joined forms taken. Every planar GEMV's K is split in two here (a
+    (qplanar.JOIN_SUMS and REDUCE_QUANTIZES off): the same logits bit for bit, graphs on and off,
+    with fewer reduce and quantize launches, and the joined forms taken. Every planar GEMV's K is split in two here (a
     tiny model's are not split by pick_config)."""
     from models.formats import loader
     from models.kernels.cuda import qplanar
@@ -183,7 +183,9 @@ def test_split_sums_joined_with_the_next_launches_change_no_bit(tmp_path, monkey
     real = qplanar.launch
 
     def counted(kernel, grid, *args, **kw):
-        name = kernel.fn.__name__ + ("+parts" if kw.get("PARTS") else "") + ("+quantize" if kw.get("QG") else "")
+        name = kernel.fn.__name__
+        name += {"_norm_quantize_kernel": "+parts" if kw.get("PARTS") else "",
+                 "_reduce_kernel": "+quantize" if kw.get("QG") else ""}.get(name, "")
         launched[name] = launched.get(name, 0) + 1
         return real(kernel, grid, *args, **kw)
 
@@ -195,6 +197,7 @@ def test_split_sums_joined_with_the_next_launches_change_no_bit(tmp_path, monkey
     # (the tiny GPTQ model's gate/up rows are one group of 128 long: not split, no reduce to quantize in)
     assert bool(eager_joined.get("_reduce_kernel+quantize")) == (fmt == "Q4_K_M"), launched
     monkeypatch.setattr(qplanar, "JOIN_SUMS", False)
+    monkeypatch.setattr(qplanar, "REDUCE_QUANTIZES", False)
     launched.clear()
     apart = {g: step_logits(lm, torch.bfloat16, g, prompt, steps) for g in ("off", "on")}
     assert not launched.get("_norm_quantize_kernel+parts") and not launched.get("_reduce_kernel+quantize")

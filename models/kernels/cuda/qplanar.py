@@ -68,10 +68,12 @@ PROGRAMS = 8192
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
 SMALL_GRID = 1024
-# Where a GEMV's K is split: a branch's parts summed by the next norm's launch (PendingSum), a
-# SwiGLU output quantized for the next GEMV by its reduce launch (QuantizedRow); 0: each in a
-# launch of its own, as before (CHAT_JOIN_SUMS=0, bench/ab_decode.py's variant apartsums)
+# Where a GEMV's K is split: a branch's parts summed by the next norm's launch (PendingSum; 0:
+# the reduce launch, CHAT_JOIN_SUMS=0, bench/ab_decode.py's variant apartsums), a SwiGLU output
+# quantized for the next GEMV by its reduce launch (QuantizedRow; 0: quantize_input's launch,
+# CHAT_REDUCE_QUANTIZES=0, ab_decode's apartquant)
 JOIN_SUMS = os.environ.get("CHAT_JOIN_SUMS", "1").lower() not in ("0", "false", "off", "no")
+REDUCE_QUANTIZES = os.environ.get("CHAT_REDUCE_QUANTIZES", "1").lower() not in ("0", "false", "off", "no")
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -673,10 +675,10 @@ def gemv(x: "torch.Tensor | NormedRow | QuantizedRow", pw: QWeight, bias: torch.
     or a QuantizedRow); pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N]
     (swiglu: [1, N/2], the gate rows first; in one launch where N/2 is whole blocks of R rows) in
     out_dtype (the row's dtype by default). int8 (int8_inputs of the row's dtype by default):
-    against x~ = quantized_reference(x) instead of x. Where K is split (JOIN_SUMS): `defer`, the
-    output as a PendingSum (no reduce launch: the next add_norm sums it); `then` (the QWeight of
-    the planar GEMV that reads a SwiGLU output next), the output as a QuantizedRow whose int8
-    input for `then` the reduce launch made."""
+    against x~ = quantized_reference(x) instead of x. Where K is split: `defer` (JOIN_SUMS), the
+    output as a PendingSum (no reduce launch: the next add_norm sums it); `then` (REDUCE_QUANTIZES:
+    the QWeight of the planar GEMV that reads a SwiGLU output next), the output as a QuantizedRow
+    whose int8 input for `then` the reduce launch made."""
     n_out = pw.n // 2 if swiglu else pw.n
     normed = not isinstance(x, torch.Tensor)
     row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
@@ -705,7 +707,7 @@ def gemv(x: "torch.Tensor | NormedRow | QuantizedRow", pw: QWeight, bias: torch.
         if JOIN_SUMS and defer and not swiglu:
             return PendingSum(part, split, n_out, bias, dtype)
         out = torch.empty(1, n_out, dtype=dtype, device=x.device)
-        if JOIN_SUMS and swiglu and then is not None and _quantizes_for(then, n_out, dtype):
+        if REDUCE_QUANTIZES and swiglu and then is not None and _quantizes_for(then, n_out, dtype):
             q = torch.empty(1, 4, n_out // 8, dtype=torch.int32, device=x.device)
             _reduce(part, split, out, n_out, bias=bias, swiglu=True, quantize=(q, then.group))
             return QuantizedRow(out, then.group, q)
