@@ -14,10 +14,7 @@ every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up
 read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K, Q5_K or
 AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
-qplanar.normed_input's one), apartsums (a branch's split-K sums reduced in a launch of their own,
-not in the next norm's: qplanar.JOIN_SUMS off), apartquant (a SwiGLU output quantized in a launch
-of its own, not by its reduce: qplanar.REDUCE_QUANTIZES off), apartboth, reduce256 / reduce128
-(qplanar's split-K reduce over 256 / 128
+qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
 outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
 about 8), a16 (qplanar's GEMVs on the bf16 inputs as given, not int8: CHAT_PLANAR_A16=1; other
 tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 programs / none),
@@ -58,8 +55,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
-                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
-                joinsums=qplanar.JOIN_SUMS, reducequant=qplanar.REDUCE_QUANTIZES)
+                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM)
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
@@ -81,9 +77,6 @@ VARIANTS = {
     "noprefetch": dict(prefetch=dict.fromkeys(qplanar.PREFETCH, False)),
     "prefetch": dict(prefetch=dict.fromkeys(qplanar.PREFETCH, True)),
     "twolaunch": dict(normquant=False),
-    "apartsums": dict(joinsums=False),
-    "apartquant": dict(reducequant=False),
-    "apartboth": dict(joinsums=False, reducequant=False),
     "reduce256": dict(reduce=256),
     "reduce128": dict(reduce=128),
     "nqp1": dict(nqp=1),
@@ -119,8 +112,7 @@ def apply(variant: str) -> None:
     # (qlinear.whole_step picks the one-step widths only for matrices read whole)
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
-    granitemoehybrid.DEFER_MLP_NORM, qplanar.JOIN_SUMS = v["defernorm"], v["joinsums"]
-    qplanar.REDUCE_QUANTIZES = v["reducequant"]
+    granitemoehybrid.DEFER_MLP_NORM = v["defernorm"]
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

@@ -54,7 +54,8 @@ def test_quantize_input_packs_the_reference(device, k, group):
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         xq = qplanar.quantize_input(x.to(device, dtype), group).cpu()
         ref = qplanar.quantized_reference(x.to(dtype), group)
-        assert xq.shape == (3, 4, k // 8)
+        assert xq.shape == (3, k // 8, 4)
+        xq = xq.transpose(1, 2).contiguous()  # (the four values of a word position side by side: its planes)
         gw = group // 8
         codes = torch.zeros(3, k, dtype=torch.int64)
         for j in range(8):
@@ -199,31 +200,21 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
                       dict(G=G, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
-        # (PARTS: the residual branch a split-K GEMV's parts, qplanar.PendingSum, with a bias or without)
         cases += [(qplanar._norm_quantize_kernel,
-                   dict(x="*bf16", y="*fp32" if parts else "*bf16", bias="*bf16", w="*bf16", sum_out="*bf16",
-                        norm_out="*bf16", qout="*i32", eps="fp32"),
-                   dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PARTS=parts, HAS_BIAS=parts == 2, PDL=True,
-                        INTERPRETED=False))
-                  for ngb in (8192 // G, 4) for parts in (0, 2, 4)]
-        # the SwiGLU reduce quantizing for a next GEMV of this group (a QuantizedRow)
-        cases.append((qplanar._reduce_kernel, dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16",
-                                                   shared_gate="*bf16", out="*bf16", qout="*i32", N="i32"),
-                      dict(PARTS=4, HAS_BIAS=False, SWIGLU=True, WEIGHTED=False, SHARED=False, QG=G, KW8=2176,
-                           PDL=True, BLOCK=qplanar.REDUCE_BLOCK, INTERPRETED=False)))
+                   dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
+                   dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PDL=True, INTERPRETED=False))
+                  for ngb in (8192 // G, 4)]
         cases += [(qplanar._planar_dequant_kernel,
                    dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                         stride_a="i32", stride_z="i32", stride_o="i32", kw8="i32"),
                    dict(G=G, NG=most // G, FMT=fmt, BLOCK_N=bn, FLAT=flat))
                   for bn, most, flat in ((16, 128, False), qplanar.DEQUANT_TILE[:2] + qplanar.DEQUANT_TILE[3:])]
     reduce_sig = dict(part="*fp32", bias="*bf16", weights="*fp32", shared="*bf16", shared_gate="*bf16", out="*bf16",
-                      qout="*fp32", N="i32")
+                      N="i32")
     cases += [(qplanar._reduce_kernel, reduce_sig, dict(PARTS=4, HAS_BIAS=True, SWIGLU=True, WEIGHTED=False,
-                                                        SHARED=False, QG=0, KW8=0, PDL=True, BLOCK=1024,
-                                                        INTERPRETED=False)),
+                                                        SHARED=False, PDL=True, BLOCK=1024)),
               (qplanar._reduce_kernel, reduce_sig, dict(PARTS=8, HAS_BIAS=False, SWIGLU=False, WEIGHTED=True,
-                                                        SHARED=True, QG=0, KW8=0, PDL=True, BLOCK=1024,
-                                                        INTERPRETED=False))]
+                                                        SHARED=True, PDL=True, BLOCK=1024))]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
@@ -387,90 +378,6 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     assert torch.equal(parts, qplanar.gemv(x, pw, b, swiglu=swiglu, config=(8, 4, 16, split)))
     with pytest.raises(ValueError, match="K split in 3"):
         qplanar.gemv(x, pw, b, config=(8, 4, 16, 3))
-
-
-def planar_weight(fmt, n, k, seed, device):
-    """A random planar QWeight of the layout `fmt` (INT4P groups of 128, or a K-quant's)."""
-    from models.formats import planar
-    if fmt == "INT4P":
-        return planar.repack_int4p(int4_linear(n, k, 128, seed, device).qweight())
-    gguf = {"Q4KP": "Q4_K", "Q5KP": "Q5_K", "Q6KP": "Q6_K"}[fmt]
-    return gguf_repack(gguf)(gguf_weight(gguf, n, k, seed, device)[0])
-
-
-def bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).cpu()
-
-
-@pytest.mark.parametrize("fmt,group,split,bias", [("INT4P", 128, 4, True), ("Q4KP", 32, 2, False),
-                                                  ("Q6KP", 16, 4, False), ("Q4KP", 128, 2, True)])
-def test_a_branchs_sums_reduced_in_the_next_norm_launch_give_the_reduce_launchs_bits(device, fmt, group, split,
-                                                                                     bias, monkeypatch):
-    """gemv(defer=True) of a split-K GEMV hands on its parts unreduced (PendingSum); a NormedRow whose
-    branch they are, normed and quantized in one launch (normed_input), leaves the bits of the reduce
-    launch, then add_rms_norm, then quantize_input: the stream, the normed row, the int8 input; the
-    reduce never launched. With JOIN_SUMS off, the tensor as before."""
-    from models.kernels.cuda import base, qplanar
-    from models.kernels.cuda.linear import NormedRow
-    n, k = 256, 1024  # (the branch's width n is the norm's)
-    pw = planar_weight(fmt, n, k, 8, device)
-    g = torch.Generator().manual_seed(9)
-    b = torch.randn(n, generator=g).to(device) if bias else None
-    reduces = []
-    real = qplanar._reduce
-    monkeypatch.setattr(qplanar, "_reduce", lambda *a, **kw: reduces.append(1) or real(*a, **kw))
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        inp = torch.randn(1, k, generator=g).to(device, dtype)
-        x = (torch.randn(1, n, generator=g) * 3).to(device, dtype)
-        w = (torch.rand(n, generator=g) + 0.5).to(device, dtype)
-        bb = None if b is None else b.to(dtype)
-        config = (8, 4, 16, split)
-        branch = qplanar.gemv(inp, pw, bb, config=config)
-        stream, h = base.add_rms_norm(x, branch, w, 1e-6)
-        reduces.clear()
-        pending = qplanar.gemv(inp, pw, bb, config=config, defer=True)
-        assert isinstance(pending, qplanar.PendingSum) and pending.shape == branch.shape and not reduces
-        row = NormedRow(x, pending, w, 1e-6)
-        q = qplanar.normed_input(row, group)
-        assert not reduces and row.pending() is pending
-        assert torch.equal(q, qplanar.quantize_input(h, group))
-        assert torch.equal(bits(row.materialize()), bits(h)) and torch.equal(bits(row.stream), bits(stream))
-        assert torch.equal(bits(pending.materialize()), bits(branch)) and reduces == [1]
-        # where another launch reads the branch (a GEMV prologue's NormedRow.res), it is reduced first
-        late = NormedRow(x, qplanar.gemv(inp, pw, bb, config=config, defer=True), w, 1e-6)
-        assert torch.equal(bits(late.res), bits(branch))
-    monkeypatch.setattr(qplanar, "JOIN_SUMS", False)
-    assert isinstance(qplanar.gemv(inp, pw, bb, config=config, defer=True), torch.Tensor)
-
-
-@pytest.mark.parametrize("fmt,then_fmt,split", [("Q4KP", "Q6KP", 2), ("INT4P", "INT4P", 4), ("Q4KP", "Q4KP", 4)])
-def test_a_swiglu_reduce_makes_the_next_gemvs_int8_input(device, fmt, then_fmt, split, monkeypatch):
-    """A split-K SwiGLU GEMV given the planar GEMV that reads its output next (`then`): its reduce
-    launch writes the output (the bits of the plain reduce) and that GEMV's int8 input (the bits of
-    quantize_input), handed on as a QuantizedRow; the next GEMV of it launches no quantize and
-    equals the GEMV of the tensor. Groups of 16 (Q6KP), 32 (Q4KP) and 128 (INT4P)."""
-    from models.kernels.cuda import qplanar
-    monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype: True)  # (fp32 under the interpreter)
-    n, k = 256, 512
-    pw = planar_weight(fmt, 2 * n, k, 10, device)
-    then = planar_weight(then_fmt, 96, n, 11, device)
-    g = torch.Generator().manual_seed(12)
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        x = torch.randn(1, k, generator=g).to(device, dtype)
-        config = (8, 4, 16, split)
-        h = qplanar.gemv(x, pw, swiglu=True, config=config)
-        row = qplanar.gemv(x, pw, swiglu=True, config=config, then=then)
-        assert isinstance(row, qplanar.QuantizedRow)
-        assert torch.equal(bits(row.materialize()), bits(h))
-        assert torch.equal(row.forms[("int8", then.group)], qplanar.quantize_input(h, then.group))
-        quantized = []
-        real = qplanar.quantize_input
-        monkeypatch.setattr(qplanar, "quantize_input", lambda *a: quantized.append(1) or real(*a))
-        y = qplanar.gemv(row, then)
-        monkeypatch.setattr(qplanar, "quantize_input", real)
-        assert not quantized and torch.equal(y, qplanar.gemv(h, then))
-    monkeypatch.setattr(qplanar, "REDUCE_QUANTIZES", False)
-    assert isinstance(qplanar.gemv(x, pw, swiglu=True, config=config, then=then), torch.Tensor)
 
 
 def test_pick_config_splits_k_only_where_the_grid_is_small():

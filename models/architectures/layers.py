@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
 from ..kernels.cuda import prefill_attention as cuda_prefill_attention
-from ..kernels.cuda import qlinear, qplanar  # noqa: F401  (qlinear sets QuantLinear.kernels: the quantized linears' CUDA forms)
+from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
 
 
 class RMSNorm(nn.Module):
@@ -60,11 +60,9 @@ class Residual(NamedTuple):
     """The residual stream with its newest branch not added yet. A layer hands this on instead of
     `x + branch`, so the next norm can add and normalise in one step (one kernel on CUDA). The
     branch is a tensor, or where moe.branch made it an MoE prefill's combine not run yet
-    (moe.PendingCombine), which add_norm runs in its own launch, or where branch_linear made it a
-    one-row split-K GEMV's sums not reduced yet (qplanar.PendingSum), which the next norm's int8
-    input launch sums."""
+    (moe.PendingCombine), which add_norm runs in its own launch."""
     x: torch.Tensor
-    branch: "torch.Tensor | moe.PendingCombine | qplanar.PendingSum"
+    branch: "torch.Tensor | moe.PendingCombine"
 
     def last_row(self) -> "Residual":
         b = self.branch
@@ -79,11 +77,7 @@ def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
     the stream tensor is written by that GEMV. `out_dtype`: the normed rows' dtype (the
     stream's by default); the stream itself always keeps its dtype."""
     s, b = x if isinstance(x, Residual) else (x, None)
-    if isinstance(b, qplanar.PendingSum):  # the deferred row's int8 input launch sums it (qplanar.normed_input)
-        if not (defer and s.shape[0] == 1 and s.dtype == b.dtype and cuda_base.prefill_usable(s)
-                and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
-            b = b.materialize()
-    elif b is not None and not isinstance(b, torch.Tensor):  # moe.PendingCombine: its combine joins this launch
+    if b is not None and not isinstance(b, torch.Tensor):  # moe.PendingCombine: its combine joins this launch
         # (one row under defer: the combine alone, then the GEMV's prologue norms it as before)
         if not (defer and s.shape[0] == 1) and (norm.offset != 0.0 or norm.weight.dtype == s.dtype):
             done = b.add_norm(s, norm.fused_weight(), norm.eps, out_dtype)
@@ -170,14 +164,10 @@ class SwiGLU(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor:
-        """`defer`: the output as branch_linear's (a decoder layer's branch, nothing watching this module)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "gate_up_proj", None)
         if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
-            # the dequant-GEMV computes silu(gate) * up (and a planar down's int8 input where its K is split)
-            down = self.down_proj
-            then = down if isinstance(down, QuantLinear) and not _hooked(down) else None
-            return branch_linear(down, fused.gemv_swiglu(x, then=then), defer)
+            return self.down_proj(fused.gemv_swiglu(x))  # the dequant-GEMV computes silu(gate) * up
         if isinstance(fused, FusedLinear) and cuda_base.usable(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
             x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
@@ -244,27 +234,6 @@ def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", 
             and (isinstance(x, cuda_linear.NormedRow) or (cuda_base.usable(x) and x.is_contiguous()))):
         return cuda_linear.gemv(x, linear.weight, linear.bias, scale=scale)
     return linear(x) * scale
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether hooks watch module's calls (tensor parallelism's all-reduce: sharding.install_collectives)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks)
-
-
-def hands_on_sums(module: nn.Module) -> bool:
-    """Whether a mixer or MLP may return its output as branch_linear's pending sums: nothing
-    watches its output (its `defer` argument)."""
-    return not _hooked(module)
-
-
-def branch_linear(linear: nn.Module, x, defer: bool) -> "torch.Tensor | qplanar.PendingSum":
-    """linear(x); with `defer` (the output is a decoder layer's branch, which only the next add_norm
-    reads), a quantized linear whose one-row CUDA GEMV splits K may return its sums not reduced
-    (qplanar.PendingSum: the next norm's launch sums them, one launch fewer)."""
-    if (defer and isinstance(linear, QuantLinear) and not _hooked(linear) and linear.cuda_serves(x)
-            and (not isinstance(x, torch.Tensor) or (x.dim() == 2 and x.shape[0] == 1))):
-        return linear.cuda_forward(x, defer=True)
-    return linear(x)
 
 
 class FusedLinear(Linear):

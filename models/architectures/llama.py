@@ -18,8 +18,8 @@ from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
-from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached, branch_linear,
-                     cached_attention, hands_on_sums)
+from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
+                     cached_attention)
 from .state_spec import AttentionState, StateView
 
 
@@ -85,8 +85,7 @@ class Attention(QKVProjections):
             self.q_norm = RMSNorm(d, cfg.rms_eps)
             self.k_norm = RMSNorm(d, cfg.rms_eps)
 
-    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask, defer: bool = False):
-        """`defer`: the one-token output as layers.branch_linear's (a decoder layer's branch)."""
+    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         if cuda_base.rope_usable(x, D):
             # one kernel for the q/k norms, RoPE and the KV write; two for a one-token attention
@@ -95,7 +94,7 @@ class Attention(QKVProjections):
             q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)
             if cuda_base.attention_usable(x, D):
-                return branch_linear(self.o_proj, cuda_attention.decode(q, kv[0], kv[1], positions), defer)
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions))
             return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
@@ -128,8 +127,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
         # adds the previous layer's MLP output first; h goes only into linears (defer: see add_norm)
         x, h = add_norm(x, self.input_layernorm, defer=True)
-        a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask,
-                           defer=hands_on_sums(self.self_attn))  # (branch_linear's sums, for the next add_norm)
+        a = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         # an MoE MLP's router GEMV writes the normed row its experts read (SparseMoe.decode_cuda)
         x, h = add_norm(Residual(x, a), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
         return Residual(x, moe.branch(self.mlp, h))  # an MoE prefill's combine joins the next add_norm

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..formats.quant import PlanarExperts
 from ..kernels.cuda import base as cuda_base, grouped as cuda_grouped, linear as cuda_linear, moe as cuda_moe, qplanar
-from .layers import FusedLinear, Linear, SwiGLU, hands_on_sums
+from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
@@ -158,15 +158,13 @@ class PendingCombine:
 FUSED_COMBINE = os.environ.get("CHAT_FUSED_COMBINE", "1").lower() not in ("0", "false", "off", "no")
 
 
-def branch(mlp: nn.Module, h: torch.Tensor) -> "torch.Tensor | PendingCombine | qplanar.PendingSum":
+def branch(mlp: nn.Module, h: torch.Tensor) -> "torch.Tensor | PendingCombine":
     """mlp(h) for a decoder layer's Residual: a SparseMoe's grouped CUDA prefill hands on its
-    combine not run yet (PendingCombine), a SwiGLU's quantized down its split-K sums not reduced
-    (layers.branch_linear), for the next add_norm to join. Not where hooks watch the module's
-    output (tensor parallelism's all-reduce: sharding.install_collectives), which must see the
-    tensor."""
-    if (FUSED_COMBINE and isinstance(mlp, SparseMoe) and hands_on_sums(mlp) and isinstance(h, torch.Tensor)):
-        return mlp.forward(h, defer=True)
-    if isinstance(mlp, SwiGLU) and hands_on_sums(mlp):
+    combine not run yet (PendingCombine), for the next add_norm to join. Not where hooks watch the
+    module's output (tensor parallelism's all-reduce: sharding.install_collectives), which must
+    see the tensor."""
+    if (FUSED_COMBINE and isinstance(mlp, SparseMoe) and not mlp._forward_hooks and not mlp._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and isinstance(h, torch.Tensor)):
         return mlp.forward(h, defer=True)
     return mlp(h)
 

@@ -24,7 +24,7 @@ from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
-                     branch_linear, cached_attention, fuse_linears, hands_on_sums)
+                     cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
@@ -165,15 +165,14 @@ class GatedDeltaNet(nn.Module):
             self.in_proj = fused
             del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor], defer: bool = False) -> torch.Tensor:
-        """`defer`: the one-token output as layers.branch_linear's (a decoder layer's branch)."""
+    def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         if hasattr(self, "in_proj") and cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
             # the conv, the delta rule and the gated norm in two kernels
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
                                      self.dv, beta_scale=self.beta_scale)
-            return branch_linear(self.out_proj, out, defer)
+            return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
         else:
@@ -229,8 +228,7 @@ class GatedAttention(QKVProjections):
         self.q_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_eps, offset=1.0)
 
-    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask, defer: bool = False):
-        """`defer`: the one-token output as layers.branch_linear's (a decoder layer's branch)."""
+    def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
         if cuda_base.rope_usable(x, self.d):
             # q/k norms, partial RoPE and the KV write in one kernel; a one-token attention applies the gate
@@ -239,8 +237,7 @@ class GatedAttention(QKVProjections):
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
             if cuda_base.attention_usable(x, self.d):
-                return branch_linear(self.o_proj, cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:],
-                                                                        2 * self.d), defer)
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
             gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
             out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
             return self.o_proj(out.view(T, -1))
@@ -271,11 +268,10 @@ class HybridLayer(nn.Module):
 
     def forward(self, x, i, positions, rope, cos, sin, state: StateView, mask) -> Residual:
         x, h = add_norm(x, self.input_layernorm, defer=True)  # both mixers read h through linears only
-        if self.linear:  # (defer: a one-token output may come as split-K sums the next add_norm reduces)
-            h = self.linear_attn(h, state.fixed(i), defer=hands_on_sums(self.linear_attn))
+        if self.linear:
+            h = self.linear_attn(h, state.fixed(i))
         else:
-            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask,
-                               defer=hands_on_sums(self.self_attn))
+            h = self.self_attn(h, positions, rope, cos, sin, state.kv(i), state.kv_len, mask)
         x, h = add_norm(Residual(x, h), self.post_attention_layernorm, defer=isinstance(self.mlp, (SwiGLU, SparseMoe)))
         return Residual(x, moe.branch(self.mlp, h))  # an MoE prefill's combine joins the next add_norm
 

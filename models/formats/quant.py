@@ -300,16 +300,13 @@ class QuantLinear(nn.Module):
         """x as a tensor: a NormedRow (kernels.cuda.linear) normed, and its stream written, now."""
         return x if isinstance(x, torch.Tensor) else x.materialize()
 
-    def cuda_forward(self, x, out_dtype: torch.dtype | None = None, defer: bool = False) -> torch.Tensor:
-        """`defer` (a one-row x of two dimensions, for a decoder layer's branch: layers.branch_linear):
-        where the GEMV splits K, its output may come as the kernels' PendingSum, reduced by the next
-        add_norm's launch."""
+    def cuda_forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         k, qw = self.kernels, self.qweight()
         if not isinstance(x, torch.Tensor):  # a NormedRow: the norm in the GEMV's prologue
-            return k.gemv(x, qw, self.bias, out_dtype=out_dtype, defer=defer)
+            return k.gemv(x, qw, self.bias, out_dtype=out_dtype)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.shape[0] == 1:
-            y = k.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype, defer=defer and x.dim() == 2)
+            y = k.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype)
         else:
             dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
             x2 = x2.to(dtype)
@@ -326,12 +323,10 @@ class QuantLinear(nn.Module):
             y = y.to(out_dtype or x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def gemv_swiglu(self, x, then: "QuantLinear | None" = None) -> torch.Tensor:
-        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch. `then`: the
-        linear that reads it next (the MLP's down), whose int8 input the kernels may make in the
-        same launch (then a row object its cuda_forward takes; plain() gives the tensor)."""
+    def gemv_swiglu(self, x) -> torch.Tensor:
+        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""
         return self.kernels.gemv(x if not isinstance(x, torch.Tensor) else x.contiguous(), self.qweight(), self.bias,
-                                 swiglu=True, then=then.qweight() if then is not None else None)
+                                 swiglu=True)
 
     def split(self, x) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)

@@ -145,28 +145,16 @@ class NormedRow:
     """A one-token RMSNorm input not computed yet: rms_norm(x + res) * weight, with x + res (the
     residual stream) still to be written into `stream`. The first GEMV that reads it computes
     both in its prologue (or `materialize()` does, in one add_rms_norm launch). res may be None
-    (nothing pending: the stream is x), or a branch whose last launch has not run (qplanar's
-    PendingSum: `pending()`; reading `res` runs it). Linear layers take it in place of a tensor."""
+    (nothing pending: the stream is x). Linear layers take it in place of a tensor."""
 
-    def __init__(self, x: torch.Tensor, res, weight: torch.Tensor, eps: float,
+    def __init__(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype | None = None):
-        self.x, self._res, self.weight, self.eps = x, res, weight, eps
+        self.x, self.res, self.weight, self.eps = x, res, weight, eps
         self.out_dtype = out_dtype  # the normed row's dtype where materialized (x's by default)
         self.stream = x if res is None else torch.empty_like(x)
         self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
         self._h: torch.Tensor | None = None
         self.forms: dict = {}  # other forms of the normed row, made once for the GEMVs that read them (qplanar's int8)
-
-    @property
-    def res(self) -> torch.Tensor | None:
-        """The branch as a tensor (a pending one's launch run now, once)."""
-        if self._res is not None and not isinstance(self._res, torch.Tensor):
-            self._res = self._res.materialize()
-        return self._res
-
-    def pending(self):
-        """The branch where its last launch has not run (a kernel that sums it itself reads it), else None."""
-        return None if self._res is None or isinstance(self._res, torch.Tensor) else self._res
 
     def row_for_prologue(self) -> torch.Tensor | None:
         """Where the normed row is not computed yet: an empty tensor for it, now this row's, for

@@ -134,17 +134,15 @@ def launch_config(qw: QWeight, swiglu: bool = False, config: tuple[int, int, int
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None, defer: bool = False,
-         then: QWeight | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
     rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
     pick_config's by default (bench/quant_bench.py --sweep measures others); FP8 and the planar
-    formats take their own kernels' (fp8.py, qplanar.py). `defer` and `then`: qplanar.gemv's (the
-    other formats' kernels do not split K: they return the tensor)."""
+    formats take their own kernels' (fp8.py, qplanar.py)."""
     if qw.fmt == "FP8":
         return fp8.gemv(x, qw, bias, swiglu, out_dtype, config)
     if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: a NormedRow normed and quantized in one launch before it
-        return qplanar.gemv(x, qw, bias, swiglu, out_dtype, defer=defer, then=then)
+        return qplanar.gemv(x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None

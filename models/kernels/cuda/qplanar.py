@@ -43,7 +43,7 @@ from ...formats.quant import QWeight
 from .linear import NormedRow
 
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
-           "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down", "PendingSum", "QuantizedRow"]
+           "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
 
 FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
@@ -68,12 +68,6 @@ PROGRAMS = 8192
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
 SMALL_GRID = 1024
-# Where a GEMV's K is split: a branch's parts summed by the next norm's launch (PendingSum; 0:
-# the reduce launch, CHAT_JOIN_SUMS=0, bench/ab_decode.py's variant apartsums), a SwiGLU output
-# quantized for the next GEMV by its reduce launch (QuantizedRow; 0: quantize_input's launch,
-# CHAT_REDUCE_QUANTIZES=0, ab_decode's apartquant)
-JOIN_SUMS = os.environ.get("CHAT_JOIN_SUMS", "1").lower() not in ("0", "false", "off", "no")
-REDUCE_QUANTIZES = os.environ.get("CHAT_REDUCE_QUANTIZES", "1").lower() not in ("0", "false", "off", "no")
 # Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
 # --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
 REDUCE_BLOCK = 256
@@ -174,8 +168,8 @@ if triton is not None:
     def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
                    KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
-        quantize_input's int32 [4, KW8] (the packed int8 inputs of the even and the odd nibbles,
-        the words' input sums dx sum_j q_j and the groups' dx / 16). Q6KP's and Q5KP's codes: bytes of
+        quantize_input's int32 [KW8, 4] (per word position: the packed int8 inputs of the even and
+        the odd nibbles, the word's input sum dx sum_j q_j and its group's dx / 16). Q6KP's and Q5KP's codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
         HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
@@ -187,11 +181,16 @@ if triton is not None:
             lo = words
             hi = words
         if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
-            p = grp * GW + wi
-            xe = tl.load(x + p)
-            xo = tl.load(x + KW8 + p)
-            xs = tl.load(x + 2 * KW8 + p).to(tl.float32, bitcast=True)
-            xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
+            # a word position's four values in two 8-byte loads (four 4-byte loads from planes apart
+            # kept the L1 busy: Nsight Compute, bench/RESULTS.md set AA)
+            p = (grp * GW + wi) * 2
+            xp = x.to(tl.pointer_type(tl.int64))
+            pair = tl.load(xp + p)
+            sums = tl.load(xp + p + 1)
+            xe = pair.to(tl.int32)
+            xo = (pair >> 32).to(tl.int32)
+            xs = sums.to(tl.int32).to(tl.float32, bitcast=True)
+            xd16 = (sums >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             even = lo & 0x0F0F0F0F
             odd = (lo >> 4) & 0x0F0F0F0F
             if FMT >= 2:  # the high bits of the even and the odd nibbles' codes into bits 4.. of their bytes
@@ -225,7 +224,7 @@ if triton is not None:
     @triton.jit
     def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
         """Groups g [GB, 1] of the row at src (words m [1, G/8]; ok: which are real) quantized
-        into dst (the row's [4, KW8] int32): _quantize_kernel's contract."""
+        into dst (the row's [KW8, 4] int32): _quantize_kernel's contract."""
         GW: tl.constexpr = G // 8
         src = src + g * G + m
         amax = tl.zeros(ok.shape, dtype=tl.float32)
@@ -249,18 +248,18 @@ if triton is not None:
                 even = even | ((q & 255) << (8 * (j // 2)))
             else:
                 odd = odd | ((q & 255) << (8 * (j // 2)))
-        dst = dst + g * GW + m
+        dst = dst + (g * GW + m) * 4
         tl.store(dst, even, mask=ok)
-        tl.store(dst + KW8, odd, mask=ok)
-        tl.store(dst + 2 * KW8, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
-        tl.store(dst + 3 * KW8, (dx * 0.0625 + tl.zeros(ok.shape, dtype=tl.float32)).to(tl.int32, bitcast=True),
+        tl.store(dst + 1, odd, mask=ok)
+        tl.store(dst + 2, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(dst + 3, (dx * 0.0625 + tl.zeros(ok.shape, dtype=tl.float32)).to(tl.int32, bitcast=True),
                  mask=ok)
 
     @triton.jit
     def _quantize_kernel(x, out, stride_x, n_groups, G: tl.constexpr, GB: tl.constexpr, KW8: tl.constexpr,
                          PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Row program_id(1) of x, groups GB a program: per group of G inputs, dx = amax / 127 and
-        q = round-half-even(x 127 / amax) (int8); out [4, KW8] int32 per row: at word position
+        q = round-half-even(x 127 / amax) (int8); out [KW8, 4] int32 per row: at word position
         g G/8 + m, the bytes q[g G + G/8 j + m] for j = 0, 2, 4, 6 (the even nibbles' inputs), for
         j = 1, 3, 5, 7, then dx sum_j q and dx / 16 (fp32 bits)."""
         GW: tl.constexpr = G // 8
@@ -274,16 +273,14 @@ if triton is not None:
                          INTERPRETED)
 
     @triton.jit
-    def _norm_quantize_kernel(x, y, bias, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PARTS: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _norm_quantize_kernel(x, y, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                              INTERPRETED: tl.constexpr):
         """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
         written where HAS_RES), then the normed row, re-read once stored, quantized as
-        _quantize_kernel does, into qout [4, N/8]. Each program sums the whole row's squares and
+        _quantize_kernel does, into qout [N/8, 4]. Each program sums the whole row's squares and
         writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row
-        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other).
-        PARTS > 0: y is a split-K GEMV's fp32 parts [PARTS, N] (a PendingSum), summed with the
-        bias as _reduce_kernel sums them (_summed: the reduce launch's bits, without it)."""
+        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other)."""
         SL: tl.constexpr = NGB * G  # a program's elements
         mine = tl.program_id(0) * SL + tl.arange(0, SL)
         ok = mine < N
@@ -293,9 +290,9 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         offs = tl.arange(0, BLOCK)
         mask = offs < N
-        sf = _summed(x, y, bias, offs, mask, N, HAS_RES, PARTS, HAS_BIAS).to(tl.float32)
+        sf = _summed(x, y, offs, mask, HAS_RES).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        s = _summed(x, y, bias, mine, ok, N, HAS_RES, PARTS, HAS_BIAS)
+        s = _summed(x, y, mine, ok, HAS_RES)
         if HAS_RES:
             tl.store(sum_out + mine, s, mask=ok)
         tl.store(norm_out + mine, (s.to(tl.float32) * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=ok)
@@ -306,21 +303,11 @@ if triton is not None:
         _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
 
     @triton.jit
-    def _summed(x, y, bias, offs, mask, N, HAS_RES: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """x + y at offs in x's dtype, as add_rms_norm rounds it (no y: x + 0, -0 becoming +0).
-        PARTS > 0: y is PARTS rows of N fp32 sums, added in their order to zero, then the bias, and
-        rounded to x's dtype, as _reduce_kernel computes the branch it stores."""
+    def _summed(x, y, offs, mask, HAS_RES: tl.constexpr):
+        """x + y at offs in x's dtype, as add_rms_norm rounds it (no y: x + 0, -0 becoming +0)."""
         s = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
-            if PARTS > 0:
-                b = tl.zeros(offs.shape, dtype=tl.float32)
-                for p in tl.static_range(PARTS):
-                    b += tl.load(y + p * N + offs, mask=mask, other=0.0)
-                if HAS_BIAS:
-                    b += tl.load(bias + offs, mask=mask, other=0.0).to(tl.float32)
-                s += b.to(x.dtype.element_ty).to(tl.float32)
-            else:
-                s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
+            s += tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             s += 0.0
         return s.to(x.dtype.element_ty)
@@ -422,16 +409,13 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
     @triton.jit
-    def _reduce_kernel(part, bias, weights, shared, shared_gate, out, qout, N, PARTS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, SHARED: tl.constexpr,
-                       QG: tl.constexpr, KW8: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+    def _reduce_kernel(part, bias, weights, shared, shared_gate, out, N, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+                       BLOCK: tl.constexpr):
         """out = the sum of part's PARTS rows in their order (deterministic, unlike atomics), each
         times weights[s] where WEIGHTED (the experts' routing weights); then the bias and SwiGLU
         as the one-launch kernel applies them; SHARED: plus shared * sigmoid(shared_gate) (a
-        shared expert's output and its gate's logit). QG > 0 (a multiple of 8 dividing BLOCK):
-        the program's outputs, re-read once stored, also quantized as _quantize_kernel quantizes
-        groups of QG (the int8 input of the GEMV that reads out next, into qout [4, KW8])."""
+        shared expert's output and its gate's logit)."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -456,12 +440,6 @@ if triton is not None:
             sg = tl.load(shared_gate).to(tl.float32)
             y += tl.load(shared + n, mask=m, other=0.0).to(tl.float32) / (1.0 + tl.exp(-sg))
         tl.store(out + n, y.to(out.dtype.element_ty), mask=m)
-        if QG > 0:
-            tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
-            GW: tl.constexpr = QG // 8
-            g = tl.program_id(0) * (BLOCK // QG) + tl.arange(0, BLOCK // QG)[:, None]
-            mw = tl.arange(0, GW)[None, :]
-            _quantize_groups(out, qout, g, mw, (g < N // QG) & (mw < GW), QG, KW8, INTERPRETED)
 
 
 if triton is not None:
@@ -581,11 +559,11 @@ def int8_inputs(dtype: torch.dtype) -> bool:
 
 
 def quantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [S, K] (rows of unit stride along K) → int32 [S, 4, K/8] (_quantize_kernel's layout):
+    """x [S, K] (rows of unit stride along K) → int32 [S, K/8, 4] (_quantize_kernel's layout):
     per group of `group` inputs, q = round(x 127 / amax) as int8 and dx = amax / 127, so the
     GEMVs compute with x~ = q dx (quantized_reference)."""
     S, K = x.shape
-    out = torch.empty(S, 4, K // 8, dtype=torch.int32, device=x.device)
+    out = torch.empty(S, K // 8, 4, dtype=torch.int32, device=x.device)
     n_groups, gb = K // group, 4
     launch(_quantize_kernel, (cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
            KW8=K // 8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
@@ -601,51 +579,11 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
-class PendingSum:
-    """A one-row split-K GEMV's output whose reduce launch has not run (gemv's `defer`): a decoder
-    layer's branch (layers.Residual) for the next add_norm, whose NormedRow's int8 input
-    (normed_input) sums the parts in its own launch, as _reduce_kernel sums them: the same bits,
-    one launch fewer. Anything else takes materialize()'s tensor (the reduce launch then, once)."""
-    __slots__ = ("part", "parts", "bias", "shape", "dtype", "device", "_out")
-
-    def __init__(self, part: torch.Tensor, parts: int, n: int, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.part, self.parts, self.bias = part, parts, bias
-        self.shape, self.dtype, self.device = torch.Size((1, n)), dtype, part.device
-        self._out: torch.Tensor | None = None
-
-    def materialize(self) -> torch.Tensor:
-        if self._out is None:
-            self._out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            _reduce(self.part, self.parts, self._out, self.shape[1], bias=self.bias)
-        return self._out
-
-    def last_row(self) -> "PendingSum":
-        return self
-
-
-class QuantizedRow:
-    """A one-row activation (a split-K SwiGLU GEMV's output: gemv's `then`) whose int8 input for
-    the GEMVs of `group` its reduce launch made as quantize_input would (the same bits, one
-    launch fewer): qplanar's gemv takes its forms as it takes a NormedRow's; anything else the
-    tensor (materialize())."""
-
-    def __init__(self, x: torch.Tensor, group: int, q: torch.Tensor):
-        self.x, self.forms, self.out_dtype = x, {("int8", group): q}, None
-        self.shape, self.dtype, self.device, self.is_cuda = x.shape, x.dtype, x.device, x.is_cuda
-
-    def materialize(self) -> torch.Tensor:
-        return self.x
-
-    def row_for_prologue(self) -> None:
-        return None
-
-
-def normed_input(row: "NormedRow | QuantizedRow", group: int) -> torch.Tensor:
+def normed_input(row: NormedRow, group: int) -> torch.Tensor:
     """The int8 input (quantize_input's) of a NormedRow for GEMVs of `group`, made once a row (its
     other GEMVs of that group take the same): where the row is not normed yet, one launch norms
     it (the stream written, the row kept as materialize() would leave it) and quantizes it (the
-    bits of add_rms_norm then quantize_input, one launch fewer); a PendingSum as the row's
-    residual branch is summed in that launch too. A QuantizedRow's was made with it."""
+    bits of add_rms_norm then quantize_input, one launch fewer)."""
     q = row.forms.get(("int8", group))
     if q is None:
         h = row.row_for_prologue() if NORM_QUANTIZE else None  # None: normed already, or two launches asked for
@@ -653,34 +591,25 @@ def normed_input(row: "NormedRow | QuantizedRow", group: int) -> torch.Tensor:
             q = quantize_input(row.materialize(), group)
         else:
             K = row.x.shape[-1]
-            q = torch.empty(1, 4, K // 8, dtype=torch.int32, device=row.x.device)
+            q = torch.empty(1, K // 8, 4, dtype=torch.int32, device=row.x.device)
             ngb = next_pow2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
-            sums = row.pending()
-            res = sums.part if sums is not None else row.res
-            bias = sums.bias if sums is not None and sums.bias is not None else row.x
-            launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x, res if res is not None else row.x, bias,
-                   row.weight, row.stream, h, q, row.eps, N=K, BLOCK=next_pow2(K), G=group, NGB=ngb,
-                   HAS_RES=res is not None, PARTS=sums.parts if sums is not None else 0,
-                   HAS_BIAS=sums is not None and sums.bias is not None,
+            launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x,
+                   row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
+                   BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
                    INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
         row.forms[("int8", group)] = q
     return q
 
 
-def gemv(x: "torch.Tensor | NormedRow | QuantizedRow", pw: QWeight, bias: torch.Tensor | None = None,
-         swiglu: bool = False, out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
-         int8: bool | None = None, defer: bool = False,
-         then: QWeight | None = None) -> "torch.Tensor | PendingSum | QuantizedRow":
-    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input;
-    or a QuantizedRow); pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N]
-    (swiglu: [1, N/2], the gate rows first; in one launch where N/2 is whole blocks of R rows) in
-    out_dtype (the row's dtype by default). int8 (int8_inputs of the row's dtype by default):
-    against x~ = quantized_reference(x) instead of x. Where K is split: `defer` (JOIN_SUMS), the
-    output as a PendingSum (no reduce launch: the next add_norm sums it); `then` (REDUCE_QUANTIZES:
-    the QWeight of the planar GEMV that reads a SwiGLU output next), the output as a QuantizedRow
-    whose int8 input for `then` the reduce launch made."""
+def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
+         int8: bool | None = None) -> torch.Tensor:
+    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch, normed_input);
+    pw an INT4P, Q4KP, Q5KP or Q6KP QWeight (planar.repack_*). Returns [1, N] (swiglu: [1, N/2], the gate rows first;
+    in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
+    int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
-    normed = not isinstance(x, torch.Tensor)
+    normed = isinstance(x, NormedRow)
     row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
     int8 = int8_inputs(row_dtype) if int8 is None else int8
     if normed and not int8:
@@ -698,32 +627,15 @@ def gemv(x: "torch.Tensor | NormedRow | QuantizedRow", pw: QWeight, bias: torch.
         src = normed_input(x, pw.group) if normed else quantize_input(x, pw.group)
     else:
         src = x
-    dtype = out_dtype or row_dtype
+    out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=x.device)
     b = bias if bias is not None else src
+    part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device) \
+        if split > 1 else out
+    _launch(src, pw, (cdiv(n_out, rows), split), b, out, part, src, n_out, 0, 0, kw, steps, rows, warps,
+            split=split, experts=False, partial=split > 1, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     if split > 1:
-        part = torch.empty(split * (2 if swiglu else 1), n_out, dtype=torch.float32, device=x.device)
-        _launch(src, pw, (cdiv(n_out, rows), split), b, part, part, src, n_out, 0, 0, kw, steps, rows, warps,
-                split=split, experts=False, partial=True, has_bias=bias is not None, swiglu=swiglu, int8=int8)
-        if JOIN_SUMS and defer and not swiglu:
-            return PendingSum(part, split, n_out, bias, dtype)
-        out = torch.empty(1, n_out, dtype=dtype, device=x.device)
-        if REDUCE_QUANTIZES and swiglu and then is not None and _quantizes_for(then, n_out, dtype):
-            q = torch.empty(1, 4, n_out // 8, dtype=torch.int32, device=x.device)
-            _reduce(part, split, out, n_out, bias=bias, swiglu=True, quantize=(q, then.group))
-            return QuantizedRow(out, then.group, q)
         _reduce(part, split, out, n_out, bias=bias, swiglu=swiglu)
-        return out
-    out = torch.empty(1, n_out, dtype=dtype, device=x.device)
-    _launch(src, pw, (cdiv(n_out, rows), split), b, out, out, src, n_out, 0, 0, kw, steps, rows, warps,
-            split=split, experts=False, partial=False, has_bias=bias is not None, swiglu=swiglu, int8=int8)
     return out
-
-
-def _quantizes_for(then: QWeight, n: int, dtype: torch.dtype) -> bool:
-    """Whether the reduce launch of a SwiGLU output of n values in `dtype` can make the int8 input
-    of the planar GEMV `then` reads it with: whole groups of `then` in each of its programs."""
-    return (then.fmt in FMTS and then.k == n and int8_inputs(dtype) and os.environ.get("CHAT_PLANAR_A16") != "1"
-            and then.group % 8 == 0 and REDUCE_BLOCK % then.group == 0 and n % then.group == 0)
 
 
 def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw, steps, rows, warps, *, split,
@@ -736,16 +648,13 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
-            shared_gate=None, quantize: tuple[torch.Tensor, int] | None = None) -> None:
-    """_reduce_kernel's launch; `quantize`: (qout, group), out's int8 input for GEMVs of that group
-    made in the same launch (_quantizes_for)."""
-    qout, qg = quantize if quantize is not None else (part, 0)
+            shared_gate=None) -> None:
     launch(_reduce_kernel, (cdiv(n, REDUCE_BLOCK),), part, bias if bias is not None else part,
            weights if weights is not None else part, shared if shared is not None else part,
-           shared_gate if shared_gate is not None else part, out, qout, n, PARTS=parts, HAS_BIAS=bias is not None,
-           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, QG=qg, KW8=n // 8 if qg else 0,
-           BLOCK=REDUCE_BLOCK, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
-           num_warps=max(1, min(4, REDUCE_BLOCK // 256)), **cuda_base.pdl(part))
+           shared_gate if shared_gate is not None else part, out, n, PARTS=parts, HAS_BIAS=bias is not None,
+           SWIGLU=swiglu, WEIGHTED=weights is not None, SHARED=shared is not None, BLOCK=REDUCE_BLOCK,
+           num_warps=max(1, min(4, REDUCE_BLOCK // 256)),
+           **cuda_base.pdl(part))
 
 
 def _expert_config(n: int, k: int, group: int) -> tuple[int, int, int, int]:
