@@ -40,8 +40,9 @@ def test_repack_refuses_what_it_cannot_hold():
                                torch.zeros(4, 4, dtype=torch.uint8), 4))
 
 
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("k,group", [(512, 32), (1024, 128), (256, 64)])
-def test_quantize_input_packs_the_reference(device, k, group):
+def test_quantize_input_packs_the_reference(device, k, group, pairs):
     """quantize_input's buffer holds, at word position g G/8 + m, the int8 codes of the inputs the
     even and the odd nibbles meet (bytes j / 2 of j = 0, 2, 4, 6 and 1, 3, 5, 7: input g G + G/8 j
     + m), dx sum_j q and dx / 16, for quantized_reference's x~ = q dx; a zero group stays zero,
@@ -52,10 +53,11 @@ def test_quantize_input_packs_the_reference(device, k, group):
     x[1, :group] = 0
     x[2, 5] = 1e4
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        xq = qplanar.quantize_input(x.to(device, dtype), group).cpu()
+        xq = qplanar.quantize_input(x.to(device, dtype), group, pairs).cpu()
         ref = qplanar.quantized_reference(x.to(dtype), group)
-        assert xq.shape == (3, k // 8, 4)
-        xq = xq.transpose(1, 2).contiguous()  # (the four values of a word position side by side: its planes)
+        assert xq.shape == ((3, k // 8, 4) if pairs else (3, 4, k // 8))
+        if pairs:  # (the four values of a word position side by side: as planes, for the checks below)
+            xq = xq.transpose(1, 2).contiguous()
         gw = group // 8
         codes = torch.zeros(3, k, dtype=torch.int64)
         for j in range(8):
@@ -134,6 +136,10 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, group, res,
         if res:
             assert torch.equal(bits(row.stream), bits(stream))
         assert qplanar.normed_input(row, group) is q
+        # (the other layout of the int8 input, INT4P's: pairs_for, in the same one launch)
+        fresh = NormedRow(x, r, w, 1e-6)
+        assert torch.equal(qplanar.normed_input(fresh, group, True), qplanar.quantize_input(h, group, True))
+        assert torch.equal(bits(fresh.materialize()), bits(h))
         y = qplanar.gemv(NormedRow(x, r, w, 1e-6), pw, int8=True)
         assert torch.equal(y, qplanar.gemv(h, pw, int8=True))
 
@@ -198,11 +204,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                         FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt), PDL=True,
                         INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
+        pairs = qplanar.pairs_for(fmt)
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),
-                      dict(G=G, GB=4, KW8=640, PDL=True, INTERPRETED=False)))
+                      dict(G=G, GB=4, KW8=640, PAIRS=pairs, PDL=True, INTERPRETED=False)))
         cases += [(qplanar._norm_quantize_kernel,
                    dict(x="*bf16", y="*bf16", w="*bf16", sum_out="*bf16", norm_out="*bf16", qout="*i32", eps="fp32"),
-                   dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PDL=True, INTERPRETED=False))
+                   dict(N=5120, BLOCK=8192, G=G, NGB=ngb, HAS_RES=True, PAIRS=pairs, PDL=True, INTERPRETED=False))
                   for ngb in (8192 // G, 4)]
         cases += [(qplanar._planar_dequant_kernel,
                    dict(w="*i32", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",

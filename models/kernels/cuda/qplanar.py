@@ -168,8 +168,9 @@ if triton is not None:
     def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
                    KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
-        quantize_input's int32 [KW8, 4] (per word position: the packed int8 inputs of the even and
-        the odd nibbles, the word's input sum dx sum_j q_j and its group's dx / 16). Q6KP's and Q5KP's codes: bytes of
+        quantize_input's int32 (pairs_for(FMT): [KW8, 4], else [4, KW8]: per word position, the
+        packed int8 inputs of the even and the odd nibbles, the word's input sum dx sum_j q_j and
+        its group's dx / 16). Q6KP's and Q5KP's codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
         GW: tl.constexpr = G // 8
         HB: tl.constexpr = 4 - FMT  # Q6KP, Q5KP: high bits a code (unused by the other layouts)
@@ -181,16 +182,21 @@ if triton is not None:
             lo = words
             hi = words
         if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
-            # a word position's four values in two 8-byte loads (four 4-byte loads from planes apart
-            # kept the L1 busy: Nsight Compute, bench/RESULTS.md set AA)
-            p = (grp * GW + wi) * 2
-            xp = x.to(tl.pointer_type(tl.int64))
-            pair = tl.load(xp + p)
-            sums = tl.load(xp + p + 1)
-            xe = pair.to(tl.int32)
-            xo = (pair >> 32).to(tl.int32)
-            xs = sums.to(tl.int32).to(tl.float32, bitcast=True)
-            xd16 = (sums >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            if FMT == 0:  # INT4P's input: a word position's four values side by side, two 8-byte loads
+                p = (grp * GW + wi) * 2
+                xp = x.to(tl.pointer_type(tl.int64))
+                pair = tl.load(xp + p)
+                sums = tl.load(xp + p + 1)
+                xe = pair.to(tl.int32)
+                xo = (pair >> 32).to(tl.int32)
+                xs = sums.to(tl.int32).to(tl.float32, bitcast=True)
+                xd16 = (sums >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            else:  # the K-quant layouts' input: four planes of KW8 words, four 4-byte loads
+                p = grp * GW + wi
+                xe = tl.load(x + p)
+                xo = tl.load(x + KW8 + p)
+                xs = tl.load(x + 2 * KW8 + p).to(tl.float32, bitcast=True)
+                xd16 = tl.load(x + 3 * KW8 + p).to(tl.float32, bitcast=True)
             even = lo & 0x0F0F0F0F
             odd = (lo >> 4) & 0x0F0F0F0F
             if FMT >= 2:  # the high bits of the even and the odd nibbles' codes into bits 4.. of their bytes
@@ -222,9 +228,10 @@ if triton is not None:
         return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
 
     @triton.jit
-    def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, PAIRS: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         """Groups g [GB, 1] of the row at src (words m [1, G/8]; ok: which are real) quantized
-        into dst (the row's [KW8, 4] int32): _quantize_kernel's contract."""
+        into dst (the row's [KW8, 4] int32 where PAIRS, else [4, KW8]): _quantize_kernel's contract."""
         GW: tl.constexpr = G // 8
         src = src + g * G + m
         amax = tl.zeros(ok.shape, dtype=tl.float32)
@@ -248,18 +255,19 @@ if triton is not None:
                 even = even | ((q & 255) << (8 * (j // 2)))
             else:
                 odd = odd | ((q & 255) << (8 * (j // 2)))
-        dst = dst + (g * GW + m) * 4
+        ST: tl.constexpr = 1 if PAIRS else KW8  # (the four values' stride)
+        dst = dst + (g * GW + m) * (4 if PAIRS else 1)
         tl.store(dst, even, mask=ok)
-        tl.store(dst + 1, odd, mask=ok)
-        tl.store(dst + 2, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
-        tl.store(dst + 3, (dx * 0.0625 + tl.zeros(ok.shape, dtype=tl.float32)).to(tl.int32, bitcast=True),
+        tl.store(dst + ST, odd, mask=ok)
+        tl.store(dst + 2 * ST, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(dst + 3 * ST, (dx * 0.0625 + tl.zeros(ok.shape, dtype=tl.float32)).to(tl.int32, bitcast=True),
                  mask=ok)
 
     @triton.jit
     def _quantize_kernel(x, out, stride_x, n_groups, G: tl.constexpr, GB: tl.constexpr, KW8: tl.constexpr,
-                         PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                         PAIRS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Row program_id(1) of x, groups GB a program: per group of G inputs, dx = amax / 127 and
-        q = round-half-even(x 127 / amax) (int8); out [KW8, 4] int32 per row: at word position
+        q = round-half-even(x 127 / amax) (int8); out [KW8, 4] (PAIRS) or [4, KW8] int32 a row: at word position
         g G/8 + m, the bytes q[g G + G/8 j + m] for j = 0, 2, 4, 6 (the even nibbles' inputs), for
         j = 1, 3, 5, 7, then dx sum_j q and dx / 16 (fp32 bits)."""
         GW: tl.constexpr = G // 8
@@ -269,16 +277,16 @@ if triton is not None:
         row = tl.program_id(1)
         g = tl.program_id(0) * GB + tl.arange(0, GB)[:, None]
         m = tl.arange(0, GW)[None, :]
-        _quantize_groups(x + row * stride_x, out + row * 4 * KW8, g, m, (g < n_groups) & (m < GW), G, KW8,
+        _quantize_groups(x + row * stride_x, out + row * 4 * KW8, g, m, (g < n_groups) & (m < GW), G, KW8, PAIRS,
                          INTERPRETED)
 
     @triton.jit
     def _norm_quantize_kernel(x, y, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-                              INTERPRETED: tl.constexpr):
+                              G: tl.constexpr, NGB: tl.constexpr, HAS_RES: tl.constexpr, PAIRS: tl.constexpr,
+                              PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
         written where HAS_RES), then the normed row, re-read once stored, quantized as
-        _quantize_kernel does, into qout [N/8, 4]. Each program sums the whole row's squares and
+        _quantize_kernel does, into qout (its layout: PAIRS). Each program sums the whole row's squares and
         writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row
         took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other)."""
         SL: tl.constexpr = NGB * G  # a program's elements
@@ -300,7 +308,7 @@ if triton is not None:
         GW: tl.constexpr = G // 8
         g = tl.program_id(0) * NGB + tl.arange(0, NGB)[:, None]
         m = tl.arange(0, GW)[None, :]
-        _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, INTERPRETED)
+        _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, PAIRS, INTERPRETED)
 
     @triton.jit
     def _summed(x, y, offs, mask, HAS_RES: tl.constexpr):
@@ -558,15 +566,24 @@ def int8_inputs(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
 
 
-def quantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [S, K] (rows of unit stride along K) → int32 [S, K/8, 4] (_quantize_kernel's layout):
-    per group of `group` inputs, q = round(x 127 / amax) as int8 and dx = amax / 127, so the
-    GEMVs compute with x~ = q dx (quantized_reference)."""
+def pairs_for(fmt: "str | int") -> bool:
+    """Whether GEMVs of this layout read their int8 input with a word position's four values side
+    by side ([K/8, 4], two 8-byte loads a word) rather than in four planes ([4, K/8], four 4-byte
+    loads): INT4P only. On an H200 (bench/RESULTS.md set AA, ab_decode base, the 27B-like shape)
+    side by side took AWQ from 158.6 to 166.4 tok/s and Q4_K from 151.7 down to 128.5."""
+    return fmt in ("INT4P", 0)
+
+
+def quantize_input(x: torch.Tensor, group: int, pairs: bool = False) -> torch.Tensor:
+    """x [S, K] (rows of unit stride along K) → int32 [S, 4, K/8], or [S, K/8, 4] with `pairs`
+    (_quantize_kernel's layouts: pairs_for): per group of `group` inputs, q = round(x 127 / amax)
+    as int8 and dx = amax / 127, so the GEMVs compute with x~ = q dx (quantized_reference)."""
     S, K = x.shape
-    out = torch.empty(S, K // 8, 4, dtype=torch.int32, device=x.device)
+    out = torch.empty((S, K // 8, 4) if pairs else (S, 4, K // 8), dtype=torch.int32, device=x.device)
     n_groups, gb = K // group, 4
     launch(_quantize_kernel, (cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
-           KW8=K // 8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
+           KW8=K // 8, PAIRS=pairs, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1,
+           **cuda_base.pdl(x))
     return out
 
 
@@ -579,25 +596,25 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
-def normed_input(row: NormedRow, group: int) -> torch.Tensor:
+def normed_input(row: NormedRow, group: int, pairs: bool = False) -> torch.Tensor:
     """The int8 input (quantize_input's) of a NormedRow for GEMVs of `group`, made once a row (its
     other GEMVs of that group take the same): where the row is not normed yet, one launch norms
     it (the stream written, the row kept as materialize() would leave it) and quantizes it (the
-    bits of add_rms_norm then quantize_input, one launch fewer)."""
-    q = row.forms.get(("int8", group))
+    bits of add_rms_norm then quantize_input, one launch fewer). `pairs`: quantize_input's."""
+    q = row.forms.get(("int8", group, pairs))
     if q is None:
         h = row.row_for_prologue() if NORM_QUANTIZE else None  # None: normed already, or two launches asked for
         if h is None:
-            q = quantize_input(row.materialize(), group)
+            q = quantize_input(row.materialize(), group, pairs)
         else:
             K = row.x.shape[-1]
-            q = torch.empty(1, K // 8, 4, dtype=torch.int32, device=row.x.device)
+            q = torch.empty((1, K // 8, 4) if pairs else (1, 4, K // 8), dtype=torch.int32, device=row.x.device)
             ngb = next_pow2(-(-(K // group) // NORM_QUANTIZE_PROGRAMS))
             launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x,
                    row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
-                   BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None,
+                   BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None, PAIRS=pairs,
                    INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
-        row.forms[("int8", group)] = q
+        row.forms[("int8", group, pairs)] = q
     return q
 
 
@@ -624,7 +641,8 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
         raise ValueError(f"config {rows} rows x {kw} words a step, K split in {split}, does not fit "
                          f"K = {pw.k}, group {pw.group}")
     if int8:
-        src = normed_input(x, pw.group) if normed else quantize_input(x, pw.group)
+        pairs = pairs_for(pw.fmt)
+        src = normed_input(x, pw.group, pairs) if normed else quantize_input(x, pw.group, pairs)
     else:
         src = x
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=x.device)
@@ -675,7 +693,7 @@ def experts_gate_up(x: torch.Tensor, pw: QWeight, idx: torch.Tensor, num_experts
     rows, warps, kw, steps = _expert_config(n_out, pw.k, pw.group)
     h = torch.empty(k, n_out, dtype=torch.float32, device=x.device)
     int8 = int8_inputs(x.dtype)
-    src = quantize_input(x, pw.group) if int8 else x
+    src = quantize_input(x, pw.group, pairs_for(pw.fmt)) if int8 else x
     _launch(src, pw, (cdiv(n_out, rows), k), x, h, h, idx, n_out, rows_e, 0, kw, steps, rows, warps,
             split=1, experts=True, partial=False, has_bias=False, swiglu=True, int8=int8)
     return h
@@ -696,7 +714,7 @@ def experts_down(h: torch.Tensor, pw: QWeight, idx: torch.Tensor, weights: torch
     part = torch.empty(k, rows_e, dtype=torch.float32, device=h.device)
     out = torch.empty(1, rows_e, dtype=out_dtype, device=h.device)
     int8 = int8_inputs(out_dtype)  # (h is fp32 in every model: the model's dtype decides)
-    src = quantize_input(h, pw.group) if int8 else h
+    src = quantize_input(h, pw.group, pairs_for(pw.fmt)) if int8 else h
     _launch(src, pw, (cdiv(rows_e, rows), k), h, part, part, idx, rows_e, rows_e, src.stride(0), kw, steps,
             rows, warps, split=1, experts=True, partial=True, has_bias=False, swiglu=False, int8=int8)
     _reduce(part, k, out, rows_e, weights=weights, shared=shared, shared_gate=shared_gate)
