@@ -9,7 +9,7 @@ The floor (weight bytes a token reads / 4.3 TB/s) leaves out an untied embedding
 shapes (qwen3.5-35b-a3b, qwen3-30b-a3b, granite-4.0-h-tiny) counts only the top-k experts.
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
-of 3. `--runs N` (determinism mode): the same session runs the same prompt N times and the
+of runs 2-4 on one session (run 1 compiles, and with graphs on captures its bucket's graph). `--runs N` (determinism mode): the same session runs the same prompt N times and the
 benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
 lines (run in the same device command) and prints ratios; `--hf-script` runs hf_baseline.py
 first (eager, static cache compiled, prefill) so that one command prints ours against HF's best
@@ -116,7 +116,9 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
         del eager
     del s
     if prefill_len:
-        s = DecodeSession(model, max_context=prefill_len + 8, device=device, dtype=dtype, cuda_graph="off")
+        # the session as a chat runs it (graph: a bucket's prefill captured after its first, eager
+        # run, then replayed: engine/graphs.py's PaddedPrefill); the first run is not in the median
+        s = DecodeSession(model, max_context=prefill_len + 8, device=device, dtype=dtype, cuda_graph=graph)
         pf, queued = [], []
         for _ in range(4):
             s.reset()
@@ -131,6 +133,7 @@ def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, 
         # queueing bounded the prefill (bench/RESULTS.md set V)
         rec["prefill_ms"] = [round(t * 1e3, 2) for t in pf]
         rec["prefill_queued_ms"] = [round(t * 1e3, 2) for t in queued]
+        rec["prefill_path"] = s.prefill_path
         del s
     if device.type == "cuda":
         rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)

@@ -87,6 +87,7 @@ def _show(app, arg):
              f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
              f"checkpoints: {c.session.state.describe()}",
              f"decode step: {c.session.decode_path}",
+             f"prefill: {c.session.prefill_path}",
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
              f"format: {c.format.describe() if c.format is not None else 'off (free text)'}",

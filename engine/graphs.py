@@ -1,4 +1,5 @@
-"""CUDA-graph capture and replay of the decode step: a recording of the eager step, nothing more.
+"""CUDA-graph capture and replay of the decode step and of padded prefills: recordings of the
+eager forwards, nothing more.
 
 The captured call is exactly the eager decode call, `model(tokens, positions, state)` with
 `state.kv_len = decode_kv_len(position)`. Where the model's attention is the Triton kernel (it
@@ -12,10 +13,23 @@ the same buckets, so both run the same kernels. Inputs live in static buffers; s
 StateManager's own, never rebound, so `reset()` (in-place zeroing) needs no re-capture. Warm-up and
 capture run at the next free position and the fixed state is restored afterwards: they leave no
 trace in live state.
+
+Prefills (PaddedPrefill): where the model allows it (CausalLM.pads_prefill: attention KV only,
+kernels that read the start from the positions), a prompt chunk of up to PREFILL_BUCKETS[-1]
+tokens runs as the smallest bucket's length that holds it, pad tokens after it, and the logits
+of its last real row come back; the pads' keys and values land in slots past the prompt, which
+the state does not count as written. A 2k-token prefill of a 30B-A3B-like MoE queues ~640
+launches, 24-48 ms of the host's time against ~30 ms of GPU work (bench/RESULTS.md, set X), so
+each bucket's forward is captured once, after its first eager run, and replayed after that: one
+launch. Eager or replayed, a bucket runs the same kernels on the same shapes, so graphs on and
+off give the same bits. The graphs share one memory pool (one runs at a time) and the logits
+are copied out of it, so no graph's replay overwrites what another returned.
 """
 from __future__ import annotations
 
 import torch
+
+from models.kernels.cuda import base as cuda_base
 
 
 SMALLEST_BUCKET = 512
@@ -81,3 +95,89 @@ class GraphedDecodeStep:
         self.positions.fill_(position)
         graph.replay()
         return logits
+
+
+# Prefill lengths a chunk is padded to: fine steps where padding would cost GPU time, powers of
+# two below 256 where the host's launches dominate anyway. Longer chunks run unpadded, eager.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+
+
+def prefill_bucket(n: int, room: int) -> int | None:
+    """The padded length of an n-token prefill with `room` free KV slots: the smallest bucket
+    that holds n and fits, or None (run it unpadded)."""
+    return next((b for b in PREFILL_BUCKETS if n <= b <= room), None)
+
+
+class PaddedPrefill:
+    """A prefill chunk run padded to its bucket's length (the module docstring): eager, and with
+    `graphs`, captured after a bucket's first eager run and replayed from then on. A capture
+    that fails (an op that needs the host) leaves that bucket eager for the session."""
+
+    def __init__(self, model, state, device: torch.device, graphs: bool):
+        self.model, self.state, self.use_graphs = model, state, graphs
+        n = PREFILL_BUCKETS[-1]
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.arange = torch.arange(n, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"  # (the CPU runs the padded forward eager: the tests' form)
+        self.host = torch.zeros(n, dtype=torch.long, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.use_graphs = graphs and cuda
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: dict[int, str] = {}  # bucket -> why its capture failed
+        self.replays = 0
+        self._pool = None
+
+    def __call__(self, ids: list[int], start: int, bucket: int) -> torch.Tensor:
+        """The fp32 logits [1, vocab] after ids, fed at positions start.. (the caller began the
+        forward of len(ids) tokens)."""
+        n = len(ids)
+        if self.copied is not None:
+            self.copied.synchronize()  # the pinned rows' last copy has read them (not a wait for the GPU's work)
+        host = self.host[:bucket]
+        host[:n] = torch.tensor(ids, dtype=torch.long)
+        host[n:] = 0
+        self.tokens[:bucket].copy_(host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        torch.add(self.arange[:bucket], start, out=self.positions[:bucket])
+        self.last.fill_(n - 1)
+        entry = self.graphs.get(bucket)
+        if entry is not None:
+            entry[0].replay()
+            self.replays += 1
+            return entry[1].clone()
+        logits = self._run(bucket)
+        if self.use_graphs and bucket not in self.failed and not cuda_base.precompiling_now():
+            self._capture(bucket)
+        return logits
+
+    def _run(self, bucket: int) -> torch.Tensor:
+        return self.model(self.tokens[:bucket], self.positions[:bucket], self.state, last=self.last)
+
+    def _capture(self, bucket: int) -> None:
+        """Record the bucket's forward (nothing runs). Not torch.cuda.graph's context: where the
+        capture fails, its exit would leave the capture's stream current."""
+        graph, main = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        error = None
+        with torch.cuda.stream(side):
+            # thread_local: another thread's CUDA calls (a constraint's mask upload) stay legal
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits = self._run(bucket)
+            except Exception as e:  # noqa: BLE001 (an op the capture refused: this bucket stays eager)
+                error = e
+            try:
+                graph.capture_end()
+            except Exception as e:  # noqa: BLE001 (the capture was invalidated by the error above)
+                error = error or e
+        main.wait_stream(side)
+        if error is not None:
+            why = str(error).strip()
+            self.failed[bucket] = why.splitlines()[0][:200] if why else type(error).__name__
+            return
+        self._pool = graph.pool()
+        self.graphs[bucket] = (graph, logits)

@@ -19,6 +19,7 @@ argmax over the same logits). A step goes ahead only where no slot above the len
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -27,10 +28,16 @@ import torch
 
 from .config import ConfigError, SamplingConfig
 from .constraint import ConstraintMask, TokenConstraint
-from .graphs import GraphedDecodeStep, decode_kv_len, kv_buckets
+from .graphs import PREFILL_BUCKETS, GraphedDecodeStep, PaddedPrefill, decode_kv_len, kv_buckets, prefill_bucket
 from .link import Interrupted
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from .state import BASE, PROMPT, StateManager
+
+
+# CHAT_PAD_PREFILL=0: prefills run at their own length, eager (as before PaddedPrefill);
+# CHAT_PREFILL_GRAPHS=0: padded, but never captured (bench/ab_prefill.py's variants)
+PAD_PREFILL = os.environ.get("CHAT_PAD_PREFILL", "1").lower() not in ("0", "false", "off", "no")
+PREFILL_GRAPHS = os.environ.get("CHAT_PREFILL_GRAPHS", "1").lower() not in ("0", "false", "off", "no")
 
 
 class ContextOverflow(ValueError):
@@ -145,6 +152,15 @@ class DecodeSession:
                                   kv_dtype=getattr(self._step_fn, "kv_dtype", None),
                                   masked_reads=self._bucketed_decode,
                                   agree=None if link is None else link.agree_min)
+        # Prefill chunks padded to length buckets (engine/graphs.py), graphed where the decode step
+        # is; graphs off pads the same (the same kernels: the same bits). Not for a tensor-parallel
+        # rank (its collectives) or a compiled model. Set before any forward (the precompile's pads).
+        self._padded = None
+        pads = getattr(model, "pads_prefill", None)
+        if (PAD_PREFILL and cuda and link is None and compile == "off" and pads is not None
+                and pads(device, dtype, self.state.kv_dtype)):
+            self._padded = PaddedPrefill(model, self.state, device,
+                                         graphs=cuda_graph in ("on", "auto") and PREFILL_GRAPHS)
         if compile == "on" and cuda:
             self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
         elif compile == "on":
@@ -191,7 +207,8 @@ class DecodeSession:
             return
         with ctx:
             self._throwaway_forwards(1)
-        self.state.scrub_kv(3)
+        # the slots they wrote: 3, or where the prefill ran padded its bucket's
+        self.state.scrub_kv(max(3, prefill_bucket(2, self.max_context) or 0) if self._padded is not None else 3)
 
     def _cpu_kernel_step(self, required: bool):
         """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where
@@ -223,6 +240,22 @@ class DecodeSession:
         return "torch.compile" if self._compiled else "C++ step (cpu_kernel)"
 
     @property
+    def prefill_path(self) -> str:
+        """What runs a prefill chunk, in words (the REPL's /show)."""
+        p = self._padded
+        if p is None:
+            return "eager, at the prompt's length"
+        lo, hi = PREFILL_BUCKETS[0], PREFILL_BUCKETS[-1]
+        if not p.use_graphs:
+            return f"eager, padded to a length bucket ({lo}-{hi} tokens; longer chunks unpadded)"
+        out = (f"CUDA graph of the eager forward, padded to a length bucket ({lo}-{hi} tokens; longer chunks "
+               f"eager); {len(p.graphs)} captured")
+        if p.failed:
+            bucket, why = next(iter(p.failed.items()))
+            out += f"; {len(p.failed)} not capturable, eager (bucket {bucket}: {why})"
+        return out
+
+    @property
     def cached(self) -> list[int]:
         """The tokens whose state is live (a copy)."""
         return self._ids[:self.state.length]
@@ -233,11 +266,18 @@ class DecodeSession:
         start = self.state.length
         one = len(ids) == 1
         decode = one and self._bucketed_decode
-        self.state.begin_forward(len(ids), decode_kv_len(start, self._kv_buckets) if decode else None)
+        padded = self._padded is not None and not one and not all_logits
+        bucket = prefill_bucket(len(ids), self.max_context - start) if padded else None
+        # (a padded chunk's queries are the bucket's: its key slots run to start + bucket, as the
+        # torch attention's form takes them; the CUDA kernels read the positions instead)
+        kv_len = decode_kv_len(start, self._kv_buckets) if decode else None if bucket is None else start + bucket
+        self.state.begin_forward(len(ids), kv_len)
         del self._ids[start:]
         try:
             if decode and self.graph is not None:
                 logits = self.graph(ids[0], start)
+            elif bucket is not None:
+                logits = self._padded(ids, start, bucket)
             else:
                 tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
                 positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)

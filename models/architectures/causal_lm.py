@@ -53,9 +53,22 @@ class CausalLM(nn.Module):
     def max_position(self) -> int:
         return self.config.max_position
 
+    def pads_prefill(self, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether a prefill on `device` in `dtype` may run padded to a length bucket (forward's
+        `last`; engine/graphs.py), its forward then reading no host length, so that a CUDA graph
+        of it serves any start. Architectures that allow it say so."""
+        return False
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, state: StateView,
-                all_logits: bool = False) -> torch.Tensor:
-        """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row)."""
+                all_logits: bool = False, last: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [T] int64. Returns fp32 logits [T, vocab] (or [1, vocab], the last row).
+
+        `last` (an int64 [1] tensor on the device; where pads_prefill): the prompt is tokens up to
+        and including row `last`, the rows after it padding at the next positions (their keys and
+        values are written past the prompt, into slots the state does not count). Returns the
+        logits of row `last`: the final norm over every row, then the head over that one.
+        state.kv_len counts the pads' slots too. On CUDA no mask is built (the layers attend by
+        the kernel that reads the start from `positions`)."""
         x = self.embed(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
@@ -64,9 +77,13 @@ class CausalLM(nn.Module):
                                               or cuda_base.attention_usable(x, self.config.head_dim))
         # a prompt from position 0 attends with is_causal (attend_cached): no mask either
         from_zero = state.length == 0 and state.kv_len == tokens.shape[0]
-        mask = None if live_only or from_zero else causal_mask(positions, state.kv_len, x.dtype)
+        padded = last is not None and x.is_cuda
+        mask = None if live_only or from_zero or padded else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
+        if last is not None:
+            h = add_norm(x, self.model.norm, out_dtype=torch.float32)[1]
+            return head_logits(self.lm_head, h.index_select(0, last))
         if not all_logits:
             x = x.last_row() if isinstance(x, Residual) else x[-1:]
         return self.logits(x)

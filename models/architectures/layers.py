@@ -333,13 +333,15 @@ def rope_and_attend(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
-                  mask: torch.Tensor | None) -> torch.Tensor:
+                  mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [H, T, D] over the first kv_len cached slots (already written). [T, H*D].
-    Several queries are the prompt's last kv_len - T.. kv_len - 1 positions (the engine's prefills)."""
+    Several queries are the prompt's last kv_len - T.. kv_len - 1 positions (the engine's prefills).
+    `positions` (the queries', on the device; given by the layers whose prefills may run padded:
+    see padded_prefill_serves): the Triton kernel reads its start there, not from kv_len."""
     T = q.shape[1]
     if T > 1 and _triton_prefill_takes(q, k_cache, v_cache):
         # from position 0 or over a cached prefix alike: one kernel, no mask (bench/RESULTS.md, set U)
-        return cuda_prefill_attention.causal(q, k_cache, v_cache, kv_len - T)
+        return cuda_prefill_attention.causal(q, k_cache, v_cache, kv_len - T if positions is None else positions)
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     if keys.dtype != q.dtype:  # caches kept narrower than the activations (fp16 on the CPU)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -393,6 +395,17 @@ def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return (TRITON_PREFILL_ATTENTION and cuda_base.prefill_usable(q) and q.shape[-1] <= 256 and k_cache.dtype == q.dtype
             and v_cache.dtype == q.dtype and q.stride(-1) == 1 and k_cache.stride(-1) == 1
             and v_cache.stride(-1) == 1 and q.shape[0] % k_cache.shape[0] == 0 and _sm90(q.device.index))
+
+
+def padded_prefill_serves(device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> bool:
+    """Whether every prefill of an attention layer on `device` in `dtype` attends by
+    cuda_prefill_attention.causal with its start read from the positions (attend_cached given
+    them) and writes its keys and values by qk_rope_kv_write: then it builds no mask and reads no
+    host length, and pad tokens after the prompt change none of the prompt's rows (a causal
+    query never sees a later key). The same conditions as _triton_prefill_takes, on the model's
+    sizes rather than a forward's tensors."""
+    return (TRITON_PREFILL_ATTENTION and cuda_base.serves(device, dtype) and cuda_base.fits(head_dim, least=16)
+            and head_dim <= 256 and kv_dtype == dtype and _sm90(device.index))
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from ..kernels.cuda import attention as cuda_attention, base as cuda_base
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
+from . import layers
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention)
 from .state_spec import AttentionState, StateView
@@ -95,7 +96,7 @@ class Attention(QKVProjections):
                                             eps=self.q_norm.eps if norms else 0.0)
             if cuda_base.attention_usable(x, D):
                 return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions))
-            return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask))
+            return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask, positions))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)
             # query and key heads are adjacent in the fused output: one RoPE over both
@@ -147,6 +148,13 @@ class LlamaForCausalLM(CausalLM):
     def cpu_step_serves(self, dtype) -> bool:
         """Whether decode in `dtype` would run the C++ step (built or not yet); it has no MoE MLP."""
         return not self.config.moe_layers and kernels.cpu_step_serves(self, dtype)
+
+    def pads_prefill(self, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether a prefill may run padded to a length bucket (CausalLM.forward's `last`;
+        engine/graphs.py): every layer holds attention KV only (a pad token would feed recurrent
+        state), attends as layers.padded_prefill_serves says, and its MLP makes no host sync."""
+        return (layers.padded_prefill_serves(device, dtype, self.config.head_dim, kv_dtype)
+                and all(moe.prefill_syncless(layer.mlp, dtype) for layer in self.model.layers))
 
     def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-expert 2D weights of hub MoE checkpoints → the 3D expert tensors; else unchanged."""

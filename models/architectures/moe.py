@@ -169,6 +169,19 @@ def branch(mlp: nn.Module, h: torch.Tensor) -> "torch.Tensor | PendingCombine":
     return mlp(h)
 
 
+def prefill_syncless(mlp: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `mlp`'s multi-token CUDA forward in `dtype` runs without a host sync (so that a CUDA
+    graph can record it): anything but a SparseMoe, or one whose experts take the grouped form
+    (the per-expert loops read the chosen ids on the host)."""
+    if not isinstance(mlp, SparseMoe):
+        return True
+    ex = mlp.experts
+    if type(ex) is not Experts or EXPERTS_FORM != "grouped" or not hasattr(torch, "_grouped_mm"):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    return dtype == torch.bfloat16 and (ex.down_proj.shape[1] * size) % 16 == 0 and (ex.down_proj.shape[2] * size) % 16 == 0
+
+
 def decode_serves(ex: nn.Module) -> bool:
     """Whether the CUDA decode kernels read these experts: moe.Experts' contiguous 3D weights, or
     PlanarExperts (its Q4_K halves through qplanar.py's expert GEMVs)."""

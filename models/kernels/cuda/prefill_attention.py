@@ -1,7 +1,9 @@
 """Triton causal attention for prefill (CUDA): T new queries over the cached keys up to their own.
 
 Contract: `causal(q, k_cache, v_cache, start)` is softmax(q k^T / sqrt(D)) v for the T queries of
-q [H, T, D] at positions start..start+T-1 over slots 0..start+T-1 of the [KVH, S, D] caches (the
+q [H, T, D] at positions start..start+T-1 (`start` an int, or an int64 tensor on the device whose
+first element the kernel reads: the prefill's positions, so that a CUDA graph of the launch serves
+any start) over slots 0..start+T-1 of the [KVH, S, D] caches (the
 new keys and values already written), each query seeing the slots up to its own position (GQA:
 query head h reads KV head h // (H / KVH)). Returns [T, H*D] in q's dtype. q may be any strided
 view whose rows of D are contiguous (qk_rope_kv_write's [T, H, D] memory); the caches' rows too.
@@ -78,11 +80,13 @@ if triton is not None:
         return m_new, l_sum, acc
 
     @triton.jit(do_not_specialize=["T", "start"])
-    def _causal_kernel(q, k_cache, v_cache, out, T, start, stride_qh, stride_qt, stride_kh, stride_ks,
+    def _causal_kernel(q, k_cache, v_cache, out, T, start, start_ptr, stride_qh, stride_qt, stride_kh, stride_ks,
                        stride_vh, stride_vs, scale,
                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, START_PTR: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
+        if START_PTR:
+            start = tl.load(start_ptr).to(tl.int32)
         mb = tl.cdiv(T, BLOCK_M) - 1 - tl.program_id(0)             # the latest queries first
         h = tl.program_id(1)
         kvh = h // G
@@ -129,18 +133,20 @@ def launch_config(head_dim: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
-def causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+def causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: "int | torch.Tensor",
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q [H, T, D] (rows of D contiguous); caches [KVH, S, D] holding slots 0..start+T-1 (rows
-    contiguous); config: (BLOCK_M, BLOCK_N, num_warps, num_stages), launch_config's by default.
-    Returns [T, H*D]."""
+    contiguous); start: an int, or an int64 tensor on q's device holding it first (the positions);
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages), launch_config's by default. Returns [T, H*D]."""
     H, T, D = q.shape
     kvh = k_cache.shape[0]
     bm, bn, warps, stages = config or launch_config(D)
     out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+    on_host = not isinstance(start, torch.Tensor)
     launch(_causal_kernel, (cdiv(T, bm), H),
-           q, k_cache, v_cache, out, T, start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+           q, k_cache, v_cache, out, T, start if on_host else 0, q if on_host else start,
+           q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
            v_cache.stride(0), v_cache.stride(1), math.log2(math.e) / math.sqrt(D),
-           H=H, G=H // kvh, D=D, DP=_padded(D), BLOCK_M=bm, BLOCK_N=bn,
+           H=H, G=H // kvh, D=D, DP=_padded(D), BLOCK_M=bm, BLOCK_N=bn, START_PTR=not on_host,
            num_warps=warps, num_stages=stages, **cuda_base.pdl(q))
     return out
