@@ -111,7 +111,11 @@ def prefill_bucket(n: int, room: int) -> int | None:
 class PaddedPrefill:
     """A prefill chunk run padded to its bucket's length (the module docstring): eager, and with
     `graphs`, captured after a bucket's first eager run and replayed from then on. A capture
-    that fails (an op that needs the host) leaves that bucket eager for the session."""
+    that fails (an op that needs the host) ends the captures for the session (the same op would
+    refuse the next bucket's): every bucket then runs eager, and `failed` says why. A Ctrl-C
+    (KeyboardInterrupt) during a capture ends that capture and goes on up; the bucket captures
+    after its next eager run. The graphs hold the model's and the state's tensors: after either
+    is reallocated, `drop()` them (they are captured again as buckets run)."""
 
     def __init__(self, model, state, device: torch.device, graphs: bool):
         self.model, self.state, self.use_graphs = model, state, graphs
@@ -149,9 +153,13 @@ class PaddedPrefill:
             self.replays += 1
             return entry[1].clone()
         logits = self._run(bucket)
-        if self.use_graphs and bucket not in self.failed and not cuda_base.precompiling_now():
+        if self.use_graphs and not self.failed and not cuda_base.precompiling_now():
             self._capture(bucket)
         return logits
+
+    def drop(self) -> None:
+        """Forget every graph and capture failure (their memory with them)."""
+        self.graphs, self.failed, self._pool = {}, {}, None
 
     def _run(self, bucket: int) -> torch.Tensor:
         return self.model(self.tokens[:bucket], self.positions[:bucket], self.state, last=self.last)
@@ -162,19 +170,22 @@ class PaddedPrefill:
         graph, main = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(main)
-        error = None
+        error: BaseException | None = None
         with torch.cuda.stream(side):
             # thread_local: another thread's CUDA calls (a constraint's mask upload) stay legal
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 logits = self._run(bucket)
-            except Exception as e:  # noqa: BLE001 (an op the capture refused: this bucket stays eager)
+            except BaseException as e:  # noqa: BLE001 (a refused op, or Ctrl-C: the capture must end either way)
                 error = e
-            try:
-                graph.capture_end()
-            except Exception as e:  # noqa: BLE001 (the capture was invalidated by the error above)
-                error = error or e
+            finally:
+                try:  # (a capture left open would refuse every later blocking CUDA call of this thread)
+                    graph.capture_end()
+                except Exception as e:  # noqa: BLE001 (invalidated by the error above)
+                    error = error or e
         main.wait_stream(side)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # Ctrl-C: not the bucket's fault
         if error is not None:
             why = str(error).strip()
             self.failed[bucket] = why.splitlines()[0][:200] if why else type(error).__name__

@@ -246,14 +246,14 @@ class DecodeSession:
         if p is None:
             return "eager, at the prompt's length"
         lo, hi = PREFILL_BUCKETS[0], PREFILL_BUCKETS[-1]
-        if not p.use_graphs:
-            return f"eager, padded to a length bucket ({lo}-{hi} tokens; longer chunks unpadded)"
-        out = (f"CUDA graph of the eager forward, padded to a length bucket ({lo}-{hi} tokens; longer chunks "
-               f"eager); {len(p.graphs)} captured")
         if p.failed:
             bucket, why = next(iter(p.failed.items()))
-            out += f"; {len(p.failed)} not capturable, eager (bucket {bucket}: {why})"
-        return out
+            return (f"eager, padded to a length bucket ({lo}-{hi} tokens; longer chunks unpadded): not "
+                    f"capturable as a CUDA graph (the {bucket}-token bucket's capture failed: {why})")
+        if not p.use_graphs:
+            return f"eager, padded to a length bucket ({lo}-{hi} tokens; longer chunks unpadded)"
+        return (f"CUDA graph of the eager forward, padded to a length bucket ({lo}-{hi} tokens; longer "
+                f"chunks eager); {len(p.graphs)} captured")
 
     @property
     def cached(self) -> list[int]:

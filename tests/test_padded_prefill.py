@@ -57,11 +57,19 @@ def test_padded_prefill_gives_the_prompts_logits(tiny_models, kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_padded_session_conversation_matches(tiny_models, kind):
-    """Turns, an edit that rewinds into the cached prompt, a /retry-like repeat, and a prompt too
-    close to the context's end for its bucket (unpadded): the same tokens as without pads."""
+def test_padded_session_conversation_matches(tiny_models, kind, monkeypatch):
+    """Turns, an edit that rewinds into the cached prompt, a /retry-like repeat, and a later turn
+    too close to the context's end for its bucket (unpadded): the same tokens as without pads."""
+    import engine.session
     lm = tiny_models[kind]
     a, b = ids(30, 3), ids(9, 4)
+    buckets = []
+
+    def bucket(n, room):
+        buckets.append(prefill_bucket(n, room))
+        return buckets[-1]
+
+    monkeypatch.setattr(engine.session, "prefill_bucket", bucket)
 
     def conversation(padded):
         s = session(lm, padded, max_context=128)
@@ -69,12 +77,14 @@ def test_padded_session_conversation_matches(tiny_models, kind):
         out.append(list(s.generate(a + out[0] + b, GREEDY)))
         out.append(list(s.generate(a[:20] + b, GREEDY)))  # rewinds into the first prompt
         out.append(list(s.generate(a[:20] + b, GREEDY)))  # the whole prompt reused
-        out.append(list(s.generate(ids(110, 5), SamplingConfig(temperature=0, max_new_tokens=4))))  # 128 > room
+        later = a[:20] + b + out[3] + ids(70, 5)  # 70 new tokens at 40: bucket 128 > the 88 slots left
+        out.append(list(s.generate(later, SamplingConfig(temperature=0, max_new_tokens=4))))
         return out, s
 
     (want, _), (got, s) = conversation(False), conversation(True)
     assert got == want
     assert s.state.written == s.state.length
+    assert buckets == [32, 16, 16, None]  # (the whole-prompt reuse prefilled nothing)
 
 
 def test_pads_are_never_reused(tiny_models):

@@ -103,13 +103,15 @@ def test_padded_close_to_the_prompts_own_length(lms, kind):
         assert int(p.argmax()) == int(q.argmax())
 
 
-def test_a_capture_that_fails_leaves_the_bucket_eager(lms, monkeypatch):
+def test_a_capture_that_fails_ends_the_captures(lms, monkeypatch):
     """An op the capture refuses (a host sync) fails that bucket's capture: the prefill's result
-    stands, the bucket runs eager from then on, and the session goes on giving graphs-off tokens."""
+    stands, every bucket runs eager from then on (/show says why), and the session goes on giving
+    graphs-off tokens."""
     from engine import graphs
     lm = lms["llama"]
     cfg = SamplingConfig(temperature=0, max_new_tokens=8)
-    want = [list(session(lm, "off").generate(p, cfg)) for p in (ids(20, 12),)]
+    prompts = (ids(20, 12), ids(50, 13))
+    want = [list(session(lm, "off").generate(p, cfg)) for p in prompts]
     run = graphs.PaddedPrefill._run
 
     def syncing(self, bucket):
@@ -119,9 +121,38 @@ def test_a_capture_that_fails_leaves_the_bucket_eager(lms, monkeypatch):
 
     monkeypatch.setattr(graphs.PaddedPrefill, "_run", syncing)
     s = session(lm, "on")
-    got = [list(s.generate(p, cfg)) for p in (ids(20, 12),)]
-    assert got == want and 32 in s._padded.failed and not s._padded.graphs
+    assert list(s.generate(prompts[0], cfg)) == want[0]
+    assert list(s._padded.failed) == [32] and not s._padded.graphs
     monkeypatch.setattr(graphs.PaddedPrefill, "_run", run)
     s.reset()
-    assert [list(s.generate(ids(20, 12), cfg))] == want  # eager again, the CUDA context intact
-    assert "not capturable" in s.prefill_path
+    assert [list(s.generate(p, cfg)) for p in prompts] == want  # eager, the CUDA context intact
+    assert not s._padded.graphs and s._padded.replays == 0
+    assert "not capturable" in s.prefill_path and "32-token bucket" in s.prefill_path
+
+
+def test_ctrl_c_during_a_capture_leaves_the_session_usable(lms, monkeypatch):
+    """A KeyboardInterrupt in the middle of a capture (the REPL's Ctrl-C) ends the capture and
+    reaches the caller; the session then prefills, captures and replays that bucket as usual."""
+    from engine import graphs
+    lm = lms["llama"]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    prompt = ids(20, 14)
+    want = list(session(lm, "off").generate(prompt, cfg))
+    run = graphs.PaddedPrefill._run
+
+    def interrupted(self, bucket):
+        if torch.cuda.is_current_stream_capturing():
+            run(self, bucket)  # (the capture is under way: its launches recorded)
+            raise KeyboardInterrupt
+        return run(self, bucket)
+
+    monkeypatch.setattr(graphs.PaddedPrefill, "_run", interrupted)
+    s = session(lm, "on")
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate(prompt, cfg))
+    assert not s._padded.graphs and not s._padded.failed and s.state.length == 0
+    monkeypatch.setattr(graphs.PaddedPrefill, "_run", run)
+    assert list(s.generate(prompt, cfg)) == want  # eager once more, then captured
+    assert 32 in s._padded.graphs
+    s.reset()
+    assert list(s.generate(prompt, cfg)) == want and s._padded.replays == 1

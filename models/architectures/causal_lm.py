@@ -67,8 +67,9 @@ class CausalLM(nn.Module):
         and including row `last`, the rows after it padding at the next positions (their keys and
         values are written past the prompt, into slots the state does not count). Returns the
         logits of row `last`: the final norm over every row, then the head over that one.
-        state.kv_len counts the pads' slots too. On CUDA no mask is built (the layers attend by
-        the kernel that reads the start from `positions`)."""
+        state.kv_len counts the pads' slots too. Where pads_prefill holds no mask is built (the
+        layers attend by the kernel that reads the start from `positions`); elsewhere (the CPU:
+        the tests' form) the causal mask over kv_len slots hides the pads from the prompt."""
         x = self.embed(tokens)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
@@ -77,7 +78,8 @@ class CausalLM(nn.Module):
                                               or cuda_base.attention_usable(x, self.config.head_dim))
         # a prompt from position 0 attends with is_causal (attend_cached): no mask either
         from_zero = state.length == 0 and state.kv_len == tokens.shape[0]
-        padded = last is not None and x.is_cuda
+        # a padded prefill where the model pads (the kernel that reads the start from `positions`)
+        padded = last is not None and self.pads_prefill(x.device, x.dtype, x.dtype)
         mask = None if live_only or from_zero or padded else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm

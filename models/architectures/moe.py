@@ -178,7 +178,7 @@ def prefill_syncless(mlp: nn.Module, dtype: torch.dtype) -> bool:
     ex = mlp.experts
     if type(ex) is not Experts or EXPERTS_FORM != "grouped" or not hasattr(torch, "_grouped_mm"):
         return False
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return dtype == torch.bfloat16 and (ex.down_proj.shape[1] * size) % 16 == 0 and (ex.down_proj.shape[2] * size) % 16 == 0
 
 
