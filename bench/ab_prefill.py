@@ -14,7 +14,9 @@ DeltaNet's q/k norms, g, beta and output norm in torch: qwen3_5.FUSED_PROLOGUE),
 (prefill attention by torch's flash kernel, not prefill_attention.py's: layers.TRITON_PREFILL_ATTENTION),
 bf16-torchgrouped (the MoE prefill's GEMMs by torch._grouped_mm, not grouped.py's: moe.TRITON_GROUPED),
 bf16-wholetiles (grouped.py's GEMMs without half tiles: grouped.HALF_TILES), bf16-apartcombine (the MoE
-prefill's combine as its own launch, not joined with the next add_norm's: moe.FUSED_COMBINE). A variant sets module attributes for its runs (the
+prefill's combine as its own launch, not joined with the next add_norm's: moe.FUSED_COMBINE), fp8dequant
+(an FP8 model's linears dequantized to bf16, then torch's GEMM, not fp8_gemm.py's FP8 GEMM:
+fp8_gemm.MODE "dequant"). A variant sets module attributes for its runs (the
 noahead variant of branch next-dequant-ahead set quant.AHEAD: bench/RESULTS.md set S).
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import gated_delta, layers, moe, qwen3_5  # noqa: E402
-from models.kernels.cuda import grouped, launcher  # noqa: E402
+from models.kernels.cuda import fp8_gemm, grouped, launcher  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 NOSOLVE = {(gated_delta, "FUSED_SOLVE"): False}
@@ -42,11 +44,12 @@ FLASH = {(layers, "TRITON_PREFILL_ATTENTION"): False}
 TORCH_GROUPED = {(moe, "TRITON_GROUPED"): False}
 WHOLE_TILES = {(grouped, "HALF_TILES"): False}
 APART_COMBINE = {(moe, "FUSED_COMBINE"): False}
+FP8_DEQUANT = {(fp8_gemm, "MODE"): "dequant"}
 VARIANTS = {"bf16": ("bf16", {}), "base": ("quantized", {}), "bf16-nosolve": ("bf16", NOSOLVE),
             "nosolve": ("quantized", NOSOLVE), "bf16-tritonlaunch": ("bf16", TRITON_LAUNCH),
             "bf16-noraw": ("bf16", NORAW), "noraw": ("quantized", NORAW), "bf16-flash": ("bf16", FLASH),
             "bf16-torchgrouped": ("bf16", TORCH_GROUPED), "bf16-wholetiles": ("bf16", WHOLE_TILES),
-            "bf16-apartcombine": ("bf16", APART_COMBINE)}
+            "bf16-apartcombine": ("bf16", APART_COMBINE), "fp8dequant": ("quantized", FP8_DEQUANT)}
 
 
 def prefill_seconds(model, ids: list[int], settings: dict) -> float:

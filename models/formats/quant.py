@@ -263,7 +263,8 @@ class QuantLinear(nn.Module):
     """The CUDA forms shared by linears on quantized weights (GGUF blocks, FP8, 4-bit groups):
     a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
     devices. One row (or a NormedRow: not a tensor): the dequant-GEMV, in out_dtype (x's by
-    default; the LM head asks for fp32); more rows: chunks of rows dequantized by a kernel to the
+    default; the LM head asks for fp32); more rows: the kernels' `matmul` where it takes the format
+    (FP8 on Hopper: kernels/cuda/fp8_gemm.py), else chunks of rows dequantized by a kernel to the
     compute dtype, then torch's GEMM. `sizes` splits the rows of fused linears back."""
 
     sizes: list[int] | None = None
@@ -310,18 +311,25 @@ class QuantLinear(nn.Module):
         else:
             dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
             x2 = x2.to(dtype)
-            rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
-            if rows >= self.out_features:
-                y = x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
-            else:
-                y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
-                for i in range(0, self.out_features, rows):
-                    stop = min(self.out_features, i + rows)
-                    y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
+            y = k.matmul(x2, qw, dtype)  # (FP8 on Hopper: the FP8 tensor cores, no bf16 copy)
+            if y is None:
+                y = self._dequantized_matmul(x2, qw, dtype)
             if self.bias is not None:
                 y = y + self.bias.to(dtype)
             y = y.to(out_dtype or x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, x2: torch.Tensor, qw: QWeight, dtype: torch.dtype) -> torch.Tensor:
+        """x2 @ W^T: W dequantized to `dtype` by the kernels in chunks of rows, then torch's GEMM."""
+        k = self.kernels
+        rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
+        if rows >= self.out_features:
+            return x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
+        for i in range(0, self.out_features, rows):
+            stop = min(self.out_features, i + rows)
+            y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
+        return y
 
     def gemv_swiglu(self, x) -> torch.Tensor:
         """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import base as cuda_base, fp8, qplanar
+from . import base as cuda_base, fp8, fp8_gemm, qplanar
 from .base import cdiv, launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
@@ -159,6 +159,15 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
            HAS_RES=pre is not None and pre.res is not None, STEPS=cdiv(qw.k, consts["W"]), BLOCK_N=bn,
            num_warps=warps, **consts, **cuda_base.pdl(src))
     return out
+
+
+def matmul(x: torch.Tensor, qw: QWeight, dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] @ W^T in `dtype` without a dequantized copy of W, where a form takes this format
+    and x (FP8 on Hopper: the input quantized too, fp8_gemm.py); else None (the caller
+    dequantizes, then runs torch's GEMM)."""
+    if qw.fmt == "FP8" and fp8_gemm.serves(x, qw):
+        return fp8_gemm.matmul(x, qw, dtype)
+    return None
 
 
 def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
