@@ -103,7 +103,8 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
                stride_w="i32", stride_a="i32", stride_z="i32")
     const = dict(G=pw.group, KW=kw, STEPS=k // 8 // kw, BLOCKS=rows // qplanar.R, SPLIT=split, EXPERTS=False,
                  PARTIAL=split > 1, FMT=qplanar.FMTS[fmt],
-                 HAS_BIAS=False, SWIGLU=False, A8=int8, PREFETCH=qplanar.PREFETCH[fmt], PDL=True, INTERPRETED=False)
+                 HAS_BIAS=False, SWIGLU=False, A8=int8, PREFETCH=qplanar.PREFETCH[fmt],
+                 PAIRS=qplanar.pairs_for(fmt), PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=pw.data.stride(0), stride_a=pw.scales.stride(0), stride_z=z.stride(0))
     names = list(sig)
     aligned = ["x", "w", "aux", "aux2", "out", "part"] + [x for x, v in ints.items() if v % 16 == 0]

@@ -114,11 +114,11 @@ class PaddedPrefill:
     that fails (an op that needs the host) ends the captures for the session (the same op would
     refuse the next bucket's): every bucket then runs eager, and `failed` says why. A Ctrl-C
     (KeyboardInterrupt) during a capture ends that capture and goes on up; the bucket captures
-    after its next eager run. The graphs hold the model's and the state's tensors: after either
-    is reallocated, `drop()` them (they are captured again as buckets run)."""
+    after its next eager run. The graphs hold the model's and the state's tensors, which a session
+    keeps for its life."""
 
     def __init__(self, model, state, device: torch.device, graphs: bool):
-        self.model, self.state, self.use_graphs = model, state, graphs
+        self.model, self.state = model, state
         n = PREFILL_BUCKETS[-1]
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -156,10 +156,6 @@ class PaddedPrefill:
         if self.use_graphs and not self.failed and not cuda_base.precompiling_now():
             self._capture(bucket)
         return logits
-
-    def drop(self) -> None:
-        """Forget every graph and capture failure (their memory with them)."""
-        self.graphs, self.failed, self._pool = {}, {}, None
 
     def _run(self, bucket: int) -> torch.Tensor:
         return self.model(self.tokens[:bucket], self.positions[:bucket], self.state, last=self.last)

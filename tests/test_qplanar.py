@@ -196,13 +196,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                    dict(G=G, KW=64, STEPS=10, BLOCKS=4,
                                                           SPLIT=split, EXPERTS=False, PARTIAL=split > 1, FMT=fmt,
                                                           HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=pf,
-                                                          PDL=True, INTERPRETED=False))
+                                                          PAIRS=qplanar.pairs_for(fmt), PDL=True, INTERPRETED=False))
                   for swiglu in (False, True) for split in (1, 2) for a8 in (False, True) for pf in (False, True)]
         # the experts' GEMVs: gate/up (SwiGLU into h) and down (fp32 input rows, partial sums)
         cases += [(qplanar._planar_gemv_kernel, {**sig, "x": "*i32" if a8 else x_type, "out": "*fp32"},
                    dict(G=G, KW=32, STEPS=8, BLOCKS=2, SPLIT=1, EXPERTS=True, PARTIAL=not swiglu,
-                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt), PDL=True,
-                        INTERPRETED=False))
+                        FMT=fmt, HAS_BIAS=False, SWIGLU=swiglu, A8=a8, PREFETCH=bool(fmt),
+                        PAIRS=qplanar.pairs_for(fmt), PDL=True, INTERPRETED=False))
                   for swiglu, x_type in ((True, "*bf16"), (False, "*fp32")) for a8 in (False, True)]
         pairs = qplanar.pairs_for(fmt)
         cases.append((qplanar._quantize_kernel, dict(x="*bf16", out="*i32", stride_x="i32", n_groups="i32"),

@@ -388,13 +388,20 @@ TRITON_PREFILL_ATTENTION = os.environ.get("CHAT_TRITON_PREFILL_ATTENTION", "1").
 
 
 def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Where prefills attend by cuda_prefill_attention.causal: the Triton kernels serve the
-    device and dtype (cuda_base.prefill_usable), the caches hold q's dtype, rows of D contiguous,
-    head sizes up to 256 (its tiles' shared memory), and the GPU is sm_90 or newer (measured
-    there; older GPUs keep flash)."""
-    return (TRITON_PREFILL_ATTENTION and cuda_base.prefill_usable(q) and q.shape[-1] <= 256 and k_cache.dtype == q.dtype
-            and v_cache.dtype == q.dtype and q.stride(-1) == 1 and k_cache.stride(-1) == 1
-            and v_cache.stride(-1) == 1 and q.shape[0] % k_cache.shape[0] == 0 and _sm90(q.device.index))
+    """Where prefills attend by cuda_prefill_attention.causal: `_triton_prefill_sizes` for q's
+    device, dtype and head size and the caches' dtype, outside torch.compile, rows of D
+    contiguous, and whole groups of query heads per key head."""
+    return (_triton_prefill_sizes(q.device, q.dtype, q.shape[-1], k_cache.dtype) and v_cache.dtype == q.dtype
+            and not torch.compiler.is_compiling() and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+            and v_cache.stride(-1) == 1 and q.shape[0] % k_cache.shape[0] == 0)
+
+
+def _triton_prefill_sizes(device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> bool:
+    """The Triton kernels serve the device and dtype (cuda_base.serves), the caches hold that
+    dtype, head sizes up to 256 (the kernel's tiles' shared memory), and the GPU is sm_90 or newer
+    (measured there; older GPUs keep flash)."""
+    return (TRITON_PREFILL_ATTENTION and cuda_base.serves(device, dtype) and head_dim <= 256 and kv_dtype == dtype
+            and _sm90(device.index))
 
 
 def padded_prefill_serves(device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> bool:
@@ -402,10 +409,9 @@ def padded_prefill_serves(device: torch.device, dtype: torch.dtype, head_dim: in
     cuda_prefill_attention.causal with its start read from the positions (attend_cached given
     them) and writes its keys and values by qk_rope_kv_write: then it builds no mask and reads no
     host length, and pad tokens after the prompt change none of the prompt's rows (a causal
-    query never sees a later key). The same conditions as _triton_prefill_takes, on the model's
-    sizes rather than a forward's tensors."""
-    return (TRITON_PREFILL_ATTENTION and cuda_base.serves(device, dtype) and cuda_base.fits(head_dim, least=16)
-            and head_dim <= 256 and kv_dtype == dtype and _sm90(device.index))
+    query never sees a later key). _triton_prefill_takes' conditions on the model's sizes (the
+    strides and head groups hold for the model's own tensors), and qk_rope_kv_write's head size."""
+    return _triton_prefill_sizes(device, dtype, head_dim, kv_dtype) and cuda_base.fits(head_dim, least=16)
 
 
 @functools.cache

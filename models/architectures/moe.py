@@ -37,10 +37,16 @@ TRITON_GROUPED = os.environ.get("CHAT_TRITON_GROUPED", "1").lower() not in ("0",
 def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
     """Whether torch._grouped_mm takes these operands: its rows must be 16-byte aligned, and on
     CUDA it computes in bf16 (other dtypes take the loop)."""
-    if not hasattr(torch, "_grouped_mm") or (x.shape[-1] * x.element_size()) % 16 \
-            or (intermediate * x.element_size()) % 16:
+    return grouped_takes(x.shape[-1], intermediate, x.dtype, cpu=x.device.type == "cpu")
+
+
+def grouped_takes(hidden: int, intermediate: int, dtype: torch.dtype, cpu: bool = False) -> bool:
+    """grouped_serves' rule on sizes and a dtype: torch._grouped_mm present, rows of hidden and
+    intermediate 16-byte aligned, and bf16 (any dtype on the CPU)."""
+    size = dtype.itemsize
+    if not hasattr(torch, "_grouped_mm") or (hidden * size) % 16 or (intermediate * size) % 16:
         return False
-    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+    return cpu or dtype == torch.bfloat16
 
 
 class Experts(nn.Module):
@@ -176,10 +182,9 @@ def prefill_syncless(mlp: nn.Module, dtype: torch.dtype) -> bool:
     if not isinstance(mlp, SparseMoe):
         return True
     ex = mlp.experts
-    if type(ex) is not Experts or EXPERTS_FORM != "grouped" or not hasattr(torch, "_grouped_mm"):
+    if type(ex) is not Experts or EXPERTS_FORM != "grouped":
         return False
-    size = dtype.itemsize
-    return dtype == torch.bfloat16 and (ex.down_proj.shape[1] * size) % 16 == 0 and (ex.down_proj.shape[2] * size) % 16 == 0
+    return grouped_takes(ex.down_proj.shape[1], ex.down_proj.shape[2], dtype)
 
 
 def decode_serves(ex: nn.Module) -> bool:

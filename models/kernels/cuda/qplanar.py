@@ -166,9 +166,9 @@ if triton is not None:
 
     @triton.jit
     def _words_dot(acc, x, words, s16, c, gi, wi, step, G: tl.constexpr, NG: tl.constexpr, A8: tl.constexpr,
-                   KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr):
+                   KW8: tl.constexpr, INTERPRETED: tl.constexpr, FMT: tl.constexpr, PAIRS: tl.constexpr):
         """acc [BB, NG, GW, R] plus the contribution of a step's words (_step_words'). A8: x is
-        quantize_input's int32 (pairs_for(FMT): [KW8, 4], else [4, KW8]: per word position, the
+        quantize_input's int32 (PAIRS, as pairs_for gives it: [KW8, 4], else [4, KW8]: per word position, the
         packed int8 inputs of the even and the odd nibbles, the word's input sum dx sum_j q_j and
         its group's dx / 16). Q6KP's and Q5KP's codes: bytes of
         both halves joined (code = low | high << 4) for the DP4As; as given, each code converted."""
@@ -182,7 +182,7 @@ if triton is not None:
             lo = words
             hi = words
         if A8:  # sum_j (s code_j - off) q_j dx = 16 s ((dx / 16) sum_j code_j q_j + dx sum_j q_j) - c dx sum_j q_j
-            if FMT == 0:  # INT4P's input: a word position's four values side by side, two 8-byte loads
+            if PAIRS:  # a word position's four values side by side (INT4P's: pairs_for), two 8-byte loads
                 p = (grp * GW + wi) * 2
                 xp = x.to(tl.pointer_type(tl.int64))
                 pair = tl.load(xp + p)
@@ -221,11 +221,11 @@ if triton is not None:
     @triton.jit
     def _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G: tl.constexpr,
                   NG: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, KW8: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  INTERPRETED: tl.constexpr, PAIRS: tl.constexpr):
         """acc plus a step's contribution for row blocks rb: its words read, then summed."""
         words, s16, c = _step_words(w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
                                     KW8)
-        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT)
+        return _words_dot(acc, x, words, s16, c, gi, wi, step, G, NG, A8, KW8, INTERPRETED, FMT, PAIRS)
 
     @triton.jit
     def _quantize_groups(src, dst, g, m, ok, G: tl.constexpr, KW8: tl.constexpr, PAIRS: tl.constexpr,
@@ -325,7 +325,7 @@ if triton is not None:
                             G: tl.constexpr, KW: tl.constexpr, STEPS: tl.constexpr, BLOCKS: tl.constexpr,
                             SPLIT: tl.constexpr, EXPERTS: tl.constexpr, PARTIAL: tl.constexpr, FMT: tl.constexpr,
                             HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, A8: tl.constexpr, PREFETCH: tl.constexpr,
-                            PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                            PAIRS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Rows BLOCKS R a program (axis 0). Axis 1: SPLIT > 1, program (i, s) sums the s-th of
         SPLIT equal runs of STEPS // SPLIT steps; EXPERTS, program (i, s) the rows of expert
         idx[s] (rows_e rows an expert, expert e's from row e rows_e) against row s of x (stride_x
@@ -376,28 +376,28 @@ if triton is not None:
                 if SWIGLU:
                     nu_words, nu_s16, nu_c = _step_words(w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a,
                                                          stride_z, G, NG, FMT, K8)
-                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, K8, INTERPRETED, FMT)
+                acc = _words_dot(acc, x, words, s16, c, gi, wi, step - 1, G, NG, A8, K8, INTERPRETED, FMT, PAIRS)
                 if SWIGLU:
                     acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, step - 1, G, NG, A8, K8,
-                                        INTERPRETED, FMT)
+                                        INTERPRETED, FMT, PAIRS)
                     u_words, u_s16, u_c = nu_words, nu_s16, nu_c
                 words, s16, c = n_words, n_s16, n_c
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, K8, INTERPRETED, FMT)
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first + RUN - 1, G, NG, A8, K8, INTERPRETED, FMT, PAIRS)
             if SWIGLU:
                 acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first + RUN - 1, G, NG, A8, K8,
-                                    INTERPRETED, FMT)
+                                    INTERPRETED, FMT, PAIRS)
         else:
-            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, K8, INTERPRETED, FMT)
+            acc = _words_dot(acc, x, words, s16, c, gi, wi, first, G, NG, A8, K8, INTERPRETED, FMT, PAIRS)
             if SWIGLU:
                 acc_up = _words_dot(acc_up, x, u_words, u_s16, u_c, gi, wi, first, G, NG, A8, K8,
-                                    INTERPRETED, FMT)
+                                    INTERPRETED, FMT, PAIRS)
             for i in range(1, RUN):
                 step = first + i
                 acc = _rows_dot(acc, x, w, aux, aux2, rb, gi, wi, ri, step, stride_w, stride_a, stride_z, G, NG, FMT,
-                                A8, K8, INTERPRETED)
+                                A8, K8, INTERPRETED, PAIRS)
                 if SWIGLU:
                     acc_up = _rows_dot(acc_up, x, w, aux, aux2, up_rb, gi, wi, ri, step, stride_w, stride_a, stride_z,
-                                       G, NG, FMT, A8, K8, INTERPRETED)
+                                       G, NG, FMT, A8, K8, INTERPRETED, PAIRS)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCKS, R]
         n = b[:, None] * 4 + tl.arange(0, 4)[None, :]
         if PARTIAL:
@@ -662,7 +662,7 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
     launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
            pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
            SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
-           PREFETCH=PREFETCH[pw.fmt], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+           PREFETCH=PREFETCH[pw.fmt], PAIRS=pairs_for(pw.fmt), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,
