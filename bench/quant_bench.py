@@ -7,6 +7,7 @@
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
     python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
+    python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
     python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like Q5_0 matrices, the 27B-like Q6_K head)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
@@ -255,6 +256,38 @@ def sweep_dequant(device, gen, tokens: int) -> None:
           f"a call / TB/s read and written; GEMM: x[{tokens}, K] @ W^T in bf16)")
 
 
+def sweep_fp8_prefill(device, gen, tokens: int) -> None:
+    """FP8 prefill's GEMM per 27B-like matrix, `tokens` rows: the bf16 GEMM of the same matrix, the
+    dequantize-then-bf16-GEMM form (fp8_gemm.MODE "dequant"), and fp8_gemm.matmul (its input's
+    quantization included), microseconds a call; then matmul's rms distance to the exact product of
+    the bf16 input and the dequantized weights, beside the dequantize form's."""
+    from models.kernels.cuda import fp8_gemm, qlinear
+    from shapes import random_quant_linear
+    print(f"{'N':>7}{'K':>7}{'bf16 GEMM':>11}{'dequant+GEMM':>14}{'fp8_gemm':>10}{'vs dequant':>12}"
+          f"{'rms err fp8_gemm':>18}{'rms err dequant':>17}")
+    for n, k in ((10240, 5120), (16480, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (12288, 5120)):
+        lin = random_quant_linear("FP8", n, k, device, gen)
+        if n % 128:  # (a fused in_proj whose parts end inside a block: a scale a row, as concat gives it)
+            from models.formats import hf_quant
+            lin = hf_quant.Fp8Linear(lin.weight, lin.scale.repeat_interleave(128, 0)[:n], scale_rows=1)
+        qw = lin.qweight()
+        x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=gen)
+        wb = qlinear.dequantize(qw, 0, n, torch.bfloat16)
+        bf16_us = time_graph(lambda i: x @ wb.t(), 5, reps=3)
+        deq_us = time_graph(lambda i: x @ qlinear.dequantize(qw, 0, n, torch.bfloat16, wb).t(), 5, reps=3)
+        assert fp8_gemm.serves(x, qw), (n, k)
+        fp8_us = time_graph(lambda i: fp8_gemm.matmul(x, qw), 5, reps=3)
+        exact = x.float() @ lin.dequantize(torch.float32).t()
+        rms = exact.pow(2).mean().sqrt()
+        err = lambda y: float((y.float() - exact).pow(2).mean().sqrt() / rms)  # noqa: E731
+        print(f"{n:>7}{k:>7}{bf16_us:>11.0f}{deq_us:>14.0f}{fp8_us:>10.0f}{deq_us / fp8_us:>11.2f}x"
+              f"{err(fp8_gemm.matmul(x, qw)):>18.2e}{err(x @ wb.t()):>17.2e}", flush=True)
+        lin = qw = x = wb = exact = None
+        torch.cuda.empty_cache()
+    print(f"(microseconds a call, {tokens} rows; rms err: of the output, against the bf16 input times the "
+          f"dequantized weights in fp32)")
+
+
 def _graph_us(call) -> float:
     """Microseconds a call: 100 calls captured in a CUDA graph, one replay timed by CUDA events."""
     return time_graph(lambda i: call(), 100, reps=1)
@@ -274,6 +307,8 @@ def main() -> None:
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
     ap.add_argument("--sweep-dequant", action="store_true", help="qplanar.dequantize_rows's tiles (prefill's "
                     "weights) beside the --prefill-row bf16 GEMM they feed")
+    ap.add_argument("--sweep-fp8-prefill", action="store_true", help="FP8 prefill's GEMM per 27B-like "
+                    "matrix: fp8_gemm.py against the dequantize-then-bf16 form, --prefill rows")
     ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
                     "shapes' Q4KP matrices")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
@@ -289,6 +324,9 @@ def main() -> None:
         return
     if args.sweep_grid:
         sweep_grid(device, torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_fp8_prefill:
+        sweep_fp8_prefill(device, torch.Generator(device=device).manual_seed(0), args.prefill)
         return
     if args.sweep_dequant:
         sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill)
