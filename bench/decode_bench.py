@@ -9,8 +9,9 @@ The floor (weight bytes a token reads / 4.3 TB/s) leaves out an untied embedding
 shapes (qwen3.5-35b-a3b, qwen3-30b-a3b, granite-4.0-h-tiny) counts only the top-k experts.
 Decode: tokens/s after a `--prompt`-token prompt, `--new` greedy tokens, median of 3, measured
 on one session (graph captured once). Prefill: tokens/s of one `--prefill`-token prompt, median
-of runs 2-4 on one session (run 1 compiles, and with graphs on captures its bucket's graph). `--runs N` (determinism mode): the same session runs the same prompt N times and the
-benchmark stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
+of runs 2-4 on one session (run 1 compiles, and with graphs on captures its bucket's graph).
+`--runs N` (determinism mode): the same session runs the same prompt N times and the benchmark
+stops with an error on any token mismatch. `--hf FILE` reads hf_baseline.py's JSON
 lines (run in the same device command) and prints ratios; `--hf-script` runs hf_baseline.py
 first (eager, static cache compiled, prefill) so that one command prints ours against HF's best
 (the table names which variant that was, and shows a dash where one did not run or timed out).
