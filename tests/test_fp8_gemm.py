@@ -110,6 +110,23 @@ def test_matmul_is_the_oracle(n, k, group, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [128, 1])
+def test_matmul_takes_fp16_and_strided_rows(group):
+    """fp16 rows in and out, and rows strided past K (a view of a wider buffer, as a fused
+    projection's slice is): the oracle's sums, the same as the contiguous bf16 form's bounds."""
+    _hopper()
+    n, k, m = 384, 640, 57
+    qw = _weight(n, k, group, CUDA, seed=7)
+    wide = torch.randn(m, k + 256, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(3))
+    for x in (wide[:, 128:128 + k].half(), wide.bfloat16()[:, 128:128 + k]):
+        assert fp8_gemm.serves(x, qw) and (x.dtype == torch.float16 or x.stride(0) == k + 256)
+        y = fp8_gemm.matmul(x, qw)
+        o = fp8_gemm.oracle(x, qw)
+        assert y.dtype == x.dtype and y.shape == (m, n)
+        assert _rms(y.float(), o) <= 5e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_fp8_checkpoint_prefill_takes_the_tensor_cores(tmp_path, monkeypatch, kind):
     """A tiny FP8 checkpoint's whole-prompt forward in bf16: the FP8 linears that `serves` takes

@@ -90,7 +90,7 @@ def weight_scales(qw) -> tuple[torch.Tensor, "torch.nn.functional.ScalingType"]:
     (group 1) as 1 x 128 blocks, [N, K/128] of unit stride along N (a copy: 4 bytes a 128
     weights)."""
     f = torch.nn.functional
-    sc = qw.scales
+    sc = qw.scales.contiguous()  # (a no-op as loaded; the strides below assume it)
     if (qw.group or 128) == 1:
         return sc.t().contiguous().t(), f.ScalingType.BlockWise1x128
     kb = sc.shape[1]
@@ -124,7 +124,7 @@ if triton is not None:
     def _quantize_rows_kernel(x, q, s, M, MP, stride_x, K, GROUPS: tl.constexpr):
         """Row program_id(0) (rows M.. are padding: zeros), groups GROUPS program_id(1).. of 128:
         quantize_rows' contract."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # (row * K passes 2**31 past ~123k rows at K = 17,408)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]
         offs = g * 128 + tl.arange(0, 128)[None, :]
         v = tl.load(x + row * stride_x + offs, mask=(row < M) & (offs < K), other=0.0).to(tl.float32)

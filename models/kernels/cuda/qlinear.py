@@ -165,7 +165,7 @@ def matmul(x: torch.Tensor, qw: QWeight, dtype: torch.dtype) -> torch.Tensor | N
     """x [M, K] @ W^T in `dtype` without a dequantized copy of W, where a form takes this format
     and x (FP8 on Hopper: the input quantized too, fp8_gemm.py); else None (the caller
     dequantizes, then runs torch's GEMM)."""
-    if qw.fmt == "FP8" and fp8_gemm.serves(x, qw):
+    if fp8_gemm.serves(x, qw):  # (it checks the format)
         return fp8_gemm.matmul(x, qw, dtype)
     return None
 
