@@ -25,7 +25,9 @@ blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weig
 step up to 2,048 weights), wholeRxW (the one-step matrices on R rows and W warps a program,
 the defaults' steps), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
 the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
-grid: every default as set Q left it).
+grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV in fp8.py's
+fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
+that many rows a program).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -45,7 +47,7 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
-from models.kernels.cuda import base as cuda_base, linear as cuda_linear, qlinear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, fp8, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
@@ -55,7 +57,9 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
-                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM)
+                sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
+                fp8form=fp8.FORM, fp8rows=None)
+_PICK16 = fp8.pick_config16
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
@@ -92,6 +96,8 @@ VARIANTS = {
                                  (8, 4, 1024, True), (2, 2, 1024, False), (1, 1, 1024, False), (4, 4, 1024, False),
                                  (2, 2, 64, False), (4, 4, 256, False))},
     "tiny1m": dict(planar_min=1 << 20),
+    "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
+    **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     "w2k": dict(whole=(2, 2, 2048, True)),
     "tiny0": dict(planar_min=0, whole=(2, 2, 1024, True)),
     "setq": dict(planar_min=0, whole=(2, 2, 1024, True), small_grid=1 << 62),
@@ -113,6 +119,9 @@ def apply(variant: str) -> None:
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
     granitemoehybrid.DEFER_MLP_NORM = v["defernorm"]
+    fp8.FORM = v["fp8form"]
+    fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
+        lambda n, k, b=v["fp8rows"]: (b,) + _PICK16(n, k)[1:])
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

@@ -126,30 +126,34 @@ def sweep_planar(device, x, gen) -> None:
 
 
 FP8_CONFIGS = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (2, 4, 8, 16) for w in (1, 2, 4, 8) if bn * nb * 128 >= w * 512]
+# fp8.py's fp16-product form: (BLOCK_N, R runs a step, R / 32 warps)
+FP8_CONFIGS16 = [(bn, r, r // 32) for bn in (1, 2, 4, 8) for r in (32, 64, 128)]
 
 
 def sweep_fp8(device, x, gen) -> None:
-    """fp8.py's GEMV per (BLOCK_N, 128-weight blocks a step, num_warps) and pick_config's, on the
+    """fp8.py's GEMV in its two forms, f32 per (BLOCK_N, 128-weight blocks a step, num_warps) and
+    pick_config's, f16 per (BLOCK_N, runs a step, num_warps) and pick_config16's, on the
     big shape's matrices, beside linear.gemv on the same matrix in bf16 (the rate to beat per
     weight: half the bytes should take about half the time)."""
     from models.kernels.cuda import fp8, linear
     from shapes import random_quant_linear
-    for n, k in ((10240, 5120), (5120, 17408), (34816, 5120), (248320, 5120)):
+    for n, k in ((10240, 5120), (16480, 5120), (5120, 6144), (5120, 17408), (34816, 5120)):
         qw = random_quant_linear("FP8", n, k, device, gen).qweight()
         xk = x[:, :k].contiguous()
         wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
         bf16_us = _graph_us(lambda: linear.gemv(xk, wb))
         wb = None
         torch.cuda.empty_cache()
-        cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c)) for c in FP8_CONFIGS}
-        picked = fp8.pick_config(n, k)
-        if picked not in cells:  # (a small matrix's whole-row step is not among the configs)
-            cells[picked] = _graph_us(lambda: fp8.gemv(xk, qw))
-        best = min(cells, key=cells.get)
-        print(f"[{n}, {k}]: bf16 GEMV {bf16_us:.1f} us ({n * k * 2 / bf16_us / 1e6:.2f} TB/s); FP8 picked "
-              f"{'x'.join(map(str, picked))} {cells[picked]:.1f} us, best "
-              f"{'x'.join(map(str, best))} {cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
-        print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+        for form, configs, pick in (("f32", FP8_CONFIGS, fp8.pick_config), ("f16", FP8_CONFIGS16, fp8.pick_config16)):
+            cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, config=c, form=form)) for c in configs}
+            picked = pick(n, k)
+            if picked not in cells:  # (a small matrix's whole-row step is not among the configs)
+                cells[picked] = _graph_us(lambda: fp8.gemv(xk, qw, form=form))
+            best = min(cells, key=cells.get)
+            print(f"[{n}, {k}] {form}: bf16 GEMV {bf16_us:.1f} us ({n * k * 2 / bf16_us / 1e6:.2f} TB/s); FP8 picked "
+                  f"{'x'.join(map(str, picked))} {cells[picked]:.1f} us, best {'x'.join(map(str, best))} "
+                  f"{cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
+            print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
         qw = None
         torch.cuda.empty_cache()
     print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")

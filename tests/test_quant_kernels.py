@@ -246,3 +246,64 @@ def test_fp8_gemv_configs(device, config):
     gate, up = (h @ wp.t() + pair_bias.double()).chunk(2, dim=-1)
     tol = 1e-5 * (bound(h, wp[:200]) * up.abs() + bound(h, wp[200:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
     assert torch.all((got - F.silu(gate) * up).abs() <= tol)
+
+
+@pytest.mark.parametrize("config", [(1, 32, 1), (2, 32, 1), (4, 64, 2), (8, 64, 2), (4, 128, 4)], ids=str)
+def test_fp8_gemv16_configs(device, config):
+    """fp8.py's fp16-product form (inline PTX: CUDA only) per (BLOCK_N, R, warps): rows of whole
+    steps or a padded last step (1,152 = 9 blocks), scales shared or per row (fused parts of odd
+    sizes, SwiGLU halves of 200 rows with a bias), the norm prologue, inputs of a wide range and
+    all-zero runs. Bounds: each run's 16 products summed in fp16 (8 a lane, each sum rounded to
+    11 bits) is within 2^-8 of sum |x w| (4e-3 of `bound`), and within 2e-3 of the output's rms."""
+    if device.type != "cuda":
+        pytest.skip("the fp16-product form is inline PTX: no interpreter")
+    from models.kernels.cuda import fp8
+    from models.kernels.cuda.linear import NormedRow
+    g = torch.Generator().manual_seed(13)
+
+    def check(got, ref, b):
+        err = (got - ref).abs()
+        assert torch.all(err <= 4e-3 * b), float((err / b).max())
+        assert float(err.pow(2).mean().sqrt()) <= 2e-3 * float(ref.pow(2).mean().sqrt())
+
+    for k in (1536, 1152):
+        lin, w = hf_weight("fp8", 264, k, 9, device)
+        x = torch.randn(1, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]
+        x[0, 32:64] = 0.0  # two runs of zeros
+        x = x.to(device)
+        bias = torch.randn(264, generator=g).to(device)
+        got = fp8.gemv(x, lin.qweight(), bias, out_dtype=torch.float32, config=config, form="f16").double()
+        check(got, x.double() @ w.t() + bias.double(), bound(x, w) + 1e-6 * bias.double().abs())
+        parts = [hf_weight("fp8", n, k, seed, device) for seed, n in enumerate([136, 6])]
+        fused = type(parts[0][0]).concat([p for p, _ in parts])
+        wf = torch.cat([w for _, w in parts])
+        got = fp8.gemv(x, fused.qweight(), out_dtype=torch.float32, config=config, form="f16").double()
+        check(got, x.double() @ wf.t(), bound(x, wf))
+        pair, wp = hf_weight("fp8", 400, k, 12, device)  # [gate; up], 200 rows each
+        xn = torch.randn(1, k, generator=g).to(device)
+        res, nw = torch.randn(1, k, generator=g).to(device), torch.rand(k, generator=g).to(device) + 0.5
+        row = NormedRow(xn, res, nw, 1e-6)
+        pair_bias = torch.randn(400, generator=g).to(device)
+        got = fp8.gemv(row, pair.qweight(), pair_bias, swiglu=True, out_dtype=torch.float32, config=config,
+                       form="f16").double()
+        assert torch.equal(row.stream, xn + res)
+        h = F.rms_norm((xn + res).double(), (k,), nw.double(), 1e-6)
+        gate, up = (h @ wp.t() + pair_bias.double()).chunk(2, dim=-1)
+        tol = 4e-3 * (bound(h, wp[:200]) * up.abs() + bound(h, wp[200:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
+        assert torch.all((got - F.silu(gate) * up).abs() <= tol)
+
+
+def test_fp8_gemv_takes_the_fp16_form_above_one_step(device):
+    """gemv's default on CUDA: matrices above WHOLE_STEP_BYTES take the fp16-product form, within
+    its bounds of the product; smaller ones the fp32 form, within 1e-5; the interpreter only the
+    fp32 form."""
+    from models.kernels.cuda import fp8
+    lin, w = hf_weight("fp8", 2176, 4096, 4, device)  # 8.5 MiB of codes
+    qw = lin.qweight()
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1)).to(device)
+    assert fp8.takes16(x, qw) == (device.type == "cuda" and fp8.FORM == "f16")
+    got = fp8.gemv(x, qw, out_dtype=torch.float32).double()
+    tol = 4e-3 if fp8.takes16(x, qw) else 1e-5
+    assert torch.all((got - x.double() @ w.t()).abs() <= tol * bound(x, w))
+    small, ws = hf_weight("fp8", 264, 1536, 9, device)
+    assert not fp8.takes16(x[:, :1536], small.qweight())

@@ -18,6 +18,8 @@ one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row (RO
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import base as cuda_base
@@ -28,6 +30,8 @@ from .linear import PROLOGUE_MAX_BYTES, NormedRow
 # Quantized matrices up to this size are read in one step per program (the whole row, before the
 # PDL wait), here and in qlinear.py: a small model's launch-bound step then waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
+# "f16": matrices above WHOLE_STEP_BYTES on CUDA take the fp16-product form; "f32": none does
+FORM = os.environ.get("CHAT_FP8_GEMV", "f16").lower()
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
@@ -41,17 +45,35 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
     return 2, 8, (1 if n >= 32768 else 4)
 
 
+def pick_config16(n: int, k: int) -> tuple[int, int, int]:
+    """The fp16-product form's (BLOCK_N: rows a program, R: 16-weight runs a step, num_warps: R / 32):
+    a run a thread, BLOCK_N of them a row each (placeholder: 4 rows, 64 runs)."""
+    r = 64 if k % 1024 == 0 or k % 512 else 32
+    return 4, r, r // 32
+
+
+def takes16(x: torch.Tensor, qw: QWeight) -> bool:
+    """Whether gemv takes the fp16-product form by default: FORM "f16", a CUDA input (inline PTX:
+    not under Triton's interpreter), a matrix above WHOLE_STEP_BYTES (the small ones keep their
+    one-step form)."""
+    return FORM == "f16" and x.is_cuda and qw.n * qw.k > WHOLE_STEP_BYTES
+
+
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
+         form: str | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one), K a multiple of 128. Returns [1, N] (swiglu:
-    [1, N/2], the gate rows first) in out_dtype (x's by default). config: (BLOCK_N, NB,
-    num_warps), pick_config's by default (bench/quant_bench.py --sweep-fp8 measures others)."""
+    [1, N/2], the gate rows first) in out_dtype (x's by default). form: "f16" (fp16 products)
+    or "f32", takes16's by default; config: that form's (pick_config16's: BLOCK_N, R, num_warps;
+    pick_config's: BLOCK_N, NB, num_warps), the pick by default (bench/quant_bench.py
+    --sweep-fp8 measures others)."""
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
         x = x.materialize()
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
-    bn, nb, warps = config or pick_config(n_out, qw.k)
+    f16 = (form or ("f16" if takes16(src, qw) else "f32")) == "f16"
+    bn, nb, warps = config or (pick_config16 if f16 else pick_config)(n_out, qw.k)
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
@@ -59,12 +81,17 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     # a program's rows share one row of scales where BLOCK_N divides the rows a scale covers (and,
     # with SwiGLU, the up rows N below start on a multiple of BLOCK_N too)
     row_scales = group % bn != 0 or (swiglu and n_out % bn != 0)
-    launch(_fp8_gemv_kernel, (cdiv(n_out, bn),),
-           src, qw.data, qw.scales, bias if bias is not None else src, out, n_out, qw.k, qw.data.stride(0),
-           qw.scales.stride(0), res, norm_w, stream, eps, GROUP=group, ROW_SCALES=row_scales,
-           HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
-           HAS_RES=pre is not None and pre.res is not None, EVEN=qw.k % (nb * 128) == 0,
-           STEPS=cdiv(qw.k, nb * 128), BLOCK_N=bn, NB=nb, num_warps=warps, **cuda_base.pdl(src))
+    flags = dict(GROUP=group, ROW_SCALES=row_scales, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=pre is not None,
+                 HAS_RES=pre is not None and pre.res is not None, BLOCK_N=bn, num_warps=warps, **cuda_base.pdl(src))
+    b = bias if bias is not None else src
+    if f16:  # (nb: R, 16-weight runs a step)
+        launch(_fp8_gemv16_kernel, (cdiv(n_out, bn),), src, qw.data.view(torch.int32), qw.scales, b, out, n_out,
+               qw.k, qw.data.stride(0) // 4, qw.scales.stride(0), res, norm_w, stream, eps,
+               EVEN=qw.k % (nb * 16) == 0, STEPS=cdiv(qw.k, nb * 16), R=nb, **flags)
+        return out
+    launch(_fp8_gemv_kernel, (cdiv(n_out, bn),), src, qw.data, qw.scales, b, out, n_out, qw.k, qw.data.stride(0),
+           qw.scales.stride(0), res, norm_w, stream, eps, EVEN=qw.k % (nb * 128) == 0,
+           STEPS=cdiv(qw.k, nb * 128), NB=nb, **flags)
     return out
 
 
@@ -147,3 +174,183 @@ if triton is not None:
             y = y * r
             y_up = y_up * r
         _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
+
+
+
+if triton is not None:
+    @triton.jit
+    def _pack_f16x2(lo, hi):
+        """f32 pairs -> one int32 holding (f16(lo), f16(hi)): cvt.rn.f16x2.f32, one instruction."""
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _run_dot(w0, w1, w2, w3, xs):
+        """A 16-weight run's sum of code * input: words w* (4 e4m3 codes each, low byte first),
+        inputs xs (8 int32 of f16 pairs, low half first); the products summed in fp16 pairs (a lane
+        sums 8), the two lanes added in fp32."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b16 l, h;
+            .reg .b32 a, b, c;
+            .reg .f32 fl, fh;
+            mov.b32 {l, h}, $1;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            mul.rn.f16x2 c, a, $5;
+            fma.rn.f16x2 c, b, $6, c;
+            mov.b32 {l, h}, $2;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            fma.rn.f16x2 c, a, $7, c;
+            fma.rn.f16x2 c, b, $8, c;
+            mov.b32 {l, h}, $3;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            fma.rn.f16x2 c, a, $9, c;
+            fma.rn.f16x2 c, b, $10, c;
+            mov.b32 {l, h}, $4;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            fma.rn.f16x2 c, a, $11, c;
+            fma.rn.f16x2 c, b, $12, c;
+            mov.b32 {l, h}, c;
+            cvt.f32.f16 fl, l;
+            cvt.f32.f16 fh, h;
+            add.f32 $0, fl, fh;
+            }""",
+            "=r,r,r,r,r,r,r,r,r,r,r,r,r", [w0, w1, w2, w3, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]],
+            dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _split4(v):
+        """[R, 4] -> its four columns [R] (a thread holds a row's four: no data moves)."""
+        a, b = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # (columns 0, 2 and 1, 3)
+        a0, a2 = tl.split(a)
+        a1, a3 = tl.split(b)
+        return a0, a1, a2, a3
+
+    @triton.jit
+    def _scaled_pairs(xa, xb):
+        """A run's 16 inputs (two halves [R, 8], fp32) as 8 int32 of f16 pairs, scaled by the power
+        of two that puts the run's largest |x| in [8, 16) (8 products of at most 16 x 448 a lane:
+        below fp16's 65504), and that scale's inverse [R]."""
+        m = tl.maximum(tl.max(tl.abs(xa), axis=1), tl.max(tl.abs(xb), axis=1))
+        se = tl.minimum(257 - ((m.to(tl.int32, bitcast=True) >> 23) & 255), 254)  # (biased exponents)
+        s = (se << 23).to(tl.float32, bitcast=True)[:, None]
+        inv = ((254 - se) << 23).to(tl.float32, bitcast=True)
+        ea, oa = tl.split(tl.reshape(xa * s, [xa.shape[0], 4, 2]))
+        eb, ob = tl.split(tl.reshape(xb * s, [xb.shape[0], 4, 2]))
+        p0, p1, p2, p3 = _split4(_pack_f16x2(ea, oa))
+        p4, p5, p6, p7 = _split4(_pack_f16x2(eb, ob))
+        return (p0, p1, p2, p3, p4, p5, p6, p7), inv
+
+    @triton.jit
+    def _rows_load(ptrs, step, K, R: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr):
+        """Each row's words of step `step` (its pointers + the step's): a tuple of BN [R, 4] int32;
+        runs past the row (not EVEN) read as zero codes."""
+        ws = ()
+        for i in tl.static_range(BN):
+            if EVEN:
+                ws = ws + (tl.load(ptrs[i] + step * (R * 4)),)
+            else:
+                rm = (step * R + tl.arange(0, R) < K // 16)[:, None]
+                ws = ws + (tl.load(ptrs[i] + step * (R * 4), mask=rm, other=0),)
+        return ws
+
+    @triton.jit
+    def _rows_scales(sc, first, N, blk, stride_s, GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, BN: tl.constexpr):
+        """Each row's run scales [R] (a tuple of BN; one shared load where the rows share a block)."""
+        ss = ()
+        if ROW_SCALES:
+            for i in tl.static_range(BN):
+                ss = ss + (tl.load(sc + (tl.minimum(first + i, N - 1) // GROUP) * stride_s + blk),)
+        else:
+            s0 = tl.load(sc + (first // GROUP) * stride_s + blk)
+            for i in tl.static_range(BN):
+                ss = ss + (s0,)
+        return ss
+
+    @triton.jit
+    def _rows_acc(acc, ws, xs, ss, inv, BN: tl.constexpr):
+        new = ()
+        for i in tl.static_range(BN):
+            w0, w1, w2, w3 = _split4(ws[i])
+            new = new + (acc[i] + _run_dot(w0, w1, w2, w3, xs) * (ss[i] * inv),)
+        return new
+
+    @triton.jit
+    def _raw_halves(x, kk, K, EVEN: tl.constexpr):
+        km = None if EVEN else kk < K
+        zero = None if EVEN else 0.0
+        return tl.load(x + kk, mask=km, other=zero), tl.load(x + kk + 8, mask=km, other=zero)
+
+    @triton.jit
+    def _fp8_gemv16_kernel(x, w, sc, bias, out, N, K, stride_w, stride_s, res, norm_w, sum_out, eps,
+                           GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
+                           STEPS: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        first = pid * BLOCK_N
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        run = tl.arange(0, R)
+        cols = run[:, None] * 4 + tl.arange(0, 4)[None, :]
+        gp = ()
+        up = ()
+        for i in tl.static_range(BLOCK_N):
+            gp = gp + (w + tl.minimum(first + i, N - 1).to(tl.int64) * stride_w + cols,)
+            if SWIGLU:
+                up = up + (w + (tl.minimum(first + i, N - 1) + N).to(tl.int64) * stride_w + cols,)
+        wg = _rows_load(gp, 0, K, R, EVEN, BLOCK_N)
+        wu = wg
+        if SWIGLU:
+            wu = _rows_load(up, 0, K, R, EVEN, BLOCK_N)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        write = tl.where(pid == 0, K, 0)
+        kk = run[:, None] * 16 + tl.arange(0, 8)[None, :]
+        xa, xb = _raw_halves(x, kk, K, EVEN)
+        acc = ()
+        acc_up = ()
+        for i in tl.static_range(BLOCK_N):
+            acc = acc + (tl.zeros([R], tl.float32),)
+            acc_up = acc_up + (tl.zeros([R], tl.float32),)
+        ssq = tl.zeros([R], tl.float32)
+        for step in range(STEPS):
+            nxt = tl.minimum(step + 1, STEPS - 1)  # (the last step re-reads its own: no mask)
+            ng = _rows_load(gp, nxt, K, R, EVEN, BLOCK_N)
+            nu = ng
+            if SWIGLU:
+                nu = _rows_load(up, nxt, K, R, EVEN, BLOCK_N)
+            if NORM:
+                fa, qa = _input_chunk(x, res, norm_w, sum_out, write, step * R * 16 + kk, K, NORM, HAS_RES, EVEN)
+                fb, qb = _input_chunk(x, res, norm_w, sum_out, write, step * R * 16 + kk + 8, K, NORM, HAS_RES, EVEN)
+                ssq += tl.sum(qa, axis=1) + tl.sum(qb, axis=1)
+            else:
+                fa = xa.to(tl.float32)
+                fb = xb.to(tl.float32)
+                xa, xb = _raw_halves(x, nxt * R * 16 + kk, K, EVEN)
+            xs, inv = _scaled_pairs(fa, fb)
+            blk = tl.minimum(step * (R // 8) + run // 8, K // 128 - 1)
+            acc = _rows_acc(acc, wg, xs, _rows_scales(sc, first, N, blk, stride_s, GROUP, ROW_SCALES, BLOCK_N), inv,
+                            BLOCK_N)
+            if SWIGLU:
+                acc_up = _rows_acc(acc_up, wu, xs, _rows_scales(sc, first + N, 2 * N, blk, stride_s, GROUP, ROW_SCALES,
+                                                                BLOCK_N), inv, BLOCK_N)
+            wg = ng
+            wu = nu
+        r = 1.0
+        if NORM:
+            r = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / K + eps)
+        for i in tl.static_range(BLOCK_N):
+            row = first + i
+            y = tl.sum(acc[i], axis=0) * r
+            if HAS_BIAS:
+                y += tl.load(bias + tl.minimum(row, N - 1)).to(tl.float32)
+            if SWIGLU:
+                yu = tl.sum(acc_up[i], axis=0) * r
+                if HAS_BIAS:
+                    yu += tl.load(bias + tl.minimum(row, N - 1) + N).to(tl.float32)
+                y = y / (1.0 + tl.exp(-y)) * yu
+            tl.store(out + row, y.to(out.dtype.element_ty), mask=row < N)
