@@ -1,20 +1,33 @@
 """The Triton GEMV for FP8 weights (e4m3 [N, K] with one fp32 scale per 128 x 128 block, the
 official Qwen FP8 layout; QWeight "FP8"): one-token forwards (decode).
 
-Contract: `gemv(x, qw)` equals x @ W^T for W = e4m3 code * its block's scale (hf_quant.Fp8Linear's
-dequantization), accumulated in fp32 and rounded once; like linear.gemv it takes a NormedRow (the
-residual add and RMSNorm in its prologue, 1/rms applied to the sums at the end), a SwiGLU pair of
-row halves ([gate; up]) and a bias, and launches with PDL (the first step of weights and scales
-read before it waits on the previous kernel).
+Contract: `gemv(x, qw)` is x @ W^T for W = e4m3 code * its block's scale (hf_quant.Fp8Linear's
+dequantization); like linear.gemv it takes a NormedRow (the residual add and RMSNorm in its
+prologue, 1/rms applied to the sums at the end), a SwiGLU pair of row halves ([gate; up]) and a
+bias, and launches with PDL (the first step of weights and scales read before it waits on the
+previous kernel). Two forms (`takes16` picks; `form` forces one):
+- fp32 products (matrices of at most WHOLE_STEP_BYTES, the CPU's interpreter, CHAT_FP8_GEMV=f32):
+  accumulated in fp32 and rounded once.
+- fp16 products (larger matrices on CUDA): each 16-weight run's sum is taken in fp16 pairs on
+  inputs scaled by a power of two per run, then added in fp32; within 2^-8 of sum |x w| at worst
+  (tests/test_quant_kernels.py bounds it by 4e-3 of that, and by 2e-3 of the output's rms).
 
 Why its own kernel (qlinear.py's generic one decoded FP8 as [rows, 32-weight runs] tiles with a
-sum per run: 2.0-2.25 TB/s on the 27B-like matrices, bench/RESULTS.md I4b): this is linear.py's
-dense GEMV with e4m3 loads. A program owns BLOCK_N rows and walks K in steps of NB 128-weight
-blocks; a thread sums each 16-weight run of a row inside its registers (a conversion and an FMA
-a weight), and the run's block scale multiplies that sum, into an fp32 partial per run (summed
-once at the end, no reduction per step). The scales are one row per program where its rows share
-one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row (ROW_SCALES: `GROUP`
-1, fused linears whose parts end inside a block, or SwiGLU halves not aligned to BLOCK_N).
+sum per run: 2.0-2.25 TB/s on the 27B-like matrices, bench/RESULTS.md I4b). The fp32 form is
+linear.py's dense GEMV with e4m3 loads. A program owns BLOCK_N rows and walks K in steps of NB
+128-weight blocks; a thread sums each 16-weight run of a row inside its registers (a conversion
+and an FMA a weight), and the run's block scale multiplies that sum, into an fp32 partial per
+run (summed once at the end, no reduction per step). The scales are one row per program where its
+rows share one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row
+(ROW_SCALES: `GROUP` 1, fused linears whose parts end inside a block, or SwiGLU halves not
+aligned to BLOCK_N). Its loop issues ~5.9 instructions a weight (sm_90 SASS, bench/sass_loop.py):
+the bf16 input arrives in another layout than the weights' (lanes exchange halves) and is
+widened per weight. The fp16 form (`_fp8_gemv16_kernel`) gives each thread one 16-weight run of
+the input and of each of the program's rows (rows loaded as separate [R, 4] word tiles, so the
+input's run and the rows' runs share a thread), prepares the run's input once for all the rows
+(its largest magnitude scaled into [8, 16), packed as fp16 pairs), and converts and multiplies
+two codes an instruction in inline PTX (`cvt.rn.f16x2.e4m3x2`, `fma.rn.f16x2`): ~2.9
+instructions a weight at 4 rows a program, and the next step's words read ahead.
 """
 from __future__ import annotations
 
@@ -46,10 +59,14 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def pick_config16(n: int, k: int) -> tuple[int, int, int]:
-    """The fp16-product form's (BLOCK_N: rows a program, R: 16-weight runs a step, num_warps: R / 32):
-    a run a thread, BLOCK_N of them a row each (placeholder: 4 rows, 64 runs)."""
-    r = 64 if k % 1024 == 0 or k % 512 else 32
-    return 4, r, r // 32
+    """The fp16-product form's (BLOCK_N rows a program, R 16-weight runs a step, num_warps = R / 32:
+    a run a thread). Measured on the 27B-like shape's matrices (bench/quant_bench.py --sweep-fp8,
+    bench/RESULTS.md set AD, 12 configs each): few rows (N up to 8,192) on 128 runs and 4 warps, 4
+    rows a program (2 where K passes 8,192: [5120, 17408] 23.8 us against 31.0 at 4 x 64 x 2);
+    more rows on 64 runs and 2 warps, 2 rows up to 12,288 rows, else 4."""
+    if n <= 8192:
+        return (4 if k <= 8192 else 2), 128, 4
+    return (2 if n <= 12288 else 4), 64, 2
 
 
 def takes16(x: torch.Tensor, qw: QWeight) -> bool:
