@@ -154,6 +154,12 @@ def sweep_fp8(device, x, gen) -> None:
                   f"{'x'.join(map(str, picked))} {cells[picked]:.1f} us, best {'x'.join(map(str, best))} "
                   f"{cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
             print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+        if n == 34816:  # the gate/up pair as decode runs it: SwiGLU, 17,408 outputs
+            cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, swiglu=True, config=c, form="f16")) for c in FP8_CONFIGS16}
+            cells["f32"] = _graph_us(lambda: fp8.gemv(xk, qw, swiglu=True, form="f32"))
+            print(f"[{n}, {k}] SwiGLU: picked {'x'.join(map(str, fp8.pick_config16(n // 2, k)))}; "
+                  + "  ".join(f"{c if isinstance(c, str) else 'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()),
+                  flush=True)
         qw = None
         torch.cuda.empty_cache()
     print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")

@@ -290,6 +290,8 @@ if triton is not None:
 
     @triton.jit
     def _rows_acc(acc, ws, xs, ss, inv, BN: tl.constexpr):
+        """Each row's run sums of this step added to its accumulator [R] (a tuple of BN): the run's
+        dot in fp16 pairs, times its block scale over the input's scale."""
         new = ()
         for i in tl.static_range(BN):
             w0, w1, w2, w3 = _split4(ws[i])
@@ -298,6 +300,8 @@ if triton is not None:
 
     @triton.jit
     def _raw_halves(x, kk, K, EVEN: tl.constexpr):
+        """The input at kk [R, 8] and kk + 8 as loaded (two 16-byte loads a run: a thread holds the
+        run whole, in the layout of the rows' word tiles)."""
         km = None if EVEN else kk < K
         zero = None if EVEN else 0.0
         return tl.load(x + kk, mask=km, other=zero), tl.load(x + kk + 8, mask=km, other=zero)
@@ -307,6 +311,10 @@ if triton is not None:
                            GROUP: tl.constexpr, ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                            SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
                            STEPS: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+        """Rows pid BLOCK_N.. (w: the codes as int32 words, stride_w words a row), R runs a step:
+        the module docstring's fp16 form. The gate rows' words (and the up rows', N below) of step
+        0 are read before the PDL wait; each step reads the next's words (and input, without
+        NORM) before its own sums."""
         pid = tl.program_id(0)
         first = pid * BLOCK_N
         if PDL:
