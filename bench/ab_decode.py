@@ -121,7 +121,7 @@ def apply(variant: str) -> None:
     granitemoehybrid.DEFER_MLP_NORM = v["defernorm"]
     fp8.FORM = v["fp8form"]
     fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
-        lambda n, k, b=v["fp8rows"]: (b,) + _PICK16(n, k)[1:])
+        lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

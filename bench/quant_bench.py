@@ -157,7 +157,7 @@ def sweep_fp8(device, x, gen) -> None:
         if n == 34816:  # the gate/up pair as decode runs it: SwiGLU, 17,408 outputs
             cells = {c: _graph_us(lambda: fp8.gemv(xk, qw, swiglu=True, config=c, form="f16")) for c in FP8_CONFIGS16}
             cells["f32"] = _graph_us(lambda: fp8.gemv(xk, qw, swiglu=True, form="f32"))
-            print(f"[{n}, {k}] SwiGLU: picked {'x'.join(map(str, fp8.pick_config16(n // 2, k)))}; "
+            print(f"[{n}, {k}] SwiGLU: picked {'x'.join(map(str, fp8.pick_config16(n // 2, k, swiglu=True)))}; "
                   + "  ".join(f"{c if isinstance(c, str) else 'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()),
                   flush=True)
         qw = None

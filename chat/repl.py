@@ -37,6 +37,7 @@ from .settings import Settings
 from .template import TemplateError
 from .transcript import TranscriptError, load_into_controller
 from .turn import TurnResult
+from .typeahead import take_pending
 
 BLOCK = '"""'
 
@@ -113,6 +114,7 @@ class ReplApp:
         self._save_failed = False
         self.own_sigint = False  # run_repl on a terminal: SIGINT interrupts replies only
         self.late_interrupt = False
+        self.terminal = None  # (on a terminal: its fd and the prompt's input, for typeahead.take_pending)
 
     def note_interrupt(self, signum, frame) -> None:
         """SIGINT outside a reply: answered with the hint at the next prompt. One that lands as a
@@ -136,12 +138,16 @@ class ReplApp:
         """Inside: Ctrl-C (SIGINT) raises KeyboardInterrupt, which stops the reply. Outside, on a
         terminal, SIGINT does nothing: at the prompt prompt-toolkit reads Ctrl-C as a key, and one
         that lands between a reply and the prompt (a late Ctrl-C meant for the reply) must not
-        escape the loop halfway through printing or saving: it is noted (note_interrupt)."""
+        escape the loop halfway through printing or saving: it is noted (note_interrupt). One
+        pressed right after Enter, while the prompt still held the terminal, arrived as a byte:
+        typeahead.take_pending finds it, and the reply stops before it starts."""
         if not self.own_sigint:
             yield
             return
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            if self.terminal is not None and take_pending(*self.terminal):
+                raise KeyboardInterrupt  # pressed right after Enter, while the prompt held the terminal
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -253,6 +259,8 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
         except ExitRepl:
             pass
         return 0
+    if app.own_sigint and app.terminal is None:
+        app.terminal = (sys.stdin.fileno(), session.input)
     while True:
         try:
             try:

@@ -58,15 +58,17 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
     return 2, 8, (1 if n >= 32768 else 4)
 
 
-def pick_config16(n: int, k: int) -> tuple[int, int, int]:
+def pick_config16(n: int, k: int, swiglu: bool = False) -> tuple[int, int, int]:
     """The fp16-product form's (BLOCK_N rows a program, R 16-weight runs a step, num_warps = R / 32:
-    a run a thread). Measured on the 27B-like shape's matrices (bench/quant_bench.py --sweep-fp8,
-    bench/RESULTS.md set AD, 12 configs each): few rows (N up to 8,192) on 128 runs and 4 warps, 4
-    rows a program (2 where K passes 8,192: [5120, 17408] 23.8 us against 31.0 at 4 x 64 x 2);
-    more rows on 64 runs and 2 warps, 2 rows up to 12,288 rows, else 4."""
+    a run a thread), for n outputs (a SwiGLU pair's: 2 BLOCK_N rows a program). Measured on the
+    27B-like shape's matrices (bench/quant_bench.py --sweep-fp8, bench/RESULTS.md set AD, 12
+    configs each): few rows (N up to 8,192) on 128 runs and 4 warps, 4 rows a program (2 where K
+    passes 8,192: [5120, 17408] 23.8-24.1 us against 31.0 at 4 x 64 x 2); more rows on 64 runs and
+    2 warps, 2 rows up to 12,288 rows and for a SwiGLU pair (the [34816, 5120] gate/up: 42.5 us
+    against 45.6 at 4 rows, whose 8 rows a thread take 110 registers), else 4."""
     if n <= 8192:
         return (4 if k <= 8192 else 2), 128, 4
-    return (2 if n <= 12288 else 4), 64, 2
+    return (2 if n <= 12288 or swiglu else 4), 64, 2
 
 
 def takes16(x: torch.Tensor, qw: QWeight) -> bool:
@@ -90,7 +92,7 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     src = pre.x if pre is not None else x
     n_out = qw.n // 2 if swiglu else qw.n
     f16 = (form or ("f16" if takes16(src, qw) else "f32")) == "f16"
-    bn, nb, warps = config or (pick_config16 if f16 else pick_config)(n_out, qw.k)
+    bn, nb, warps = config or (pick_config16(n_out, qw.k, swiglu) if f16 else pick_config(n_out, qw.k))
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
