@@ -2,7 +2,7 @@
 qplanar.py's for INT4P, Q4KP, Q5KP and Q6KP, AWQ/GPTQ and K-quant weights repacked; fp8.py's for FP8),
 read from its sm_90 SASS: a measure of the kernel's arithmetic that needs no GPU.
 
-    python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [FORMAT ...]
+    python bench/sass_loop.py [--n 10240] [--k 5120] [--config 4x4x1024] [--fp8-form f16] [FORMAT ...]
 
 Needs Triton (its ptxas and nvdisasm compile and disassemble for Hopper; no device). For each
 format, compiles `_qgemv_kernel` as `gemv` would launch it on an [n, k] weight (plain input, no
@@ -138,6 +138,28 @@ def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int) -> tuple[str, int
     return _disassemble(cubin), bn * nb * 128
 
 
+def _compile_fp8_16(n: int, k: int, bn: int, r: int, warps: int) -> tuple[str, int]:
+    """fp8.py's fp16-product GEMV (`_fp8_gemv16_kernel`) on an [n, k] FP8 weight of 128-row
+    scales (config: BLOCK_N, R runs a step, num_warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels.cuda import fp8
+    sig = dict(x="*bf16", w="*i32", sc="*fp32", bias="*bf16", out="*bf16", N="i32", K="i32", stride_w="i32",
+               stride_s="i32", res="*bf16", norm_w="*bf16", sum_out="*bf16", eps="fp32")
+    const = dict(GROUP=128, ROW_SCALES=128 % bn != 0, HAS_BIAS=False, SWIGLU=False, NORM=False, HAS_RES=False,
+                 EVEN=k % (r * 16) == 0, STEPS=triton.cdiv(k, r * 16), BLOCK_N=bn, R=r, PDL=True)
+    ints = dict(N=n, K=k, stride_w=k // 4, stride_s=k // 128)
+    names = list(sig)
+    aligned = ["x", "w", "sc", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
+    src = ASTSource(fn=fp8._fp8_gemv16_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                    constexprs=const, attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), bn * r * 16
+
+
 def _disassemble(cubin: bytes) -> str:
     import triton
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -186,6 +208,9 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="the planar layouts: the GEMV on int8 inputs (DP4A)")
     ap.add_argument("--fp8-config", default=None,
                     help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
+    ap.add_argument("--fp8-form", default="f32", choices=("f32", "f16"),
+                    help="FP8: fp8.py's fp32-product GEMV, or its fp16-product one (config then BLOCK_N x runs "
+                         "a step x num_warps, fp8.pick_config16's by default)")
     a = ap.parse_args()
     from models.kernels.cuda import fp8, qlinear
     from models.kernels.cuda import qplanar
@@ -196,10 +221,14 @@ def main() -> None:
             cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
                 qplanar.pick_config(a.n, a.k, {"INT4P": 128, "Q6KP": 16}.get(fmt, 32))[:3]
         elif fmt == "FP8":
-            cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else fp8.pick_config(a.n, a.k)
+            pick = fp8.pick_config16 if a.fp8_form == "f16" else fp8.pick_config
+            cfg = tuple(map(int, a.fp8_config.split("x"))) if a.fp8_config else pick(a.n, a.k)
         else:  # (gemv's own pick, qlinear.launch_config: a head's rows take fewer for the K-quants)
             cfg = tuple(map(int, a.config.split("x"))) if a.config else qlinear.launch_config(weight(fmt, a.n, a.k))[:3]
-        text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
+        if fmt == "FP8" and a.fp8_form == "f16":
+            text, weights = _compile_fp8_16(a.n, a.k, *cfg)
+        else:
+            text, weights = compile_sass(fmt, a.n, a.k, *cfg, int8=a.int8 and fmt in qplanar.FMTS)
         body = main_loop(text)
         if not body:
             print(f"{fmt:>5}: no loop (one step covers the row)")

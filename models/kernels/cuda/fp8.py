@@ -195,8 +195,21 @@ if triton is not None:
         _rows_epilogue(y, y_up, bias, rows, n, nm, out, N, HAS_BIAS, SWIGLU)
 
 
+def _run_dot_ptx() -> str:
+    """_run_dot's PTX: word $1+j (codes 4j..4j+3) as two f16 pairs times inputs $5+2j and $6+2j,
+    summed into the pair c (the first product a mul), then c's lanes widened and added into $0."""
+    lines = [".reg .b16 l, h;", ".reg .b32 a, b, c;", ".reg .f32 fl, fh;"]
+    for j in range(4):
+        first = "mul.rn.f16x2 c, a, $5;" if j == 0 else f"fma.rn.f16x2 c, a, ${5 + 2 * j}, c;"
+        lines += [f"mov.b32 {{l, h}}, ${1 + j};", "cvt.rn.f16x2.e4m3x2 a, l;", "cvt.rn.f16x2.e4m3x2 b, h;", first,
+                  f"fma.rn.f16x2 c, b, ${6 + 2 * j}, c;"]
+    lines += ["mov.b32 {l, h}, c;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", "add.f32 $0, fl, fh;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
 
 if triton is not None:
+    _RUN_DOT_PTX = tl.constexpr(_run_dot_ptx())
+
     @triton.jit
     def _pack_f16x2(lo, hi):
         """f32 pairs -> one int32 holding (f16(lo), f16(hi)): cvt.rn.f16x2.f32, one instruction."""
@@ -209,36 +222,8 @@ if triton is not None:
         inputs xs (8 int32 of f16 pairs, low half first); the products summed in fp16 pairs (a lane
         sums 8), the two lanes added in fp32."""
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b16 l, h;
-            .reg .b32 a, b, c;
-            .reg .f32 fl, fh;
-            mov.b32 {l, h}, $1;
-            cvt.rn.f16x2.e4m3x2 a, l;
-            cvt.rn.f16x2.e4m3x2 b, h;
-            mul.rn.f16x2 c, a, $5;
-            fma.rn.f16x2 c, b, $6, c;
-            mov.b32 {l, h}, $2;
-            cvt.rn.f16x2.e4m3x2 a, l;
-            cvt.rn.f16x2.e4m3x2 b, h;
-            fma.rn.f16x2 c, a, $7, c;
-            fma.rn.f16x2 c, b, $8, c;
-            mov.b32 {l, h}, $3;
-            cvt.rn.f16x2.e4m3x2 a, l;
-            cvt.rn.f16x2.e4m3x2 b, h;
-            fma.rn.f16x2 c, a, $9, c;
-            fma.rn.f16x2 c, b, $10, c;
-            mov.b32 {l, h}, $4;
-            cvt.rn.f16x2.e4m3x2 a, l;
-            cvt.rn.f16x2.e4m3x2 b, h;
-            fma.rn.f16x2 c, a, $11, c;
-            fma.rn.f16x2 c, b, $12, c;
-            mov.b32 {l, h}, c;
-            cvt.f32.f16 fl, l;
-            cvt.f32.f16 fh, h;
-            add.f32 $0, fl, fh;
-            }""",
-            "=r,r,r,r,r,r,r,r,r,r,r,r,r", [w0, w1, w2, w3, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]],
+            _RUN_DOT_PTX, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, w2, w3, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]],
             dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
