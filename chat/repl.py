@@ -139,15 +139,19 @@ class ReplApp:
         terminal, SIGINT does nothing: at the prompt prompt-toolkit reads Ctrl-C as a key, and one
         that lands between a reply and the prompt (a late Ctrl-C meant for the reply) must not
         escape the loop halfway through printing or saving: it is noted (note_interrupt). One
-        pressed right after Enter, while the prompt still held the terminal, arrived as a byte:
-        typeahead.take_pending finds it, and the reply stops before it starts."""
+        pressed right after Enter stops the reply before it starts: one typed while the prompt
+        still held the terminal arrived as a key (typeahead.take_pending finds it), one after that
+        as a SIGINT that note_interrupt noted (run_loop clears the note when a prompt returns)."""
         if not self.own_sigint:
             yield
             return
+        # (before the handler that raises: a SIGINT during the terminal's read is only noted)
+        pending = self.terminal is not None and take_pending(*self.terminal)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            if self.terminal is not None and take_pending(*self.terminal):
-                raise KeyboardInterrupt  # pressed right after Enter, while the prompt held the terminal
+            if pending or self.late_interrupt:  # pressed after Enter, before this handler took over
+                self.late_interrupt = False
+                raise KeyboardInterrupt
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -260,13 +264,14 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
             pass
         return 0
     if app.own_sigint and app.terminal is None:
-        app.terminal = (sys.stdin.fileno(), session.input)
+        app.terminal = (_terminal_fd(session), session.input)
     while True:
         try:
             try:
                 line = session.prompt(pre_run=app.answer_late_interrupt)
             except EOFError:
                 return 0
+            app.late_interrupt = False  # (one from here on was meant for this line's reply)
             app.handle(line)
         except ExitRepl:
             return 0
@@ -274,6 +279,15 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
             # at an empty prompt (see key_bindings), or one that came just after a reply ended,
             # between the reply and the prompt: the conversation is as it was; stay
             app.renderer.notice(LEAVE_HINT)
+
+
+def _terminal_fd(session: PromptSession) -> int:
+    """The fd the prompt reads (its input's), -1 where it has none: take_pending then reads
+    nothing from the terminal."""
+    try:
+        return session.input.fileno()
+    except (AttributeError, NotImplementedError, OSError, ValueError):
+        return -1
 
 
 def make_prompt_session(settings: Settings, input=None, output=None) -> PromptSession:

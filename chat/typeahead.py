@@ -1,10 +1,10 @@
 """Keys typed while prompt-toolkit still held the terminal, taken when a reply starts.
 
 Contract: `take_pending(fd, input)` reads what waits in terminal `fd`'s input queue (without
-blocking, leaving the terminal's settings as they were), gives prompt-toolkit `input` every key
-of it but Ctrl-C as typeahead (the next prompt starts with them, as it would have read them from
-the terminal), and says whether a Ctrl-C was among them. Not a terminal, or nothing waiting:
-nothing happens.
+blocking, leaving the terminal's settings as they were) and what prompt-toolkit `input` read but
+left unhandled (its typeahead), gives `input` every key of both but Ctrl-C back as typeahead (the
+next prompt starts with them, as it would have read them), and says whether a Ctrl-C was among
+them. Not a terminal, and no typeahead: nothing happens.
 
 Why: Enter ends the prompt while the terminal is still in raw mode; a Ctrl-C pressed in the next
 few tens of milliseconds (before prompt-toolkit gives the terminal back) reaches the queue as a
@@ -20,15 +20,39 @@ CTRL_C = b"\x03"
 
 
 def take_pending(fd: int, input=None) -> bool:
-    """Whether a Ctrl-C waited in `fd`'s queue; the other keys go to `input`'s typeahead."""
+    """Whether a Ctrl-C waited, in `fd`'s queue or among the keys prompt-toolkit read but left
+    (its typeahead for `input`: read with the Enter); the other keys go back to that typeahead,
+    the queue's after it. Call it where SIGINT cannot raise (the terminal's settings are changed
+    and restored around the read)."""
+    keys = _typeahead(input)
+    ctrl_c = any(k.key == _ctrl_c_key() for k in keys)
+    keys = [k for k in keys if k.key != _ctrl_c_key()]
+    data = _read_queue(fd)
+    ctrl_c = ctrl_c or CTRL_C in data
+    rest = data.replace(CTRL_C, b"")
+    if rest:
+        # (a read that stopped inside an escape sequence or a UTF-8 character gives that key as
+        # Escape and characters, or U+FFFD: the queue is read whole, so only a key typed as it is
+        # read can be cut)
+        keys += _parse(rest.decode("utf-8", "replace"))
+    if input is not None and keys:
+        from prompt_toolkit.input.typeahead import store_typeahead
+        store_typeahead(input, keys)
+    return ctrl_c
+
+
+def _read_queue(fd: int) -> bytes:
+    """What waits in terminal `fd`'s input queue, read without blocking (canonical mode off for
+    the read, the settings restored with TCSANOW: a flush would drop typed keys); b"" where `fd`
+    is not a terminal."""
     try:
         import termios
     except ImportError:  # (not POSIX: no such race to mend)
-        return False
+        return b""
     try:
         saved = termios.tcgetattr(fd)
     except (termios.error, OSError, ValueError):  # not a terminal
-        return False
+        return b""
     raw = list(saved)
     raw[3] &= ~termios.ICANON  # what waits, whole lines or not, readable now
     raw[6] = list(saved[6])
@@ -42,22 +66,28 @@ def take_pending(fd: int, input=None) -> bool:
                 break
             data += chunk
     finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)  # (TCSANOW: a flush would drop typed keys)
-    if not data:
-        return False
-    rest = data.replace(CTRL_C, b"")
-    if rest and input is not None:
-        _store(input, rest.decode("utf-8", "replace"))
-    return CTRL_C in data
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+    return data
 
 
-def _store(input, text: str) -> None:
-    """`text` after `input`'s typeahead (get_typeahead hands it over and clears it), parsed as
-    prompt-toolkit's reader parses keys."""
-    from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+def _typeahead(input) -> list:
+    """prompt-toolkit's typeahead for `input` (handed over and cleared), [] without an input."""
+    if input is None:
+        return []
+    from prompt_toolkit.input.typeahead import get_typeahead
+    return get_typeahead(input)
+
+
+def _ctrl_c_key():
+    from prompt_toolkit.keys import Keys
+    return Keys.ControlC
+
+
+def _parse(text: str) -> list:
+    """`text` as prompt-toolkit's key presses, parsed as its terminal reader parses them."""
     from prompt_toolkit.input.vt100_parser import Vt100Parser
     keys: list = []
     parser = Vt100Parser(keys.append)
     parser.feed(text)
     parser.flush()
-    store_typeahead(input, get_typeahead(input) + keys)
+    return keys

@@ -67,3 +67,43 @@ def test_nothing_waiting_or_not_a_terminal(terminal, tmp_path):
     assert not take_pending(slave, _Input())
     with open(tmp_path / "f", "wb") as f:
         assert not take_pending(f.fileno(), _Input())
+
+
+def test_a_ctrl_c_prompt_toolkit_read_with_the_enter_is_found(terminal):
+    """Keys read in the same chunk as the Enter stay in prompt-toolkit's typeahead, not the queue."""
+    from prompt_toolkit.input.typeahead import store_typeahead
+    from prompt_toolkit.key_binding import KeyPress
+    master, slave = terminal
+    inp = _Input()
+    get_typeahead(inp)
+    store_typeahead(inp, [KeyPress(Keys.ControlC, "\x03"), KeyPress("x", "x")])
+    _typed_in_raw_mode(master, slave, b"y")
+    assert take_pending(slave, inp)
+    assert [k.key for k in get_typeahead(inp)] == ["x", "y"]
+
+
+def test_the_reply_stops_before_it_starts(terminal):
+    """ReplApp.interruptible on a terminal: a Ctrl-C that waited (a key in the queue, or a SIGINT
+    noted since the prompt returned) raises KeyboardInterrupt before the reply's body runs; with
+    nothing waiting the body runs, and SIGINT's handler is put back either way."""
+    import signal
+
+    from chat.repl import ReplApp
+    master, slave = terminal
+    app = ReplApp(None, None)
+    app.own_sigint = True
+    app.terminal = (slave, _Input())
+    handler = signal.getsignal(signal.SIGINT)
+    ran = []
+    _typed_in_raw_mode(master, slave, b"\x03")
+    with pytest.raises(KeyboardInterrupt):
+        with app.interruptible():
+            ran.append("queued")
+    app.late_interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        with app.interruptible():
+            ran.append("noted")
+    assert not app.late_interrupt
+    with app.interruptible():
+        ran.append("clear")
+    assert ran == ["clear"] and signal.getsignal(signal.SIGINT) is handler
