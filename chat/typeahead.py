@@ -16,6 +16,10 @@ from __future__ import annotations
 import os
 import select
 
+from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+from prompt_toolkit.input.vt100_parser import Vt100Parser
+from prompt_toolkit.keys import Keys
+
 CTRL_C = b"\x03"
 
 
@@ -24,9 +28,9 @@ def take_pending(fd: int, input=None) -> bool:
     (its typeahead for `input`: read with the Enter); the other keys go back to that typeahead,
     the queue's after it. Call it where SIGINT cannot raise (the terminal's settings are changed
     and restored around the read)."""
-    keys = _typeahead(input)
-    ctrl_c = any(k.key == _ctrl_c_key() for k in keys)
-    keys = [k for k in keys if k.key != _ctrl_c_key()]
+    keys = get_typeahead(input) if input is not None else []  # (handed over and cleared)
+    ctrl_c = any(k.key == Keys.ControlC for k in keys)
+    keys = [k for k in keys if k.key != Keys.ControlC]
     data = _read_queue(fd)
     ctrl_c = ctrl_c or CTRL_C in data
     rest = data.replace(CTRL_C, b"")
@@ -36,7 +40,6 @@ def take_pending(fd: int, input=None) -> bool:
         # read can be cut)
         keys += _parse(rest.decode("utf-8", "replace"))
     if input is not None and keys:
-        from prompt_toolkit.input.typeahead import store_typeahead
         store_typeahead(input, keys)
     return ctrl_c
 
@@ -70,22 +73,8 @@ def _read_queue(fd: int) -> bytes:
     return data
 
 
-def _typeahead(input) -> list:
-    """prompt-toolkit's typeahead for `input` (handed over and cleared), [] without an input."""
-    if input is None:
-        return []
-    from prompt_toolkit.input.typeahead import get_typeahead
-    return get_typeahead(input)
-
-
-def _ctrl_c_key():
-    from prompt_toolkit.keys import Keys
-    return Keys.ControlC
-
-
 def _parse(text: str) -> list:
     """`text` as prompt-toolkit's key presses, parsed as its terminal reader parses them."""
-    from prompt_toolkit.input.vt100_parser import Vt100Parser
     keys: list = []
     parser = Vt100Parser(keys.append)
     parser.feed(text)
