@@ -27,7 +27,12 @@ the defaults' steps), tiny0 (every K-quant matrix repacked, one step up to 1,024
 the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
 grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV in fp8.py's
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
-that many rows a program).
+that many rows a program). normwait / normend: the GEMV after a materialized norm launches once
+the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
+(garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
+add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
+both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
+programs of that many value columns on that many warps (delta.SPLIT_CONFIG).
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -47,7 +52,7 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
-from models.kernels.cuda import base as cuda_base, fp8, linear as cuda_linear, qlinear, qplanar  # noqa: E402
+from models.kernels.cuda import base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear, qlinear, qplanar  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
@@ -58,7 +63,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
-                fp8form=fp8.FORM, fp8rows=None)
+                fp8form=fp8.FORM, fp8rows=None, normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(),
+                deltasplit=cuda_delta.SPLIT_CONFIG)
 _PICK16 = fp8.pick_config16
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
@@ -98,6 +104,15 @@ VARIANTS = {
     "tiny1m": dict(planar_min=1 << 20),
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
+    "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
+    "normend": dict(normlaunch="end"),
+    # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
+    "skipnorm": dict(skip=("norm",)),  # no add_rms_norm launch (the stream and the normed row unwritten)
+    "skipconv": dict(skip=("conv",)),  # no Gated DeltaNet conv step (its delta step reads garbage)
+    "skipdeltastep": dict(skip=("step",)),  # no Gated DeltaNet delta step (the conv step runs)
+    "skipdelta": dict(skip=("conv", "step")),
+    "deltaone": dict(deltasplit=(1 << 30, 8)),  # the delta step in one program a head
+    **{f"delta{bv}w{w}": dict(deltasplit=(bv, w)) for bv in (16, 32, 64) for w in (1, 2, 4, 8)},
     "w2k": dict(whole=(2, 2, 2048, True)),
     "tiny0": dict(planar_min=0, whole=(2, 2, 1024, True)),
     "setq": dict(planar_min=0, whole=(2, 2, 1024, True), small_grid=1 << 62),
@@ -106,8 +121,41 @@ VARIANTS = {
 }
 
 
+_ADD_RMS_NORM, _DELTA_DECODE = cuda_base.add_rms_norm, cuda_delta.decode
+
+
+def _unnormed(x, y, weight, eps, sum_out=None, early="start", out_dtype=None):
+    """The skipnorm ablation's add_rms_norm: no launch, its outputs unwritten."""
+    return (sum_out if sum_out is not None else torch.empty_like(x)), torch.empty_like(x, dtype=out_dtype)
+
+
+def _delta_without(skip: tuple):
+    """The skipconv / skipdeltastep ablations' delta.decode: the same launches but those skipped."""
+    def decode(proj, conv_state, conv_weight, rec_state, neg_A, dt_bias, norm_weight, eps, nk, nv, dk, dv,
+               beta_scale=1.0, sync=None):
+        key_dim, value_dim = nk * dk, nv * dv
+        conv_dim, k = 2 * key_dim + value_dim, conv_weight.shape[-1]
+        act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
+        if "conv" not in skip:
+            cuda_base.launch(cuda_delta._conv_step_kernel, (cuda_base.cdiv(conv_dim, 256),), proj, conv_state,
+                             conv_weight, conv_weight, act, conv_dim, KM1=k - 1, KP=cuda_base.next_pow2(k), BLOCK=256,
+                             HAS_BIAS=False, **cuda_base.pdl(proj))
+        out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
+        if "step" not in skip:
+            cuda_base.launch(cuda_delta._delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight,
+                             out, conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
+                             float(beta_scale), KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8,
+                             **cuda_base.pdl(proj))
+        return out
+    return decode
+
+
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
+    cuda_linear.MATERIALIZE_LAUNCH, cuda_delta.SPLIT_CONFIG = v["normlaunch"], v["deltasplit"]
+    cuda_base.add_rms_norm = _unnormed if "norm" in v["skip"] else _ADD_RMS_NORM
+    skip_delta = tuple(p for p in v["skip"] if p in ("conv", "step"))
+    cuda_delta.decode = _delta_without(skip_delta) if skip_delta else _DELTA_DECODE
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]

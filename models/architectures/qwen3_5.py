@@ -146,13 +146,16 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def reset_buffers(self, device) -> None:
-        """After loading: the decay rate -exp(A_log) and dt_bias in fp32, and the constant weights
-        of the fused q/k l2 norms (q also takes the 1/sqrt(dk) attention scale)."""
+        """After loading: the decay rate -exp(A_log) and dt_bias in fp32, the constant weights
+        of the fused q/k l2 norms (q also takes the 1/sqrt(dk) attention scale), and the decode
+        step's counters."""
         self.register_buffer("neg_A", -self.A_log.detach().float().exp(), persistent=False)
         self.register_buffer("dt_bias32", self.dt_bias.detach().float(), persistent=False)
         d = self.dk
         self.register_buffer("q_norm_w", torch.full((d,), 1.0 / d, device=device), persistent=False)
         self.register_buffer("k_norm_w", torch.full((d,), d ** -0.5, device=device), persistent=False)
+        # the counters through which the CUDA decode step's programs of a head meet (cuda_delta.decode)
+        self.register_buffer("delta_sync", cuda_delta.counters(self.nv, device), persistent=False)
 
     def state(self) -> FixedState:
         return FixedState((("conv", (self.conv_dim, self.kernel - 1), None),
@@ -171,7 +174,7 @@ class GatedDeltaNet(nn.Module):
             # the conv, the delta rule and the gated norm in two kernels
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
-                                     self.dv, beta_scale=self.beta_scale)
+                                     self.dv, beta_scale=self.beta_scale, sync=getattr(self, "delta_sync", None))
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)

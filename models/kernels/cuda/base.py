@@ -234,12 +234,14 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x, y, w, sum_out, norm_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr, EARLY: tl.constexpr):
+                             PDL: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr):
         nw = tl.load(w + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < N, other=0.0)  # a weight: before the wait
-        if PDL:  # EARLY: the next kernel may launch now; otherwise when this one ends
-            if EARLY:
+        if PDL:  # EARLY: the next kernel may launch now; LATE: once the previous one has ended;
+            if EARLY:  # neither: when this one ends
                 tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            if LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0) * N + tl.arange(0, BLOCK)  # one program per row
         mask = tl.arange(0, BLOCK) < N
         s = (tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -287,13 +289,16 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
-                 sum_out: torch.Tensor | None = None, early: bool = True,
+                 sum_out: torch.Tensor | None = None, early: str = "start",
                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) for contiguous [T, n] rows; x + y written into `sum_out`
-    where given; the normed rows in out_dtype (x's by default). `early=False`: under PDL the next
-    kernel launches only when this one ends."""
+    where given; the normed rows in out_dtype (x's by default). `early`: under PDL the next kernel
+    launches as this one starts ("start"), once the kernel before this one has ended ("wait"), or
+    only when this one ends ("end")."""
+    if early not in ("start", "wait", "end"):
+        raise ValueError(f"early={early!r}: one of 'start', 'wait', 'end'")
     n = x.shape[-1]
     s, out = sum_out if sum_out is not None else torch.empty_like(x), torch.empty_like(x, dtype=out_dtype)
-    launch(_add_rms_norm_kernel, (x.shape[0],),
-           x, y, weight, s, out, eps, N=n, BLOCK=next_pow2(n), EARLY=early, **pdl(x))
+    launch(_add_rms_norm_kernel, (x.shape[0],), x, y, weight, s, out, eps, N=n, BLOCK=next_pow2(n),
+           EARLY=early == "start", LATE=early == "wait", **pdl(x))
     return s, out

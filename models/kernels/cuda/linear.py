@@ -141,6 +141,11 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
+# When the GEMV after a materialized norm may launch (add_rms_norm's `early`): "end" (when the norm
+# ends) or "wait" (once the GEMV before the norm has ended: its first weights load while the norm runs).
+MATERIALIZE_LAUNCH = "end"
+
+
 class NormedRow:
     """A one-token RMSNorm input not computed yet: rms_norm(x + res) * weight, with x + res (the
     residual stream) still to be written into `stream`. The first GEMV that reads it computes
@@ -167,11 +172,11 @@ class NormedRow:
     def materialize(self) -> torch.Tensor:
         """The normed row as a tensor (and the stream written), once."""
         if self._h is None:
-            # The next GEMV must not launch early here (PDL): its programs would launch while
-            # the previous GEMV still runs and hold SM slots it needs; a copy of the stream
+            # The next GEMV must not launch as this launch starts (PDL): its programs would launch
+            # while the previous GEMV still runs and hold SM slots it needs; a copy of the stream
             # after this launch was one launch more for the same effect (bench/RESULTS.md, "Measurements behind the kernels' design").
             y = self.res if self.res is not None else torch.zeros_like(self.x)
-            _, self._h = cuda_base.add_rms_norm(self.x, y, self.weight, self.eps, early=False,
+            _, self._h = cuda_base.add_rms_norm(self.x, y, self.weight, self.eps, early=MATERIALIZE_LAUNCH,
                                                  sum_out=self.stream if self.res is not None else None,
                                                  out_dtype=self.out_dtype)
         return self._h
