@@ -5,6 +5,7 @@
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
+    python bench/quant_bench.py --sweep-fp8-rows     (fp8.py's fp16 form on 5,120-row matrices, 1-6 rows a program)
     python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
@@ -165,6 +166,31 @@ def sweep_fp8(device, x, gen) -> None:
     print("(configs: BLOCK_N x 128-weight blocks a step x num_warps: microseconds a call)")
 
 
+def sweep_fp8_rows(device, x, gen) -> None:
+    """fp8.py's fp16-product form on the 27B-like shape's 5,120-row matrices per BLOCK_N (1-6: the
+    rows a program, powers of two or not, which sets how many waves of programs a matrix takes)
+    x (runs a step, warps), beside pick_config16's."""
+    from models.kernels.cuda import fp8
+    from shapes import random_quant_linear
+    for n, k in ((5120, 17408), (5120, 6144)):
+        qw = random_quant_linear("FP8", n, k, device, gen).qweight()
+        xk = x[:, :k].contiguous()
+        cells = {}
+        for bn in (1, 2, 3, 4, 5, 6):
+            for r in (64, 128, 256):
+                try:
+                    cells[(bn, r, r // 32)] = _graph_us(lambda: fp8.gemv(xk, qw, config=(bn, r, r // 32), form="f16"))
+                except Exception as e:  # (a config that does not compile: named, the others still timed)
+                    print(f"   {bn}x{r}x{r // 32}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        picked = fp8.pick_config16(n, k)
+        best = min(cells, key=cells.get)
+        print(f"[{n}, {k}] f16: picked {'x'.join(map(str, picked))} {cells[picked]:.1f} us, best "
+              f"{'x'.join(map(str, best))} {cells[best]:.1f} us ({qw.nbytes() / cells[best] / 1e6:.2f} TB/s)", flush=True)
+        print("   " + "  ".join(f"{'x'.join(map(str, c))}:{us:.1f}" for c, us in cells.items()), flush=True)
+        qw = None
+        torch.cuda.empty_cache()
+
+
 SMALL_CONFIGS = [(bn, w, most) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for most in (256, 1024)
                  if bn * most >= w * 256]
 # an LM head's rows (a vocabulary): more rows a program, fewer warps
@@ -315,6 +341,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
     ap.add_argument("--sweep-fp8", action="store_true", help="--sweep for fp8.py's GEMV alone")
+    ap.add_argument("--sweep-fp8-rows", action="store_true", help="fp8.py's fp16 form on the 5,120-row matrices "
+                    "per rows a program (1-6)")
     ap.add_argument("--sweep-dequant", action="store_true", help="qplanar.dequantize_rows's tiles (prefill's "
                     "weights) beside the --prefill-row bf16 GEMM they feed")
     ap.add_argument("--sweep-fp8-prefill", action="store_true", help="FP8 prefill's GEMM per 27B-like "
@@ -343,6 +371,10 @@ def main() -> None:
         return
     if args.sweep_small:
         sweep_small(device, torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_fp8_rows:
+        sweep_fp8_rows(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
+                       torch.Generator(device=device).manual_seed(0))
         return
     if args.sweep_fp8:
         sweep_fp8(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),

@@ -141,9 +141,10 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
-# When the GEMV after a materialized norm may launch (add_rms_norm's `early`): "end" (when the norm
-# ends) or "wait" (once the GEMV before the norm has ended: its first weights load while the norm runs).
-MATERIALIZE_LAUNCH = "end"
+# When the GEMV after a materialized norm may launch (add_rms_norm's `early`): once the GEMV before
+# the norm has ended ("wait": its first weights load while the norm runs), not when the norm ends
+# ("end"): 27B-like FP8 decode 1.009x and 1.010x, the same tokens (bench/RESULTS.md set AE).
+MATERIALIZE_LAUNCH = "wait"
 
 
 class NormedRow:
