@@ -27,7 +27,8 @@ the defaults' steps), tiny0 (every K-quant matrix repacked, one step up to 1,024
 the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
 grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV in fp8.py's
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
-that many rows a program). normwait / normend: the GEMV after a materialized norm launches once
+that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
+fp8.DEEP_ROWS). normwait / normend: the GEMV after a materialized norm launches once
 the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
@@ -52,7 +53,8 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
-from models.kernels.cuda import base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear, qlinear, qplanar  # noqa: E402
+from models.kernels.cuda import (base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear,  # noqa: E402
+                                 qlinear, qplanar)
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
@@ -63,7 +65,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
-                fp8form=fp8.FORM, fp8rows=None, normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(),
+                fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
+                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(),
                 deltasplit=cuda_delta.SPLIT_CONFIG)
 _PICK16 = fp8.pick_config16
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
@@ -104,6 +107,7 @@ VARIANTS = {
     "tiny1m": dict(planar_min=1 << 20),
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
+    **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
@@ -167,7 +171,7 @@ def apply(variant: str) -> None:
     qlinear.whole_step = _WHOLE_STEP if v["whole"][3] else (lambda fmt, k, swiglu=False, most=v["whole"][2]: most)
     layers.FUSED_SCALE, granitemoehybrid.SHARED_AS_EXPERTS = v["fusedscale"], v["sharedexperts"]
     granitemoehybrid.DEFER_MLP_NORM = v["defernorm"]
-    fp8.FORM = v["fp8form"]
+    fp8.FORM, fp8.DEEP_ROWS = v["fp8form"], v["fp8deep"]
     fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)

@@ -248,7 +248,8 @@ def test_fp8_gemv_configs(device, config):
     assert torch.all((got - F.silu(gate) * up).abs() <= tol)
 
 
-@pytest.mark.parametrize("config", [(1, 32, 1), (2, 32, 1), (4, 64, 2), (8, 64, 2), (4, 128, 4)], ids=str)
+@pytest.mark.parametrize("config", [(1, 32, 1), (2, 32, 1), (4, 64, 2), (8, 64, 2), (4, 128, 4), (5, 128, 4),
+                                    (3, 64, 2)], ids=str)
 def test_fp8_gemv16_configs(device, config):
     """fp8.py's fp16-product form (inline PTX: CUDA only) per (BLOCK_N, R, warps): rows of whole
     steps or a padded last step (1,152 = 9 blocks), a last program with spare rows (262 rows),

@@ -58,6 +58,10 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
     return 2, 8, (1 if n >= 32768 else 4)
 
 
+# pick_config16's rows a program for matrices of up to 8,192 rows and K above 8,192
+DEEP_ROWS = 5
+
+
 def pick_config16(n: int, k: int, swiglu: bool = False) -> tuple[int, int, int]:
     """The fp16-product form's (BLOCK_N rows a program, R 16-weight runs a step, num_warps = R / 32:
     a run a thread), for n outputs (a SwiGLU pair's: 2 BLOCK_N rows a program). Measured on the
@@ -65,9 +69,11 @@ def pick_config16(n: int, k: int, swiglu: bool = False) -> tuple[int, int, int]:
     configs each): few rows (N up to 8,192) on 128 runs and 4 warps, 4 rows a program (2 where K
     passes 8,192: [5120, 17408] 23.8-24.1 us against 31.0 at 4 x 64 x 2); more rows on 64 runs and
     2 warps, 2 rows up to 12,288 rows and for a SwiGLU pair (the [34816, 5120] gate/up: 42.5 us
-    against 45.6 at 4 rows, whose 8 rows a thread take 110 registers), else 4."""
+    against 45.6 at 4 rows, whose 8 rows a thread take 110 registers), else 4. Where K passes 8,192,
+    5 rows (1,024 programs for 5,120 rows: [5120, 17408] 22.8 us against 24.2 at 2 rows, 25.3 at 3,
+    26.4 at 4 and 23.3 at 6, bench/quant_bench.py --sweep-fp8-rows, bench/RESULTS.md set AE)."""
     if n <= 8192:
-        return (4 if k <= 8192 else 2), 128, 4
+        return (4 if k <= 8192 else DEEP_ROWS), 128, 4
     return (2 if n <= 12288 or swiglu else 4), 64, 2
 
 
