@@ -125,7 +125,7 @@ VARIANTS = {
 }
 
 
-_ADD_RMS_NORM, _DELTA_DECODE = cuda_base.add_rms_norm, cuda_delta.decode
+_ADD_RMS_NORM, _DELTA_LAUNCH = cuda_base.add_rms_norm, cuda_delta.launch
 
 
 def _unnormed(x, y, weight, eps, sum_out=None, early="start", out_dtype=None):
@@ -133,33 +133,21 @@ def _unnormed(x, y, weight, eps, sum_out=None, early="start", out_dtype=None):
     return (sum_out if sum_out is not None else torch.empty_like(x)), torch.empty_like(x, dtype=out_dtype)
 
 
-def _delta_without(skip: tuple):
-    """The skipconv / skipdeltastep ablations' delta.decode: the same launches but those skipped."""
-    def decode(proj, conv_state, conv_weight, rec_state, neg_A, dt_bias, norm_weight, eps, nk, nv, dk, dv,
-               beta_scale=1.0, sync=None):
-        key_dim, value_dim = nk * dk, nv * dv
-        conv_dim, k = 2 * key_dim + value_dim, conv_weight.shape[-1]
-        act = torch.empty(conv_dim, dtype=torch.float32, device=proj.device)
-        if "conv" not in skip:
-            cuda_base.launch(cuda_delta._conv_step_kernel, (cuda_base.cdiv(conv_dim, 256),), proj, conv_state,
-                             conv_weight, conv_weight, act, conv_dim, KM1=k - 1, KP=cuda_base.next_pow2(k), BLOCK=256,
-                             HAS_BIAS=False, **cuda_base.pdl(proj))
-        out = torch.empty(1, value_dim, dtype=proj.dtype, device=proj.device)
-        if "step" not in skip:
-            cuda_base.launch(cuda_delta._delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight,
-                             out, conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv, eps, dk ** -0.5,
-                             float(beta_scale), KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8,
-                             **cuda_base.pdl(proj))
-        return out
-    return decode
+def _launch_without(kernels: set):
+    """delta.py's launch for the skipconv / skipdeltastep ablations: those kernels not launched."""
+    def launch(kernel, grid, *args, **kwargs):
+        if kernel not in kernels:
+            _DELTA_LAUNCH(kernel, grid, *args, **kwargs)
+    return launch
 
 
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     cuda_linear.MATERIALIZE_LAUNCH, cuda_delta.SPLIT_CONFIG = v["normlaunch"], v["deltasplit"]
     cuda_base.add_rms_norm = _unnormed if "norm" in v["skip"] else _ADD_RMS_NORM
-    skip_delta = tuple(p for p in v["skip"] if p in ("conv", "step"))
-    cuda_delta.decode = _delta_without(skip_delta) if skip_delta else _DELTA_DECODE
+    skipped = {k for p, k in (("conv", cuda_delta._conv_step_kernel), ("step", cuda_delta._delta_step_kernel))
+               if p in v["skip"]}
+    cuda_delta.launch = _launch_without(skipped) if skipped else _DELTA_LAUNCH
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]

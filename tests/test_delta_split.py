@@ -1,5 +1,5 @@
 """The Gated DeltaNet decode step with a head's value columns split over programs
-(models/kernels/cuda/delta.py, _delta_split_kernel): against the one-program-a-head kernel and
+(models/kernels/cuda/delta.py, _delta_step_kernel with BV < DV): against the one-program-a-head kernel and
 the layer's torch form, the counters left at zero, the same bits on every run.
 
 On CUDA (gpu-marked) and under Triton's interpreter (TRITON_INTERPRET=1), where the programs run
@@ -39,13 +39,13 @@ def check_split(device, dtype, bv, warps, monkeypatch, out_tol, state_tol):
     monkeypatch.setattr(cuda_delta, "SPLIT_CONFIG", (bv, warps))
     sync = cuda_delta.counters(layer.nv, device)
     split, st_s = _steps(layer, states, xs, sync)
-    assert (cuda_delta._delta_split_kernel, (6, 128 // bv)) in launched  # the split form ran (not vacuous)
+    assert (cuda_delta._delta_step_kernel, (6, 128 // bv)) in launched  # the split form ran (not vacuous)
     assert int(sync.abs().sum()) == 0  # every launch left its counters at zero
     again, st_again = _steps(layer, states, xs, sync)
     assert all(torch.equal(a, b) for a, b in zip(split, again))  # the same bits, whatever the arrival order
     assert torch.equal(st_s["recurrent"], st_again["recurrent"])
     one, st_o = _steps(layer, states, xs, None)
-    assert (cuda_delta._delta_step_kernel, (6,)) in launched
+    assert (cuda_delta._delta_step_kernel, (6, 1)) in launched
     for a, b in zip(split, one):
         assert (a.float() - b.float()).abs().max() <= out_tol * (1 + b.float().abs().max()), \
             float((a.float() - b.float()).abs().max())

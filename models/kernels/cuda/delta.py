@@ -57,49 +57,16 @@ if triton is not None:
         tl.store(state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
 
     @triton.jit
-    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, z_off, b_off, a_off, eps, q_scale, beta_scale,
-                           KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           PDL: tl.constexpr):
-        h = tl.program_id(0)
-        kh = h // R
-        dk = tl.arange(0, DK)
-        dv = tl.arange(0, DV)
-        s_ptr = rec + h * DK * DV + dk[:, None] * DV + dv[None, :]
-        nw = tl.load(norm_w + dv).to(tl.float32)
-        neg_a, dtb = tl.load(neg_A + h), tl.load(dt_bias + h)
-        S = tl.load(s_ptr)
-        _pdl_enter(PDL)
-        q = tl.load(act + kh * DK + dk)
-        k = tl.load(act + KEY_DIM + kh * DK + dk)
-        v = tl.load(act + 2 * KEY_DIM + h * DV + dv)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        b = tl.load(proj + b_off + h).to(tl.float32)
-        a = tl.load(proj + a_off + h).to(tl.float32) + dtb
-        beta = beta_scale / (1.0 + tl.exp(-b))
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's threshold
-        decay = tl.exp(neg_a * softplus)
-        S = S * decay
-        kv_mem = tl.sum(k[:, None] * S, axis=0)                   # k^T S, [DV]
-        delta = (v - kv_mem) * beta
-        S = S + k[:, None] * delta[None, :]
-        tl.store(s_ptr, S)
-        o = tl.sum(q[:, None] * S, axis=0)                        # q^T S, [DV]
-        z = tl.load(proj + z_off + h * DV + dv).to(tl.float32)
-        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * nw
-        tl.store(out + h * DV + dv, (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty))
-
-
-    @triton.jit
-    def _delta_split_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, part, ssq, sync, z_off, b_off, a_off, eps,
-                            q_scale, beta_scale, KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
-                            DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-        """_delta_step_kernel over BV of a head's DV value columns a program (grid [nv, DV / BV]):
-        the columns' state, o and gate o w SiLU(z) are its own, the head's gated RMSNorm needs all
-        of o's squares: each program stores its gated o (part) and its sum of squares (ssq), and
-        the last of the head's programs to count itself in (`sync`, an acq_rel atomic after a
-        barrier) sums the squares in column-block order (the same bits whatever the order of
-        arrival), writes the head's output and sets the count back to zero."""
+    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, part, ssq, sync, z_off, b_off, a_off, eps,
+                           q_scale, beta_scale, KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+        """Value head program_id(0)'s columns program_id(1) BV.. (grid [nv, DV / BV]). With BV = DV
+        one program owns the head (part, ssq and sync unread). Split, each column's state, o and
+        gate are its program's own, but the head's gated RMSNorm needs all of o's squares: each
+        program stores its gated o (part) and its sum of squares (ssq), and the last of the
+        head's programs to count itself in (`sync`, an acq_rel atomic after a barrier) sums the
+        squares in column-block order (the same bits whatever the order of arrival), writes the
+        head's output and sets the count back to zero."""
         SPLIT: tl.constexpr = DV // BV
         h = tl.program_id(0)
         c = tl.program_id(1)
@@ -128,19 +95,23 @@ if triton is not None:
         tl.store(s_ptr, S)
         o = tl.sum(q[:, None] * S, axis=0)                        # q^T S, [BV]
         z = tl.load(proj + z_off + h * DV + dv).to(tl.float32)
-        tl.store(part + h * DV + dv, o * nw * (z / (1.0 + tl.exp(-z))))
-        tl.store(ssq + h * SPLIT + c, tl.sum(o * o, axis=0))
-        tl.debug_barrier()  # every thread's stores before the count (the release covers them)
-        if tl.atomic_add(sync + h, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            ms = tl.sum(tl.load(ssq + h * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg"), axis=0) / DV
-            col = tl.arange(0, DV)
-            gated = tl.load(part + h * DV + col, cache_modifier=".cg")  # (other programs wrote it: from L2)
-            tl.store(out + h * DV + col, (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty))
-            tl.store(sync + h, 0)
+        if SPLIT == 1:
+            o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * nw
+            tl.store(out + h * DV + dv, (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty))
+        else:
+            tl.store(part + h * DV + dv, o * nw * (z / (1.0 + tl.exp(-z))))
+            tl.store(ssq + h * SPLIT + c, tl.sum(o * o, axis=0))
+            tl.debug_barrier()  # every thread's stores before the count (the release covers them)
+            if tl.atomic_add(sync + h, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                ms = tl.sum(tl.load(ssq + h * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg"), axis=0) / DV
+                col = tl.arange(0, DV)
+                gated = tl.load(part + h * DV + col, cache_modifier=".cg")  # (other programs wrote it: from L2)
+                tl.store(out + h * DV + col, (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty))
+                tl.store(sync + h, 0)
 
 
 # The delta step's value columns a program and its warps, (BV, num_warps); BV >= DV: one program
-# a head (_delta_step_kernel). Split, a head's programs meet through counters the caller keeps
+# a head. Split, a head's programs meet through counters the caller keeps
 # (decode's `sync`). 32 columns on 4 warps: 27B-like FP8 decode 1.009x and 1.012x one program a
 # head, the 0.8B-like bf16 1.046x; 16 or 64 columns, 2 or 4 warps were slower (bench/RESULTS.md set AE).
 SPLIT_CONFIG = (32, 4)
@@ -169,12 +140,10 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     if sync is not None and bv < dv and dv % bv == 0 and sync.numel() >= nv:
         part = torch.empty(nv, dv, dtype=torch.float32, device=proj.device)
         ssq = torch.empty(nv, dv // bv, dtype=torch.float32, device=proj.device)
-        launch(_delta_split_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part,
-               ssq, sync, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, num_warps=warps,
-               **cuda_base.pdl(proj))
-        return out
-    launch(_delta_step_kernel, (nv,), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, *offsets,
-           KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, num_warps=8, **cuda_base.pdl(proj))
+    else:  # one program a head (part, ssq and sync unread)
+        bv, warps, part, ssq, sync = dv, 8, out, out, out
+    launch(_delta_step_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part, ssq,
+           sync, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, num_warps=warps, **cuda_base.pdl(proj))
     return out
 
 
