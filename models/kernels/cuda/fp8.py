@@ -4,13 +4,15 @@ official Qwen FP8 layout; QWeight "FP8"): one-token forwards (decode).
 Contract: `gemv(x, qw)` is x @ W^T for W = e4m3 code * its block's scale (hf_quant.Fp8Linear's
 dequantization); like linear.gemv it takes a NormedRow (the residual add and RMSNorm in its
 prologue, 1/rms applied to the sums at the end), a SwiGLU pair of row halves ([gate; up]) and a
-bias, and launches with PDL (the first step of weights and scales read before it waits on the
-previous kernel). Two forms (`takes16` picks; `form` forces one):
+bias, and launches with PDL (the first step of weights, and in the fp32 form its scales, read
+before it waits on the previous kernel). Two forms (`takes16` picks; `form` forces one):
 - fp32 products (matrices of at most WHOLE_STEP_BYTES, the CPU's interpreter, CHAT_FP8_GEMV=f32):
   accumulated in fp32 and rounded once.
 - fp16 products (larger matrices on CUDA): each 16-weight run's sum is taken in fp16 pairs on
   inputs scaled by a power of two per run, then added in fp32; within 2^-8 of sum |x w| at worst
-  (tests/test_quant_kernels.py bounds it by 4e-3 of that, and by 2e-3 of the output's rms).
+  for 16-bit inputs, ~4.4e-3 for the norm prologue's fp32 ones (one rounding more; a run whose
+  largest |x| is below 2^-123 counts as zero). tests/test_quant_kernels.py bounds it by 4e-3 of
+  sum |x w| (5e-3 with the prologue) and by 2e-3 of the output's rms.
 
 Why its own kernel (qlinear.py's generic one decoded FP8 as [rows, 32-weight runs] tiles with a
 sum per run: 2.0-2.25 TB/s on the 27B-like matrices, bench/RESULTS.md I4b). The fp32 form is
