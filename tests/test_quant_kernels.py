@@ -320,3 +320,16 @@ def test_fp8_gemv_takes_the_fp16_form_above_one_step(device):
     assert torch.all((got.double() - x.double() @ w.t()).abs() <= tol * bound(x, w))
     small, ws = hf_weight("fp8", 264, 1536, 9, device)
     assert not fp8.takes16(x[:, :1536], small.qweight())
+
+
+def test_fp8_gemv_refuses_configs_its_steps_cannot_take():
+    """A config whose step is not a power of two of blocks (fp32 form) or of runs, at least one
+    128-weight block's 8 (fp16 form), is refused before any launch: its blocks' scales would be
+    read for the wrong weights."""
+    from models.kernels.cuda import fp8
+    lin, _ = hf_weight("fp8", 64, 256, 1, torch.device("cpu"))
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="power of two"):
+        fp8.gemv(x, lin.qweight(), config=(2, 3, 4), form="f32")
+    with pytest.raises(ValueError, match="at least 8"):
+        fp8.gemv(x, lin.qweight(), config=(2, 4, 1), form="f16")

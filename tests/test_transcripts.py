@@ -86,7 +86,9 @@ def test_cpu_fp32_recordings_replay_in_bf16_within_tolerance_and_strictly_stop_a
     ties, fails = junit_cases(tolerant), junit_cases(strict)
     assert all(status == "passed" for status, _ in ties.values())
     with_ties = {name for name, (_, text) in ties.items() if "near tie" in text}
-    assert {"smollm2-greedy.yaml", "smollm2-seeded.yaml", "kv-seeded-v2.yaml"} <= with_ties
+    # (whether bf16 moves a seeded draw of the embedded model within the margin depends on the
+    # CPU's kernels: smollm2-seeded.yaml replayed identical on one CPU, with near ties on another)
+    assert {"smollm2-greedy.yaml", "kv-seeded-v2.yaml"} <= with_ties
     for name, (_, text) in ties.items():
         if name not in with_ties:
             assert fails[name][0] == "passed", name

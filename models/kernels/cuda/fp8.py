@@ -101,6 +101,9 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     n_out = qw.n // 2 if swiglu else qw.n
     f16 = (form or ("f16" if takes16(src, qw) else "f32")) == "f16"
     bn, nb, warps = config or (pick_config16(n_out, qw.k, swiglu) if f16 else pick_config(n_out, qw.k))
+    if nb & (nb - 1) or (f16 and nb < 8):  # (the fp16 form's steps are whole 128-weight blocks: 8 runs each)
+        raise ValueError(f"config {bn} x {nb} x {warps}: the {'runs' if f16 else 'blocks'} a step must be a power "
+                         f"of two{', at least 8' if f16 else ''}")
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (src, src, 0.0)
