@@ -6,6 +6,7 @@
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
     python bench/quant_bench.py --sweep-fp8-rows     (fp8.py's fp16 form on 5,120-row matrices, 1-6 rows a program)
+    python bench/quant_bench.py --sweep-runs     (qruns.py's GEMV per config beside qplanar.py's picked one)
     python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
@@ -191,6 +192,50 @@ def sweep_fp8_rows(device, x, gen) -> None:
         torch.cuda.empty_cache()
 
 
+RUNS_CONFIGS = [(bn, w, p) for bn in (2, 4, 8) for w in (1, 2, 4) for p in (True, False)]
+
+
+def sweep_runs(device, x, gen) -> None:
+    """qruns.py's GEMV (the 4-bit weights in runs: AWQ's INT4 as stored, Q4_K as Q4KR) per (BN,
+    num_warps, PREFETCH) on the 27B-like matrices, int8 inputs (quantize_input's launch
+    included), beside qplanar.py's GEMV of the same weights repacked planar (its pick, its int8
+    launch included): microseconds a call and TB/s of the weight's bytes."""
+    from models.formats import planar, runs
+    from models.kernels.cuda import qplanar, qruns
+    from shapes import random_quant_linear
+    for fmt in ("Q4_K", "AWQ"):
+        for n, k, swiglu in ((10240, 5120, False), (16480, 5120, False), (5120, 6144, False), (5120, 17408, False),
+                             (34816, 5120, True)):
+            qw = random_quant_linear(fmt, n, k, device, gen).qweight()
+            pw = runs.repack_q4k(qw) if fmt == "Q4_K" else qw
+            pp = (planar.repack_q4k if fmt == "Q4_K" else planar.repack_int4p)(qw)
+            xk = x[:, :k].contiguous()
+            planar_us = _graph_us(lambda: qplanar.gemv(xk, pp, swiglu=swiglu))
+            cells = {}
+            for c in RUNS_CONFIGS:
+                try:
+                    cells[c] = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=c))
+                except Exception as e:  # (a config that does not compile: named, the others still timed)
+                    print(f"   {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            best = min(cells, key=cells.get)
+            q_us = _graph_us(lambda: qruns.quantize_input(xk))
+            y = qruns.gemv(xk, pw, swiglu=swiglu, config=best, out_dtype=torch.float32)
+            xr = qplanar.quantized_reference(xk, 32).float()
+            full = xr @ runs.dequantize(pw).float().T
+            ref = torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:] if swiglu else full
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            full = ref = None
+            print(f"{fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}: planar {planar_us:.1f} us "
+                  f"({pp.nbytes() / planar_us / 1e6:.2f} TB/s); runs best {best} {cells[best]:.1f} us "
+                  f"({pw.nbytes() / cells[best] / 1e6:.2f} TB/s, {planar_us / cells[best]:.2f}x); "
+                  f"runs' quantize alone {q_us:.1f} us; max error / max |y| {err:.1e}", flush=True)
+            print("   " + "  ".join(f"{c[0]}x{c[1]}{'p' if c[2] else ''}:{us:.1f}" for c, us in cells.items()),
+                  flush=True)
+            qw = pw = pp = None
+            torch.cuda.empty_cache()
+    print("(configs: BN rows x num_warps, p: the next step read ahead; microseconds a call, int8 launch included)")
+
+
 SMALL_CONFIGS = [(bn, w, most) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for most in (256, 1024)
                  if bn * most >= w * 256]
 # an LM head's rows (a vocabulary): more rows a program, fewer warps
@@ -347,6 +392,7 @@ def main() -> None:
                     "weights) beside the --prefill-row bf16 GEMM they feed")
     ap.add_argument("--sweep-fp8-prefill", action="store_true", help="FP8 prefill's GEMM per 27B-like "
                     "matrix: fp8_gemm.py against the dequantize-then-bf16 form, --prefill rows")
+    ap.add_argument("--sweep-runs", action="store_true", help="qruns.py's GEMV per config beside qplanar.py's")
     ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
                     "shapes' Q4KP matrices")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
@@ -359,6 +405,10 @@ def main() -> None:
     if args.sweep_planar:
         sweep_planar(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
                      torch.Generator(device=device).manual_seed(0))
+        return
+    if args.sweep_runs:
+        sweep_runs(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
+                   torch.Generator(device=device).manual_seed(0))
         return
     if args.sweep_grid:
         sweep_grid(device, torch.Generator(device=device).manual_seed(0))

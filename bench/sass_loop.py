@@ -115,6 +115,36 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     return _disassemble(cubin), rows * kw * 8
 
 
+def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int = 1, int8: bool = True) -> tuple[str, int]:
+    """qruns.py's GEMV (the 4-bit runs: INT4 as AWQ stores it, Q4KR of Q4_K's) on a random [n, k]
+    weight (config: BN rows a program, num_warps, PREFETCH 0/1); int8: on quantize_input's input."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.formats import runs
+    from models.kernels.cuda import qruns
+    pw = runs.repack_q4k(weight("Q4_K", n, k)) if fmt == "Q4KR" else weight("INT4", n, k)
+    aux, aux2, sa, sz = qruns._aux(pw)
+    dt = {torch_name: tri for torch_name, tri in (("float16", "fp16"), ("uint8", "u8"), ("int32", "i32"),
+                                                  ("int16", "i16"))}
+    sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*" + dt[str(aux.dtype).split(".")[1]],
+               aux2="*" + dt[str(aux2.dtype).split(".")[1]], bias="*bf16", out="*bf16", N="i32", stride_w="i32",
+               stride_a="i32", stride_z="i32")
+    runs_n, c = k // 32, 32 * warps
+    const = dict(G=pw.group, RUNS=runs_n, BN=bn, C=c, STEPS=-(-runs_n // c), EVEN=runs_n % c == 0,
+                 FMT=qruns.FMTS[pw.fmt], A8=int8, HAS_BIAS=False, SWIGLU=False, PREFETCH=bool(prefetch), PDL=True,
+                 INTERPRETED=False)
+    ints = dict(N=n, stride_w=k // 8, stride_a=sa, stride_z=sz)
+    names = list(sig)
+    aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]
+    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
+    src = ASTSource(fn=qruns._runs_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                    constexprs=const, attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+    return _disassemble(cubin), bn * c * 32
+
+
 def _compile_fp8(n: int, k: int, bn: int, nb: int, warps: int) -> tuple[str, int]:
     """fp8.py's GEMV on an [n, k] FP8 weight of 128-row scales (config: BLOCK_N, 128-weight
     blocks a step, num_warps)."""
@@ -205,6 +235,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="BLOCK_N x num_warps x most weights a step (pick_config's by default)")
     ap.add_argument("--planar-config", default=None,
                     help="INT4P / Q4KP / Q5KP / Q6KP: rows a program x num_warps x words a step (qplanar.pick_config's by default)")
+    ap.add_argument("--runs-config", default=None,
+                    help="INT4R / Q4KR (qruns.py: AWQ's INT4 as stored, Q4_K as runs): BN rows x num_warps x "
+                         "PREFETCH 0/1 (qruns.pick_config's by default)")
     ap.add_argument("--int8", action="store_true", help="the planar layouts: the GEMV on int8 inputs (DP4A)")
     ap.add_argument("--fp8-config", default=None,
                     help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
@@ -216,7 +249,22 @@ def main() -> None:
     from models.kernels.cuda import qplanar
     print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.launch_config'}'s (BLOCK_N x num_warps x most "
           f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
+    from models.kernels.cuda import qruns
     for fmt in a.formats:
+        if fmt in ("INT4R", "Q4KR"):
+            cfg = tuple(map(int, a.runs_config.split("x"))) if a.runs_config else \
+                tuple(map(int, qruns.pick_config(a.n, a.k)))
+            text, weights = _compile_runs(fmt, a.n, a.k, *cfg, int8=a.int8)
+            body = main_loop(text)
+            if not body:
+                print(f"{fmt:>5}: no loop (one step covers the row)")
+                continue
+            ops = collections.Counter(opcode(x) for x in body)
+            loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
+            print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
+                  f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; "
+                  + ", ".join(f"{o} {c}" for o, c in ops.most_common(12)))
+            continue
         if fmt in qplanar.FMTS:
             cfg = tuple(map(int, a.planar_config.split("x"))) if a.planar_config else \
                 qplanar.pick_config(a.n, a.k, {"INT4P": 128, "Q6KP": 16}.get(fmt, 32))[:3]

@@ -1,0 +1,382 @@
+"""Dequant-GEMVs for 4-bit weights in 32-weight runs (models/formats/runs.py): AWQ/GPTQ groups as
+stored (QWeight "INT4") and GGUF Q4_K repacked as Q4KR. One-token forwards (decode).
+
+Contract: `gemv(x, pw)` equals x @ W^T for the weights W = scale code - offset the layout encodes
+(runs.dequantize), accumulated in fp32 and rounded once; on int8 inputs (int8_inputs: 16-bit
+models, as llama.cpp's CUDA GEMVs take theirs) against x~ = quantize_input's q dx instead of x
+(qplanar.quantized_reference(x, 32)).
+
+Why runs (against qplanar.py's planar layouts, whose words interleave four rows and spread a
+word's codes over its group): there a thread's 16-byte load held 32 weights of four rows and its
+inputs came in four more loads of 4 bytes, so the loads of inputs and scales matched the loads of
+weights, and the L1 ran at 82-86% of its throughput while the DRAM ran at 57% (Nsight Compute,
+bench/RESULTS.md set AA). Here a thread owns one run of the step (32 inputs: two 16-byte loads of
+int8 and one 8-byte load of (dx, dx sum q)) for every row of its program, and reads per row a
+16-byte load of the run's codes and its scales: per row, one load of weights and one or two of
+scales; the input's three loads serve all BN rows. The codes' low nibbles (w & 0x0F0F0F0F) meet
+the run's first 16 inputs and the high ones the next 16, in order: two DP4As a word, the run's
+sum scaled once: sum (scale q - offset) q~ dx = scale dx sum q q~ - offset dx sum q~.
+
+A program owns BN rows (a SwiGLU pair's: BN gate rows and the BN up rows N below) and walks K in
+steps of C runs (32 num_warps: a run a thread), the next step's words read before the step's are
+summed (PREFETCH). With PDL, the first step's words and scales are read before the wait.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import base as cuda_base
+from .base import cdiv, launch, next_pow2, triton
+from ...formats.quant import QWeight
+from .linear import NormedRow
+
+__all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "takes"]
+
+FMTS = {"INT4": 0, "Q4KR": 1}  # the kernels' FMT constant
+RUN = 32  # weights a run: an int8 input's group
+# Programs of the norm-and-quantize launch (about; each sums the whole row's squares)
+NORM_QUANTIZE_PROGRAMS = 8
+
+
+def takes(qw: QWeight) -> bool:
+    """Whether these kernels read the weight: INT4 in groups of a multiple of 32, Q4KR."""
+    return qw.fmt == "Q4KR" or (qw.fmt == "INT4" and qw.group % RUN == 0 and qw.k % qw.group == 0)
+
+
+if triton is not None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from .qplanar import _dp4a_pair, _summed
+
+    @triton.jit
+    def _run_words(w, rows, run, m, stride_w, RUNS: tl.constexpr, EVEN: tl.constexpr):
+        """The int32 words [C, BN, 4] of runs `run` [C, 1, 1] of rows `rows` [1, BN, 1]: a 16-byte load a row."""
+        at = w + rows * stride_w + run * 4 + m
+        if EVEN:
+            return tl.load(at)
+        return tl.load(at, mask=run < RUNS, other=0)
+
+    @triton.jit
+    def _run_scales(aux, aux2, rows, run, stride_a, stride_z, G: tl.constexpr, FMT: tl.constexpr,
+                    RUNS: tl.constexpr, EVEN: tl.constexpr):
+        """(scale, offset) [C, BN, 1] of the runs (weight = scale code - offset), in fp32, exact:
+        INT4 s and s z (an fp16 times at most 15), Q4KR d sc and dmin m (fp16 times 6 bits)."""
+        ok = run < RUNS
+        # (the offsets marked contiguous along no dim: a load vectorized over runs would hand each
+        # thread the scales of other threads' runs, and the sums would go through shared memory)
+        if FMT == 0:
+            at = tl.max_contiguous(rows * stride_a + run // (G // 32), [1, 1, 1])
+            at_z = tl.max_contiguous(rows * stride_z + run // (G // 32), [1, 1, 1])
+            if EVEN:
+                s = tl.load(aux + at).to(tl.float32)
+                z = tl.load(aux2 + at_z).to(tl.float32)
+            else:
+                s = tl.load(aux + at, mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(aux2 + at_z, mask=ok, other=0).to(tl.float32)
+            scale, offset = s, s * z
+        else:
+            at = tl.max_contiguous(rows * stride_a + run // 8, [1, 1, 1])
+            at_z = tl.max_contiguous(rows * stride_z + run, [1, 1, 1])
+            if EVEN:  # aux: (d, dmin) as one int32 a super-block; aux2: (sc, m) as one int16 a run
+                dd = tl.load(aux + at)
+                sm = tl.load(aux2 + at_z).to(tl.int32)
+            else:
+                dd = tl.load(aux + at, mask=ok, other=0)
+                sm = tl.load(aux2 + at_z, mask=ok, other=0).to(tl.int32)
+            d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((dd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            scale, offset = d * (sm & 255).to(tl.float32), dmin * ((sm >> 8) & 255).to(tl.float32)
+        return scale, offset
+
+    @triton.jit
+    def _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G: tl.constexpr, FMT: tl.constexpr,
+                  RUNS: tl.constexpr, EVEN: tl.constexpr):
+        words = _run_words(w, rows, run, m, stride_w, RUNS, EVEN)
+        scale, offset = _run_scales(aux, aux2, rows, run, stride_a, stride_z, G, FMT, RUNS, EVEN)
+        return words, scale, offset
+
+    @triton.jit
+    def _run_dot(acc, x, words, scale, offset, run, m, RUNS: tl.constexpr, KQ: tl.constexpr, A8: tl.constexpr,
+                 EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
+        """acc [C, BN, 1] plus the runs' contributions. A8: x is quantize_input's int32 (KQ words
+        of int8 inputs in order, then (dx, dx sum q) a run); else the row as given."""
+        ok = run < RUNS
+        if A8:
+            if EVEN:
+                xe = tl.load(x + run * 8 + m)
+                xo = tl.load(x + run * 8 + 4 + m)
+                meta = tl.load(x.to(tl.pointer_type(tl.int64)) + KQ // 2 + run)
+            else:
+                xe = tl.load(x + run * 8 + m, mask=ok, other=0)
+                xo = tl.load(x + run * 8 + 4 + m, mask=ok, other=0)
+                meta = tl.load(x.to(tl.pointer_type(tl.int64)) + KQ // 2 + run, mask=ok, other=0)
+            dx = meta.to(tl.int32).to(tl.float32, bitcast=True)
+            xs = (meta >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
+            isum = tl.sum(isum, axis=2, keep_dims=True)
+            return acc + scale * (isum.to(tl.float32) * dx) - offset * xs
+        ws = tl.zeros(words.shape, dtype=tl.float32)
+        xs4 = tl.zeros(m.shape, dtype=tl.float32) + tl.zeros(run.shape, dtype=tl.float32)
+        for b in tl.static_range(4):
+            at = x + run * 32 + 4 * m + b
+            if EVEN:
+                xl = tl.load(at).to(tl.float32)
+                xh = tl.load(at + 16).to(tl.float32)
+            else:
+                xl = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+                xh = tl.load(at + 16, mask=ok, other=0.0).to(tl.float32)
+            ws += ((words >> (8 * b)) & 15).to(tl.float32) * xl + ((words >> (8 * b + 4)) & 15).to(tl.float32) * xh
+            xs4 += xl + xh
+        ws = tl.sum(ws, axis=2, keep_dims=True)
+        xs = tl.sum(xs4, axis=2, keep_dims=True)
+        return acc + scale * ws - offset * xs
+
+    @triton.jit
+    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, G: tl.constexpr,
+                          RUNS: tl.constexpr, BN: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
+                          EVEN: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+        """Rows pid BN.. (N outputs; SWIGLU: the up rows N below), C runs a step, STEPS steps."""
+        KQ: tl.constexpr = RUNS * 8  # the int8 input's words
+        r = tl.program_id(0) * BN + tl.arange(0, BN)
+        # [C, BN, 4] tiles (runs first: Triton's coalescing orders the dims that are not contiguous by
+        # their index, and the threads must go along the runs so that each holds all BN rows of its run)
+        rows = tl.minimum(r, N - 1).to(tl.int64)[None, :, None]
+        ci = tl.arange(0, C)[:, None, None]
+        m = tl.arange(0, 4)[None, None, :]
+        if PDL:  # the next kernel launches now: it reads its first weights while this one runs
+            tl.extra.cuda.gdc_launch_dependents()
+        words, scale, offset = _run_step(w, aux, aux2, rows, ci, m, stride_w, stride_a, stride_z, G, FMT, RUNS, EVEN)
+        if SWIGLU:
+            u_words, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, ci, m, stride_w, stride_a, stride_z, G,
+                                                   FMT, RUNS, EVEN)
+        else:
+            u_words, u_scale, u_offset = words, scale, offset
+        if PDL:  # (the weights before the wait: no kernel writes them)
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((C, BN, 1), dtype=tl.float32)
+        acc_up = acc
+        if PREFETCH:
+            for i in range(1, STEPS):
+                run = i * C + ci
+                n_words, n_scale, n_offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
+                                                       FMT, RUNS, EVEN)
+                if SWIGLU:
+                    nu_words, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
+                                                              stride_z, G, FMT, RUNS, EVEN)
+                acc = _run_dot(acc, x, words, scale, offset, run - C, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                if SWIGLU:
+                    acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, run - C, m, RUNS, KQ, A8, EVEN,
+                                      INTERPRETED)
+                    u_words, u_scale, u_offset = nu_words, nu_scale, nu_offset
+                words, scale, offset = n_words, n_scale, n_offset
+            last = (STEPS - 1) * C + ci
+            acc = _run_dot(acc, x, words, scale, offset, last, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+            if SWIGLU:
+                acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, last, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+        else:
+            acc = _run_dot(acc, x, words, scale, offset, ci, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+            if SWIGLU:
+                acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, ci, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+            for i in range(1, STEPS):
+                run = i * C + ci
+                words, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G, FMT,
+                                                 RUNS, EVEN)
+                acc = _run_dot(acc, x, words, scale, offset, run, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                if SWIGLU:
+                    u_words, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
+                                                           stride_z, G, FMT, RUNS, EVEN)
+                    acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, run, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+        y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
+        rr = tl.minimum(r, N - 1)
+        if HAS_BIAS:
+            y += tl.load(bias + rr).to(tl.float32)
+        if SWIGLU:
+            up = tl.sum(tl.sum(acc_up, axis=2), axis=0)
+            if HAS_BIAS:
+                up += tl.load(bias + rr + N).to(tl.float32)
+            y = y / (1.0 + tl.exp(-y)) * up
+        tl.store(out + r, y.to(out.dtype.element_ty), mask=r < N)
+
+    @triton.jit
+    def _quantize_runs(v, r, ok, dst, KQ: tl.constexpr, INTERPRETED: tl.constexpr):
+        """v [RB, 32] fp32 (runs r [RB, 1]; ok: which are real) → dst: per run, q = round-half-even(v
+        127 / amax) as int8 (words r 8.. in order) and (dx = amax / 127, dx sum q) as fp32 bits
+        (words KQ + 2 r, + 1): qplanar._quantize_groups' arithmetic on groups of 32."""
+        amax = tl.max(tl.abs(v), axis=1)[:, None]
+        inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
+        dx = tl.div_rn(amax, 127.0)
+        y = v * inv
+        if INTERPRETED:  # round half to even by adding and taking away 1.5 2^23 (|y| <= 127)
+            y = (y + 12582912.0) - 12582912.0
+        else:
+            y = libdevice.rint(y)
+        q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32)
+        qsum = tl.sum(q, axis=1)[:, None]
+        shift = (tl.arange(0, 32) % 4 * 8)[None, :]
+        packed = tl.sum(tl.reshape((q & 255) << shift, [v.shape[0], 8, 4]), axis=2)  # disjoint bytes: the sum is their OR
+        tl.store(dst + r * 8 + tl.arange(0, 8)[None, :], packed, mask=ok)
+        tl.store(dst + KQ + 2 * r, dx.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(dst + KQ + 2 * r + 1, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+
+    @triton.jit
+    def _quantize_kernel(x, out, stride_x, RUNS: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+        """Row program_id(1) of x, RB runs a program, into out's row of RUNS 8 + RUNS 2 words."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(1)
+        r = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+        ok = r < RUNS
+        v = tl.load(x + row * stride_x + r * 32 + tl.arange(0, 32)[None, :], mask=ok, other=0.0).to(tl.float32)
+        _quantize_runs(v, r, ok, out + row * (RUNS * 10), RUNS * 8, INTERPRETED)
+
+    @triton.jit
+    def _norm_quantize_kernel(x, y, w, sum_out, norm_out, qout, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                              RB: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
+        written where HAS_RES), the normed row then quantized as _quantize_kernel does. Each
+        program sums the whole row's squares and writes runs RB pid.. of the sum, the normed row
+        and qout."""
+        r = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+        mine = r * 32 + tl.arange(0, 32)[None, :]
+        ok = r < N // 32
+        nw = tl.load(w + mine, mask=ok, other=0.0)  # a weight: before the wait
+        if PDL:  # the next GEMV launches once the one before this kernel has ended
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.arange(0, BLOCK)
+        sf = _summed(x, y, offs, offs < N, HAS_RES).to(tl.float32)
+        rs = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        s = _summed(x, y, mine, ok, HAS_RES)
+        if HAS_RES:
+            tl.store(sum_out + mine, s, mask=ok)
+        h = (s.to(tl.float32) * rs * nw.to(tl.float32)).to(norm_out.dtype.element_ty)
+        tl.store(norm_out + mine, h, mask=ok)
+        _quantize_runs(h.to(tl.float32), r, ok, qout, N // 4, INTERPRETED)
+
+    @triton.jit
+    def _runs_dequant_kernel(w, aux, aux2, out, start, stop, stride_w, stride_a, stride_z, stride_o,
+                             G: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr, CR: tl.constexpr):
+        """Rows start.. of W (BLOCK_N a program; w: the bytes, stride_w a row's), runs CR pid(1).. (a row's CR 32
+        weights contiguous)."""
+        i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
+        run = tl.program_id(1) * CR + tl.arange(0, CR)[None, :, None, None]
+        half = tl.arange(0, 2)[None, None, :, None]
+        m = tl.arange(0, 16)[None, None, None, :]  # byte of the run
+        n = tl.minimum(start + i, stop - 1).to(tl.int64)
+        byte = tl.load(w + n * stride_w + run * 16 + m).to(tl.int32)
+        code = ((byte >> (4 * half)) & 15).to(tl.float32)  # [rows, CR, 2, 16]: weight 32 run + 16 half + m
+        scale, offset = _run_scales(aux, aux2, n, run, stride_a, stride_z, G, FMT, 1 << 30, True)
+        val = (scale * code - offset).to(out.dtype.element_ty)
+        rr = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        kk = tl.program_id(1) * (CR * 32) + tl.arange(0, CR * 32)[None, :]
+        tl.store(out + rr.to(tl.int64) * stride_o + kk, tl.reshape(val, [BLOCK_N, CR * 32]), mask=start + rr < stop)
+
+
+def _aux(pw: QWeight) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The kernels' scale operands and their row strides: INT4's s and z as stored; Q4KR's (d,
+    dmin) as one int32 a super-block and (sc, m) as one int16 a run."""
+    if pw.fmt == "Q4KR":
+        aux, aux2 = pw.scales.view(torch.int32).reshape(pw.n, -1), pw.zeros.view(torch.int16).reshape(pw.n, -1)
+    else:
+        aux, aux2 = pw.scales, pw.zeros
+    return aux, aux2, aux.stride(0), aux2.stride(0)
+
+
+def int8_inputs(dtype: torch.dtype) -> bool:
+    """Whether the GEMVs of a model computing in `dtype` take their inputs as int8 runs
+    (quantize_input): 16-bit models, unless CHAT_PLANAR_A16=1 (qplanar.int8_inputs' rule)."""
+    return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
+
+
+def quantize_input(x: torch.Tensor) -> torch.Tensor:
+    """x [S, K] (K a multiple of 32, rows of unit stride along K) → int32 [S, K/4 + K/16]: per
+    32-input run, q = round(x 127 / amax) as int8 in order, then (dx = amax / 127, dx sum q) as
+    fp32 bits a run: x~ = q dx (qplanar.quantized_reference(x, 32))."""
+    S, K = x.shape
+    out = torch.empty(S, K // 32 * 10, dtype=torch.int32, device=x.device)
+    rb = 8
+    launch(_quantize_kernel, (cdiv(K // 32, rb), S), x, out, x.stride(0), RUNS=K // 32, RB=rb,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
+    return out
+
+
+def normed_input(row: NormedRow) -> torch.Tensor:
+    """quantize_input of a NormedRow, made once a row (its other run GEMVs take the same): where
+    the row is not normed yet, one launch norms it (the stream written, the row kept as
+    materialize() would leave it) and quantizes it."""
+    q = row.forms.get("int8 runs")
+    if q is None:
+        h = row.row_for_prologue()
+        if h is None:
+            q = quantize_input(row.materialize())
+        else:
+            K = row.x.shape[-1]
+            q = torch.empty(1, K // 32 * 10, dtype=torch.int32, device=row.x.device)
+            rb = next_pow2(-(-(K // 32) // NORM_QUANTIZE_PROGRAMS))
+            launch(_norm_quantize_kernel, (cdiv(K // 32, rb),), row.x, row.res if row.res is not None else row.x,
+                   row.weight, row.stream, h, q, row.eps, N=K, BLOCK=next_pow2(K), RB=rb,
+                   HAS_RES=row.res is not None, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
+                   **cuda_base.pdl(row.x))
+        row.forms["int8 runs"] = q
+    return q
+
+
+def pick_config(n: int, k: int) -> tuple[int, int, bool]:
+    """(BN rows a program, num_warps, PREFETCH) for n outputs of K = k."""
+    return 4, 2, True
+
+
+def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, bool] | None = None,
+         int8: bool | None = None) -> torch.Tensor:
+    """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch,
+    normed_input); pw an INT4 or Q4KR QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
+    gate rows first) in out_dtype (the row's dtype by default). int8 (int8_inputs of the row's
+    dtype by default): against x~ = quantize_input's instead of x. config: (BN, num_warps,
+    PREFETCH), pick_config's by default."""
+    n_out = pw.n // 2 if swiglu else pw.n
+    normed = isinstance(x, NormedRow)
+    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
+    int8 = int8_inputs(row_dtype) if int8 is None else int8
+    if normed and not int8:
+        x, normed = x.materialize(), False
+    src = x.x if normed else x
+    xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
+    bn, warps, prefetch = config or pick_config(n_out, pw.k)
+    runs, c = pw.k // RUN, 32 * warps
+    out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
+    aux, aux2, sa, sz = _aux(pw)
+    steps = cdiv(runs, c)
+    launch(_runs_gemv_kernel, (cdiv(n_out, bn),), xin, pw.data.view(torch.int32), aux, aux2,
+           bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, G=pw.group, RUNS=runs, BN=bn, C=c,
+           STEPS=steps, EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           PREFETCH=prefetch and steps > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
+           **cuda_base.pdl(src))
+    return out
+
+
+# (rows a program, runs a program, num_warps): the dequantize launch's tile (prefill's weights)
+DEQUANT_TILE = (16, 32, 8)
+
+
+def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
+                    out: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Rows start..stop of W in `dtype` ([stop - start, K]; into `out` where given, rows of unit
+    stride along K): each weight scale * code - offset in fp32, rounded once."""
+    rows = stop - start
+    out = torch.empty(rows, pw.k, dtype=dtype, device=pw.data.device) if out is None else out
+    bn, cr, warps = tile or DEQUANT_TILE
+    runs = pw.k // RUN
+    while runs % cr:
+        cr //= 2
+    aux, aux2, sa, sz = _aux(pw)
+    launch(_runs_dequant_kernel, (cdiv(rows, bn), runs // cr), pw.data, aux, aux2, out, start, stop,
+           pw.data.stride(0), sa, sz, out.stride(0), G=pw.group, FMT=FMTS[pw.fmt], BLOCK_N=bn, CR=cr, num_warps=warps)
+    return out
