@@ -28,7 +28,8 @@ the defaults before R5), setq (tiny0, and the small-matrix forms without their b
 grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV in fp8.py's
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
-fp8.DEEP_ROWS). normwait / normend: the GEMV after a materialized norm launches once
+fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
+False), not qruns.py's runs. normwait / normend: the GEMV after a materialized norm launches once
 the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
@@ -66,7 +67,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
-                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(),
+                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS,
                 deltasplit=cuda_delta.SPLIT_CONFIG)
 _PICK16 = fp8.pick_config16
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
@@ -108,6 +109,7 @@ VARIANTS = {
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
+    "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
@@ -162,7 +164,7 @@ def apply(variant: str) -> None:
     fp8.FORM, fp8.DEEP_ROWS = v["fp8form"], v["fp8deep"]
     fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
-    loader.PLANAR_MIN_WEIGHTS = v["planar_min"]  # (read when a model is built: one model per value)
+    loader.PLANAR_MIN_WEIGHTS, loader.RUNS = v["planar_min"], v["runs"]  # (read when a model is built: one model a value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -188,7 +190,7 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = loader.PLANAR_MIN_WEIGHTS if a.format != "bf16" else 0  # (bf16: no GGUF blocks, one model)
+            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS) if a.format != "bf16" else 0  # (bf16: one model)
             if key not in built:
                 if a.format == "bf16":
                     built[key] = random_model(name, dev, torch.bfloat16)

@@ -157,9 +157,10 @@ def test_dequantize_kernel_is_the_oracle(device, n, k, group, start, stop):
 
 
 def test_a_fused_linear_takes_the_planar_layout_after_fusion():
-    """to_planar() (the loader's step on CUDA, after fusion) on a fused linear: INT4P with the
-    stored layout freed, the same outputs and splits (the torch path here), and no fusing after."""
-    parts = [int4_linear(n, 256, 128, seed, "cpu") for n, seed in ((24, 5), (8, 6), (9, 7))]
+    """to_planar() (the loader's step on CUDA, after fusion) on a fused linear of groups that are
+    not whole 32-weight runs (those stay as stored: qruns.py reads them): INT4P with the stored
+    layout freed, the same outputs and splits (the torch path here), and no fusing after."""
+    parts = [int4_linear(n, 256, 16, seed, "cpu") for n, seed in ((24, 5), (8, 6), (9, 7))]
     fused = hf_quant.GroupInt4Linear.concat(parts)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     ref = fused(x)
@@ -168,8 +169,10 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
     out = fused(x)
     assert torch.allclose(out, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
     assert [t.shape[-1] for t in fused.split(x)] == [24, 8, 9]
-    odd = int4_linear(8, 96, 32, 9, "cpu")  # groups of 32 over 96: whole groups, a multiple of 8
+    odd = int4_linear(8, 96, 24, 9, "cpu")  # groups of 24 over 96: whole groups, a multiple of 8
     assert odd.to_planar()
+    runs = int4_linear(8, 96, 32, 9, "cpu")  # whole runs: kept as stored
+    assert not runs.to_planar() and runs.qweight().fmt == "INT4" and hasattr(runs, "packed")
     bad = hf_quant.GroupInt4Linear("GPTQ", torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 4).half(),
                                    torch.zeros(4, 4, dtype=torch.uint8), 4)  # groups of 4: not whole words
     assert not bad.to_planar() and bad.qweight().fmt == "INT4"
@@ -309,14 +312,14 @@ def test_every_dequantize_tile_gives_the_same_rows(device, fmt):
         assert torch.equal(qplanar.dequantize_rows(pw, 2, n, torch.float32, tile=tile), ref), tile
 
 
-@pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KP", 2 * 148), ("Q5_K", "Q5KP", 2 * 180),
+@pytest.mark.parametrize("fmt,layout,row_bytes", [("Q4_K", "Q4KR", 2 * 148), ("Q5_K", "Q5KP", 2 * 180),
                                                    ("Q6_K", "Q6KP", 2 * 210)])
 def test_a_k_quant_linear_takes_the_planar_layout(fmt, layout, row_bytes):
     """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K, Q5_K and Q6_K (a Q4_K_M
-    file's LM head and some of its down and value projections): the planar layout with the blocks
-    freed, the same outputs on the torch path, its bytes counted as the file's type (Q4KP: 148 a
-    super-block row against 144; Q5KP: 180 against 176; Q6KP: Q6_K's 210); other types keep
-    their blocks."""
+    file's LM head and some of its down and value projections): the kernel's layout (Q4_K: runs,
+    formats/runs.py; the others planar) with the blocks freed, the same outputs on the torch path,
+    its bytes counted as the file's type (Q4KR: 148 a super-block row against 144; Q5KP: 180
+    against 176; Q6KP: Q6_K's 210); other types keep their blocks."""
     from models.formats import gguf_blocks, quant
     qw, _ = gguf_weight(fmt, 20, 512, 6, "cpu")
     lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES[fmt])

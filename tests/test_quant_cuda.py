@@ -91,7 +91,7 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
     q16 = check_against_dequantized(path, names)
     layer = q16.model.model.layers[0]
     mlp = layer.mlp
-    gate_up = mlp.gate_up_proj  # fused; as stored, or a K-quant repacked as Q4KP, Q5KP or Q6KP (planar.py)
+    gate_up = mlp.gate_up_proj  # fused; as stored, or a K-quant repacked as Q4KR (runs.py), Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
     assert gate_up.planar == (linear in KQUANTS and gate_up.in_features % 256 == 0
                               and gate_up.in_features * gate_up.out_features > loader.PLANAR_MIN_WEIGHTS)
@@ -125,8 +125,8 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
     # Q6KP holds Q6_K's bytes; one_storage may round each of a linear's three parts up to 16 bytes
     q6kp = sum(1 for m in lm.model.modules() if isinstance(m, quant.BlockLinear) and m.planar_fmt == "Q6KP")
     assert 0 <= got["Q6_K"] - file_bytes["Q6_K"] <= 48 * q6kp, (got["Q6_K"], file_bytes["Q6_K"], q6kp)
-    # Q4_K linears repacked as Q4KP (formats/planar.py): 148 bytes a super-block row against 144
-    # (every row count here a multiple of the 4 rows interleaved); the embedding keeps the file's blocks
+    # Q4_K linears repacked as Q4KR (formats/runs.py): 148 bytes a super-block row against 144;
+    # the embedding keeps the file's blocks
     embed = lm.model.model.embed_tokens
     embed_q4k = embed.blocks.numel() if isinstance(embed, quant.BlockEmbedding) and embed.ggml_type == Q.Q4_K else 0
     if planar_min is None:
@@ -151,5 +151,7 @@ def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method
     q16 = check_against_dequantized(qdir, {name}, rdir)
     linears = [m for m in q16.model.modules() if isinstance(m, (hf_quant.Fp8Linear, hf_quant.GroupInt4Linear))]
     assert linears and all(m.qweight().data.is_cuda for m in linears)
-    assert all(m.planar for m in linears if isinstance(m, hf_quant.GroupInt4Linear))  # INT4P on CUDA
+    # on CUDA: groups of whole 32-weight runs as stored (qruns.py), others INT4P (qplanar.py)
+    assert all(m.qweight().fmt == ("INT4" if m.group % 32 == 0 else "INT4P") for m in linears
+               if isinstance(m, hf_quant.GroupInt4Linear))
     assert name in q16.weight_format

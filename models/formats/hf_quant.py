@@ -236,11 +236,18 @@ class GroupInt4Linear(QuantLinear):
 
     planar = False  # True once to_planar() replaced the stored layout by INT4P
 
-    def to_planar(self) -> bool:
-        """The weights repacked as INT4P for CUDA's GEMV (models/kernels/cuda/qplanar.py), the
-        stored layout freed; once, after fusion. False where the groups do not allow it."""
+    def to_planar(self, runs: bool = True) -> bool:
+        """For CUDA's GEMVs, once, after fusion: groups of a multiple of 32 stay as stored (runs,
+        formats/runs.py: models/kernels/cuda/qruns.py reads them), their three tensors moved into
+        one allocation (one_storage); others are repacked as INT4P (qplanar.py), the stored layout
+        freed (all of them where not `runs`: bench/ab_decode.py's planar4 variant). True where repacked."""
         if self.planar or self.group % 8 or self.in_features % self.group:
             return self.planar
+        if runs and self.group % 32 == 0:
+            if len({t.untyped_storage().data_ptr() for t in (self.packed, self.scales, self.zeros)}) > 1:
+                one = one_storage(self.qweight())
+                self.packed, self.scales, self.zeros = one.data, one.scales, one.zeros
+            return False
         pw = one_storage(repack_int4p(self.qweight()))
         del self.packed, self.scales, self.zeros
         self.register_buffer("words", pw.data)

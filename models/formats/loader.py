@@ -300,21 +300,28 @@ def _release_freed_memory() -> None:
 PLANAR_MIN_WEIGHTS = 4 << 20
 
 
+# 4-bit linears in 32-weight runs for models/kernels/cuda/qruns.py (Q4_K repacked as Q4KR, AWQ/GPTQ
+# groups of a multiple of 32 as stored); False: in qplanar.py's layouts (Q4KP, INT4P), the A/B of
+# bench/ab_decode.py's planar4 variant (bench/RESULTS.md set AF)
+RUNS = True
+
+
 def repack_for_cuda(model: torch.nn.Module) -> None:
-    """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears into
-    INT4P and GGUF Q4_K, Q5_K and Q6_K linears of more than PLANAR_MIN_WEIGHTS weights into Q4KP,
-    Q5KP and Q6KP, the layouts models/kernels/cuda/qplanar.py's GEMV reads (formats/planar.py).
-    A head that shares its blocks with the embedding keeps them."""
+    """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears kept as
+    stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
+    them), else into INT4P; GGUF Q4_K linears of more than PLANAR_MIN_WEIGHTS weights into Q4KR
+    (runs), Q5_K and Q6_K ones into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS
+    False: Q4KP and INT4P. A head that shares its blocks with the embedding keeps them."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
     shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
     for m in model.modules():
         if isinstance(m, hf_quant.GroupInt4Linear):
-            m.to_planar()
+            m.to_planar(RUNS)
         elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
                 and m.blocks.untyped_storage().data_ptr() not in shared \
                 and m.in_features * m.out_features > PLANAR_MIN_WEIGHTS:
-            m.to_planar()
+            m.to_planar(RUNS)
 
 
 def fuse(model: torch.nn.Module) -> None:

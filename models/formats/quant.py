@@ -385,15 +385,18 @@ class BlockLinear(QuantLinear):
         return with_bias(cls(torch.cat([p.blocks for p in parts]), parts[0].ggml_type,
                              [s for p in parts for s in p.sizes]), parts)
 
-    planar = False  # True once to_planar() replaced the blocks by a planar layout (formats/planar.py)
+    planar = False  # True once to_planar() replaced the blocks by a kernel's layout (formats/runs.py, planar.py)
     planar_fmt = ""
 
-    def to_planar(self) -> bool:
-        """Q4_K, Q5_K and Q6_K on CUDA: the blocks repacked as Q4KP (4.625 bits a weight against
-        4.5), Q5KP (5.625 against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's GEMV, the blocks
-        freed; once, after fusion. False for other types."""
+    def to_planar(self, runs: bool = True) -> bool:
+        """Q4_K, Q5_K and Q6_K on CUDA: the blocks repacked as Q4KR (runs.py: 4.625 bits a weight
+        against 4.5) for qruns.py's GEMV (Q4KP for qplanar.py's where not `runs`), Q5KP (5.625
+        against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's, the blocks freed; once, after
+        fusion. False for other types."""
         from . import planar
-        repack = {gguf_blocks.TYPES["Q4_K"]: planar.repack_q4k, gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k,
+        from . import runs as run_layout
+        repack = {gguf_blocks.TYPES["Q4_K"]: run_layout.repack_q4k if runs else planar.repack_q4k,
+                  gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k,
                   gguf_blocks.TYPES["Q5_K"]: planar.repack_q5k}
         if self.planar or self.ggml_type not in repack or self.in_features % 256:
             return self.planar
@@ -417,8 +420,9 @@ class BlockLinear(QuantLinear):
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         if self.planar:
-            from . import planar
-            return planar.dequantize_planar_rows(self.qweight(), start, min(stop, self.out_features)).float()
+            from . import planar, runs
+            rows = runs.dequantize_rows if self.planar_fmt == "Q4KR" else planar.dequantize_planar_rows
+            return rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
             return self.dequant_kernel(raw, self.ggml_type)

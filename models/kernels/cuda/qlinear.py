@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from . import base as cuda_base, fp8, fp8_gemm, qplanar
+from . import base as cuda_base, fp8, fp8_gemm, qplanar, qruns
 from .base import cdiv, launch, triton
 from ...formats.quant import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
@@ -60,9 +60,9 @@ WHOLE_WIDE = ("Q4_K", "Q8_0")
 
 
 def fits(fmt: str, k: int) -> bool:
-    """Whether the kernels take a row of k weights in this format (whole blocks; INT4P: qplanar.py's,
-    whose repack checked its groups)."""
-    return fmt in qplanar.FMTS or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
+    """Whether the kernels take a row of k weights in this format (whole blocks; INT4P and Q4KR:
+    qplanar.py's and qruns.py's, whose repacks checked their groups)."""
+    return fmt in qplanar.FMTS or fmt == "Q4KR" or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
 
 
 def _step(fmt: str, k: int, most: int = STEP_WEIGHTS, whole: bool = False) -> tuple[int, int]:
@@ -138,9 +138,12 @@ def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None =
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
     rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
     pick_config's by default (bench/quant_bench.py --sweep measures others); FP8 and the planar
-    formats take their own kernels' (fp8.py, qplanar.py)."""
+    formats take their own kernels' (fp8.py, qplanar.py), and so do 4-bit runs (qruns.py: Q4KR,
+    INT4 in groups of a multiple of 32)."""
     if qw.fmt == "FP8":
         return fp8.gemv(x, qw, bias, swiglu, out_dtype, config)
+    if qruns.takes(qw):  # a NormedRow normed and quantized in one launch before it
+        return qruns.gemv(x, qw, bias, swiglu, out_dtype)
     if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: a NormedRow normed and quantized in one launch before it
         return qplanar.gemv(x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):
@@ -175,6 +178,8 @@ def dequantize(qw: QWeight, start: int, stop: int, dtype: torch.dtype, out: torc
     of unit stride along K)."""
     if qw.fmt in qplanar.FMTS:
         return qplanar.dequantize_rows(qw, start, stop, dtype, out)
+    if qruns.takes(qw):
+        return qruns.dequantize_rows(qw, start, stop, dtype, out)
     rows = stop - start
     out = torch.empty(rows, qw.k, dtype=dtype, device=qw.data.device) if out is None else out
     (sc, z, stride_s), consts = _args(qw, 256)  # (smaller tiles: one program per tile, no loop)

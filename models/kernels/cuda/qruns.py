@@ -272,8 +272,10 @@ if triton is not None:
         n = tl.minimum(start + i, stop - 1).to(tl.int64)
         byte = tl.load(w + n * stride_w + run * 16 + m).to(tl.int32)
         code = ((byte >> (4 * half)) & 15).to(tl.float32)  # [rows, CR, 2, 16]: weight 32 run + 16 half + m
-        scale, offset = _run_scales(aux, aux2, n, run, stride_a, stride_z, G, FMT, 1 << 30, True)
-        val = (scale * code - offset).to(out.dtype.element_ty)
+        n3 = tl.minimum(start + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None], stop - 1).to(tl.int64)
+        run3 = tl.program_id(1) * CR + tl.arange(0, CR)[None, :, None]
+        scale, offset = _run_scales(aux, aux2, n3, run3, stride_a, stride_z, G, FMT, 1 << 30, True)  # [rows, CR, 1]
+        val = (scale[:, :, :, None] * code - offset[:, :, :, None]).to(out.dtype.element_ty)
         rr = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         kk = tl.program_id(1) * (CR * 32) + tl.arange(0, CR * 32)[None, :]
         tl.store(out + rr.to(tl.int64) * stride_o + kk, tl.reshape(val, [BLOCK_N, CR * 32]), mask=start + rr < stop)
@@ -328,9 +330,24 @@ def normed_input(row: NormedRow) -> torch.Tensor:
     return q
 
 
-def pick_config(n: int, k: int) -> tuple[int, int, bool]:
-    """(BN rows a program, num_warps, PREFETCH) for n outputs of K = k."""
-    return 4, 2, True
+def pick_config(n: int, k: int, swiglu: bool = False) -> tuple[int, int, bool]:
+    """(BN rows a program, num_warps, PREFETCH: the next step read ahead) for n outputs (a SwiGLU
+    pair's: 2 BN rows a program) of K = k. From bench/quant_bench.py --sweep-runs on an H200
+    (bench/RESULTS.md set AF, the 27B-like matrices, 18 configs each, Q4KR and INT4): a SwiGLU
+    pair on 4 rows and 1 warp ([34816, 5120]: 27.4 and 25.2 us against the best 26.8 and 25.2); up
+    to 8,192 rows, 4 rows and 2 warps ([5120, 17408] 13.6 and 11.5 us, the best of both; [5120,
+    6144] 5.2 and 4.7 against 4.7); more rows, 8 rows and 1 warp ([10240, 5120] 6.8 and 6.4, the
+    best of both). Fewer than 4,096 rows: 2 rows a program (more programs); no more warps than
+    the row has runs for."""
+    if swiglu:
+        bn, warps = 4, 1
+    elif n <= 8192:
+        bn, warps = (2 if n < 4096 else 4), 2
+    else:
+        bn, warps = 8, 1
+    while warps > 1 and 32 * warps > k // RUN:
+        warps //= 2
+    return bn, warps, True
 
 
 def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
@@ -349,7 +366,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
         x, normed = x.materialize(), False
     src = x.x if normed else x
     xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
-    bn, warps, prefetch = config or pick_config(n_out, pw.k)
+    bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu)
     runs, c = pw.k // RUN, 32 * warps
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
     aux, aux2, sa, sz = _aux(pw)
