@@ -192,6 +192,7 @@ def sweep_fp8_rows(device, x, gen) -> None:
         torch.cuda.empty_cache()
 
 
+RUNS_DEQUANT_TILES = [(16, 32, 8), (8, 32, 4), (32, 32, 8), (16, 16, 4), (16, 64, 8), (4, 64, 4), (64, 8, 8)]
 RUNS_CONFIGS = [(bn, w, p) for bn in (2, 4, 8) for w in (1, 2, 4) for p in (True, False)]
 
 
@@ -310,7 +311,7 @@ DEQUANT_TILES = [(16, 128, 4, False), (16, 128, 4, True), (16, 256, 4, True), (8
                  (32, 512, 8, True), (16, 256, 8, False)]
 
 
-def sweep_dequant(device, gen, tokens: int) -> None:
+def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
     """qplanar.dequantize_rows (prefill's weights: each matrix dequantized to bf16, then one
     GEMM) per tile and layout on the big shape's matrices, beside the bf16 GEMM of `tokens` rows
     it feeds: microseconds a call, and the TB/s of the bytes read and written."""
@@ -321,7 +322,7 @@ def sweep_dequant(device, gen, tokens: int) -> None:
                                                               for t in DEQUANT_TILES))
     for fmt, src, repack in (("INT4P", "AWQ", planar.repack_int4p), ("Q4KP", "Q4_K", planar.repack_q4k),
                              ("Q5KP", "Q5_K", planar.repack_q5k), ("Q6KP", "Q6_K", planar.repack_q6k)):
-        for n, k in ((34816, 5120), (5120, 17408)):
+        for n, k in ((34816, 5120), (5120, 17408)) if not runs_only else ():
             pw = repack(random_quant_linear(src, n, k, device, gen).qweight())
             out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
@@ -335,6 +336,22 @@ def sweep_dequant(device, gen, tokens: int) -> None:
             torch.cuda.empty_cache()
     print(f"(tiles: rows a program x weights a program at most x num_warps x flat store; a cell: microseconds "
           f"a call / TB/s read and written; GEMM: x[{tokens}, K] @ W^T in bf16)")
+    from models.formats import runs
+    from models.kernels.cuda import qruns
+    print(f"\n{'layout':>7}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, t)):>14}" for t in RUNS_DEQUANT_TILES))
+    for fmt, src in (("INT4", "AWQ"), ("Q4KR", "Q4_K")):
+        for n, k in ((34816, 5120), (5120, 17408)):
+            qw = random_quant_linear(src, n, k, device, gen).qweight()
+            pw = runs.repack_q4k(qw) if fmt == "Q4KR" else qw
+            out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+            cells = []
+            for t in RUNS_DEQUANT_TILES:
+                us = time_graph(lambda i: qruns.dequantize_rows(pw, 0, n, torch.bfloat16, out, tile=t), 20, reps=3)
+                cells.append(f"{us:.0f}/{(pw.nbytes() + out.numel() * 2) / us / 1e6:.2f}")
+            print(f"{fmt:>7}{n:>7}{k:>7}" + "".join(f"{c:>14}" for c in cells), flush=True)
+            qw = pw = out = None
+            torch.cuda.empty_cache()
+    print("(qruns.dequantize_rows's tiles: rows a program x runs a program x num_warps)")
 
 
 def sweep_fp8_prefill(device, gen, tokens: int) -> None:
@@ -390,6 +407,7 @@ def main() -> None:
                     "per rows a program (1-6)")
     ap.add_argument("--sweep-dequant", action="store_true", help="qplanar.dequantize_rows's tiles (prefill's "
                     "weights) beside the --prefill-row bf16 GEMM they feed")
+    ap.add_argument("--sweep-dequant-runs", action="store_true", help="--sweep-dequant for qruns.py's tiles only")
     ap.add_argument("--sweep-fp8-prefill", action="store_true", help="FP8 prefill's GEMM per 27B-like "
                     "matrix: fp8_gemm.py against the dequantize-then-bf16 form, --prefill rows")
     ap.add_argument("--sweep-runs", action="store_true", help="qruns.py's GEMV per config beside qplanar.py's")
@@ -416,8 +434,8 @@ def main() -> None:
     if args.sweep_fp8_prefill:
         sweep_fp8_prefill(device, torch.Generator(device=device).manual_seed(0), args.prefill)
         return
-    if args.sweep_dequant:
-        sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill)
+    if args.sweep_dequant or args.sweep_dequant_runs:
+        sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill, args.sweep_dequant_runs)
         return
     if args.sweep_small:
         sweep_small(device, torch.Generator(device=device).manual_seed(0))

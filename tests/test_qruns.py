@@ -71,8 +71,10 @@ def test_quantize_input_is_the_reference(device, k):
         q = buf[:, :k // 4].contiguous().view(torch.int8).double()  # [3, k]
         meta = buf[:, k // 4:].contiguous().view(torch.float32).double().reshape(3, k // 32, 2)
         xt = (q.reshape(3, k // 32, 32) * meta[..., :1]).reshape(3, k)
-        assert torch.equal(xt, qplanar.quantized_reference(x.to(dtype), 32))
-        assert torch.equal(meta[..., 1], (q.reshape(3, k // 32, 32).sum(-1) * meta[..., 0]).float().double())
+        ref = qplanar.quantized_reference(x.to(dtype), 32)
+        assert torch.equal(xt, ref), (dtype, (xt != ref).nonzero()[:4].tolist(), float((xt - ref).abs().max()))
+        xs = (q.reshape(3, k // 32, 32).sum(-1) * meta[..., 0]).float().double()
+        assert torch.equal(meta[..., 1], xs), (dtype, (meta[..., 1] != xs).nonzero()[:4].tolist())
         assert float(q[1, :32].abs().sum()) == 0 and float(q[2, 5]) == 127
 
 
