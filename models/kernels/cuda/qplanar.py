@@ -591,7 +591,9 @@ def quantized_reference(x: torch.Tensor, group: int) -> torch.Tensor:
     """The x~ = q dx the int8-input GEMVs compute with (quantize_input), in fp64, from x [S, K]."""
     g = x.float().reshape(x.shape[0], -1, group)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    # (a tensor's division, correctly rounded as the kernels' div_rn: torch turns `127.0 / t` into
+    # reciprocal(t) * 127, two roundings, which moved a near tie of a bf16 input by one step)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
     q = torch.round(g * inv).clamp(-127, 127)
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
