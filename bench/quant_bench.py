@@ -15,9 +15,11 @@
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
 the GPU memory the model takes once built and the peak over the run; then the small shapes in
-Q4_K against bf16. Q4_K and AWQ run as the loader leaves them on CUDA (repacked into Q4KP and
-INT4P for models/kernels/cuda/qplanar.py); Q4_K-stored and AWQ-stored keep the stored layouts
-(qlinear.py's kernel). Formats (bench/shapes.py, random_quantized_model): Q4_K = every linear in Q4_K
+Q4_K against bf16. Q4_K and AWQ run as the loader leaves them on CUDA (Q4_K repacked into Q4KR, AWQ
+as stored in one allocation: models/kernels/cuda/qruns.py; ab_decode.py's planar4 variant has
+qplanar.py's Q4KP and INT4P); Q4_K-stored keeps the blocks (qlinear.py's kernel), and AWQ-stored
+now runs qruns.py too (qlinear.gemv sends INT4 of whole 32-weight runs there), its three tensors
+apart. Formats (bench/shapes.py, random_quantized_model): Q4_K = every linear in Q4_K
 (Q5_0 where K is not whole 256-weight blocks, as llama.cpp's Q4_K_M falls back), the LM head in
 Q6_K and the embedding table in Q4_K blocks, as a Q4_K_M file holds them; AWQ = 4-bit groups of 128
 (the layout AWQ and GPTQ checkpoints are repacked into); FP8 = e4m3 with 128 x 128 block scales;
@@ -50,7 +52,7 @@ def run(name: str, fmt: str, args, device) -> dict:
     dtype = torch.bfloat16
     if fmt == "bf16":
         model = random_model(name, device, dtype)
-    else:  # as the loader leaves them on CUDA (AWQ as INT4P, Q4_K as Q4KP: qplanar.py); "-stored": the stored layouts
+    else:  # as the loader leaves them on CUDA (Q4_K as Q4KR, AWQ as stored: qruns.py); "-stored": without repack_for_cuda
         model = random_quantized_model(name, fmt.removesuffix("-stored"), device, dtype)
         if not fmt.endswith("-stored"):
             from models.formats.loader import repack_for_cuda
