@@ -29,7 +29,8 @@ grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
-False), not qruns.py's runs. normwait / normend: the GEMV after a materialized norm launches once
+False), not qruns.py's runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
+BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead). normwait / normend: the GEMV after a materialized norm launches once
 the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
@@ -55,7 +56,7 @@ from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models.formats import loader  # noqa: E402
 from models.kernels.cuda import (base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear,  # noqa: E402
-                                 qlinear, qplanar)
+                                 qlinear, qplanar, qruns)
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
@@ -67,9 +68,10 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
-                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS,
+                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG)
 _PICK16 = fp8.pick_config16
+_RUNS_PICK = qruns.pick_config
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
@@ -110,6 +112,11 @@ VARIANTS = {
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
     "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
+    # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
+    # (pairBNxW), every pick without its read ahead (runsnp)
+    **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (2, 4, 8) for w in (1, 2, 4)},
+    **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
+    "runsnp": dict(runspick=("all", 0, 0, False)),
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
@@ -143,6 +150,23 @@ def _launch_without(kernels: set):
     return launch
 
 
+def _runs_pick(which: str, bn: int, warps: int, ahead: bool):
+    """qruns.pick_config for the runs* / pair* variants: (bn, warps, ahead) for the single matrices
+    ("single") or the SwiGLU pairs ("pair"), the default pick elsewhere; "all": every default
+    pick with the read ahead as `ahead`."""
+    def pick(n, k, swiglu=False):
+        base = _RUNS_PICK(n, k, swiglu)
+        if which == "all":
+            return base[:2] + (ahead,)
+        if (which == "pair") != swiglu:
+            return base
+        w = warps
+        while w > 1 and 32 * w > k // qruns.RUN:
+            w //= 2
+        return bn, w, ahead
+    return pick
+
+
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
     cuda_linear.MATERIALIZE_LAUNCH, cuda_delta.SPLIT_CONFIG = v["normlaunch"], v["deltasplit"]
@@ -164,6 +188,7 @@ def apply(variant: str) -> None:
     fp8.FORM, fp8.DEEP_ROWS = v["fp8form"], v["fp8deep"]
     fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
+    qruns.pick_config = _RUNS_PICK if v["runspick"] is None else _runs_pick(*v["runspick"])
     loader.PLANAR_MIN_WEIGHTS, loader.RUNS = v["planar_min"], v["runs"]  # (read when a model is built: one model a value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
