@@ -313,6 +313,17 @@ DEQUANT_TILES = [(16, 128, 4, False), (16, 128, 4, True), (16, 256, 4, True), (8
                  (32, 512, 8, True), (16, 256, 8, False)]
 
 
+def _dequant_cells(dequantize_rows, pw, out, tiles) -> list[str]:
+    """A cell per tile: microseconds a call of dequantize_rows(pw, 0, N, bf16, out, tile=t) and the
+    TB/s of the bytes it reads and writes."""
+    n = out.shape[0]
+    cells = []
+    for t in tiles:
+        us = time_graph(lambda i: dequantize_rows(pw, 0, n, torch.bfloat16, out, tile=t), 20, reps=3)
+        cells.append(f"{us:.0f}/{(pw.nbytes() + out.numel() * 2) / us / 1e6:.2f}")
+    return cells
+
+
 def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
     """qplanar.dequantize_rows (prefill's weights: each matrix dequantized to bf16, then one
     GEMM) per tile and layout on the big shape's matrices, beside the bf16 GEMM of `tokens` rows
@@ -329,10 +340,7 @@ def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
             out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             gemm_us = time_graph(lambda i: x @ out.t(), 10, reps=3)
-            cells = []
-            for t in DEQUANT_TILES:
-                us = time_graph(lambda i: qplanar.dequantize_rows(pw, 0, n, torch.bfloat16, out, tile=t), 20, reps=3)
-                cells.append(f"{us:.0f}/{(pw.nbytes() + out.numel() * 2) / us / 1e6:.2f}")
+            cells = _dequant_cells(qplanar.dequantize_rows, pw, out, DEQUANT_TILES)
             print(f"{fmt:>7}{n:>7}{k:>7}{gemm_us:>9.0f}" + "".join(f"{c:>14}" for c in cells), flush=True)
             pw = out = x = None
             torch.cuda.empty_cache()
@@ -346,10 +354,7 @@ def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
             qw = random_quant_linear(src, n, k, device, gen).qweight()
             pw = runs.repack_q4k(qw) if fmt == "Q4KR" else qw
             out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
-            cells = []
-            for t in RUNS_DEQUANT_TILES:
-                us = time_graph(lambda i: qruns.dequantize_rows(pw, 0, n, torch.bfloat16, out, tile=t), 20, reps=3)
-                cells.append(f"{us:.0f}/{(pw.nbytes() + out.numel() * 2) / us / 1e6:.2f}")
+            cells = _dequant_cells(qruns.dequantize_rows, pw, out, RUNS_DEQUANT_TILES)
             print(f"{fmt:>7}{n:>7}{k:>7}" + "".join(f"{c:>14}" for c in cells), flush=True)
             qw = pw = out = None
             torch.cuda.empty_cache()

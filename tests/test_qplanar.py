@@ -12,6 +12,20 @@ import torch
 from models.formats import hf_quant
 
 
+def product_and_tolerance(xd, w, b, swiglu, dtype):
+    """(x @ W^T + b in fp64, SwiGLU'd over the row halves where `swiglu`; the module's tolerance
+    for an output of `dtype`: 1e-5 of |x| @ |W|^T (+ |b|), carried through the SwiGLU, and 2^-8 of
+    |ref| more for bf16)."""
+    ref = xd @ w.t() + (b.double() if b is not None else 0)
+    scale = xd.abs() @ w.abs().t() + (b.double().abs() if b is not None else 0)
+    if swiglu:
+        half = w.shape[0] // 2
+        g, u = ref[:, :half], ref[:, half:]
+        ref = g / (1 + torch.exp(-g)) * u
+        scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
+    return ref, 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+
+
 def int4_linear(n, k, group, seed, device):
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
@@ -88,14 +102,7 @@ def test_gemv_is_the_dequantized_product(device, n, k, group, swiglu, bias, int8
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
         xd = qplanar.quantized_reference(x, group).to(device) if int8 else x.double()
-        ref = xd @ w.t() + (b.double() if b is not None else 0)
-        scale = xd.abs() @ w.abs().t() + (b.double().abs() if b is not None else 0)
-        if swiglu:
-            half = n // 2
-            g, u = ref[:, :half], ref[:, half:]
-            ref = g / (1 + torch.exp(-g)) * u
-            scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
-        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        ref, tol = product_and_tolerance(xd, w, b, swiglu, dtype)
         # pick_config's form, and its general form (a split K where the grid is small)
         for config in (None, qplanar.pick_config(n // 2 if swiglu else n, k, group, small=False)):
             out = qplanar.gemv(x, pw, b, swiglu=swiglu, out_dtype=dtype, int8=int8, config=config)
@@ -288,13 +295,8 @@ def test_gguf_planar_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swigl
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
         xd = qplanar.quantized_reference(x, pw.group).to(device) if int8 else x.double()
-        ref, scale = xd @ w.t(), xd.abs() @ w.abs().t()
-        if swiglu:
-            g, u = ref[:, :n // 2], ref[:, n // 2:]
-            ref = g / (1 + torch.exp(-g)) * u
-            scale = scale[:, :n // 2] * (1 + u.abs()) + scale[:, n // 2:] * (1 + g.abs())
+        ref, tol = product_and_tolerance(xd, w, None, swiglu, dtype)
         y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
-        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
         assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from test_qplanar import gguf_weight, int4_linear
+from test_qplanar import gguf_weight, int4_linear, product_and_tolerance
 
 
 def weight(kind, n, k, seed, device, group=128):
@@ -93,14 +93,7 @@ def test_gemv_is_the_dequantized_product(device, kind, n, k, group, swiglu, bias
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
         xd = qplanar.quantized_reference(x, 32).to(device) if int8 else x.double()
-        ref = xd @ w.t() + (b.double() if b is not None else 0)
-        scale = xd.abs() @ w.abs().t() + (b.double().abs() if b is not None else 0)
-        if swiglu:
-            half = n // 2
-            g, u = ref[:, :half], ref[:, half:]
-            ref = g / (1 + torch.exp(-g)) * u
-            scale = scale[:, :half] * (1 + u.abs()) + scale[:, half:] * (1 + g.abs())
-        tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        ref, tol = product_and_tolerance(xd, w, b, swiglu, dtype)
         for config in (None, (2, 1, False), (8, 4, True), (4, 2, True)):
             out = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=int8, config=config)
             err = (out.double() - ref).abs()
