@@ -115,7 +115,7 @@ def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
 
     class Kernels:  # the kernels' interface, taking nothing
         @staticmethod
-        def fits(fmt, k):
+        def fits(fmt, k, group=None):
             return False
 
         @staticmethod

@@ -172,6 +172,23 @@ def test_linears_take_the_runs_on_cuda():
     assert g16.to_planar() and g16.qweight().fmt == "INT4P"
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_runs_serve_rows_of_whole_groups_not_of_whole_128s(group):
+    """An AWQ/GPTQ linear in groups of 32 or 64 over K = 320 (not whole 128s, the general
+    kernels' INT4 block) stays as stored and is still the CUDA kernels' (qruns.py), not the torch
+    path's; INT4 whose groups are not whole runs still needs whole 128s."""
+    from models.formats.quant import QuantLinear
+    from models.kernels.cuda import qlinear, qruns
+    lin = int4_linear(6, 320, group, 3, "cpu")
+    assert not lin.to_planar() and qruns.takes(lin.qweight())
+    assert qlinear.fits("INT4", 320, group) and not qlinear.fits("INT4", 320, 16) and not qlinear.fits("INT4", 320)
+    assert QuantLinear.kernels is qlinear
+
+    class Row:  # a NormedRow's interface: cuda_serves takes it without asking the device
+        pass
+    assert lin.cuda_serves(Row())
+
+
 def test_qlinear_sends_runs_to_qruns(device):
     """qlinear.gemv and qlinear.dequantize on a run layout: qruns.py's results, bit for bit."""
     from models.kernels.cuda import qlinear, qruns

@@ -291,8 +291,8 @@ class QuantLinear(nn.Module):
         """Whether cuda_forward takes x: the kernels imported, this format and row length among
         theirs, and x rows on CUDA they serve (a NormedRow always is one). A NormedRow they do not
         take, the torch forward materializes (`plain`)."""
-        k = self.kernels
-        if k is None or not k.fits(self.qweight().fmt, self.in_features):
+        k, qw = self.kernels, self.qweight()
+        if k is None or not k.fits(qw.fmt, self.in_features, qw.group):
             return False
         return not isinstance(x, torch.Tensor) or k.usable(x)
 
