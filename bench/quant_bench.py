@@ -11,6 +11,7 @@
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
     python bench/quant_bench.py --sweep-small     (qlinear.py's on the 0.5B-like Q5_0 matrices, the 27B-like Q6_K head)
+    python bench/quant_bench.py --sweep-head     (qplanar.py's on the 27B-like Q6_K head, its fp32 row, per config)
 
 For the big shape, each format: decode tok/s after a 128-token prompt (`--new` greedy tokens,
 median of 3, CUDA graph), one `--prefill`-token prefill (tok/s, median of 3), the weights' bytes,
@@ -278,6 +279,53 @@ def sweep_small(device, gen) -> None:
 PLANAR_TILES = [(8, 4), (8, 2), (16, 2), (16, 4), (32, 4), (4, 1)]
 
 
+# qplanar.py's GEMV on an LM head's rows: (rows a program, warps, words a step, the next step read ahead)
+HEAD_PLANAR = [(r, w, kw, False) for r in (4, 8, 16) for w in (1, 2, 4) for kw in (16, 32, 64)] + \
+    [(r, w, 32, True) for r in (4, 8, 16) for w in (1, 2, 4)]
+
+
+def sweep_head(device, gen) -> None:
+    """The 27B-like shape's Q6_K LM head (a Q4_K_M file's) as the model reads it: Q6KP, its fp32
+    normed row on the float path, fp32 logits; per (rows a program, num_warps, words a step, read
+    ahead), beside pick_config's, the same head on int8 inputs (a bf16 row, quantize_input's launch
+    included) and a bf16 matrix of its shape (AWQ's head): microseconds a call and TB/s."""
+    from models.formats import planar
+    from models.kernels.cuda import linear, qplanar
+    from shapes import random_quant_linear
+    n, k = 248320, 5120
+    pw = planar.repack_q6k(random_quant_linear("Q6_K", n, k, device, gen).qweight())
+    x = torch.randn(1, k, device=device, dtype=torch.float32)
+    saved = dict(qplanar.PREFETCH)
+    cells = {}
+    for rows, warps, kw, ahead in HEAD_PLANAR:
+        qplanar.PREFETCH["Q6KP"] = ahead
+        cells[(rows, warps, kw, ahead)] = _graph_us(
+            lambda: qplanar.gemv(x, pw, out_dtype=torch.float32, config=(rows, warps, kw, 1)))
+    qplanar.PREFETCH = saved
+    picked = qplanar.pick_config(n, k, pw.group)
+    picked_us = _graph_us(lambda: qplanar.gemv(x, pw, out_dtype=torch.float32))
+    xb = x.to(torch.bfloat16)
+    int8_us = _graph_us(lambda: qplanar.gemv(xb, pw, out_dtype=torch.float32))
+    ref = x.double() @ qplanar.dequantize_rows(pw, 0, n, torch.float32).double().T
+    y = qplanar.gemv(x, pw, out_dtype=torch.float32).double()
+    err = float((y - ref).abs().max() / ref.abs().max())
+    ref = y = None
+    pw_bytes = pw.nbytes()
+    pw = None
+    torch.cuda.empty_cache()
+    wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+    bf16_us = _graph_us(lambda: linear.gemv(xb, wb, out_dtype=torch.float32))
+    best = min(cells, key=cells.get)
+    tbs = lambda us: pw_bytes / us / 1e6  # noqa: E731
+    print(f"Q6KP head [{n}, {k}], fp32 row: picked {'x'.join(map(str, picked[:3]))} {picked_us:.1f} us "
+          f"({tbs(picked_us):.2f} TB/s); best {best} {cells[best]:.1f} us ({tbs(cells[best]):.2f} TB/s); "
+          f"int8 inputs (picked) {int8_us:.1f} us; bf16 matrix {bf16_us:.1f} us ({n * k * 2 / bf16_us / 1e6:.2f} TB/s); "
+          f"max error / max |y| {err:.1e}", flush=True)
+    print("   " + "  ".join(f"{r}x{w}x{kw}{'p' if a else ''}:{us:.1f}" for (r, w, kw, a), us in cells.items()),
+          flush=True)
+    print("(configs: rows a program x num_warps x words a step, p: the next step read ahead; microseconds a call)")
+
+
 # The small shapes' Q4KP matrices (N, K, SwiGLU): the 0.5B-like down, the 0.8B-like gate/up and down
 GRID_SHAPES = [(896, 4864, False), (7168, 1024, True), (1024, 3584, False)]
 
@@ -420,6 +468,8 @@ def main() -> None:
     ap.add_argument("--sweep-runs", action="store_true", help="qruns.py's GEMV per config beside qplanar.py's")
     ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
                     "shapes' Q4KP matrices")
+    ap.add_argument("--sweep-head", action="store_true", help="qplanar.py's GEMV on the 27B-like Q6_K LM head "
+                    "per config, on its fp32 row (the model's float path)")
     ap.add_argument("--sweep-small", action="store_true", help="--sweep for qlinear.py's GEMV on the "
                     "0.5B-like shape's Q5_0 matrices and the 27B-like Q6_K head")
     args = ap.parse_args()
@@ -443,6 +493,9 @@ def main() -> None:
         return
     if args.sweep_dequant or args.sweep_dequant_runs:
         sweep_dequant(device, torch.Generator(device=device).manual_seed(0), args.prefill, args.sweep_dequant_runs)
+        return
+    if args.sweep_head:
+        sweep_head(device, torch.Generator(device=device).manual_seed(0))
         return
     if args.sweep_small:
         sweep_small(device, torch.Generator(device=device).manual_seed(0))

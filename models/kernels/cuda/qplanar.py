@@ -26,7 +26,8 @@ order the nibbles meet them, and the GEMV then equals x~ @ W^T: per word, the ev
 nibbles masked out in place (four codes a register, a byte each) go through two DP4As against
 the packed inputs, so a word costs about five integer instructions and two FMAs instead of three
 instructions a weight (Q6KP and Q5KP: the high bits joined into those bytes first, a few more).
-The float path of Q6KP and Q5KP (fp32 models) converts each 6- or 5-bit code.
+The float path of Q6KP and Q5KP (fp32 models, and the LM head, whose normed row is fp32) moves each
+6- or 5-bit code into the mantissa of 1.0 as the 4-bit layouts' do, the high bits joined by shifts.
 `dequantize_rows` gives rows of W for prefill's GEMM. `bench/sass_loop.py` counts the
 instructions a weight of the compiled loop.
 """
@@ -143,8 +144,8 @@ if triton is not None:
     def _code_high_bits(hi, j, HB: tl.constexpr):
         """Q6KP's and Q5KP's high bits of the code of nibble j (a constexpr or a tensor), moved to
         bits 4..: hi is the group's high word shifted right by 2 HB m for word m, so the code's HB
-        bits sit at 8 (j // 2) + HB (j % 2) (planar.py's layout). The float path of _words_dot and
-        _planar_dequant_kernel take them alike; the int8 path joins a word's four at once."""
+        bits sit at 8 (j // 2) + HB (j % 2) (planar.py's layout). _planar_dequant_kernel takes them so; _words_dot's float path
+        moves them straight into a float's mantissa, its int8 path joins a word's four at once."""
         return ((hi >> (8 * (j // 2) + HB * (j % 2))) & ((1 << HB) - 1)) << 4
 
     @triton.jit
@@ -206,15 +207,30 @@ if triton is not None:
             isum = _dp4a_pair(even, xe, odd, xo, INTERPRETED)
             acc += s16 * (isum.to(tl.float32) * xd16 + xs)
             return acc - c * xs
-        if FMT >= 2:  # sum_j (s code_j - offset) x_j: the codes converted (the float path of fp32 models)
+        if FMT >= 2:  # the float path (fp32 models, and LM heads, whose rows come in fp32)
+            # sum_j (s code_j - offset) x_j with each code (low | high << 4: 4 + HB bits) moved into the
+            # top of the mantissa of 1.0, f_j = 1 + code_j / 2^(4 + HB), by shifts and masks: sum_j
+            # code_j x_j = 2^(4 + HB) (sum_j f_j x_j - sum_j x_j). No integer-to-float conversion: the
+            # H200 issues those at a quarter of the rate of the shifts (I2F: 16 a clock an SM).
+            TOP: tl.constexpr = 19 - HB  # the code's lowest bit in f: Q6KP 17, Q5KP 18
             ws = tl.zeros(acc.shape, dtype=tl.float32)
             xs = tl.zeros((1, NG, GW, 1), dtype=tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x + grp * G + wi + j * GW).to(tl.float32)
-                code = ((lo >> (4 * j)) & 15) | _code_high_bits(hi, j, HB)
-                ws += code.to(tl.float32) * xj
+                if 4 * j <= TOP:  # the low four bits into bits TOP..TOP+3
+                    low = lo << (TOP - 4 * j)
+                else:
+                    low = lo >> (4 * j - TOP)
+                # the high bits, at 8 (j // 2) + HB (j % 2) in hi (_code_high_bits), into bits TOP+4..22
+                if 8 * (j // 2) + HB * (j % 2) <= TOP + 4:
+                    high = hi << (TOP + 4 - 8 * (j // 2) - HB * (j % 2))
+                else:
+                    high = hi >> (8 * (j // 2) + HB * (j % 2) - TOP - 4)
+                bits = (low & (15 << TOP)) | (high & (((1 << HB) - 1) << (TOP + 4))) | 0x3F800000
+                ws += bits.to(tl.float32, bitcast=True) * xj
                 xs += xj
-            return acc + (s16 * 0.0625 * ws - (c - s16) * xs)
+            sf = s16 * (1 << HB)  # s 2^(4 + HB)
+            return acc + (sf * ws - (sf + c - s16) * xs)
         ws, xs = _group_sums(lo, x, grp * G + wi, GW, INTERPRETED)
         return acc + (s16 * ws - c * xs)
 
