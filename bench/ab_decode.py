@@ -69,7 +69,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
-                deltasplit=cuda_delta.SPLIT_CONFIG)
+                deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE)
 _PICK16 = fp8.pick_config16
 _RUNS_PICK = qruns.pick_config
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
@@ -117,6 +117,7 @@ VARIANTS = {
     **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (2, 4, 8) for w in (1, 2, 4)},
     **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
     "runsnp": dict(runspick=("all", 0, 0, False)),
+    "head8x2": dict(headtile=(8, 2)),  # a planar LM head's float path on the general form's tile (qplanar.HEAD_FLOAT_TILE)
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
@@ -177,7 +178,7 @@ def apply(variant: str) -> None:
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
-    qplanar.REDUCE_BLOCK = v["reduce"]
+    qplanar.REDUCE_BLOCK, qplanar.HEAD_FLOAT_TILE = v["reduce"], v["headtile"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     qplanar.SMALL_GRID, qlinear.WHOLE_CONFIG = v["small_grid"], v["whole"]
     # the qw*s variants (not read in one step): steps of their own size, as set R measured them

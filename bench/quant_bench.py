@@ -302,7 +302,7 @@ def sweep_head(device, gen) -> None:
         cells[(rows, warps, kw, ahead)] = _graph_us(
             lambda: qplanar.gemv(x, pw, out_dtype=torch.float32, config=(rows, warps, kw, 1)))
     qplanar.PREFETCH = saved
-    picked = qplanar.pick_config(n, k, pw.group)
+    picked = qplanar.pick_config(n, k, pw.group, int8=False)
     picked_us = _graph_us(lambda: qplanar.gemv(x, pw, out_dtype=torch.float32))
     xb = x.to(torch.bfloat16)
     int8_us = _graph_us(lambda: qplanar.gemv(xb, pw, out_dtype=torch.float32))

@@ -296,8 +296,11 @@ def test_gguf_planar_gemv_and_dequantize_are_the_oracle(device, fmt, n, k, swigl
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
         xd = qplanar.quantized_reference(x, pw.group).to(device) if int8 else x.double()
         ref, tol = product_and_tolerance(xd, w, None, swiglu, dtype)
-        y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8)
-        assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() - tol).max())
+        head_tile = qplanar.pick_config(n // 2 if swiglu else n, k, pw.group, *qplanar.HEAD_FLOAT_TILE, small=False)
+        for config in (None, head_tile):  # (the tile an LM head's float path takes)
+            y = qplanar.gemv(x, pw, swiglu=swiglu, out_dtype=dtype, int8=int8, config=config)
+            assert bool(((y.double() - ref).abs() <= tol).all()), \
+                (config, float(((y.double() - ref).abs() - tol).max()))
 
 
 @pytest.mark.parametrize("fmt", ["AWQ", "Q4_K", "Q5_K", "Q6_K"])
@@ -398,6 +401,16 @@ def test_pick_config_splits_k_only_where_the_grid_is_small():
     rows, _, kw, split = qplanar.pick_config(5120, 17408, 128)
     assert 5120 // rows * split >= 2048 and (17408 // 8 // kw) % split == 0
     assert qplanar.pick_config(8, 256, 32)[3] == 1  # too few steps to split
+
+
+def test_an_lm_heads_float_path_takes_its_own_tile():
+    """A vocabulary's rows on fp32 inputs (the LM head's normed row): HEAD_FLOAT_TILE's 16 rows x 2
+    warps; on int8 inputs, and for other matrices, the general form's 8 x 2; a tile asked for kept."""
+    from models.kernels.cuda import qplanar
+    assert qplanar.pick_config(248320, 5120, 16, int8=False)[:2] == qplanar.HEAD_FLOAT_TILE == (16, 2)
+    assert qplanar.pick_config(248320, 5120, 16)[:2] == (8, 2)
+    assert qplanar.pick_config(10240, 5120, 16, int8=False)[:2] == (8, 2)
+    assert qplanar.pick_config(248320, 5120, 16, 4, 1, int8=False)[:2] == (4, 1)
     assert qplanar.pick_config(1024, 3584, 32) == (8, 4, 64, 1)  # a small matrix: 7 steps of 64 words, unsplit
     assert qplanar.pick_config(1024, 3584, 32, small=False) == (8, 2, 32, 2)
     assert qplanar.pick_config(896, 4864, 32) == (4, 1, 8, 4)  # small, 608 words: 4 parts of 19 8-word steps

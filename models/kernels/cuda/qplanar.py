@@ -531,8 +531,15 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
     return out
 
 
+# An LM head's rows (n >= HEAD_ROWS) on the float path (its fp32 normed row): 16 rows and 2 warps a
+# program (quant_bench.py --sweep-head, bench/RESULTS.md set AG: the 27B-like Q6KP head 396 us
+# against 481 for the general form's 8 x 2, 36 configs; on int8 inputs the general form holds)
+HEAD_ROWS = 16384
+HEAD_FLOAT_TILE = (16, 2)
+
+
 def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
-                small: bool = True) -> tuple[int, int, int, int]:
+                small: bool = True, int8: bool = True) -> tuple[int, int, int, int]:
     """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
     most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
@@ -547,8 +554,11 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
     but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
-    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps."""
+    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps.
+    int8 False (float inputs) on an LM head's rows: HEAD_FLOAT_TILE's rows and warps."""
     gw, words = group // 8, k // 8
+    if not int8 and n >= HEAD_ROWS and (rows, warps) == (8, 2):
+        rows, warps = HEAD_FLOAT_TILE
     general = _general_config(n, words, gw, rows, warps)
     few = -(-n // general[0]) * general[3] < SMALL_GRID
     if small and SMALL and n * k <= SMALL_WEIGHTS and (general[3] == 1 or few):
@@ -653,7 +663,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
         both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8)
         gate, up = both[:, :n_out], both[:, n_out:]
         return (torch.nn.functional.silu(gate) * up).to(out_dtype or row_dtype)
-    rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group)
+    rows, warps, kw, split = config or pick_config(n_out, pw.k, pw.group, int8=int8)
     steps = pw.k // 8 // kw if (pw.k // 8) % kw == 0 else 0
     if not steps or kw % (pw.group // 8) or rows % R or steps % split:
         raise ValueError(f"config {rows} rows x {kw} words a step, K split in {split}, does not fit "
