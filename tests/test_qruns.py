@@ -100,6 +100,22 @@ def test_gemv_is_the_dequantized_product(device, kind, n, k, group, swiglu, bias
             assert bool((err <= tol).all()), (config, dtype, float((err - tol).max()))
 
 
+@pytest.mark.parametrize("kind,n,k,group,swiglu", [("INT4", 37, 1024, 128, False), ("Q4KR", 40, 512, 32, True),
+                                                  ("INT4", 14, 96, 32, True)])
+def test_float_path_takes_16_bit_rows(device, kind, n, k, group, swiglu):
+    """The float path (int8 False: CHAT_PLANAR_A16=1) on bf16 and fp16 rows against x @ W^T in
+    fp64 (fp32 outputs), for every tile shape."""
+    from models.kernels.cuda import qruns
+    qw, w = weight(kind, n, k, 1, device, group)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+        ref, tol = product_and_tolerance(x.double(), w, None, swiglu, torch.float32)
+        for config in (None, (2, 1, False), (8, 4, True), (4, 2, True)):
+            out = qruns.gemv(x, qw, swiglu=swiglu, out_dtype=torch.float32, int8=False, config=config)
+            err = (out.double() - ref).abs()
+            assert bool((err <= tol).all()), (config, dtype, float((err - tol).max()))
+
+
 @pytest.mark.parametrize("k,res", [(896, True), (640, False), (5120, True), (1152, True)])
 @pytest.mark.parametrize("programs", [1, 8])
 def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, programs, monkeypatch):
