@@ -30,7 +30,10 @@ fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
 False), not qruns.py's runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
-BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead). normwait / normend: the GEMV after a materialized norm launches once
+BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead); rnqp1..32
+(qruns.py's norm-and-quantize launch on about that many programs), rq4..32 (its quantize_input on
+that many runs a program); head8x2 (a planar LM head's float path on 8 rows x 2 warps, not
+qplanar.HEAD_FLOAT_TILE). normwait / normend: the GEMV after a materialized norm launches once
 the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
@@ -69,7 +72,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
-                deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE)
+                deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
+                runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS)
 _PICK16 = fp8.pick_config16
 _RUNS_PICK = qruns.pick_config
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
@@ -118,6 +122,9 @@ VARIANTS = {
     **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
     "runsnp": dict(runspick=("all", 0, 0, False)),
     "head8x2": dict(headtile=(8, 2)),  # a planar LM head's float path on the general form's tile (qplanar.HEAD_FLOAT_TILE)
+    # qruns.py's norm-and-quantize launch on about p programs (rnqpP); its quantize_input on r runs a program (rqR)
+    **{f"rnqp{p}": dict(runsnqp=p) for p in (1, 4, 16, 32)},
+    **{f"rq{r}": dict(runsq=r) for r in (4, 16, 32)},
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
@@ -179,6 +186,7 @@ def apply(variant: str) -> None:
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK, qplanar.HEAD_FLOAT_TILE = v["reduce"], v["headtile"]
+    qruns.NORM_QUANTIZE_PROGRAMS, qruns.QUANTIZE_RUNS = v["runsnqp"], v["runsq"]
     qplanar.NORM_QUANTIZE_PROGRAMS, qplanar.PROGRAMS, qplanar.SMALL = v["nqp"], v["programs"], v["small"]
     qplanar.SMALL_GRID, qlinear.WHOLE_CONFIG = v["small_grid"], v["whole"]
     # the qw*s variants (not read in one step): steps of their own size, as set R measured them

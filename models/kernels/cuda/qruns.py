@@ -38,6 +38,8 @@ FMTS = {"INT4": 0, "Q4KR": 1}  # the kernels' FMT constant
 RUN = 32  # weights a run: an int8 input's group
 # Programs of the norm-and-quantize launch (about; each sums the whole row's squares)
 NORM_QUANTIZE_PROGRAMS = 8
+# Runs a program of quantize_input's launch (one warp each)
+QUANTIZE_RUNS = 8
 
 
 def takes(qw: QWeight) -> bool:
@@ -303,7 +305,7 @@ def quantize_input(x: torch.Tensor) -> torch.Tensor:
     fp32 bits a run: x~ = q dx (qplanar.quantized_reference(x, 32))."""
     S, K = x.shape
     out = torch.empty(S, K // 32 * 10, dtype=torch.int32, device=x.device)
-    rb = 8
+    rb = QUANTIZE_RUNS
     launch(_quantize_kernel, (cdiv(K // 32, rb), S), x, out, x.stride(0), RUNS=K // 32, RB=rb,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
     return out
