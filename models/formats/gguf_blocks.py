@@ -69,7 +69,7 @@ def _shift_tensor(values: tuple, device: torch.device, shape: tuple) -> torch.Te
     return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
 
 
-def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+def nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """[n, bytes] → [n, 2 bytes] as uint8: per run of `group` bytes, their low nibbles, then high."""
     n = qs.shape[0]
     q = qs.reshape(n, -1, 1, group) >> _shifts([0, 4], qs, (1, 1, 2, 1))
@@ -85,24 +85,24 @@ def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
 
 def _q4_0(b):
     d = _f16(b[:, :2])
-    q = _nibbles(b[:, 2:], 16).to(torch.int8) - 8
+    q = nibbles(b[:, 2:], 16).to(torch.int8) - 8
     return d * q.float()
 
 
 def _q4_1(b):
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    return d * _nibbles(b[:, 4:], 16).float() + m
+    return d * nibbles(b[:, 4:], 16).float() + m
 
 
 def _q5_0(b):
     d = _f16(b[:, :2])
-    q = (_nibbles(b[:, 6:], 16) | (_high_bits32(b[:, 2:6]) << 4)).to(torch.int8) - 16
+    q = (nibbles(b[:, 6:], 16) | (_high_bits32(b[:, 2:6]) << 4)).to(torch.int8) - 16
     return d * q.float()
 
 
 def _q5_1(b):
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 8:], 16) | (_high_bits32(b[:, 4:8]) << 4)
+    q = nibbles(b[:, 8:], 16) | (_high_bits32(b[:, 4:8]) << 4)
     return d * q.float() + m
 
 
@@ -127,7 +127,7 @@ def _k_scales(b):
 
 def _q4_k(b):
     d, dm = _k_scales(b)
-    q = _nibbles(b[:, 16:], 32).reshape(-1, 8, 32).float()
+    q = nibbles(b[:, 16:], 32).reshape(-1, 8, 32).float()
     return (d * q - dm).reshape(-1, QK_K)
 
 
@@ -136,7 +136,7 @@ def q5_k_codes(b: torch.Tensor) -> torch.Tensor:
     order): weight = d sc q - dmin m of the sub-block (scale_min_k4)."""
     n = b.shape[0]
     qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))
-    return _nibbles(b[:, 48:], 32).reshape(n, 8, 32) | ((qh & 1).reshape(n, 8, 32) << 4)
+    return nibbles(b[:, 48:], 32).reshape(n, 8, 32) | ((qh & 1).reshape(n, 8, 32) << 4)
 
 
 def _q5_k(b):
@@ -148,7 +148,7 @@ def q6_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """Q6_K blocks [n, 210] → (codes q uint8 [n, 256] in weight order, 0..63; int8 scales [n, 16],
     one per 16 weights; d fp16 [n]): weight i = d scales[i // 16] (q[i] - 32)."""
     n = b.shape[0]
-    ql = _nibbles(b[:, :128], 64).reshape(n, 8, 32)
+    ql = nibbles(b[:, :128], 64).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))
     q = (ql | ((qh & 3).reshape(n, 8, 32) << 4)).reshape(n, QK_K)
     return q, b[:, 192:208].contiguous().view(torch.int8), b[:, 208:210].contiguous().view(torch.float16)[:, 0]

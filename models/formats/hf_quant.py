@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoints import CheckpointError
+from . import runs
 from .planar import dequantize_int4p, one_storage, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 
@@ -279,6 +280,4 @@ class GroupInt4Linear(QuantLinear):
         if self.planar:
             return dequantize_int4p(self.qweight()).to(dtype)
         n, k = self.out_features, self.in_features
-        b = self.packed.reshape(n, k // 32, 1, 16)
-        codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)
-        return Int4GroupTensor(self.fmt, codes, self.zeros, self.scales, self.group).dequantize(dtype)
+        return Int4GroupTensor(self.fmt, runs.codes(self.packed, n, k), self.zeros, self.scales, self.group).dequantize(dtype)

@@ -117,8 +117,7 @@ def repack_int4p(qw):
     if qw.fmt != "INT4" or qw.group % 8 or qw.k % qw.group:
         raise ValueError(f"INT4P takes INT4 weights in whole groups of a multiple of 8 ({qw.fmt}, group {qw.group})")
     n, k, g = qw.n, qw.k, qw.group
-    b = qw.data.reshape(n, k // 32, 1, 16)
-    codes = torch.cat([b & 15, b >> 4], 2).reshape(n, k)
+    codes = gguf_blocks.nibbles(qw.data.reshape(n, k // 2), 16)  # (the runs: Q4_0's order)
     return type(qw)("INT4P", _words(codes, n, k, g), n, k, _interleave(qw.scales.half()[..., None], n),
                     _interleave(qw.zeros.to(torch.uint8)[..., None], n), g)
 
@@ -155,12 +154,23 @@ def _super_block_rows(fmt: str, layout: str):
     return wrap
 
 
-def _k4_scales(b: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's scales from their blocks b (a row per super-block), rows interleaved:
-    (d, dmin) fp16 per super-block and (sc, m) uint8 per 32-weight sub-block."""
+def k4_scales(b: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's scales from their blocks b (a row per super-block), row by row: (d, dmin)
+    fp16 [n, K/256, 2] per super-block and (sc, m) uint8 [n, K/32, 2] per 32-weight sub-block."""
     dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)
     sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])  # [n * supers, 8] each
-    return _interleave(dd, n), _interleave(torch.stack([sc, mn], -1).reshape(n, k // 32, 2), n)
+    return dd, torch.stack([sc, mn], -1).reshape(n, k // 32, 2)
+
+
+def _k4_scales(b: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k4_scales, rows interleaved."""
+    dd, scm = k4_scales(b, n, k)
+    return _interleave(dd, n), _interleave(scm, n)
+
+
+def q4k_codes(b: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q4_K's codes uint8 [n, k] in weight order, from its blocks b (a row per super-block)."""
+    return gguf_blocks.nibbles(b[:, 16:], 32).reshape(n, k)  # per pair of sub-blocks: low nibbles the first, high the second
 
 
 @_super_block_rows("Q4_K", "Q4KP")
@@ -168,9 +178,7 @@ def repack_q4k(qw):
     """GGUF Q4_K blocks ([N, K/256 * 144] uint8) → Q4KP. Any device; done once at load."""
     n, k = qw.n, qw.k
     b = qw.data.reshape(n * (k // 256), 144)
-    q = b[:, 16:].reshape(-1, 4, 1, 32)  # per pair of sub-blocks: low nibbles the first, high the second
-    codes = torch.cat([q & 15, q >> 4], 2).reshape(n, k)
-    return type(qw)("Q4KP", _words(codes, n, k, 32), n, k, *_k4_scales(b, n, k), 32)
+    return type(qw)("Q4KP", _words(q4k_codes(b, n, k), n, k, 32), n, k, *_k4_scales(b, n, k), 32)
 
 
 def _k4_weights(pw, codes: torch.Tensor) -> torch.Tensor:

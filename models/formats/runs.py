@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import gguf_blocks
-from .planar import _super_block_rows, one_storage
+from .planar import _super_block_rows, k4_scales, one_storage, q4k_codes
 
 __all__ = ["repack_q4k", "dequantize", "dequantize_rows", "one_storage", "codes"]
 
@@ -33,8 +33,7 @@ def _runs(codes: torch.Tensor) -> torch.Tensor:
 
 def codes(data: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The runs' codes: uint8 [n, k] in weight order."""
-    b = data.reshape(n, k // 32, 1, 16)
-    return torch.cat([b & 15, b >> 4], 2).reshape(n, k)
+    return gguf_blocks.nibbles(data.reshape(n, k // 2), 16)
 
 
 @_super_block_rows("Q4_K", "Q4KR")
@@ -42,11 +41,8 @@ def repack_q4k(qw):
     """GGUF Q4_K blocks ([N, K/256 * 144] uint8) → Q4KR. Any device; done once at load."""
     n, k = qw.n, qw.k
     b = qw.data.reshape(n * (k // 256), 144)
-    q = b[:, 16:].reshape(-1, 4, 1, 32)  # per pair of sub-blocks: low nibbles the first, high the second
-    c = torch.cat([q & 15, q >> 4], 2).reshape(n, k)
-    dd = b[:, :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)
-    sc, mn = gguf_blocks.scale_min_k4(b[:, 4:16])
-    return type(qw)("Q4KR", _runs(c), n, k, dd.contiguous(), torch.stack([sc, mn], -1).reshape(n, k // 32, 2), 32)
+    dd, scm = k4_scales(b, n, k)
+    return type(qw)("Q4KR", _runs(q4k_codes(b, n, k)), n, k, dd.contiguous(), scm, 32)
 
 
 def dequantize(pw) -> torch.Tensor:

@@ -422,11 +422,17 @@ if triton is not None:
             if SWIGLU:
                 tl.store(at + SPLIT * N, tl.sum(tl.sum(acc_up, axis=2), axis=1), mask=n < N)
             return
+        _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=1) if SWIGLU else y, bias, out, n, N, HAS_BIAS, SWIGLU)
+
+    @triton.jit
+    def _epilogue(y, up, bias, out, n, N, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+        """The GEMVs' last step (qruns.py's too): outputs n (of N) from their fp32 sums y (and the up
+        rows' sums `up` where SWIGLU), plus the bias (the up rows' from N on), silu(y) up, stored in
+        out's dtype."""
         rows = tl.minimum(n, N - 1)
         if HAS_BIAS:
             y += tl.load(bias + rows).to(tl.float32)
         if SWIGLU:
-            up = tl.sum(tl.sum(acc_up, axis=2), axis=1)
             if HAS_BIAS:
                 up += tl.load(bias + rows + N).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * up

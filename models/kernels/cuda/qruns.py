@@ -51,7 +51,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .qplanar import _dp4a_pair, _summed
+    from .qplanar import _dp4a_pair, _epilogue, _summed
 
     @triton.jit
     def _run_words(w, rows, run, m, stride_w, RUNS: tl.constexpr, EVEN: tl.constexpr):
@@ -194,15 +194,7 @@ if triton is not None:
                                                            stride_z, G, FMT, RUNS, EVEN)
                     acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, run, m, RUNS, KQ, A8, EVEN, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
-        rr = tl.minimum(r, N - 1)
-        if HAS_BIAS:
-            y += tl.load(bias + rr).to(tl.float32)
-        if SWIGLU:
-            up = tl.sum(tl.sum(acc_up, axis=2), axis=0)
-            if HAS_BIAS:
-                up += tl.load(bias + rr + N).to(tl.float32)
-            y = y / (1.0 + tl.exp(-y)) * up
-        tl.store(out + r, y.to(out.dtype.element_ty), mask=r < N)
+        _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=0) if SWIGLU else y, bias, out, r, N, HAS_BIAS, SWIGLU)
 
     @triton.jit
     def _quantize_runs(v, r, ok, dst, KQ: tl.constexpr, INTERPRETED: tl.constexpr):
