@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -49,15 +50,37 @@ def junit_cases(path) -> dict:
     return out
 
 
+# The recordings were made on CPUs with AVX-512, where the C++ step (models/kernels/cpu/step.cpp,
+# built -march=native) reads the embedded model's GGUF blocks with its AVX-512 kernels. Without
+# AVX-512 its portable kernels sum the same products in another order (not bit for bit), so a
+# seeded draw of the embedded model that falls between two tokens of nearly equal probability may
+# take the other one (smollm2-seeded.yaml on an AVX2-only CPU, 2026-12-02: ' beauty' -2.921 against
+# ' world' -2.913). There the GGUF recordings replay teacher-forced within PORTABLE_MARGIN; the
+# others, on torch's fp32 kernels alone, still replay identically.
+SAME_CPU_KERNELS = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+PORTABLE_MARGIN = 0.05
+GGUF_RECORDINGS = ("smollm2-",)
+
+
 def test_golden_recordings_replay_identically_as_one_suite(tmp_path):
     """The whole directory in one process (each model loaded once), a fresh run and two on the
-    reused session; the table has a row per recording and the JUnit file a passing case each."""
+    reused session; the table has a row per recording and the JUnit file a passing case each
+    (without AVX-512: the embedded model's recordings may hold near ties within PORTABLE_MARGIN)."""
     out = tmp_path / "golden.xml"
-    proc = chat("replay", os.path.relpath(GOLDEN, ROOT), "--runs", "2", "--junit", str(out))
+    margin = [] if SAME_CPU_KERNELS else ["--tolerance", str(PORTABLE_MARGIN)]
+    proc = chat("replay", os.path.relpath(GOLDEN, ROOT), "--runs", "2", "--junit", str(out), *margin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("tests/golden/recordings/")]
-    assert len(rows) == len(RECORDINGS) and all(" identical " in r for r in rows)
-    assert junit_cases(out) == {os.path.basename(p): ("passed", "") for p in RECORDINGS}
+    rows = [line for line in proc.stdout.splitlines()
+            if line.startswith("tests/golden/recordings/") and not line.endswith(":")]  # (not a near tie's report)
+    assert len(rows) == len(RECORDINGS)
+    for row in rows:
+        tied = not SAME_CPU_KERNELS and os.path.basename(row.split()[0]).startswith(GGUF_RECORDINGS) \
+            and f"within {PORTABLE_MARGIN:g}" in row
+        assert " identical " in row or tied, row
+    cases = junit_cases(out)
+    assert set(cases) == {os.path.basename(p) for p in RECORDINGS} and all(st == "passed" for st, _ in cases.values())
+    if SAME_CPU_KERNELS:
+        assert cases == {os.path.basename(p): ("passed", "") for p in RECORDINGS}
 
 
 def test_golden_set_covers_kv_hybrid_greedy_and_seeded_with_both_samplers():
