@@ -22,7 +22,7 @@ from engine import reference
 from engine.config import ConfigError, SamplingConfig, build
 
 from .commands import SETTABLE
-from .transcript import UNSET, Event, Transcript, TranscriptError, result_dict, stated_format
+from .transcript import UNSET, Event, Transcript, TranscriptError, cpu_isa, result_dict, stated_format
 from .turn import TurnResult
 
 
@@ -209,18 +209,32 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
     return out
 
 
+def _other_cpu_note(controller, recording: Transcript) -> str | None:
+    """Where a CPU recording was made on kernels for another instruction set than this CPU's: a
+    line saying so, as the likely cause of a divergence, and what compares anyway."""
+    made = recording.engine.get("cpu_isa")
+    if controller.session.device.type != "cpu" or not made or made == cpu_isa():
+        return None
+    return (f"  note: recorded on a CPU with {made} kernels, replayed on {cpu_isa()}'s: they sum in another order "
+            f"(not bit for bit), so a near tie may go the other way; --tolerance 0.05 replays teacher-forced")
+
+
 def replay(controller, recording: Transcript, runs: int, on_chunk=None, tolerance: float | None = None) -> ReplayResult:
     """A cold run on a fresh session, then `runs` more on the same reused session; teacher-forced
     with a tolerance. Raises the first Divergence."""
     controller.reset()
     initial = controller.settings
     near: list[NearTie] = []
-    events = play(controller, recording, on_chunk, expect=True, run="run 1 (fresh session)",
-                  tolerance=tolerance, near_ties=near)
-    for r in range(runs):
-        controller.reset_conversation(keep_cache=True)
-        controller.settings = initial
-        play(controller, recording, None, expect=True, run=f"run {r + 2} (reused session)",
-             tolerance=tolerance, near_ties=near)
+    try:
+        events = play(controller, recording, on_chunk, expect=True, run="run 1 (fresh session)",
+                      tolerance=tolerance, near_ties=near)
+        for r in range(runs):
+            controller.reset_conversation(keep_cache=True)
+            controller.settings = initial
+            play(controller, recording, None, expect=True, run=f"run {r + 2} (reused session)",
+                 tolerance=tolerance, near_ties=near)
+    except Divergence as d:
+        note = _other_cpu_note(controller, recording)
+        raise (dataclasses.replace(d, report=f"{d.report}\n{note}") if note else d) from None
     turns = [e.result for e in events if e.result is not None]
     return ReplayResult(len(turns), sum(len(t["generated_ids"]) for t in turns), near)

@@ -311,11 +311,21 @@ def model_info(rt) -> dict:
     return {"source": rt.settings.engine.model, "type": rt.loaded.model_type, "fingerprint": rt._fingerprint}
 
 
+def cpu_isa() -> str:
+    """The vector instruction set this CPU's kernels are built for (torch's own and, as -march=native,
+    the C++ step's): "AVX512", "AVX2", ... Kernels for another set sum in another order."""
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def engine_info(rt) -> dict:
-    return {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
+    info = {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
             "cuda_graph": rt.settings.engine.cuda_graph, "quantized": rt.settings.engine.quantized,
             "compile": rt.settings.engine.compile, "cpu_kernel": rt.settings.engine.cpu_kernel,
             "max_context": rt.session.max_context}
+    if rt.device.type == "cpu":  # (not a setting: a replay elsewhere names it where tokens differ)
+        info["cpu_isa"] = cpu_isa()
+    return info
 
 
 def save_controller(controller, path: str) -> None:

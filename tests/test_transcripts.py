@@ -292,6 +292,30 @@ def test_altered_token_reports_turn_and_index(tmp_path):
     assert "top-5" in proc.stderr and "expected" in proc.stderr and "actual" in proc.stderr
 
 
+def test_a_divergence_on_another_cpus_kernels_says_so(tmp_path):
+    """New CPU recordings note their instruction set (transcript.cpu_isa); a divergence replaying
+    one made on another set's kernels ends with a line naming both and --tolerance; on the same
+    set, or on a recording without the field, no such line."""
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nmodel: {source: tests/golden/tiny-llama}\n"
+                      "sampling: {temperature: 0, max_new_tokens: 6}\nevents:\n  - user: one\n")
+    rec = tmp_path / "r.yaml"
+    assert chat("run", str(script), "-o", str(rec)).returncode == 0
+    data = yaml.safe_load(rec.read_text())
+    assert data["engine"]["cpu_isa"] == tr.cpu_isa() == torch.backends.cpu.get_cpu_capability()
+    turn = [e for e in data["events"] if "generated_ids" in e][0]
+    turn["generated_ids"][2] = (turn["generated_ids"][2] + 1) % 300
+    other = "AVX2" if tr.cpu_isa() != "AVX2" else "AVX512"
+    for isa, noted in ((other, True), (tr.cpu_isa(), False), (None, False)):
+        engine = {k: v for k, v in data["engine"].items() if k != "cpu_isa"} | ({"cpu_isa": isa} if isa else {})
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({**data, "engine": engine}, sort_keys=False))
+        proc = chat("replay", str(bad), "--runs", "0")
+        assert proc.returncode == 1 and "generated token 2" in proc.stderr, proc.stderr
+        note = f"note: recorded on a CPU with {other} kernels, replayed on {tr.cpu_isa()}'s"
+        assert (note in proc.stderr and "--tolerance 0.05" in proc.stderr) == noted, (isa, proc.stderr)
+
+
 def test_fingerprint_mismatch_is_exit_2_unless_allowed(tmp_path):
     data = yaml.safe_load(open(os.path.join(GOLDEN, "kv-greedy.yaml")))
     data["model"]["fingerprint"] = "sha256:" + "0" * 64
