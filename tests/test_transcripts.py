@@ -13,6 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from chat import transcript as tr
+from chat.replay import OTHER_CPU_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "recordings")
@@ -58,7 +59,7 @@ def junit_cases(path) -> dict:
 # ' world' -2.913). There the GGUF recordings replay teacher-forced within PORTABLE_MARGIN; the
 # others, on torch's fp32 kernels alone, still replay identically.
 SAME_CPU_KERNELS = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-PORTABLE_MARGIN = 0.05
+PORTABLE_MARGIN = OTHER_CPU_TOLERANCE
 GGUF_RECORDINGS = ("smollm2-",)
 
 
@@ -313,7 +314,7 @@ def test_a_divergence_on_another_cpus_kernels_says_so(tmp_path):
         proc = chat("replay", str(bad), "--runs", "0")
         assert proc.returncode == 1 and "generated token 2" in proc.stderr, proc.stderr
         note = f"note: recorded on a CPU with {other} kernels, replayed on {tr.cpu_isa()}'s"
-        assert (note in proc.stderr and "--tolerance 0.05" in proc.stderr) == noted, (isa, proc.stderr)
+        assert (note in proc.stderr and f"--tolerance {OTHER_CPU_TOLERANCE:g}" in proc.stderr) == noted, (isa, proc.stderr)
 
 
 def test_fingerprint_mismatch_is_exit_2_unless_allowed(tmp_path):
