@@ -411,6 +411,7 @@ def test_an_lm_heads_float_path_takes_its_own_tile():
     assert qplanar.pick_config(248320, 5120, 16)[:2] == (8, 2)
     assert qplanar.pick_config(10240, 5120, 16, int8=False)[:2] == (8, 2)
     assert qplanar.pick_config(248320, 5120, 16, 4, 1, int8=False)[:2] == (4, 1)
+    assert qplanar.pick_config(248320, 5120, 16, 8, 2, int8=False)[:2] == (8, 2)  # a tile given, even the general one
     assert qplanar.pick_config(1024, 3584, 32) == (8, 4, 64, 1)  # a small matrix: 7 steps of 64 words, unsplit
     assert qplanar.pick_config(1024, 3584, 32, small=False) == (8, 2, 32, 2)
     assert qplanar.pick_config(896, 4864, 32) == (4, 1, 8, 4)  # small, 608 words: 4 parts of 19 8-word steps

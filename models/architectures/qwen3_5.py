@@ -174,7 +174,7 @@ class GatedDeltaNet(nn.Module):
             # the conv, the delta rule and the gated norm in two kernels
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
-                                     self.dv, beta_scale=self.beta_scale, sync=getattr(self, "delta_sync", None))
+                                     self.dv, beta_scale=self.beta_scale, sync=self.delta_sync)
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)

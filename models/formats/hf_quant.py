@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .checkpoints import CheckpointError
 from . import runs
+from .checkpoints import CheckpointError
 from .planar import dequantize_int4p, one_storage, repack_int4p
 from .quant import QuantLinear, QWeight, with_bias
 

@@ -60,12 +60,10 @@ WHOLE_WIDE = ("Q4_K", "Q8_0")
 
 
 def fits(fmt: str, k: int, group: int | None = None) -> bool:
-    """Whether the kernels take a row of k weights in this format (whole blocks; INT4P and Q4KR:
-    qplanar.py's and qruns.py's, whose repacks checked their groups). INT4 in `group`s of whole
-    32-weight runs is qruns.py's at any k of whole groups; other INT4 rows, whole 128s."""
-    if fmt == "INT4" and group and group % qruns.RUN == 0 and k % group == 0:
-        return True
-    return fmt in qplanar.FMTS or fmt == "Q4KR" or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
+    """Whether the kernels take a row of k weights in this format (whole blocks; the planar
+    layouts: qplanar.py's, whose repacks checked their groups). Q4KR, and INT4 in `group`s of
+    whole 32-weight runs: qruns.serves; other INT4 rows, whole 128s."""
+    return qruns.serves(fmt, k, group) or fmt in qplanar.FMTS or (fmt in FORMATS and k % FORMATS[fmt][2] == 0)
 
 
 def _step(fmt: str, k: int, most: int = STEP_WEIGHTS, whole: bool = False) -> tuple[int, int]:

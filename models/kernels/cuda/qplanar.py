@@ -221,11 +221,12 @@ if triton is not None:
                     low = lo << (TOP - 4 * j)
                 else:
                     low = lo >> (4 * j - TOP)
-                # the high bits, at 8 (j // 2) + HB (j % 2) in hi (_code_high_bits), into bits TOP+4..22
-                if 8 * (j // 2) + HB * (j % 2) <= TOP + 4:
-                    high = hi << (TOP + 4 - 8 * (j // 2) - HB * (j % 2))
+                # the high bits, at `at` in hi (_code_high_bits' place), into bits TOP+4..22
+                at = 8 * (j // 2) + HB * (j % 2)  # (a constexpr: j and HB are)
+                if at <= TOP + 4:
+                    high = hi << (TOP + 4 - at)
                 else:
-                    high = hi >> (8 * (j // 2) + HB * (j % 2) - TOP - 4)
+                    high = hi >> (at - TOP - 4)
                 bits = (low & (15 << TOP)) | (high & (((1 << HB) - 1) << (TOP + 4))) | 0x3F800000
                 ws += bits.to(tl.float32, bitcast=True) * xj
                 xs += xj
@@ -312,19 +313,28 @@ if triton is not None:
         if PDL:  # the next GEMV launches once the one before this kernel has ended (not while it runs)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.arange(0, BLOCK)
-        mask = offs < N
-        sf = _summed(x, y, offs, mask, HAS_RES).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        s = _summed(x, y, mine, ok, HAS_RES)
-        if HAS_RES:
-            tl.store(sum_out + mine, s, mask=ok)
-        tl.store(norm_out + mine, (s.to(tl.float32) * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty), mask=ok)
+        _add_norm(x, y, nw, sum_out, norm_out, mine, ok, eps, N, BLOCK, HAS_RES)
         tl.debug_barrier()  # (the block's stores seen by all its threads' loads below)
         GW: tl.constexpr = G // 8
         g = tl.program_id(0) * NGB + tl.arange(0, NGB)[:, None]
         m = tl.arange(0, GW)[None, :]
         _quantize_groups(norm_out, qout, g, m, (g < N // G) & (m < GW), G, N // 8, PAIRS, INTERPRETED)
+
+    @triton.jit
+    def _add_norm(x, y, nw, sum_out, norm_out, mine, ok, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_RES: tl.constexpr):
+        """The norm-and-quantize launches' add_rms_norm (qruns.py's too): the whole row's squares
+        summed (x + y, BLOCK at least N), then at `mine` (ok: which are real) the sum written
+        where HAS_RES and the normed row (norm weights nw) stored; returns the normed values."""
+        offs = tl.arange(0, BLOCK)
+        sf = _summed(x, y, offs, offs < N, HAS_RES).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        s = _summed(x, y, mine, ok, HAS_RES)
+        if HAS_RES:
+            tl.store(sum_out + mine, s, mask=ok)
+        h = (s.to(tl.float32) * r * nw.to(tl.float32)).to(norm_out.dtype.element_ty)
+        tl.store(norm_out + mine, h, mask=ok)
+        return h
 
     @triton.jit
     def _summed(x, y, offs, mask, HAS_RES: tl.constexpr):
@@ -544,9 +554,10 @@ HEAD_ROWS = 16384
 HEAD_FLOAT_TILE = (16, 2)
 
 
-def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
+def pick_config(n: int, k: int, group: int, rows: int | None = None, warps: int | None = None,
                 small: bool = True, int8: bool = True) -> tuple[int, int, int, int]:
-    """(rows a program, num_warps, words a step, K split in): 8 rows and 2 warps; K split in the
+    """(rows a program, num_warps, words a step, K split in): `rows` and `warps` where given, else
+    8 rows and 2 warps (on float inputs, an LM head's rows: HEAD_FLOAT_TILE's); K split in the
     most parts, up to the fewest that give the grid ~PROGRAMS (8,192) programs, of at least 4 steps each;
     32 words a step, else 64, else 16 (that divide a row into whole groups and the steps into
     those parts). A small matrix (SMALL: at most SMALL_WEIGHTS weights, where that general form
@@ -561,10 +572,11 @@ def pick_config(n: int, k: int, group: int, rows: int = 8, warps: int = 2,
     2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
     but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
     1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps.
-    int8 False (float inputs) on an LM head's rows: HEAD_FLOAT_TILE's rows and warps."""
+    int8 False (float inputs) on an LM head's rows (n >= HEAD_ROWS): HEAD_FLOAT_TILE's rows and
+    warps, unless given."""
     gw, words = group // 8, k // 8
-    if not int8 and n >= HEAD_ROWS and (rows, warps) == (8, 2):
-        rows, warps = HEAD_FLOAT_TILE
+    if rows is None or warps is None:
+        rows, warps = HEAD_FLOAT_TILE if not int8 and n >= HEAD_ROWS else (8, 2)
     general = _general_config(n, words, gw, rows, warps)
     few = -(-n // general[0]) * general[3] < SMALL_GRID
     if small and SMALL and n * k <= SMALL_WEIGHTS and (general[3] == 1 or few):
@@ -596,6 +608,18 @@ def int8_inputs(dtype: torch.dtype) -> bool:
     models, whose inputs already carry 8 bits of mantissa, unless CHAT_PLANAR_A16=1; an fp32 model
     (the reference form) keeps its inputs as given, each code turned into a float."""
     return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
+
+
+def row_input(x: "torch.Tensor | NormedRow", int8: bool | None) -> tuple["torch.Tensor | NormedRow", torch.dtype, bool]:
+    """(x, the row's dtype, int8) for a GEMV here or in qruns.py: int8 by default int8_inputs of
+    the row's dtype; a NormedRow kept only for int8 inputs (normed and quantized in one launch),
+    else materialized."""
+    normed = isinstance(x, NormedRow)
+    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
+    int8 = int8_inputs(row_dtype) if int8 is None else int8
+    if normed and not int8:
+        x = x.materialize()
+    return x, row_dtype, int8
 
 
 def pairs_for(fmt: "str | int") -> bool:
@@ -660,11 +684,8 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     in one launch where N/2 is whole blocks of R rows) in out_dtype (the row's dtype by default).
     int8 (int8_inputs of the row's dtype by default): against x~ = quantized_reference(x) instead of x."""
     n_out = pw.n // 2 if swiglu else pw.n
+    x, row_dtype, int8 = row_input(x, int8)
     normed = isinstance(x, NormedRow)
-    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
-    int8 = int8_inputs(row_dtype) if int8 is None else int8
-    if normed and not int8:
-        x, normed = x.materialize(), False
     if swiglu and n_out % R:  # halves not whole row blocks: both rows' sums, then the SwiGLU in torch
         both = gemv(x, pw, bias, out_dtype=torch.float32, config=config, int8=int8)
         gate, up = both[:, :n_out], both[:, n_out:]

@@ -2,7 +2,7 @@
 stored (QWeight "INT4") and GGUF Q4_K repacked as Q4KR. One-token forwards (decode).
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = scale code - offset the layout encodes
-(runs.dequantize), accumulated in fp32 and rounded once; on int8 inputs (int8_inputs: 16-bit
+(runs.dequantize), accumulated in fp32 and rounded once; on int8 inputs (qplanar.int8_inputs: 16-bit
 models, as llama.cpp's CUDA GEMVs take theirs) against x~ = quantize_input's q dx instead of x
 (qplanar.quantized_reference(x, 32)).
 
@@ -27,12 +27,12 @@ import os
 
 import torch
 
-from . import base as cuda_base
+from . import base as cuda_base, qplanar
 from .base import cdiv, launch, next_pow2, triton
 from ...formats.quant import QWeight
 from .linear import NormedRow
 
-__all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "takes"]
+__all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes"]
 
 FMTS = {"INT4": 0, "Q4KR": 1}  # the kernels' FMT constant
 RUN = 32  # weights a run: an int8 input's group
@@ -42,16 +42,22 @@ NORM_QUANTIZE_PROGRAMS = 8
 QUANTIZE_RUNS = 8
 
 
+def serves(fmt: str, k: int, group: int | None) -> bool:
+    """Whether these kernels read rows of k weights in this format: Q4KR, and INT4 in `group`s of
+    whole 32-weight runs at any k of whole groups."""
+    return fmt == "Q4KR" or (fmt == "INT4" and bool(group) and group % RUN == 0 and k % group == 0)
+
+
 def takes(qw: QWeight) -> bool:
-    """Whether these kernels read the weight: INT4 in groups of a multiple of 32, Q4KR."""
-    return qw.fmt == "Q4KR" or (qw.fmt == "INT4" and qw.group % RUN == 0 and qw.k % qw.group == 0)
+    """serves() for a QWeight."""
+    return serves(qw.fmt, qw.k, qw.group)
 
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .qplanar import _dp4a_pair, _epilogue, _summed
+    from .qplanar import _add_norm, _dp4a_pair, _epilogue
 
     @triton.jit
     def _run_words(w, rows, run, m, stride_w, RUNS: tl.constexpr, EVEN: tl.constexpr):
@@ -244,14 +250,7 @@ if triton is not None:
         if PDL:  # the next GEMV launches once the one before this kernel has ended
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.arange(0, BLOCK)
-        sf = _summed(x, y, offs, offs < N, HAS_RES).to(tl.float32)
-        rs = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-        s = _summed(x, y, mine, ok, HAS_RES)
-        if HAS_RES:
-            tl.store(sum_out + mine, s, mask=ok)
-        h = (s.to(tl.float32) * rs * nw.to(tl.float32)).to(norm_out.dtype.element_ty)
-        tl.store(norm_out + mine, h, mask=ok)
+        h = _add_norm(x, y, nw, sum_out, norm_out, mine, ok, eps, N, BLOCK, HAS_RES)
         _quantize_runs(h.to(tl.float32), r, ok, qout, N // 4, INTERPRETED)
 
     @triton.jit
@@ -283,12 +282,6 @@ def _aux(pw: QWeight) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     else:
         aux, aux2 = pw.scales, pw.zeros
     return aux, aux2, aux.stride(0), aux2.stride(0)
-
-
-def int8_inputs(dtype: torch.dtype) -> bool:
-    """Whether the GEMVs of a model computing in `dtype` take their inputs as int8 runs
-    (quantize_input): 16-bit models, unless CHAT_PLANAR_A16=1 (qplanar.int8_inputs' rule)."""
-    return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
 
 
 def quantize_input(x: torch.Tensor) -> torch.Tensor:
@@ -349,15 +342,12 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
          int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch,
     normed_input); pw an INT4 or Q4KR QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
-    gate rows first) in out_dtype (the row's dtype by default). int8 (int8_inputs of the row's
-    dtype by default): against x~ = quantize_input's instead of x. config: (BN, num_warps,
+    gate rows first) in out_dtype (the row's dtype by default). int8 (qplanar.int8_inputs of the
+    row's dtype by default): against x~ = quantize_input's instead of x. config: (BN, num_warps,
     PREFETCH), pick_config's by default."""
     n_out = pw.n // 2 if swiglu else pw.n
+    x, row_dtype, int8 = qplanar.row_input(x, int8)  # (qplanar.int8_inputs' rule)
     normed = isinstance(x, NormedRow)
-    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
-    int8 = int8_inputs(row_dtype) if int8 is None else int8
-    if normed and not int8:
-        x, normed = x.materialize(), False
     src = x.x if normed else x
     xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
     bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu)
