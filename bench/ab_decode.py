@@ -9,8 +9,8 @@ whether its tokens equal the first's. Variants: base (the defaults), normapart (
 the MLPs in its own launch, not in the router GEMV's prologue), nopipeline (the greedy
 decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
-an MoE router's), prologue32 (norms fused into GEMVs of weights up to 32 MB), prologueall (into
-every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
+an MoE router's), prologue4 / 8 / 16 (up to that many MB), prologue32 (norms fused into GEMVs
+of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
 read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K, Q5_K or
 AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
@@ -33,8 +33,11 @@ False), not qruns.py's runs; runsBNxW / pairBNxW (qruns.py's single matrices / S
 BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead); rnqp1..32
 (qruns.py's norm-and-quantize launch on about that many programs), rq4..32 (its quantize_input on
 that many runs a program); head8x2 (a planar LM head's float path on 8 rows x 2 warps, not
-qplanar.HEAD_FLOAT_TILE). normwait / normend: the GEMV after a materialized norm launches once
-the norm has waited on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
+qplanar.HEAD_FLOAT_TILE); pairbygate (the bf16 GEMV's SwiGLU pairs read in one K step where their
+gate rows alone would be: linear.pick_config without `pair`); downk128 (the bf16 GEMV's rows too
+long to read whole, under 4,096 of them, in K steps of 128 as before 2026-12-03), gemvbefore
+(both). normwait / normend: the GEMV after a materialized norm launches once the norm has waited
+on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
 both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
@@ -73,9 +76,16 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
-                runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS)
+                runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None)
 _PICK16 = fp8.pick_config16
+_GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
+
+
+def _down_k128(config):
+    """A bf16 GEMV config as before 2026-12-03: few rows too long to read whole in K steps of 128."""
+    return (4, 128, 8) if config in ((4, 2048, 8), (2, 4096, 4)) else config
+
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 VARIANTS = {
@@ -88,6 +98,7 @@ VARIANTS = {
     "noprologue": dict(prologue=0),
     "prologue32": dict(prologue=32 << 20),
     "prologue1": dict(prologue=1 << 20),
+    **{f"prologue{m}": dict(prologue=m << 20) for m in (4, 8, 16)},
     "notriton": dict(triton=False),
     "wholek0": dict(wholek=0),
     "wholek32": dict(wholek=32 << 20),
@@ -122,6 +133,11 @@ VARIANTS = {
     **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
     "runsnp": dict(runspick=("all", 0, 0, False)),
     "head8x2": dict(headtile=(8, 2)),  # a planar LM head's float path on the general form's tile (qplanar.HEAD_FLOAT_TILE)
+    # the bf16 GEMV's SwiGLU pairs read in one K step by their gate rows' bytes (as before 2026-12-03)
+    "pairbygate": dict(gemvpick=lambda K, N, pair=False: _GEMV_PICK(K, N)),
+    # rows too long to read whole, under 4,096 of them, in K steps of 128 (as before 2026-12-03)
+    "downk128": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N, pair))),
+    "gemvbefore": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N))),  # both of the above
     # qruns.py's norm-and-quantize launch on about p programs (rnqpP); its quantize_input on r runs a program (rqR)
     **{f"rnqp{p}": dict(runsnqp=p) for p in (1, 4, 16, 32)},
     **{f"rq{r}": dict(runsq=r) for r in (4, 16, 32)},
@@ -198,6 +214,7 @@ def apply(variant: str) -> None:
     fp8.pick_config16 = _PICK16 if v["fp8rows"] is None else (
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     qruns.pick_config = _RUNS_PICK if v["runspick"] is None else _runs_pick(*v["runspick"])
+    cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
     loader.PLANAR_MIN_WEIGHTS, loader.RUNS = v["planar_min"], v["runs"]  # (read when a model is built: one model a value)
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"

@@ -1,11 +1,13 @@
 """One-token linear layers (GEMV, x [1, K] @ W^T) on CUDA: cuBLAS against Triton GEMV configs.
 
-    python bench/gemv_sweep.py [--shapes smollm2-135m,...] [--quick]
+    python bench/gemv_sweep.py [--shapes smollm2-135m,...] [--quick] [--swiglu] [--wide]
 For each matrix shape of the PERFORMANCE.md models, times F.linear (cuBLAS) and the Triton kernel
 of models/kernels/cuda/linear.py under a set of (BLOCK_N, BLOCK_K, warps) configs, each inside a CUDA graph of
 many calls over rotating weight copies (>= 256 MB, so the weights come from HBM, as in a decode
 step, not from L2). Prints microseconds per call and the achieved GB/s; the best config per shape
-is what cuda_linear.pick_config encodes.
+is what cuda_linear.pick_config encodes. --swiglu: each matrix as a SwiGLU pair (its N rows the
+gate's and the up's, one launch: gemv(swiglu=True) against F.linear and torch's silu-mul); --wide:
+also K steps of 1,024 up to the whole row, 1-2 rows a program and 16 warps.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ SHAPES = {  # (K, N) of each linear in one decoder layer, and the LM head
     # the MoE shapes' dense GEMVs (their experts: bench/moe_sweep.py)
     "qwen3.5-35b-a3b": [(2048, 12352), (4096, 2048), (2048, 9216), (2048, 257), (2048, 248320)],
     "qwen3-30b-a3b": [(2048, 5120), (4096, 2048), (2048, 128), (2048, 151936)],
+    # LFM2-1.2B's conv in/out projections, attention qkv, gate/up (a SwiGLU pair's rows), down, head
+    "lfm2-1.2b": [(2048, 6144), (2048, 2048), (2048, 3072), (2048, 16384), (8192, 2048), (2048, 65536)],
 }
 
 
@@ -68,25 +72,42 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(list(SHAPES)[:4]))
     ap.add_argument("--quick", action="store_true", help="only the configs pick_config would choose, and cuBLAS")
     ap.add_argument("--matrix", help="only this K x N matrix (e.g. 5120x248320, an LM head), under --shapes' name")
+    ap.add_argument("--swiglu", action="store_true", help="each matrix as a SwiGLU pair (N: gate and up rows)")
+    ap.add_argument("--wide", action="store_true", help="also long K steps, 1-2 rows a program, 16 warps")
     a = ap.parse_args()
     dev = torch.device("cuda")
     configs = [c for c in itertools.product((4, 8, 16, 32, 64), (64, 128, 256, 512), (4, 8)) if c[0] * c[1] <= 16384]
+    if a.wide:
+        configs += [c for c in itertools.product((1, 2, 4, 8, 16), (1024, 2048, 4096, 8192), (4, 8, 16))
+                    if c[0] * c[1] <= 32768] + [(1, 512, 4), (2, 512, 4), (2, 256, 4), (4, 256, 16), (8, 512, 16)]
     for name in a.shapes.split(","):
         for K, N in ([tuple(map(int, a.matrix.split("x")))] if a.matrix else SHAPES[name]):
             size = K * N * 2
             n = max(2, min(64, (256 << 20) // size))
             weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
             x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-            ref = F.linear(x, weights[0]).float()
-            row = {"cublas": time_calls(lambda x, w: F.linear(x, w), weights, x)}
-            cands = [cuda_linear.pick_config(K, N)] + ([] if a.quick else configs)
+            if a.swiglu:
+                def torch_form(x, w):
+                    g, u = F.linear(x, w).chunk(2, dim=-1)
+                    return F.silu(g) * u
+            else:
+                def torch_form(x, w):
+                    return F.linear(x, w)
+            ref = torch_form(x, weights[0]).float()
+            row = {"cublas": time_calls(torch_form, weights, x)}
+            n_out = N // 2 if a.swiglu else N
+            picked = cuda_linear.pick_config(K, n_out, pair=a.swiglu)
+            cands = [picked] + ([] if a.quick else configs)
             for bn, bk, nw in dict.fromkeys(cands):
-                out = cuda_linear.gemv(x, weights[0], config=(bn, bk, nw))
+                if bk > 2 * cuda_linear.next_pow2(K) or bn > n_out:
+                    continue
+                out = cuda_linear.gemv(x, weights[0], config=(bn, bk, nw), swiglu=a.swiglu)
                 assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2), (K, N, bn, bk, nw)
-                row[(bn, bk, nw)] = time_calls(lambda x, w: cuda_linear.gemv(x, w, config=(bn, bk, nw)), weights, x)
+                row[(bn, bk, nw)] = time_calls(
+                    lambda x, w: cuda_linear.gemv(x, w, config=(bn, bk, nw), swiglu=a.swiglu), weights, x)
             best = min((k for k in row if k != "cublas"), key=row.get)
-            picked = cuda_linear.pick_config(K, N)
-            print(f"{name:13} K={K:5} N={N:6} {size / 1e6:7.1f} MB  cuBLAS {row['cublas']:7.2f} us "
+            print(f"{name:13} K={K:5} N={N:6}{' pair' if a.swiglu else ''} {size / 1e6:7.1f} MB  "
+                  f"cuBLAS {row['cublas']:7.2f} us "
                   f"({size / row['cublas'] / 1e3:5.0f} GB/s)  best {best} {row[best]:7.2f} us "
                   f"({size / row[best] / 1e3:5.0f} GB/s)  picked {picked} {row.get(picked, float('nan')):7.2f} us",
                   flush=True)

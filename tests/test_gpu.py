@@ -148,10 +148,11 @@ def test_chunk_scan_kernel_matches_the_torch_scan(T, H, dk, dv, Hk):
     assert torch.allclose(s_fused, s_naive, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152), (5120, 640)])
+@pytest.mark.parametrize("K,N", [(576, 960), (1536, 576), (896, 1000), (1024, 49152), (5120, 640), (6000, 2050),
+                                 (2048, 16384)])
 def test_gemv_kernel_matches_linear(K, N):
     """The one-token Triton GEMV (one whole prefetched K step, streamed K steps, uneven steps and
-    rows) and its SwiGLU form."""
+    rows, the long steps of long rows, a SwiGLU pair over the one-step bound) and its SwiGLU form."""
     from models.kernels.cuda import base as cuda_base, linear as cuda_linear
     if not cuda_base.ENABLED:
         pytest.skip("Triton is not installed here")

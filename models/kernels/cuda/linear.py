@@ -119,12 +119,13 @@ if triton is not None:
 WHOLE_K_MAX_BYTES = 32 << 20
 
 
-def pick_config(K: int, N: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight, from bench/gemv_sweep.py on an H200
-    (bench/RESULTS.md): few rows per program below 4k rows (more programs in flight), more above;
-    an LM head's ~50-250k rows take short K steps."""
+def pick_config(K: int, N: int, pair: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight (pair: a SwiGLU pair's N gate rows, and
+    as many up rows), from bench/gemv_sweep.py on an H200 (bench/RESULTS.md): few rows per program
+    below 4k rows (more programs in flight), more above; an LM head's ~50-250k rows take short K
+    steps."""
     whole = next_pow2(K)
-    if N * K * 2 <= WHOLE_K_MAX_BYTES and whole <= 4096:
+    if N * K * 2 * (2 if pair else 1) <= WHOLE_K_MAX_BYTES and whole <= 4096:
         return (4 if N < 4096 else 8), whole, 8
     if N >= 40000:  # K = 2048 (the MoE shapes' heads): 140 us against 149 at (8, 64, 4), 2026-12-01
         return (8, 512, 4) if K >= 2048 else (8, 64, 4)
@@ -132,7 +133,11 @@ def pick_config(K: int, N: int) -> tuple[int, int, int]:
         return (8, 256, 4) if K <= 2048 else (16, 128, 8)
     if N >= 4096:
         return 8, 128, 8
-    return 4, 128, 8
+    # Rows too long to read whole, few of them: long K steps (16-byte loads a thread, where steps of
+    # 128 gave each thread 4 bytes a load), fewer rows a program below 2,048 rows (more programs).
+    # 2026-12-03: LFM2-1.2B's down [2048, 8192] 8.6 us (3.9 TB/s) against 12.6 at (4, 128, 8);
+    # Qwen2.5-0.5B's [896, 4864] 3.3 us against 5.4 at (4, 2048, 8) (bench/RESULTS.md set AI).
+    return (4, 2048, 8) if N >= 2048 else (2, 4096, 4)
 
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
@@ -209,7 +214,7 @@ def gemv(x: "torch.Tensor | NormedRow", w: torch.Tensor, bias: torch.Tensor | No
     pre = x if isinstance(x, NormedRow) else None
     src = pre.x if pre is not None else x
     n_out = N // 2 if swiglu else N
-    bn, bk, warps = config or pick_config(K, n_out)
+    bn, bk, warps = config or pick_config(K, n_out, swiglu)
     out = torch.empty(1, n_out, dtype=out_dtype or src.dtype, device=src.device)
     res = pre.res if pre is not None and pre.res is not None else src
     norm_w, stream, eps = (pre.weight, pre.stream, pre.eps) if pre is not None else (w, src, 0.0)  # unread without NORM
