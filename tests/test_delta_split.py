@@ -14,13 +14,16 @@ from test_olmo_hybrid import delta_layer_and_states
 
 
 def _steps(layer, states, xs, sync):
-    """decode() over the tokens xs from copies of the states: (outputs, states after)."""
+    """decode() over the tokens xs from copies of the states: (outputs, states after). Each token
+    starts with a torch op (x's copy), launched without PDL, as a model's step starts with its
+    embedding: the delta step reads its state before its PDL wait (delta.py), so with only PDL
+    launches between two steps it could read the state before the step before had written it."""
     from models.kernels.cuda import delta as cuda_delta
     st = {k: v.clone() for k, v in states.items()}
     with torch.inference_mode():
-        outs = [cuda_delta.decode(layer.in_proj(x), st["conv"], layer.conv1d.weight, st["recurrent"], layer.neg_A,
-                                  layer.dt_bias32, layer.norm.weight, layer.norm.eps, layer.nk, layer.nv, layer.dk,
-                                  layer.dv, beta_scale=layer.beta_scale, sync=sync) for x in xs]
+        outs = [cuda_delta.decode(layer.in_proj(x.clone()), st["conv"], layer.conv1d.weight, st["recurrent"],
+                                  layer.neg_A, layer.dt_bias32, layer.norm.weight, layer.norm.eps, layer.nk, layer.nv,
+                                  layer.dk, layer.dv, beta_scale=layer.beta_scale, sync=sync) for x in xs]
     return outs, st
 
 

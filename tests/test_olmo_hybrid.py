@@ -75,8 +75,8 @@ def delta_kernel_vs_torch(device, dtype, monkeypatch):
     layer, states = delta_layer_and_states(device, dtype)
     xs = torch.randn(5, 1, 256, device=device, dtype=dtype)
     st_k, st_t = ({k: v.clone() for k, v in states.items()} for _ in range(2))
-    with torch.inference_mode():
-        fused = [layer.out_proj(cuda_delta.decode(layer.in_proj(x), st_k["conv"], layer.conv1d.weight,
+    with torch.inference_mode():  # (x.clone(): each step starts with a torch op, as test_delta_split's _steps says)
+        fused = [layer.out_proj(cuda_delta.decode(layer.in_proj(x.clone()), st_k["conv"], layer.conv1d.weight,
                                                   st_k["recurrent"], layer.neg_A, layer.dt_bias32, layer.norm.weight,
                                                   layer.norm.eps, 2, 2, 64, 128, beta_scale=layer.beta_scale))
                  for x in xs]
