@@ -10,8 +10,11 @@ the MLPs in its own launch, not in the router GEMV's prologue), nopipeline (the 
 decode step by step: engine/session.py), nopdl (no programmatic dependent launch), noprologue
 (every RMSNorm in its own launch), prologue1 (norms fused only into GEMVs of weights up to 1 MB:
 an MoE router's), prologue4 / 8 / 16 (up to that many MB), prologue32 (norms fused into GEMVs
-of weights up to 32 MB), prologueall (into every GEMV), notriton (the torch forms), wholek0 / wholek32 (GEMVs of weights up to 0 / 32 MB
-read in one prefetched K step), and wholek32 with the prologue variants. With --format Q4_K, Q5_K or
+of weights up to 32 MB), prologueall (into every GEMV; the prologue variants set the bf16 GEMV's
+bound only: fp8.py and qlinear.py import their own copy), notriton (the torch forms), wholek0 /
+wholek32 (GEMVs of weights up to 0 / 32 MB read in one prefetched K step; since 2026-12-03 the
+matrices of under 4,096 rows left out take linear.pick_config's long K steps, not steps of 128),
+and wholek32 with the prologue variants. With --format Q4_K, Q5_K or
 AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of the next step's
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
@@ -82,9 +85,10 @@ _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
 
 
-def _down_k128(config):
-    """A bf16 GEMV config as before 2026-12-03: few rows too long to read whole in K steps of 128."""
-    return (4, 128, 8) if config in ((4, 2048, 8), (2, 4096, 4)) else config
+def _down_k128(config, K):
+    """A bf16 GEMV config as before 2026-12-03: pick_config's long K steps (a step shorter than
+    the row; a row read whole in one step keeps its config) back to steps of 128."""
+    return (4, 128, 8) if config in ((4, 2048, 8), (2, 4096, 4)) and config[1] < K else config
 
 _A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
@@ -136,8 +140,8 @@ VARIANTS = {
     # the bf16 GEMV's SwiGLU pairs read in one K step by their gate rows' bytes (as before 2026-12-03)
     "pairbygate": dict(gemvpick=lambda K, N, pair=False: _GEMV_PICK(K, N)),
     # rows too long to read whole, under 4,096 of them, in K steps of 128 (as before 2026-12-03)
-    "downk128": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N, pair))),
-    "gemvbefore": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N))),  # both of the above
+    "downk128": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N, pair), K)),
+    "gemvbefore": dict(gemvpick=lambda K, N, pair=False: _down_k128(_GEMV_PICK(K, N), K)),  # both of the above
     # qruns.py's norm-and-quantize launch on about p programs (rnqpP); its quantize_input on r runs a program (rqR)
     **{f"rnqp{p}": dict(runsnqp=p) for p in (1, 4, 16, 32)},
     **{f"rq{r}": dict(runsq=r) for r in (4, 16, 32)},

@@ -82,6 +82,9 @@ def main() -> None:
                     if c[0] * c[1] <= 32768] + [(1, 512, 4), (2, 512, 4), (2, 256, 4), (4, 256, 16), (8, 512, 16)]
     for name in a.shapes.split(","):
         for K, N in ([tuple(map(int, a.matrix.split("x")))] if a.matrix else SHAPES[name]):
+            if a.swiglu and N % 2:
+                print(f"{name:13} K={K:5} N={N:6}: an odd N is no SwiGLU pair, skipped", flush=True)
+                continue
             size = K * N * 2
             n = max(2, min(64, (256 << 20) // size))
             weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
