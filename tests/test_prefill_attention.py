@@ -52,4 +52,4 @@ print("ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter) importable")
 def test_causal_prefill_attention_interpreted():
-    run_interpreted(INTERPRETED)
+    run_interpreted(INTERPRETED, portable_blas=True)  # (its cold = warm check compares bits)
