@@ -83,6 +83,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
+_A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
+_WHOLE_STEP = qlinear.whole_step
 
 
 def _down_k128(config, K):
@@ -90,8 +92,7 @@ def _down_k128(config, K):
     the row; a row read whole in one step keeps its config) back to steps of 128."""
     return (4, 128, 8) if config in ((4, 2048, 8), (2, 4096, 4)) and config[1] < K else config
 
-_A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
-_WHOLE_STEP = qlinear.whole_step
+
 VARIANTS = {
     "base": {},
     "nopdl": dict(pdl=False),
