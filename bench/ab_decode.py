@@ -134,7 +134,7 @@ VARIANTS = {
     "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
     # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
     # (pairBNxW), every pick without its read ahead (runsnp)
-    **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (2, 4, 8) for w in (1, 2, 4)},
+    **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (1, 2, 4, 8) for w in (1, 2, 4)},
     **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
     "runsnp": dict(runspick=("all", 0, 0, False)),
     "head8x2": dict(headtile=(8, 2)),  # a planar LM head's float path on the general form's tile (qplanar.HEAD_FLOAT_TILE)

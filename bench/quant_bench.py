@@ -6,7 +6,8 @@
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
     python bench/quant_bench.py --sweep-fp8-rows     (fp8.py's fp16 form on 5,120-row matrices, 1-6 rows a program)
-    python bench/quant_bench.py --sweep-runs     (qruns.py's GEMV per config beside qplanar.py's picked one)
+    python bench/quant_bench.py --sweep-runs [--runs-shapes 896x4864,2048x8192] [--runs-formats Q4_K]
+        (qruns.py's GEMV per config beside qplanar.py's picked one)
     python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
@@ -196,20 +197,24 @@ def sweep_fp8_rows(device, x, gen) -> None:
 
 
 RUNS_DEQUANT_TILES = [(16, 32, 8), (8, 32, 4), (32, 32, 8), (16, 16, 4), (16, 64, 8), (4, 64, 4), (64, 8, 8)]
-RUNS_CONFIGS = [(bn, w, p) for bn in (2, 4, 8) for w in (1, 2, 4) for p in (True, False)]
+RUNS_CONFIGS = [(bn, w, p) for bn in (1, 2, 4, 8) for w in (1, 2, 4, 8) for p in (True, False)]
+# --sweep-runs's default matrices ([N, K], s: a SwiGLU pair of N rows): the 27B-like shape's
+RUNS_SHAPES = "10240x5120,16480x5120,5120x6144,5120x17408,34816x5120s"
 
 
-def sweep_runs(device, x, gen) -> None:
+def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,AWQ") -> None:
     """qruns.py's GEMV (the 4-bit weights in runs: AWQ's INT4 as stored, Q4_K as Q4KR) per (BN,
-    num_warps, PREFETCH) on the 27B-like matrices, int8 inputs (quantize_input's launch
-    included), beside qplanar.py's GEMV of the same weights repacked planar (its pick, its int8
-    launch included): microseconds a call and TB/s of the weight's bytes."""
+    num_warps, PREFETCH) on `shapes` ("NxK" a matrix, an s after it: a SwiGLU pair of N rows; the
+    27B-like matrices by default), int8 inputs (quantize_input's launch included), beside
+    qplanar.py's GEMV of the same weights repacked planar (its pick, its int8 launch included),
+    qruns.pick_config's config and the best config on the inputs as given (the float path, no
+    int8 launch): microseconds a call and TB/s of the weight's bytes."""
     from models.formats import planar, runs
     from models.kernels.cuda import qplanar, qruns
     from shapes import random_quant_linear
-    for fmt in ("Q4_K", "AWQ"):
-        for n, k, swiglu in ((10240, 5120, False), (16480, 5120, False), (5120, 6144, False), (5120, 17408, False),
-                             (34816, 5120, True)):
+    todo = [(int(a), int(b.rstrip("s")), b.endswith("s")) for a, b in (m.split("x") for m in shapes.split(","))]
+    for fmt in formats.split(","):
+        for n, k, swiglu in todo:
             qw = random_quant_linear(fmt, n, k, device, gen).qweight()
             pw = runs.repack_q4k(qw) if fmt == "Q4_K" else qw
             pp = (planar.repack_q4k if fmt == "Q4_K" else planar.repack_int4p)(qw)
@@ -222,6 +227,9 @@ def sweep_runs(device, x, gen) -> None:
                 except Exception as e:  # (a config that does not compile: named, the others still timed)
                     print(f"   {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             best = min(cells, key=cells.get)
+            picked = qruns.pick_config(n // 2 if swiglu else n, k, swiglu)
+            picked_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=picked))
+            float_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=best, int8=False))
             q_us = _graph_us(lambda: qruns.quantize_input(xk))
             y = qruns.gemv(xk, pw, swiglu=swiglu, config=best, out_dtype=torch.float32)
             xr = qplanar.quantized_reference(xk, 32).float()
@@ -232,6 +240,7 @@ def sweep_runs(device, x, gen) -> None:
             print(f"{fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}: planar {planar_us:.1f} us "
                   f"({pp.nbytes() / planar_us / 1e6:.2f} TB/s); runs best {best} {cells[best]:.1f} us "
                   f"({pw.nbytes() / cells[best] / 1e6:.2f} TB/s, {planar_us / cells[best]:.2f}x); "
+                  f"picked {picked} {picked_us:.1f} us; the best on bf16 inputs {float_us:.1f} us; "
                   f"runs' quantize alone {q_us:.1f} us; max error / max |y| {err:.1e}", flush=True)
             print("   " + "  ".join(f"{c[0]}x{c[1]}{'p' if c[2] else ''}:{us:.1f}" for c, us in cells.items()),
                   flush=True)
@@ -466,6 +475,9 @@ def main() -> None:
     ap.add_argument("--sweep-fp8-prefill", action="store_true", help="FP8 prefill's GEMM per 27B-like "
                     "matrix: fp8_gemm.py against the dequantize-then-bf16 form, --prefill rows")
     ap.add_argument("--sweep-runs", action="store_true", help="qruns.py's GEMV per config beside qplanar.py's")
+    ap.add_argument("--runs-shapes", default=RUNS_SHAPES, help="--sweep-runs's matrices: NxK, comma-separated "
+                    "(NxKs: a SwiGLU pair of N rows)")
+    ap.add_argument("--runs-formats", default="Q4_K,AWQ", help="--sweep-runs's formats")
     ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
                     "shapes' Q4KP matrices")
     ap.add_argument("--sweep-head", action="store_true", help="qplanar.py's GEMV on the 27B-like Q6_K LM head "
@@ -483,7 +495,7 @@ def main() -> None:
         return
     if args.sweep_runs:
         sweep_runs(device, torch.randn(1, 17408, device=device, dtype=torch.bfloat16),
-                   torch.Generator(device=device).manual_seed(0))
+                   torch.Generator(device=device).manual_seed(0), args.runs_shapes, args.runs_formats)
         return
     if args.sweep_grid:
         sweep_grid(device, torch.Generator(device=device).manual_seed(0))
