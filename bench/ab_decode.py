@@ -33,7 +33,8 @@ fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
 False), not qruns.py's runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
-BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead); rnqp1..32
+BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead), runsbefore
+(its matrices of under 4,096 rows, no pair, on 2 rows and 2 warps as before 2026-12-03); rnqp1..32
 (qruns.py's norm-and-quantize launch on about that many programs), rq4..32 (its quantize_input on
 that many runs a program); head8x2 (a planar LM head's float path on 8 rows x 2 warps, not
 qplanar.HEAD_FLOAT_TILE); pairbygate (the bf16 GEMV's SwiGLU pairs read in one K step where their
@@ -137,6 +138,7 @@ VARIANTS = {
     **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (1, 2, 4, 8) for w in (1, 2, 4)},
     **{f"pair{bn}x{w}": dict(runspick=("pair", bn, w, True)) for bn in (2, 4) for w in (1, 2)},
     "runsnp": dict(runspick=("all", 0, 0, False)),
+    "runsbefore": dict(runspick=("before", 2, 2, True)),  # under 4,096 rows (no pair) 2 rows on 2 warps, as before 2026-12-03
     "head8x2": dict(headtile=(8, 2)),  # a planar LM head's float path on the general form's tile (qplanar.HEAD_FLOAT_TILE)
     # the bf16 GEMV's SwiGLU pairs read in one K step by their gate rows' bytes (as before 2026-12-03)
     "pairbygate": dict(gemvpick=lambda K, N, pair=False: _GEMV_PICK(K, N)),
@@ -182,11 +184,14 @@ def _launch_without(kernels: set):
 def _runs_pick(which: str, bn: int, warps: int, ahead: bool):
     """qruns.pick_config for the runs* / pair* variants: (bn, warps, ahead) for the single matrices
     ("single") or the SwiGLU pairs ("pair"), the default pick elsewhere; "all": every default
-    pick with the read ahead as `ahead`."""
+    pick with the read ahead as `ahead`; "before": (bn, warps, ahead) for the single matrices of
+    under 4,096 rows only."""
     def pick(n, k, swiglu=False):
         base = _RUNS_PICK(n, k, swiglu)
         if which == "all":
             return base[:2] + (ahead,)
+        if which == "before" and (swiglu or n >= 4096):
+            return base
         if (which == "pair") != swiglu:
             return base
         w = warps

@@ -82,11 +82,12 @@ def test_quantize_input_is_the_reference(device, k):
 @pytest.mark.parametrize("kind,n,k,group,swiglu,bias", [
     ("INT4", 37, 1024, 128, False, False), ("INT4", 40, 2048, 128, True, True), ("INT4", 22, 512, 64, False, True),
     ("INT4", 14, 96, 32, True, False), ("Q4KR", 37, 1024, 32, False, True), ("Q4KR", 40, 512, 32, True, False),
-    ("Q4KR", 12, 768, 32, False, False)])
+    ("Q4KR", 12, 768, 32, False, False), ("Q4KR", 21, 4864, 32, False, True)])
 def test_gemv_is_the_dequantized_product(device, kind, n, k, group, swiglu, bias, int8):
     """Against x @ W^T in fp64, or x~ @ W^T with int8 inputs, for every tile shape: rows a program
     from 2 to 8 (a last program of fewer rows), 1-4 warps (K whole steps or a last step part
-    runs past the row: 96 and 768 weights), with and without the read ahead."""
+    runs past the row: 96, 768 and 4,864 weights, the last a small model's down on the pick's 2
+    rows and 4 warps), with and without the read ahead."""
     from models.kernels.cuda import qplanar, qruns
     qw, w = weight(kind, n, k, 1, device, group)
     b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device) if bias else None
@@ -94,10 +95,22 @@ def test_gemv_is_the_dequantized_product(device, kind, n, k, group, swiglu, bias
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(device, dtype)
         xd = qplanar.quantized_reference(x, 32).to(device) if int8 else x.double()
         ref, tol = product_and_tolerance(xd, w, b, swiglu, dtype)
-        for config in (None, (2, 1, False), (8, 4, True), (4, 2, True)):
+        for config in (None, (2, 1, False), (8, 4, True), (4, 2, True), (2, 4, True)):
             out = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=int8, config=config)
             err = (out.double() - ref).abs()
             assert bool((err <= tol).all()), (config, dtype, float((err - tol).max()))
+
+
+@pytest.mark.parametrize("n,k,swiglu,want", [(896, 4864, False, (2, 4, True)), (2048, 8192, False, (2, 4, True)),
+                                             (896, 1024, False, (2, 1, True)), (3000, 2560, False, (2, 2, True)),
+                                             (5120, 17408, False, (4, 2, True)), (10240, 5120, False, (8, 1, True)),
+                                             (4864, 896, True, (4, 1, True))])
+def test_pick_config_gives_a_small_models_down_four_warps(n, k, swiglu, want):
+    """Under 4,096 rows (no SwiGLU pair): 2 rows a program on 4 warps, fewer where the row has
+    fewer runs than 4 warps' threads (LFM2-1.2B's [2048, 8192] 3.6 us against 4.2 on 2 warps:
+    bench/RESULTS.md set AJ); the 27B-like matrices and the pairs as set AF measured them."""
+    from models.kernels.cuda import qruns
+    assert qruns.pick_config(n, k, swiglu) == want
 
 
 @pytest.mark.parametrize("kind,n,k,group,swiglu", [("INT4", 37, 1024, 128, False), ("Q4KR", 40, 512, 32, True),

@@ -324,12 +324,15 @@ def pick_config(n: int, k: int, swiglu: bool = False) -> tuple[int, int, bool]:
     pair on 4 rows and 1 warp ([34816, 5120]: 27.4 and 25.2 us against the best 26.8 and 25.2); up
     to 8,192 rows, 4 rows and 2 warps ([5120, 17408] 13.6 and 11.5 us, the best of both; [5120,
     6144] 5.2 and 4.7 against 4.7); more rows, 8 rows and 1 warp ([10240, 5120] 6.8 and 6.4, the
-    best of both). Fewer than 4,096 rows: 2 rows a program (more programs); no more warps than
-    the row has runs for."""
+    best of both). Fewer than 4,096 rows (a small model's down): 2 rows a program (more programs)
+    on 4 warps (set AJ: LFM2-1.2B's [2048, 8192] 3.6 us against 4.2 on 2 warps, Qwen2.5-0.5B's
+    [896, 4864] 3.3 against 3.4, its Q4_K decode 1.020x); no more warps than the row has runs for."""
     if swiglu:
         bn, warps = 4, 1
+    elif n < 4096:
+        bn, warps = 2, 4
     elif n <= 8192:
-        bn, warps = (2 if n < 4096 else 4), 2
+        bn, warps = 4, 2
     else:
         bn, warps = 8, 1
     while warps > 1 and 32 * warps > k // RUN:
