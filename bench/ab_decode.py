@@ -32,7 +32,8 @@ grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
-False), not qruns.py's runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
+False), not qruns.py's runs; blocks5: GGUF Q5_0 / Q5_1 linears and a tied head of them in their
+blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
 BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead), runsbefore
 (its matrices of under 4,096 rows, no pair, on 2 rows and 2 warps as before 2026-12-03); rnqp1..32
 (qruns.py's norm-and-quantize launch on about that many programs), rq4..32 (its quantize_input on
@@ -75,7 +76,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
-                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, fusedscale=layers.FUSED_SCALE,
+                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, five=loader.FIVE_BIT_RUNS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
@@ -132,7 +133,10 @@ VARIANTS = {
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
-    "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
+    "planar4": dict(runs=False),
+    # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
+    # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
+    "blocks5": dict(five=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
     # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
     # (pairBNxW), every pick without its read ahead (runsnp)
     **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (1, 2, 4, 8) for w in (1, 2, 4)},
@@ -225,7 +229,8 @@ def apply(variant: str) -> None:
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     qruns.pick_config = _RUNS_PICK if v["runspick"] is None else _runs_pick(*v["runspick"])
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
-    loader.PLANAR_MIN_WEIGHTS, loader.RUNS = v["planar_min"], v["runs"]  # (read when a model is built: one model a value)
+    # (read when a model is built: one model a value)
+    loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS = v["planar_min"], v["runs"], v["five"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -251,7 +256,7 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS) if a.format != "bf16" else 0  # (bf16: one model)
+            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS) if a.format != "bf16" else 0  # (bf16: one model)
             if key not in built:
                 if a.format == "bf16":
                     built[key] = random_model(name, dev, torch.bfloat16)

@@ -6,8 +6,8 @@
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
     python bench/quant_bench.py --sweep-fp8-rows     (fp8.py's fp16 form on 5,120-row matrices, 1-6 rows a program)
-    python bench/quant_bench.py --sweep-runs [--runs-shapes 896x4864,2048x8192] [--runs-formats Q4_K]
-        (qruns.py's GEMV per config beside qplanar.py's picked one)
+    python bench/quant_bench.py --sweep-runs [--runs-shapes 896x4864,9728x896s,151936x896h] [--runs-formats Q4_K]
+        (qruns.py's GEMV per config beside qplanar.py's picked one, or the blocks', or a head's bf16)
     python bench/quant_bench.py --sweep-grid     (qplanar.py's GEMV per config on the small shapes' Q4KP matrices)
     python bench/quant_bench.py --sweep-dequant     (qplanar.py's dequantize launch per tile: prefill's weights)
     python bench/quant_bench.py --sweep-fp8-prefill     (FP8 prefill's GEMM: fp8_gemm.py against dequantize + bf16)
@@ -202,51 +202,75 @@ RUNS_CONFIGS = [(bn, w, p) for bn in (1, 2, 4, 8) for w in (1, 2, 4, 8) for p in
 RUNS_SHAPES = "10240x5120,16480x5120,5120x6144,5120x17408,34816x5120s"
 
 
+# An LM head's configs (rows a program x warps x read ahead): more rows a program
+RUNS_HEAD_CONFIGS = [(bn, w, p) for bn in (4, 8, 16, 32) for w in (1, 2, 4) for p in (True, False)]
+
+
 def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,AWQ") -> None:
-    """qruns.py's GEMV (the 4-bit weights in runs: AWQ's INT4 as stored, Q4_K as Q4KR) per (BN,
-    num_warps, PREFETCH) on `shapes` ("NxK" a matrix, an s after it: a SwiGLU pair of N rows; the
-    27B-like matrices by default), int8 inputs (quantize_input's launch included), beside
-    qplanar.py's GEMV of the same weights repacked planar (its pick, its int8 launch included),
-    qruns.pick_config's config and the best config on the inputs as given (the float path, no
-    int8 launch): microseconds a call and TB/s of the weight's bytes."""
+    """qruns.py's GEMV (the weights in runs: AWQ's INT4 as stored, Q4_K as Q4KR, and where K is not
+    whole 256-weight super-blocks Q4_K's fallback Q5_0 as Q50R, as a Q4_K_M file holds it) per (BN,
+    num_warps, PREFETCH) on `shapes` ("NxK" a matrix, an s after it: a SwiGLU pair of N rows, an h:
+    an LM head, its fp32 normed row on the float path and fp32 logits; the 27B-like matrices by
+    default), int8 inputs (quantize_input's launch included), beside the same weights in the other
+    kernels' layout (qplanar.py's Q4KP or INT4P, picked config, its int8 launch included; Q5_0: its
+    blocks, qlinear.py's pick), qruns.pick_config's config and the best config on the inputs as
+    given (the float path, no int8 launch); heads beside the bf16 GEMV of their shape instead:
+    microseconds a call and TB/s of the weight's bytes."""
     from models.formats import planar, runs
-    from models.kernels.cuda import qplanar, qruns
+    from models.kernels.cuda import linear, qlinear, qplanar, qruns
     from shapes import random_quant_linear
-    todo = [(int(a), int(b.rstrip("s")), b.endswith("s")) for a, b in (m.split("x") for m in shapes.split(","))]
+    todo = [(int(a), int(b.rstrip("sh")), b.endswith("s"), b.endswith("h"))
+            for a, b in (m.split("x") for m in shapes.split(","))]
     for fmt in formats.split(","):
-        for n, k, swiglu in todo:
+        for n, k, swiglu, head in todo:
             qw = random_quant_linear(fmt, n, k, device, gen).qweight()
-            pw = runs.repack_q4k(qw) if fmt == "Q4_K" else qw
-            pp = (planar.repack_q4k if fmt == "Q4_K" else planar.repack_int4p)(qw)
-            xk = x[:, :k].contiguous()
-            planar_us = _graph_us(lambda: qplanar.gemv(xk, pp, swiglu=swiglu))
+            repack = {"Q4_K": runs.repack_q4k, "Q5_0": runs.repack_q5, "Q5_1": runs.repack_q5}
+            pw = repack[qw.fmt](qw) if qw.fmt in repack else qw
+            if head:
+                xk = x[:, :k].float().contiguous()
+                wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)
+                other, other_name = _graph_us(lambda: linear.gemv(xk.bfloat16(), wb, out_dtype=torch.float32)), "bf16"
+                other_bytes = wb.numel() * 2
+                wb = None
+            else:
+                xk = x[:, :k].contiguous()
+                if qw.fmt in ("Q4_K", "INT4"):
+                    pp = (planar.repack_q4k if qw.fmt == "Q4_K" else planar.repack_int4p)(qw)
+                    other, other_name = _graph_us(lambda: qplanar.gemv(xk, pp, swiglu=swiglu)), "planar"
+                else:
+                    pp = qw
+                    other, other_name = _graph_us(lambda: qlinear.gemv(xk, qw, swiglu=swiglu)), "blocks"
+                other_bytes = pp.nbytes()
+                pp = None
+            out = torch.float32 if head else None
             cells = {}
-            for c in RUNS_CONFIGS:
+            for c in RUNS_HEAD_CONFIGS if head else RUNS_CONFIGS:
                 try:
-                    cells[c] = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=c))
+                    cells[c] = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=c, out_dtype=out))
                 except Exception as e:  # (a config that does not compile: named, the others still timed)
                     print(f"   {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             best = min(cells, key=cells.get)
             picked = qruns.pick_config(n // 2 if swiglu else n, k, swiglu)
-            picked_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=picked))
+            picked_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=picked, out_dtype=out))
             float_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=best, int8=False))
             q_us = _graph_us(lambda: qruns.quantize_input(xk))
             y = qruns.gemv(xk, pw, swiglu=swiglu, config=best, out_dtype=torch.float32)
-            xr = qplanar.quantized_reference(xk, 32).float()
+            xr = xk.float() if head else qplanar.quantized_reference(xk, 32).float()
             full = xr @ runs.dequantize(pw).float().T
             ref = torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:] if swiglu else full
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             full = ref = None
-            print(f"{fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}: planar {planar_us:.1f} us "
-                  f"({pp.nbytes() / planar_us / 1e6:.2f} TB/s); runs best {best} {cells[best]:.1f} us "
-                  f"({pw.nbytes() / cells[best] / 1e6:.2f} TB/s, {planar_us / cells[best]:.2f}x); "
-                  f"picked {picked} {picked_us:.1f} us; the best on bf16 inputs {float_us:.1f} us; "
+            print(f"{pw.fmt} [{n}, {k}]{' SwiGLU' if swiglu else ''}{' head, fp32 row' if head else ''}: "
+                  f"{other_name} {other:.1f} us ({other_bytes / other / 1e6:.2f} TB/s); runs best {best} "
+                  f"{cells[best]:.1f} us ({pw.nbytes() / cells[best] / 1e6:.2f} TB/s, {other / cells[best]:.2f}x); "
+                  f"picked {picked} {picked_us:.1f} us; the best on the row as given {float_us:.1f} us; "
                   f"runs' quantize alone {q_us:.1f} us; max error / max |y| {err:.1e}", flush=True)
             print("   " + "  ".join(f"{c[0]}x{c[1]}{'p' if c[2] else ''}:{us:.1f}" for c, us in cells.items()),
                   flush=True)
-            qw = pw = pp = None
+            qw = pw = None
             torch.cuda.empty_cache()
-    print("(configs: BN rows x num_warps, p: the next step read ahead; microseconds a call, int8 launch included)")
+    print("(configs: BN rows x num_warps, p: the next step read ahead; microseconds a call, int8 launch included "
+          "but for heads)")
 
 
 SMALL_CONFIGS = [(bn, w, most) for bn in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for most in (256, 1024)
@@ -476,7 +500,7 @@ def main() -> None:
                     "matrix: fp8_gemm.py against the dequantize-then-bf16 form, --prefill rows")
     ap.add_argument("--sweep-runs", action="store_true", help="qruns.py's GEMV per config beside qplanar.py's")
     ap.add_argument("--runs-shapes", default=RUNS_SHAPES, help="--sweep-runs's matrices: NxK, comma-separated "
-                    "(NxKs: a SwiGLU pair of N rows)")
+                    "(NxKs: a SwiGLU pair of N rows; NxKh: an LM head on its fp32 row)")
     ap.add_argument("--runs-formats", default="Q4_K,AWQ", help="--sweep-runs's formats")
     ap.add_argument("--sweep-grid", action="store_true", help="qplanar.py's GEMV per config on the small "
                     "shapes' Q4KP matrices")

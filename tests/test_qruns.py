@@ -1,5 +1,5 @@
-"""models/kernels/cuda/qruns.py and models/formats/runs.py: the 4-bit runs (AWQ/GPTQ's INT4 as
-stored, GGUF Q4_K repacked as Q4KR) against the weights they encode, and their dequant-GEMV
+"""models/kernels/cuda/qruns.py and models/formats/runs.py: the 4- and 5-bit runs (AWQ/GPTQ's INT4
+as stored, GGUF Q4_K repacked as Q4KR, Q5_0 and Q5_1 as Q50R and Q51R) against the weights they encode, and their dequant-GEMV
 against the dequantized product (of x~, the input rounded to int8 per 32-input run, where the GEMV
 takes int8 inputs), on CUDA (`gpu`) and under Triton's interpreter on the CPU (TRITON_INTERPRET=1
 with a Triton on PYTHONPATH; skipped otherwise).
@@ -14,12 +14,15 @@ from test_qplanar import gguf_weight, int4_linear, product_and_tolerance
 
 
 def weight(kind, n, k, seed, device, group=128):
-    """(an INT4 or Q4KR QWeight, its fp64 weights): AWQ's stored INT4 in groups of `group`, or random
-    Q4_K blocks repacked."""
+    """(an INT4, Q4KR, Q50R or Q51R QWeight, its fp64 weights): AWQ's stored INT4 in groups of
+    `group`, or random Q4_K, Q5_0 or Q5_1 blocks repacked."""
     from models.formats import runs
     if kind == "INT4":
         lin = int4_linear(n, k, group, seed, device)
         return lin.qweight(), lin.dequantize(torch.float64)
+    if kind in ("Q50R", "Q51R"):
+        qw, ref = gguf_weight("Q5_0" if kind == "Q50R" else "Q5_1", n, k, seed, device)
+        return runs.repack_q5(qw), ref.to(device)
     qw, ref = gguf_weight("Q4_K", n, k, seed, device)
     return runs.repack_q4k(qw), ref.to(device)
 
@@ -35,6 +38,31 @@ def test_q4kr_repack_keeps_every_weight(n, k):
     assert torch.equal(runs.dequantize(pw), ref)
     assert torch.equal(runs.dequantize_rows(pw, 3, n), ref[3:])
     assert pw.nbytes() == n * (k // 2 + k // 256 * 4 + k // 32 * 2)
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("n,k", [(10, 512), (7, 96), (3, 32)])
+def test_q5_repack_keeps_every_weight(fmt, n, k):
+    """Q50R / Q51R hold Q5_0's / Q5_1's every weight (gguf-py's dequantization to the bit in fp32,
+    fifth bits and extreme scales included) in the blocks' bytes; any rows of them decode alone."""
+    from models.formats import gguf_blocks, runs
+    from models.formats.quant import QWeight
+    qw, ref = gguf_weight(fmt, n, k, 0, "cpu")
+    raw = qw.data.reshape(n, k // 32, -1)
+    raw[0, 0, :2] = torch.tensor([65504.0], dtype=torch.float16).view(torch.uint8)  # the largest fp16 scale
+    raw[1 % n, -1, :2] = torch.tensor([2.0 ** -24], dtype=torch.float16).view(torch.uint8)  # a subnormal
+    high = 4 if fmt == "Q5_1" else 2  # (Q5_1: d, its minimum m, then the fifth bits)
+    raw[-1, 0, high:high + 4] = 255  # every fifth bit
+    qw = QWeight(fmt, raw.reshape(n, -1), n, k)
+    ref = gguf_blocks.dequantize(qw.data, gguf_blocks.TYPES[fmt]).double().reshape(n, k)
+    pw = runs.repack_q5(qw)
+    assert pw.fmt == runs.FIVE_BIT[fmt] and pw.group == 32 and pw.data.shape == (n, k // 2)
+    # (fp64 exact; gguf-py rounds Q5_1's d q + m once to fp32, as the kernels' FMA does)
+    assert torch.equal(runs.dequantize(pw).float().double(), ref)
+    assert torch.equal(runs.dequantize_rows(pw, n // 2, n).float().double(), ref[n // 2:])
+    assert pw.nbytes() == qw.data.numel()
+    with pytest.raises(ValueError, match="Q50R"):
+        runs.repack_q5(QWeight("Q4_0", qw.data, n, k))
 
 
 def test_q4kr_repack_refuses_rows_of_part_super_blocks():
@@ -82,7 +110,8 @@ def test_quantize_input_is_the_reference(device, k):
 @pytest.mark.parametrize("kind,n,k,group,swiglu,bias", [
     ("INT4", 37, 1024, 128, False, False), ("INT4", 40, 2048, 128, True, True), ("INT4", 22, 512, 64, False, True),
     ("INT4", 14, 96, 32, True, False), ("Q4KR", 37, 1024, 32, False, True), ("Q4KR", 40, 512, 32, True, False),
-    ("Q4KR", 12, 768, 32, False, False), ("Q4KR", 21, 4864, 32, False, True)])
+    ("Q4KR", 12, 768, 32, False, False), ("Q4KR", 21, 4864, 32, False, True), ("Q50R", 19, 896, 32, False, True),
+    ("Q50R", 12, 576, 32, True, False), ("Q51R", 21, 1024, 32, False, False), ("Q51R", 10, 96, 32, True, True)])
 def test_gemv_is_the_dequantized_product(device, kind, n, k, group, swiglu, bias, int8):
     """Against x @ W^T in fp64, or x~ @ W^T with int8 inputs, for every tile shape: rows a program
     from 2 to 8 (a last program of fewer rows), 1-4 warps (K whole steps or a last step part
@@ -114,7 +143,8 @@ def test_pick_config_gives_a_small_models_down_four_warps(n, k, swiglu, want):
 
 
 @pytest.mark.parametrize("kind,n,k,group,swiglu", [("INT4", 37, 1024, 128, False), ("Q4KR", 40, 512, 32, True),
-                                                  ("INT4", 14, 96, 32, True)])
+                                                  ("INT4", 14, 96, 32, True), ("Q50R", 33, 896, 32, False),
+                                                  ("Q51R", 12, 576, 32, True)])
 def test_float_path_takes_16_bit_rows(device, kind, n, k, group, swiglu):
     """The float path (int8 False: CHAT_PLANAR_A16=1) on bf16 and fp16 rows against x @ W^T in
     fp64 (fp32 outputs), for every tile shape."""
@@ -164,7 +194,8 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, progra
 
 
 @pytest.mark.parametrize("kind,n,k,group,start,stop", [("INT4", 37, 1024, 128, 0, 37), ("INT4", 37, 256, 64, 5, 30),
-                                                       ("Q4KR", 45, 1024, 32, 2, 45), ("Q4KR", 18, 768, 32, 3, 18)])
+                                                       ("Q4KR", 45, 1024, 32, 2, 45), ("Q4KR", 18, 768, 32, 3, 18),
+                                                       ("Q50R", 20, 896, 32, 1, 20), ("Q51R", 13, 576, 32, 0, 9)])
 def test_dequantize_kernel_is_the_oracle(device, kind, n, k, group, start, stop):
     """dequantize_rows (prefill's weights) on any tile: the oracle's rows, each value in fp32 rounded
     once (bf16: the fp32 value rounded)."""
@@ -199,6 +230,28 @@ def test_linears_take_the_runs_on_cuda():
     g16 = hf_quant.GroupInt4Linear("GPTQ", torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 4).half(),
                                    torch.zeros(4, 4, dtype=torch.uint8), 16)
     assert g16.to_planar() and g16.qweight().fmt == "INT4P"
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
+def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt):
+    """to_planar on a Q5_0 / Q5_1 linear (the loader's step on CUDA): Q50R / Q51R in the blocks'
+    bytes, the same outputs; a tied head's embedding then reads the head's runs (share_layout):
+    the same rows, the blocks freed, the table counted once. Without five_bit, the blocks stay."""
+    from models.formats import gguf_blocks, quant
+    from models.kernels.cuda import qlinear, qruns
+    qw, _ = gguf_weight(fmt, 40, 96, 7, "cpu")
+    emb = quant.BlockEmbedding(qw.data, ggml_type=gguf_blocks.TYPES[fmt])
+    head = emb.as_linear()
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(9))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    rows, ref = emb(ids), head(x)
+    assert not head.to_planar(five_bit=False) and not emb.share_layout(head)
+    assert head.to_planar() and head.qweight().fmt == {"Q5_0": "Q50R", "Q5_1": "Q51R"}[fmt]
+    assert qlinear.fits(head.qweight().fmt, 96) and qruns.takes(head.qweight())
+    assert torch.allclose(head(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    assert emb.share_layout(head) and emb.words is head.words and not hasattr(emb, "blocks")
+    assert torch.equal(emb(ids), rows)
+    assert quant.weight_formats(torch.nn.ModuleList([emb, head])) == {fmt: qw.data.numel()}
 
 
 @pytest.mark.parametrize("group", [32, 64])

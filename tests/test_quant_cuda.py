@@ -30,12 +30,14 @@ GGUF_CASES = [("llama", Q.Q4_0, None, Q.Q8_0), ("qwen2", Q.Q4_1, None, Q.Q4_0),
               ("llama", Q.Q5_0, None, Q.Q5_1), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0),
               ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K), ("qwen2", Q.Q5_K, None, Q.Q4_K),
               ("llama", Q.Q6_K, None, Q.Q6_K), ("qwen2", Q.Q8_0, None, Q.Q8_0)]
-# The K-quants twice: every matrix repacked for qplanar.py (PLANAR_MIN_WEIGHTS 0), and as the loader
-# leaves a tiny model's matrices by default (their blocks kept: qlinear.py's GEMV); the Q4_K_M mix a
-# third time with both in one model (128 Ki: the 256 Ki-weight gate/up repacked, the others kept)
+# The K-quants and the 5-bit types twice: every matrix repacked (PLANAR_MIN_WEIGHTS 0: for qplanar.py's
+# GEMV, or qruns.py's runs; qwen2's tied Q5_0 head with its embedding), and as the loader leaves a tiny
+# model's matrices by default (their blocks kept: qlinear.py's GEMV); the Q4_K_M mix a third time with
+# both in one model (128 Ki: the 256 Ki-weight gate/up repacked, the others kept)
 KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+FIVE_BIT = (Q.Q5_0, Q.Q5_1)
 MIXED = 1 << 17
-GGUF_RUNS = [c + (0,) for c in GGUF_CASES if c[1] in KQUANTS] + [c + (None,) for c in GGUF_CASES] + \
+GGUF_RUNS = [c + (0,) for c in GGUF_CASES if c[1] in KQUANTS + FIVE_BIT] + [c + (None,) for c in GGUF_CASES] + \
     [c + (MIXED,) for c in GGUF_CASES if c[2] is Q4_K_M]
 IDS = [f"{k}-{q.name}-embd_{e.name}" + {None: "", 0: "-planar", MIXED: "-mixed"}[m] for k, q, t, e, m in GGUF_RUNS]
 
@@ -91,10 +93,14 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
     q16 = check_against_dequantized(path, names)
     layer = q16.model.model.layers[0]
     mlp = layer.mlp
-    gate_up = mlp.gate_up_proj  # fused; as stored, or a K-quant repacked as Q4KR (runs.py), Q5KP or Q6KP (planar.py)
+    gate_up = mlp.gate_up_proj  # fused; as stored, or repacked as Q4KR, Q50R, Q51R (runs.py), Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
-    assert gate_up.planar == (linear in KQUANTS and gate_up.in_features % 256 == 0
+    assert gate_up.planar == ((linear in KQUANTS and gate_up.in_features % 256 == 0 or linear in FIVE_BIT)
                               and gate_up.in_features * gate_up.out_features > loader.PLANAR_MIN_WEIGHTS)
+    embed_tokens, head = q16.model.model.embed_tokens, q16.model.lm_head
+    if planar_min == 0 and kind == "qwen2" and embed in FIVE_BIT + (Q.Q4_K,):  # a tied head in runs, shared
+        assert embed_tokens.planar and head.planar and embed_tokens.words is head.words
+        assert not hasattr(embed_tokens, "blocks") and q16.weight_bytes[embed.name] > 0
     if planar_min == MIXED:  # the Q6_K down and the Q4_K attention keep their blocks beside it
         assert gate_up.planar and not mlp.down_proj.planar and not layer.self_attn.o_proj.planar
     assert isinstance(q16.model.model.embed_tokens, quant.BlockEmbedding)

@@ -304,24 +304,42 @@ PLANAR_MIN_WEIGHTS = 4 << 20
 # groups of a multiple of 32 as stored); False: in qplanar.py's layouts (Q4KP, INT4P), the A/B of
 # bench/ab_decode.py's planar4 variant (bench/RESULTS.md set AF)
 RUNS = True
+# With RUNS, GGUF Q5_0 / Q5_1 linears (a K-quant mix's fallback for rows that are not whole 256-weight
+# super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R), a tied LM head with
+# its embedding; False: in their blocks (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant
+FIVE_BIT_RUNS = True
+
+
+def _runs_type(ggml_type: int) -> bool:
+    """Whether BlockLinear.to_planar repacks this type in row-major runs (formats/runs.py), which a
+    tied embedding can read too (BlockEmbedding.share_layout)."""
+    five = {gguf_blocks.TYPES[t] for t in ("Q5_0", "Q5_1")} if FIVE_BIT_RUNS else set()
+    return RUNS and (ggml_type == gguf_blocks.TYPES["Q4_K"] or ggml_type in five)
 
 
 def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears kept as
     stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
-    them), else into INT4P; GGUF Q4_K linears of more than PLANAR_MIN_WEIGHTS weights into Q4KR
-    (runs), Q5_K and Q6_K ones into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS
-    False: Q4KP and INT4P. A head that shares its blocks with the embedding keeps them."""
+    them), else into INT4P; GGUF linears of more than PLANAR_MIN_WEIGHTS weights: Q4_K into Q4KR
+    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS), Q5_K and Q6_K into Q5KP and Q6KP
+    (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
+    head that shares its blocks with the embedding is repacked only into runs, which the embedding
+    then reads (one copy of the table); in any other layout both keep the blocks."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
-    shared = {m.blocks.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
+    tables = {m.blocks.untyped_storage().data_ptr(): m for m in model.modules()
+              if isinstance(m, quant.BlockEmbedding) and not m.planar}
     for m in model.modules():
         if isinstance(m, hf_quant.GroupInt4Linear):
             m.to_planar(RUNS)
         elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
-                and m.blocks.untyped_storage().data_ptr() not in shared \
                 and m.in_features * m.out_features > PLANAR_MIN_WEIGHTS:
-            m.to_planar(RUNS)
+            table = tables.get(m.blocks.untyped_storage().data_ptr())
+            if table is None:
+                m.to_planar(RUNS, FIVE_BIT_RUNS)
+            elif (table.blocks.data_ptr(), table.blocks.shape) == (m.blocks.data_ptr(), m.blocks.shape) \
+                    and _runs_type(m.ggml_type) and m.to_planar(RUNS, FIVE_BIT_RUNS):
+                table.share_layout(m)
 
 
 def fuse(model: torch.nn.Module) -> None:

@@ -388,25 +388,31 @@ class BlockLinear(QuantLinear):
     planar = False  # True once to_planar() replaced the blocks by a kernel's layout (formats/runs.py, planar.py)
     planar_fmt = ""
 
-    def to_planar(self, runs: bool = True) -> bool:
+    def to_planar(self, runs: bool = True, five_bit: bool = True) -> bool:
         """Q4_K, Q5_K and Q6_K on CUDA: the blocks repacked as Q4KR (runs.py: 4.625 bits a weight
         against 4.5) for qruns.py's GEMV (Q4KP for qplanar.py's where not `runs`), Q5KP (5.625
-        against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's, the blocks freed; once, after
-        fusion. False for other types."""
+        against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's; with `runs` and `five_bit`, Q5_0
+        and Q5_1 as Q50R and Q51R (runs.py: the blocks' bytes) for qruns.py's; the blocks freed;
+        once, after fusion. False for other types."""
         from . import planar
         from . import runs as run_layout
         repack = {gguf_blocks.TYPES["Q4_K"]: run_layout.repack_q4k if runs else planar.repack_q4k,
                   gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k,
                   gguf_blocks.TYPES["Q5_K"]: planar.repack_q5k}
-        if self.planar or self.ggml_type not in repack or self.in_features % 256:
+        if runs and five_bit:
+            repack.update({gguf_blocks.TYPES[t]: run_layout.repack_q5 for t in run_layout.FIVE_BIT})
+        if self.planar or self.ggml_type not in repack or self.in_features % gguf_blocks.LAYOUTS[self.ggml_type].block:
             return self.planar
-        pw = planar.one_storage(repack[self.ggml_type](self.qweight()))
+        self.hold(planar.one_storage(repack[self.ggml_type](self.qweight())))
+        return True
+
+    def hold(self, pw: QWeight) -> None:
+        """Keep pw's layout (its three tensors as buffers) in place of the blocks."""
         del self.blocks
         self.register_buffer("words", pw.data)
         self.register_buffer("dd", pw.scales)
         self.register_buffer("sm", pw.zeros)
         self.planar, self.planar_fmt, self.planar_group = True, pw.fmt, pw.group
-        return True
 
     def stored(self) -> list[torch.Tensor]:
         """The tensors that hold the weights (the blocks, or the planar layout's three)."""
@@ -421,7 +427,7 @@ class BlockLinear(QuantLinear):
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         if self.planar:
             from . import planar, runs
-            rows = runs.dequantize_rows if self.planar_fmt == "Q4KR" else planar.dequantize_planar_rows
+            rows = runs.dequantize_rows if self.planar_fmt in RUN_LAYOUTS else planar.dequantize_planar_rows
             return rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
@@ -564,11 +570,18 @@ class PlanarExperts(nn.Module):
         return out
 
 
+# The row-major repacked layouts (formats/runs.py) an embedding can gather rows of
+RUN_LAYOUTS = ("Q4KR", "Q50R", "Q51R")
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
-    (exactly gguf-py's values; on CUDA by the Triton kernel, in `out_dtype`: the model's)."""
+    (exactly gguf-py's values; on CUDA by the Triton kernel, in `out_dtype`: the model's). Tied to
+    an LM head that the loader repacked in runs (share_layout), it reads the head's layout instead:
+    the same values, one copy of the table."""
 
     out_dtype: torch.dtype = torch.float32
+    planar = False  # True once share_layout() replaced the blocks by a tied head's runs
 
     def __init__(self, t: "GgufTensor | torch.Tensor", device=None, ggml_type: int | None = None):
         """t: the GGUF tensor, or its blocks as a uint8 tensor (with ggml_type)."""
@@ -579,9 +592,31 @@ class BlockEmbedding(nn.Module):
         self.embedding_dim = gguf_blocks.row_weights(self.ggml_type, blocks.shape[1])
         self.register_buffer("blocks", blocks.to(device) if device is not None else blocks)
 
+    def share_layout(self, head: "BlockLinear") -> bool:
+        """Read the rows of `head` (the tied LM head, built on these blocks by as_linear) once the
+        loader has repacked it in one of RUN_LAYOUTS; the blocks freed. False (nothing changed)
+        where the head's layout is not row-major runs."""
+        if not head.planar or head.planar_fmt not in RUN_LAYOUTS or self.planar:
+            return self.planar
+        del self.blocks
+        for name in ("words", "dd", "sm"):
+            self.register_buffer(name, getattr(head, name))
+        self.planar, self.planar_fmt, self.planar_group = True, head.planar_fmt, head.planar_group
+        return True
+
+    def stored(self) -> list[torch.Tensor]:
+        return [self.words, self.dd, self.sm] if self.planar else [self.blocks]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         k = QuantLinear.kernels
+        if self.planar:  # the runs' rows gathered, then decoded
+            qw = QWeight(self.planar_fmt, self.words[flat], flat.numel(), self.embedding_dim, self.dd[flat],
+                         self.sm[flat], self.planar_group)
+            if k is not None and k.usable(self.words):
+                return k.dequantize(qw, 0, flat.numel(), self.out_dtype).view(*ids.shape, -1)
+            from . import runs
+            return runs.dequantize(qw).to(self.out_dtype).view(*ids.shape, -1)
         if self.blocks.is_cuda and k is not None and k.usable(self.blocks):
             qw = QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
             return k.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
@@ -612,7 +647,7 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         if isinstance(m, BlockLinear):
             add(gguf_blocks.type_name(m.ggml_type), m.stored())
         elif isinstance(m, BlockEmbedding):
-            add(gguf_blocks.type_name(m.ggml_type), [m.blocks])
+            add(gguf_blocks.type_name(m.ggml_type), m.stored())
         elif isinstance(m, BlockExperts):
             for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):
                 add(gguf_blocks.type_name(ggml_type), [blocks])

@@ -1,5 +1,6 @@
-"""Dequant-GEMVs for 4-bit weights in 32-weight runs (models/formats/runs.py): AWQ/GPTQ groups as
-stored (QWeight "INT4") and GGUF Q4_K repacked as Q4KR. One-token forwards (decode).
+"""Dequant-GEMVs for 4- and 5-bit weights in 32-weight runs (models/formats/runs.py): AWQ/GPTQ groups
+as stored (QWeight "INT4"), GGUF Q4_K repacked as Q4KR, Q5_0 and Q5_1 as Q50R and Q51R. One-token
+forwards (decode).
 
 Contract: `gemv(x, pw)` equals x @ W^T for the weights W = scale code - offset the layout encodes
 (runs.dequantize), accumulated in fp32 and rounded once; on int8 inputs (qplanar.int8_inputs: 16-bit
@@ -15,7 +16,9 @@ int8 and one 8-byte load of (dx, dx sum q)) for every row of its program, and re
 16-byte load of the run's codes and its scales: per row, one load of weights and one or two of
 scales; the input's three loads serve all BN rows. The codes' low nibbles (w & 0x0F0F0F0F) meet
 the run's first 16 inputs and the high ones the next 16, in order: two DP4As a word, the run's
-sum scaled once: sum (scale q - offset) q~ dx = scale dx sum q q~ - offset dx sum q~.
+sum scaled once: sum (scale q - offset) q~ dx = scale dx sum q q~ - offset dx sum q~. The 5-bit
+layouts add a word a run of fifth bits, spread into bit 4 of the code bytes ((b * 0x00204081) &
+0x01010101 puts bit i of a nibble b in byte i) before the DP4As.
 
 A program owns BN rows (a SwiGLU pair's: BN gate rows and the BN up rows N below) and walks K in
 steps of C runs (32 num_warps: a run a thread), the next step's words read before the step's are
@@ -34,7 +37,7 @@ from .linear import NormedRow
 
 __all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes"]
 
-FMTS = {"INT4": 0, "Q4KR": 1}  # the kernels' FMT constant
+FMTS = {"INT4": 0, "Q4KR": 1, "Q50R": 2, "Q51R": 3}  # the kernels' FMT constant
 RUN = 32  # weights a run: an int8 input's group
 # Programs of the norm-and-quantize launch (about; each sums the whole row's squares)
 NORM_QUANTIZE_PROGRAMS = 8
@@ -43,9 +46,9 @@ QUANTIZE_RUNS = 8
 
 
 def serves(fmt: str, k: int, group: int | None) -> bool:
-    """Whether these kernels read rows of k weights in this format: Q4KR, and INT4 in `group`s of
-    whole 32-weight runs at any k of whole groups."""
-    return fmt == "Q4KR" or (fmt == "INT4" and bool(group) and group % RUN == 0 and k % group == 0)
+    """Whether these kernels read rows of k weights in this format: Q4KR, Q50R, Q51R, and INT4 in
+    `group`s of whole 32-weight runs at any k of whole groups."""
+    return fmt in ("Q4KR", "Q50R", "Q51R") or (fmt == "INT4" and bool(group) and group % RUN == 0 and k % group == 0)
 
 
 def takes(qw: QWeight) -> bool:
@@ -71,7 +74,8 @@ if triton is not None:
     def _run_scales(aux, aux2, rows, run, stride_a, stride_z, G: tl.constexpr, FMT: tl.constexpr,
                     RUNS: tl.constexpr, EVEN: tl.constexpr):
         """(scale, offset) [C, BN, 1] of the runs (weight = scale code - offset), in fp32, exact:
-        INT4 s and s z (an fp16 times at most 15), Q4KR d sc and dmin m (fp16 times 6 bits)."""
+        INT4 s and s z (an fp16 times at most 15), Q4KR d sc and dmin m (fp16 times 6 bits), Q50R
+        d and 16 d, Q51R d and -m."""
         ok = run < RUNS
         # (the offsets marked contiguous along no dim: a load vectorized over runs would hand each
         # thread the scales of other threads' runs, and the sums would go through shared memory)
@@ -85,6 +89,17 @@ if triton is not None:
                 s = tl.load(aux + at, mask=ok, other=0.0).to(tl.float32)
                 z = tl.load(aux2 + at_z, mask=ok, other=0).to(tl.float32)
             scale, offset = s, s * z
+        elif FMT >= 2:  # aux: Q50R's d as an int16, Q51R's (d, m) as one int32, a run
+            at = tl.max_contiguous(rows * stride_a + run, [1, 1, 1])
+            if EVEN:
+                dm = tl.load(aux + at).to(tl.int32)
+            else:
+                dm = tl.load(aux + at, mask=ok, other=0).to(tl.int32)
+            scale = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            if FMT == 2:
+                offset = 16.0 * scale
+            else:
+                offset = -(((dm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
         else:
             at = tl.max_contiguous(rows * stride_a + run // 8, [1, 1, 1])
             at_z = tl.max_contiguous(rows * stride_z + run, [1, 1, 1])
@@ -100,18 +115,39 @@ if triton is not None:
         return scale, offset
 
     @triton.jit
+    def _run_high(aux2, rows, run, stride_z, FMT: tl.constexpr, RUNS: tl.constexpr, EVEN: tl.constexpr):
+        """The 5-bit layouts' fifth bits [C, BN, 1] (an int32 a run: bit j, the run's weight j);
+        a zero for the 4-bit ones (unused)."""
+        if FMT >= 2:
+            at = tl.max_contiguous(rows * stride_z + run, [1, 1, 1])
+            if EVEN:
+                return tl.load(aux2 + at)
+            return tl.load(aux2 + at, mask=run < RUNS, other=0)
+        return tl.zeros([1, 1, 1], dtype=tl.int32)
+
+    @triton.jit
     def _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G: tl.constexpr, FMT: tl.constexpr,
                   RUNS: tl.constexpr, EVEN: tl.constexpr):
         words = _run_words(w, rows, run, m, stride_w, RUNS, EVEN)
+        high = _run_high(aux2, rows, run, stride_z, FMT, RUNS, EVEN)
         scale, offset = _run_scales(aux, aux2, rows, run, stride_a, stride_z, G, FMT, RUNS, EVEN)
-        return words, scale, offset
+        return words, high, scale, offset
 
     @triton.jit
-    def _run_dot(acc, x, words, scale, offset, run, m, RUNS: tl.constexpr, KQ: tl.constexpr, A8: tl.constexpr,
-                 EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _spread(b):
+        """The low four bits of b as bit 4 of four bytes (bit i in byte i): the fifth bits' place."""
+        return (((b & 15) * 0x00204081) & 0x01010101) << 4
+
+    @triton.jit
+    def _run_dot(acc, x, words, high, scale, offset, run, m, RUNS: tl.constexpr, KQ: tl.constexpr,
+                 FMT: tl.constexpr, A8: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
         """acc [C, BN, 1] plus the runs' contributions. A8: x is quantize_input's int32 (KQ words
-        of int8 inputs in order, then (dx, dx sum q) a run); else the row as given."""
+        of int8 inputs in order, then (dx, dx sum q) a run); else the row as given. FMT >= 2: the
+        codes' fifth bits from `high`."""
         ok = run < RUNS
+        if FMT >= 2:  # word m's codes: weights 4m.. (low nibbles) and 16 + 4m.. (high), bit 4 from high
+            lo = (words & 0x0F0F0F0F) | _spread(high >> (4 * m))
+            hi = ((words >> 4) & 0x0F0F0F0F) | _spread(high >> (16 + 4 * m))
         if A8:
             if EVEN:
                 xe = tl.load(x + run * 8 + m)
@@ -123,7 +159,10 @@ if triton is not None:
                 meta = tl.load(x.to(tl.pointer_type(tl.int64)) + KQ // 2 + run, mask=ok, other=0)
             dx = meta.to(tl.int32).to(tl.float32, bitcast=True)
             xs = (meta >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
+            if FMT >= 2:
+                isum = _dp4a_pair(lo, xe, hi, xo, INTERPRETED)
+            else:
+                isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
             isum = tl.sum(isum, axis=2, keep_dims=True)
             return acc + scale * (isum.to(tl.float32) * dx) - offset * xs
         ws = tl.zeros(words.shape, dtype=tl.float32)
@@ -136,7 +175,12 @@ if triton is not None:
             else:
                 xl = tl.load(at, mask=ok, other=0.0).to(tl.float32)
                 xh = tl.load(at + 16, mask=ok, other=0.0).to(tl.float32)
-            ws += ((words >> (8 * b)) & 15).to(tl.float32) * xl + ((words >> (8 * b + 4)) & 15).to(tl.float32) * xh
+            if FMT >= 2:  # (codes to fp32 by the exponent: 2^23 + q, less 2^23; no int-to-float)
+                cl = (((lo >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                ch = (((hi >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                ws += cl * xl + ch * xh
+            else:
+                ws += ((words >> (8 * b)) & 15).to(tl.float32) * xl + ((words >> (8 * b + 4)) & 15).to(tl.float32) * xh
             xs4 += xl + xh
         ws = tl.sum(ws, axis=2, keep_dims=True)
         xs = tl.sum(xs4, axis=2, keep_dims=True)
@@ -158,12 +202,12 @@ if triton is not None:
         m = tl.arange(0, 4)[None, None, :]
         if PDL:  # the next kernel launches now: it reads its first weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
-        words, scale, offset = _run_step(w, aux, aux2, rows, ci, m, stride_w, stride_a, stride_z, G, FMT, RUNS, EVEN)
+        words, high, scale, offset = _run_step(w, aux, aux2, rows, ci, m, stride_w, stride_a, stride_z, G, FMT, RUNS, EVEN)
         if SWIGLU:
-            u_words, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, ci, m, stride_w, stride_a, stride_z, G,
+            u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, ci, m, stride_w, stride_a, stride_z, G,
                                                    FMT, RUNS, EVEN)
         else:
-            u_words, u_scale, u_offset = words, scale, offset
+            u_words, u_high, u_scale, u_offset = words, high, scale, offset
         if PDL:  # (the weights before the wait: no kernel writes them)
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((C, BN, 1), dtype=tl.float32)
@@ -171,34 +215,34 @@ if triton is not None:
         if PREFETCH:
             for i in range(1, STEPS):
                 run = i * C + ci
-                n_words, n_scale, n_offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
+                n_words, n_high, n_scale, n_offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
                                                        FMT, RUNS, EVEN)
                 if SWIGLU:
-                    nu_words, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
+                    nu_words, nu_high, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
                                                               stride_z, G, FMT, RUNS, EVEN)
-                acc = _run_dot(acc, x, words, scale, offset, run - C, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                acc = _run_dot(acc, x, words, high, scale, offset, run - C, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
                 if SWIGLU:
-                    acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, run - C, m, RUNS, KQ, A8, EVEN,
+                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run - C, m, RUNS, KQ, FMT, A8, EVEN,
                                       INTERPRETED)
-                    u_words, u_scale, u_offset = nu_words, nu_scale, nu_offset
-                words, scale, offset = n_words, n_scale, n_offset
+                    u_words, u_high, u_scale, u_offset = nu_words, nu_high, nu_scale, nu_offset
+                words, high, scale, offset = n_words, n_high, n_scale, n_offset
             last = (STEPS - 1) * C + ci
-            acc = _run_dot(acc, x, words, scale, offset, last, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+            acc = _run_dot(acc, x, words, high, scale, offset, last, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
-                acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, last, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, last, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
         else:
-            acc = _run_dot(acc, x, words, scale, offset, ci, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+            acc = _run_dot(acc, x, words, high, scale, offset, ci, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
-                acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, ci, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, ci, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
             for i in range(1, STEPS):
                 run = i * C + ci
-                words, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G, FMT,
+                words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G, FMT,
                                                  RUNS, EVEN)
-                acc = _run_dot(acc, x, words, scale, offset, run, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                acc = _run_dot(acc, x, words, high, scale, offset, run, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
                 if SWIGLU:
-                    u_words, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
+                    u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
                                                            stride_z, G, FMT, RUNS, EVEN)
-                    acc_up = _run_dot(acc_up, x, u_words, u_scale, u_offset, run, m, RUNS, KQ, A8, EVEN, INTERPRETED)
+                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
         _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=0) if SWIGLU else y, bias, out, r, N, HAS_BIAS, SWIGLU)
 
@@ -264,9 +308,13 @@ if triton is not None:
         m = tl.arange(0, 16)[None, None, None, :]  # byte of the run
         n = tl.minimum(start + i, stop - 1).to(tl.int64)
         byte = tl.load(w + n * stride_w + run * 16 + m).to(tl.int32)
-        code = ((byte >> (4 * half)) & 15).to(tl.float32)  # [rows, CR, 2, 16]: weight 32 run + 16 half + m
+        code = (byte >> (4 * half)) & 15  # [rows, CR, 2, 16]: weight 32 run + 16 half + m
         n3 = tl.minimum(start + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None], stop - 1).to(tl.int64)
         run3 = tl.program_id(1) * CR + tl.arange(0, CR)[None, :, None]
+        if FMT >= 2:  # the fifth bits: bit 16 half + m of the run's word
+            high = _run_high(aux2, n3, run3, stride_z, FMT, 1 << 30, True)[:, :, :, None]
+            code |= ((high >> (16 * half + m)) & 1) << 4
+        code = code.to(tl.float32)
         scale, offset = _run_scales(aux, aux2, n3, run3, stride_a, stride_z, G, FMT, 1 << 30, True)  # [rows, CR, 1]
         val = (scale[:, :, :, None] * code - offset[:, :, :, None]).to(out.dtype.element_ty)
         rr = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -276,9 +324,14 @@ if triton is not None:
 
 def _aux(pw: QWeight) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The kernels' scale operands and their row strides: INT4's s and z as stored; Q4KR's (d,
-    dmin) as one int32 a super-block and (sc, m) as one int16 a run."""
+    dmin) as one int32 a super-block and (sc, m) as one int16 a run; Q50R's d as an int16 and
+    Q51R's (d, m) as one int32 a run, with their fifth bits (an int32 a run)."""
     if pw.fmt == "Q4KR":
         aux, aux2 = pw.scales.view(torch.int32).reshape(pw.n, -1), pw.zeros.view(torch.int16).reshape(pw.n, -1)
+    elif pw.fmt == "Q50R":
+        aux, aux2 = pw.scales.view(torch.int16), pw.zeros
+    elif pw.fmt == "Q51R":
+        aux, aux2 = pw.scales.view(torch.int32).reshape(pw.n, -1), pw.zeros
     else:
         aux, aux2 = pw.scales, pw.zeros
     return aux, aux2, aux.stride(0), aux2.stride(0)
@@ -344,7 +397,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
          out_dtype: torch.dtype | None = None, config: tuple[int, int, bool] | None = None,
          int8: bool | None = None) -> torch.Tensor:
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch,
-    normed_input); pw an INT4 or Q4KR QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
+    normed_input); pw an INT4, Q4KR, Q50R or Q51R QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
     gate rows first) in out_dtype (the row's dtype by default). int8 (qplanar.int8_inputs of the
     row's dtype by default): against x~ = quantize_input's instead of x. config: (BN, num_warps,
     PREFETCH), pick_config's by default."""
