@@ -130,6 +130,7 @@ VARIANTS = {
                                  (8, 4, 1024, True), (2, 2, 1024, False), (1, 1, 1024, False), (4, 4, 1024, False),
                                  (2, 2, 64, False), (4, 4, 256, False))},
     "tiny1m": dict(planar_min=1 << 20),
+    "repackall": dict(planar_min=0),  # every GGUF matrix repacked, whatever its size (the one-step config kept)
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)

@@ -116,7 +116,7 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
 
 
 def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int = 1, int8: bool = True) -> tuple[str, int]:
-    """qruns.py's GEMV (the 4-bit runs: INT4 as AWQ stores it, Q4KR of Q4_K's) on a random [n, k]
+    """qruns.py's GEMV (the runs: INT4 as AWQ stores it, Q4KR of Q4_K's, Q50R / Q51R of Q5_0's / Q5_1's) on a random [n, k]
     weight (config: BN rows a program, num_warps, PREFETCH 0/1); int8: on quantize_input's input."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -124,7 +124,10 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
 
     from models.formats import runs
     from models.kernels.cuda import qruns
-    pw = runs.repack_q4k(weight("Q4_K", n, k)) if fmt == "Q4KR" else weight("INT4", n, k)
+    if fmt in ("Q50R", "Q51R"):
+        pw = runs.repack_q5(weight("Q5_0" if fmt == "Q50R" else "Q5_1", n, k))
+    else:
+        pw = runs.repack_q4k(weight("Q4_K", n, k)) if fmt == "Q4KR" else weight("INT4", n, k)
     aux, aux2, sa, sz = qruns._aux(pw)
     dt = {torch_name: tri for torch_name, tri in (("float16", "fp16"), ("uint8", "u8"), ("int32", "i32"),
                                                   ("int16", "i16"))}
@@ -251,7 +254,7 @@ def main() -> None:
           f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
     from models.kernels.cuda import qruns
     for fmt in a.formats:
-        if fmt in ("INT4R", "Q4KR"):
+        if fmt in ("INT4R", "Q4KR", "Q50R", "Q51R"):
             cfg = tuple(map(int, a.runs_config.split("x"))) if a.runs_config else \
                 tuple(map(int, qruns.pick_config(a.n, a.k)))
             text, weights = _compile_runs(fmt, a.n, a.k, *cfg, int8=a.int8)

@@ -118,12 +118,15 @@ if triton is not None:
     def _run_high(aux2, rows, run, stride_z, FMT: tl.constexpr, RUNS: tl.constexpr, EVEN: tl.constexpr):
         """The 5-bit layouts' fifth bits [C, BN, 1] (an int32 a run: bit j, the run's weight j);
         a zero for the 4-bit ones (unused)."""
-        if FMT >= 2:
+        if FMT >= 2:  # (one return: Triton checks every return's type, pruned branches' too)
             at = tl.max_contiguous(rows * stride_z + run, [1, 1, 1])
             if EVEN:
-                return tl.load(aux2 + at)
-            return tl.load(aux2 + at, mask=run < RUNS, other=0)
-        return tl.zeros([1, 1, 1], dtype=tl.int32)
+                high = tl.load(aux2 + at)
+            else:
+                high = tl.load(aux2 + at, mask=run < RUNS, other=0)
+        else:
+            high = tl.zeros([1, 1, 1], dtype=tl.int32)
+        return high
 
     @triton.jit
     def _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G: tl.constexpr, FMT: tl.constexpr,
