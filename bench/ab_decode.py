@@ -33,7 +33,9 @@ fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
 False), not qruns.py's runs; blocks5: GGUF Q5_0 / Q5_1 linears and a tied head of them in their
-blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
+blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; tiedblocks: only
+a tied head in its blocks (loader.TIED_RUNS False); head8x1: a runs head's float path on 8 rows and 1
+warp (qruns.HEAD_FLOAT's 16 rows before); runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
 BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead), runsbefore
 (its matrices of under 4,096 rows, no pair, on 2 rows and 2 warps as before 2026-12-03); rnqp1..32
 (qruns.py's norm-and-quantize launch on about that many programs), rq4..32 (its quantize_input on
@@ -76,7 +78,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
-                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, five=loader.FIVE_BIT_RUNS, fusedscale=layers.FUSED_SCALE,
+                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, five=loader.FIVE_BIT_RUNS,
+                tied=loader.TIED_RUNS, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
@@ -134,10 +137,12 @@ VARIANTS = {
     "fp8f32": dict(fp8form="f32"),  # FP8's GEMVs all in the fp32-product form (CHAT_FP8_GEMV=f32)
     **{f"fp8rows{b}": dict(fp8rows=b) for b in (2, 4, 8)},  # the fp16 form on b rows a program
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
-    "planar4": dict(runs=False),
+    "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
     # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
     # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
-    "blocks5": dict(five=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
+    "blocks5": dict(five=False),
+    "tiedblocks": dict(tied=False),  # a tied LM head (and its embedding) in their blocks (loader.TIED_RUNS False)
+    "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)
     # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
     # (pairBNxW), every pick without its read ahead (runsnp)
     **{f"runs{bn}x{w}": dict(runspick=("single", bn, w, True)) for bn in (1, 2, 4, 8) for w in (1, 2, 4)},
@@ -191,8 +196,10 @@ def _runs_pick(which: str, bn: int, warps: int, ahead: bool):
     ("single") or the SwiGLU pairs ("pair"), the default pick elsewhere; "all": every default
     pick with the read ahead as `ahead`; "before": (bn, warps, ahead) for the single matrices of
     under 4,096 rows only."""
-    def pick(n, k, swiglu=False):
-        base = _RUNS_PICK(n, k, swiglu)
+    def pick(n, k, swiglu=False, int8=True):
+        base = _RUNS_PICK(n, k, swiglu, int8)
+        if which == "head":  # an LM head's float path only
+            return (bn, warps, ahead) if not int8 and n >= 16384 and not swiglu else base
         if which == "all":
             return base[:2] + (ahead,)
         if which == "before" and (swiglu or n >= 4096):
@@ -232,6 +239,7 @@ def apply(variant: str) -> None:
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
     # (read when a model is built: one model a value)
     loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS = v["planar_min"], v["runs"], v["five"]
+    loader.TIED_RUNS = v["tied"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -257,7 +265,8 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS) if a.format != "bf16" else 0  # (bf16: one model)
+            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS, loader.TIED_RUNS) \
+                if a.format != "bf16" else 0  # (bf16: one model)
             if key not in built:
                 if a.format == "bf16":
                     built[key] = random_model(name, dev, torch.bfloat16)

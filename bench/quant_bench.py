@@ -250,7 +250,7 @@ def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,A
                 except Exception as e:  # (a config that does not compile: named, the others still timed)
                     print(f"   {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             best = min(cells, key=cells.get)
-            picked = qruns.pick_config(n // 2 if swiglu else n, k, swiglu)
+            picked = qruns.pick_config(n // 2 if swiglu else n, k, swiglu, int8=not head)
             picked_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=picked, out_dtype=out))
             float_us = _graph_us(lambda: qruns.gemv(xk, pw, swiglu=swiglu, config=best, int8=False))
             q_us = _graph_us(lambda: qruns.quantize_input(xk))

@@ -140,6 +140,9 @@ def test_pick_config_gives_a_small_models_down_four_warps(n, k, swiglu, want):
     bench/RESULTS.md set AJ); the 27B-like matrices and the pairs as set AF measured them."""
     from models.kernels.cuda import qruns
     assert qruns.pick_config(n, k, swiglu) == want
+    # an LM head's rows on the float path (its fp32 row): 16 rows, 1 warp (set AK); on int8 inputs as before
+    assert qruns.pick_config(151936, 896, int8=False) == (16, 1, True) != qruns.pick_config(151936, 896)
+    assert qruns.pick_config(n, k, swiglu, int8=False) == want  # (under 16,384 rows: the same)
 
 
 @pytest.mark.parametrize("kind,n,k,group,swiglu", [("INT4", 37, 1024, 128, False), ("Q4KR", 40, 512, 32, True),

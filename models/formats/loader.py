@@ -308,6 +308,9 @@ RUNS = True
 # super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R), a tied LM head with
 # its embedding; False: in their blocks (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant
 FIVE_BIT_RUNS = True
+# A tied LM head of those types repacked too (its embedding then reads its runs); False: both keep the
+# blocks (bench/ab_decode.py's tiedblocks variant)
+TIED_RUNS = True
 
 
 def _runs_type(ggml_type: int) -> bool:
@@ -337,7 +340,7 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
             table = tables.get(m.blocks.untyped_storage().data_ptr())
             if table is None:
                 m.to_planar(RUNS, FIVE_BIT_RUNS)
-            elif (table.blocks.data_ptr(), table.blocks.shape) == (m.blocks.data_ptr(), m.blocks.shape) \
+            elif TIED_RUNS and (table.blocks.data_ptr(), table.blocks.shape) == (m.blocks.data_ptr(), m.blocks.shape) \
                     and _runs_type(m.ggml_type) and m.to_planar(RUNS, FIVE_BIT_RUNS):
                 table.share_layout(m)
 

@@ -205,10 +205,11 @@ if triton is not None:
         m = tl.arange(0, 4)[None, None, :]
         if PDL:  # the next kernel launches now: it reads its first weights while this one runs
             tl.extra.cuda.gdc_launch_dependents()
-        words, high, scale, offset = _run_step(w, aux, aux2, rows, ci, m, stride_w, stride_a, stride_z, G, FMT, RUNS, EVEN)
+        words, high, scale, offset = _run_step(w, aux, aux2, rows, ci, m, stride_w, stride_a, stride_z, G, FMT, RUNS,
+                                               EVEN)
         if SWIGLU:
-            u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, ci, m, stride_w, stride_a, stride_z, G,
-                                                   FMT, RUNS, EVEN)
+            u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, ci, m, stride_w, stride_a,
+                                                           stride_z, G, FMT, RUNS, EVEN)
         else:
             u_words, u_high, u_scale, u_offset = words, high, scale, offset
         if PDL:  # (the weights before the wait: no kernel writes them)
@@ -218,34 +219,37 @@ if triton is not None:
         if PREFETCH:
             for i in range(1, STEPS):
                 run = i * C + ci
-                n_words, n_high, n_scale, n_offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
-                                                       FMT, RUNS, EVEN)
+                n_words, n_high, n_scale, n_offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a,
+                                                               stride_z, G, FMT, RUNS, EVEN)
                 if SWIGLU:
-                    nu_words, nu_high, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
-                                                              stride_z, G, FMT, RUNS, EVEN)
+                    nu_words, nu_high, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w,
+                                                                       stride_a, stride_z, G, FMT, RUNS, EVEN)
                 acc = _run_dot(acc, x, words, high, scale, offset, run - C, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
                 if SWIGLU:
-                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run - C, m, RUNS, KQ, FMT, A8, EVEN,
-                                      INTERPRETED)
+                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run - C, m, RUNS, KQ, FMT, A8,
+                                      EVEN, INTERPRETED)
                     u_words, u_high, u_scale, u_offset = nu_words, nu_high, nu_scale, nu_offset
                 words, high, scale, offset = n_words, n_high, n_scale, n_offset
             last = (STEPS - 1) * C + ci
             acc = _run_dot(acc, x, words, high, scale, offset, last, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
-                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, last, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
+                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, last, m, RUNS, KQ, FMT, A8, EVEN,
+                                  INTERPRETED)
         else:
             acc = _run_dot(acc, x, words, high, scale, offset, ci, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
-                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, ci, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
+                acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, ci, m, RUNS, KQ, FMT, A8, EVEN,
+                                  INTERPRETED)
             for i in range(1, STEPS):
                 run = i * C + ci
-                words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G, FMT,
-                                                 RUNS, EVEN)
+                words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
+                                                       FMT, RUNS, EVEN)
                 acc = _run_dot(acc, x, words, high, scale, offset, run, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
                 if SWIGLU:
                     u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
-                                                           stride_z, G, FMT, RUNS, EVEN)
-                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run, m, RUNS, KQ, FMT, A8, EVEN, INTERPRETED)
+                                                                   stride_z, G, FMT, RUNS, EVEN)
+                    acc_up = _run_dot(acc_up, x, u_words, u_high, u_scale, u_offset, run, m, RUNS, KQ, FMT, A8, EVEN,
+                                      INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
         _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=0) if SWIGLU else y, bias, out, r, N, HAS_BIAS, SWIGLU)
 
@@ -373,7 +377,13 @@ def normed_input(row: NormedRow) -> torch.Tensor:
     return q
 
 
-def pick_config(n: int, k: int, swiglu: bool = False) -> tuple[int, int, bool]:
+# An LM head's rows (a vocabulary) on the float path (its fp32 normed row): 16 rows, 1 warp, read ahead
+# (bench/quant_bench.py --sweep-runs, set AK: the Qwen2.5-0.5B-like tied Q50R head [151936, 896] 72.6
+# us against 86.0 on 8 rows; 16 x 1 was the best of 24 configs)
+HEAD_FLOAT = (16, 1, True)
+
+
+def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tuple[int, int, bool]:
     """(BN rows a program, num_warps, PREFETCH: the next step read ahead) for n outputs (a SwiGLU
     pair's: 2 BN rows a program) of K = k. From bench/quant_bench.py --sweep-runs on an H200
     (bench/RESULTS.md set AF, the 27B-like matrices, 18 configs each, Q4KR and INT4): a SwiGLU
@@ -382,7 +392,10 @@ def pick_config(n: int, k: int, swiglu: bool = False) -> tuple[int, int, bool]:
     6144] 5.2 and 4.7 against 4.7); more rows, 8 rows and 1 warp ([10240, 5120] 6.8 and 6.4, the
     best of both). Fewer than 4,096 rows (a small model's down): 2 rows a program (more programs)
     on 4 warps (set AJ: LFM2-1.2B's [2048, 8192] 3.6 us against 4.2 on 2 warps, Qwen2.5-0.5B's
-    [896, 4864] 3.3 against 3.4, its Q4_K decode 1.020x); no more warps than the row has runs for."""
+    [896, 4864] 3.4 against 3.4 on 2 warps: equal, its Q4_K decode 1.020x); no more warps than the
+    row has runs for. An LM head's rows on the float path (not int8): HEAD_FLOAT."""
+    if not int8 and n >= 16384 and not swiglu:
+        return HEAD_FLOAT
     if swiglu:
         bn, warps = 4, 1
     elif n < 4096:
@@ -409,7 +422,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     normed = isinstance(x, NormedRow)
     src = x.x if normed else x
     xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
-    bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu)
+    bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu, int8)
     runs, c = pw.k // RUN, 32 * warps
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
     aux, aux2, sa, sz = _aux(pw)
