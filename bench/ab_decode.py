@@ -33,8 +33,9 @@ fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
 fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
 False), not qruns.py's runs; blocks5: GGUF Q5_0 / Q5_1 linears and a tied head of them in their
-blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; tiedblocks: only
-a tied head in its blocks (loader.TIED_RUNS False); head8x1: a runs head's float path on 8 rows and 1
+blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; tiedruns /
+tiedblocks: a tied head of a runs type repacked with its embedding reading it, or in its blocks
+(loader.TIED_RUNS True / False, the default); head8x1: a runs head's float path on 8 rows and 1
 warp (qruns.HEAD_FLOAT's 16 rows before); runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
 BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead), runsbefore
 (its matrices of under 4,096 rows, no pair, on 2 rows and 2 warps as before 2026-12-03); rnqp1..32
@@ -141,7 +142,8 @@ VARIANTS = {
     # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
     # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
     "blocks5": dict(five=False),
-    "tiedblocks": dict(tied=False),  # a tied LM head (and its embedding) in their blocks (loader.TIED_RUNS False)
+    "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (loader.TIED_RUNS)
+    "tiedblocks": dict(tied=False),  # (the default since 2026-12-03: both in their blocks)
     "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)
     # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
     # (pairBNxW), every pick without its read ahead (runsnp)

@@ -305,12 +305,16 @@ PLANAR_MIN_WEIGHTS = 4 << 20
 # bench/ab_decode.py's planar4 variant (bench/RESULTS.md set AF)
 RUNS = True
 # With RUNS, GGUF Q5_0 / Q5_1 linears (a K-quant mix's fallback for rows that are not whole 256-weight
-# super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R), a tied LM head with
-# its embedding; False: in their blocks (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant
+# super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R); False: in their blocks
+# (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant. The 0.5B-like Q4_K decode 1,863.1 tok/s
+# against 1,664.1 (its [9728, 896] gate/up pair 3.5 us against 6.5); SmolLM2-135M-like even, its
+# matrices under PLANAR_MIN_WEIGHTS (2,040.6 against 2,041.9 tok/s; bench/RESULTS.md set AK).
 FIVE_BIT_RUNS = True
-# A tied LM head of those types repacked too (its embedding then reads its runs); False: both keep the
-# blocks (bench/ab_decode.py's tiedblocks variant)
-TIED_RUNS = True
+# A tied LM head of a runs type repacked too (its embedding then reads its runs: one copy still); False:
+# both keep the blocks. The head's float path in runs measured even on the 0.5B-like shape (1,867.4
+# against 1,863.1 tok/s) and 1.2% slower on SmolLM2-135M-like (2,015.7 against 2,040.6: its 576-wide
+# head, 24.4 us in runs at best): bench/ab_decode.py's tiedruns variant, set AK.
+TIED_RUNS = False
 
 
 def _runs_type(ggml_type: int) -> bool:
@@ -326,8 +330,8 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
     them), else into INT4P; GGUF linears of more than PLANAR_MIN_WEIGHTS weights: Q4_K into Q4KR
     and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS), Q5_K and Q6_K into Q5KP and Q6KP
     (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
-    head that shares its blocks with the embedding is repacked only into runs, which the embedding
-    then reads (one copy of the table); in any other layout both keep the blocks."""
+    head that shares its blocks with the embedding keeps them; with TIED_RUNS it is repacked into
+    runs (never another layout), which the embedding then reads (one copy of the table)."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
     tables = {m.blocks.untyped_storage().data_ptr(): m for m in model.modules()
