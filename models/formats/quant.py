@@ -21,9 +21,10 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   activations' dtype (on CUDA, a Q4_K half of them is repacked as one Q4KP matrix,
   `PlanarExperts`; another type is dequantized at load for the MoE kernels).
 Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
-in its blocks as BlockLinear / BlockEmbedding, but for the K-quant linears of more than
-loader.PLANAR_MIN_WEIGHTS weights, repacked after fusion (`BlockLinear.to_planar`: Q4_K in runs.py's
-layout, Q5_K and Q6_K in planar.py's): one-token products run the Triton dequant-GEMV, longer ones dequantize a chunk of rows
+in its blocks as BlockLinear / BlockEmbedding, but for the K-quant, Q5_0 and Q5_1 linears of more
+than loader.PLANAR_MIN_WEIGHTS weights, repacked after fusion (`BlockLinear.to_planar`: Q4_K, Q5_0
+and Q5_1 in runs.py's layouts, Q5_K and Q6_K in planar.py's): one-token products run the Triton
+dequant-GEMV, longer ones dequantize a chunk of rows
 to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
 shared with the HF formats of hf_quant.py).
 """
