@@ -49,7 +49,10 @@ on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
 add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
 both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
-programs of that many value columns on that many warps (delta.SPLIT_CONFIG).
+programs of that many value columns on that many warps (delta.SPLIT_CONFIG). selfN: qruns.py's
+GEMVs of at most N MB (N = 1048576: all) quantizing their own int8 input in their programs
+(qruns.SELF_MAX_BYTES), not in a launch before; r0: every Q4_K / Q5_0 / Q5_1 matrix in runs,
+whatever its size (loader.RUNS_MIN_WEIGHTS 0); selfNr0: both.
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -85,7 +88,8 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
-                runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None)
+                runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None,
+                runs_min=loader.RUNS_MIN_WEIGHTS, own=qruns.SELF_MAX_BYTES)
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
@@ -142,6 +146,11 @@ VARIANTS = {
     # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
     # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
     "blocks5": dict(five=False),
+    # the runs' GEMVs of at most N MB quantizing their own input (qruns.SELF_MAX_BYTES), and with "r0"
+    # every Q4_K / Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0)
+    **{f"self{mb}": dict(own=mb << 20) for mb in (2, 8, 32, 128, 1 << 20)},
+    **{f"self{mb}r0": dict(own=mb << 20, runs_min=0) for mb in (2, 8, 32, 1 << 20)},
+    "r0": dict(runs_min=0),
     "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (loader.TIED_RUNS)
     "tiedblocks": dict(tied=False),  # (the default since 2026-12-03: both in their blocks)
     "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)
@@ -217,6 +226,8 @@ def _runs_pick(which: str, bn: int, warps: int, ahead: bool):
 
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
+    if "planar_min" in VARIANTS[variant] and "runs_min" not in VARIANTS[variant]:
+        v["runs_min"] = v["planar_min"]  # (the tiny* and repackall variants: the runs types too, as before)
     cuda_linear.MATERIALIZE_LAUNCH, cuda_delta.SPLIT_CONFIG = v["normlaunch"], v["deltasplit"]
     cuda_base.add_rms_norm = _unnormed if "norm" in v["skip"] else _ADD_RMS_NORM
     skipped = {k for p, k in (("conv", cuda_delta._conv_step_kernel), ("step", cuda_delta._delta_step_kernel))
@@ -241,7 +252,7 @@ def apply(variant: str) -> None:
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
     # (read when a model is built: one model a value)
     loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS = v["planar_min"], v["runs"], v["five"]
-    loader.TIED_RUNS = v["tied"]
+    loader.TIED_RUNS, loader.RUNS_MIN_WEIGHTS, qruns.SELF_MAX_BYTES = v["tied"], v["runs_min"], v["own"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -267,7 +278,8 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS, loader.TIED_RUNS) \
+            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS, loader.TIED_RUNS,
+                   loader.RUNS_MIN_WEIGHTS) \
                 if a.format != "bf16" else 0  # (bf16: one model)
             if key not in built:
                 if a.format == "bf16":

@@ -330,12 +330,13 @@ def test_a_k_quant_linear_takes_the_planar_layout(fmt, layout, row_bytes):
     lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES[fmt])
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
     ref = lin(x)
+    assert quant.BlockLinear.repack_for(gguf_blocks.TYPES[fmt])[1] == layout  # (what the loader asks)
     assert lin.to_planar() and lin.qweight().fmt == layout and not hasattr(lin, "blocks")
     assert torch.allclose(lin(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
     assert quant.weight_formats(lin) == {fmt: 20 * row_bytes}
     assert quant.BlockLinear.concat([lin, lin]) is None
     q8 = quant.BlockLinear(torch.zeros(4, 34, dtype=torch.uint8), gguf_blocks.TYPES["Q8_0"])
-    assert not q8.to_planar() and q8.qweight().fmt == "Q8_0"
+    assert not q8.to_planar() and q8.qweight().fmt == "Q8_0" and quant.BlockLinear.repack_for(q8.ggml_type) is None
 
 
 @pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])

@@ -196,6 +196,47 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, progra
         assert torch.equal(y, qruns.gemv(h, qw, int8=True))
 
 
+@pytest.mark.parametrize("kind,n,k,group,swiglu,bias", [
+    ("Q50R", 12, 576, 32, True, False), ("Q4KR", 21, 4864, 32, False, True), ("Q51R", 10, 96, 32, True, True),
+    ("INT4", 37, 1024, 128, False, False), ("Q4KR", 40, 512, 32, True, True)])
+def test_a_gemv_that_quantizes_its_own_input(device, kind, n, k, group, swiglu, bias):
+    """self_quantize (the int8 input made in the GEMV's programs, not in a launch before it): on a
+    row, the same bits as the GEMV after quantize_input, for every tile shape (K past a last step's
+    runs: 96 on 4 warps, 4,864); on a NormedRow, with and without a residual pending, the stream's
+    bits as add_rms_norm's and the outputs within the int8 product's bound of x~ @ W^T for x~ the
+    quantized normed row, or the same bits where the row was normed (or quantized) before."""
+    from models.kernels.cuda import base, qplanar, qruns
+    from models.kernels.cuda.linear import NormedRow
+    qw, w = weight(kind, n, k, 1, device, group)
+    g = torch.Generator().manual_seed(4)
+    b = torch.randn(n, generator=g).to(device) if bias else None
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        x = (torch.randn(1, k, generator=g) * 2).to(device, dtype)
+        x[0, :32] = 0.0  # (a run of zeros: dx 0)
+        for config in (None, (2, 1, False), (8, 4, True), (4, 2, True), (2, 4, True)):
+            two = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config, self_quantize=False)
+            one = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config, self_quantize=True)
+            assert torch.equal(one, two), (config, dtype, float((one.double() - two.double()).abs().max()))
+        for res in (True, False):
+            r = torch.randn(1, k, generator=g).to(device, dtype) if res else None
+            nw = (torch.rand(k, generator=g) + 0.5).to(device, dtype)
+            stream, h = base.add_rms_norm(x, r if res else torch.zeros_like(x), nw, 1e-6)
+            ref, tol = product_and_tolerance(qplanar.quantized_reference(h, 32).to(device), w, b, swiglu, dtype)
+            for config in (None, (2, 1, False), (4, 2, True)):
+                row = NormedRow(x, r, nw, 1e-6)
+                out = qruns.gemv(row, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config,
+                                 self_quantize=True)
+                err = (out.double() - ref).abs()
+                assert bool((err <= tol).all()), (config, dtype, res, float((err - tol).max()))
+                assert "int8 runs" not in row.forms and row._h is None
+                if res:
+                    assert torch.equal(row.stream, stream)
+                two = qruns.gemv(h, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config)
+                row.materialize()  # (normed before: its row quantized in the programs, the same bits)
+                assert torch.equal(qruns.gemv(row, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config,
+                                              self_quantize=True), two)
+
+
 @pytest.mark.parametrize("kind,n,k,group,start,stop", [("INT4", 37, 1024, 128, 0, 37), ("INT4", 37, 256, 64, 5, 30),
                                                        ("Q4KR", 45, 1024, 32, 2, 45), ("Q4KR", 18, 768, 32, 3, 18),
                                                        ("Q50R", 20, 896, 32, 1, 20), ("Q51R", 13, 576, 32, 0, 9)])
@@ -236,11 +277,11 @@ def test_linears_take_the_runs_on_cuda():
 
 
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
-def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt):
+def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt, monkeypatch):
     """to_planar on a Q5_0 / Q5_1 linear (the loader's step on CUDA): Q50R / Q51R in the blocks'
     bytes, the same outputs; a tied head's embedding then reads the head's runs (share_layout):
     the same rows, the blocks freed, the table counted once. Without five_bit, the blocks stay."""
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks, loader, quant
     from models.kernels.cuda import qlinear, qruns
     qw, _ = gguf_weight(fmt, 40, 96, 7, "cpu")
     emb = quant.BlockEmbedding(qw.data, ggml_type=gguf_blocks.TYPES[fmt])
@@ -249,6 +290,9 @@ def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt):
     ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
     rows, ref = emb(ids), head(x)
     assert not head.to_planar(five_bit=False) and not emb.share_layout(head)
+    assert loader._runs_type(head.ggml_type) and not loader._runs_type(gguf_blocks.TYPES["Q6_K"])  # (Q6KP: planar)
+    monkeypatch.setattr(loader, "FIVE_BIT_RUNS", False)
+    assert not loader._runs_type(head.ggml_type) and loader._runs_type(gguf_blocks.TYPES["Q4_K"])
     assert head.to_planar() and head.qweight().fmt == {"Q5_0": "Q50R", "Q5_1": "Q51R"}[fmt]
     assert qlinear.fits(head.qweight().fmt, 96) and qruns.takes(head.qweight())
     assert torch.allclose(head(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))

@@ -317,18 +317,24 @@ FIVE_BIT_RUNS = True
 TIED_RUNS = False
 
 
+# GGUF linears of a runs type (Q4_K, and Q5_0 / Q5_1 with FIVE_BIT_RUNS) are repacked above this many
+# weights (PLANAR_MIN_WEIGHTS for the planar types): smaller ones stay in their blocks (qlinear.py's
+# GEMV on the row as given, no int8 launch before it).
+RUNS_MIN_WEIGHTS = PLANAR_MIN_WEIGHTS
+
+
 def _runs_type(ggml_type: int) -> bool:
     """Whether BlockLinear.to_planar repacks this type in row-major runs (formats/runs.py), which a
     tied embedding can read too (BlockEmbedding.share_layout)."""
-    five = {gguf_blocks.TYPES[t] for t in ("Q5_0", "Q5_1")} if FIVE_BIT_RUNS else set()
-    return RUNS and (ggml_type == gguf_blocks.TYPES["Q4_K"] or ggml_type in five)
+    repack = quant.BlockLinear.repack_for(ggml_type, RUNS, FIVE_BIT_RUNS)
+    return repack is not None and repack[1] in quant.RUN_LAYOUTS
 
 
 def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears kept as
     stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
-    them), else into INT4P; GGUF linears of more than PLANAR_MIN_WEIGHTS weights: Q4_K into Q4KR
-    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS), Q5_K and Q6_K into Q5KP and Q6KP
+    them), else into INT4P; GGUF linears of more than RUNS_MIN_WEIGHTS weights: Q4_K into Q4KR
+    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS); of more than PLANAR_MIN_WEIGHTS: Q5_K and Q6_K into Q5KP and Q6KP
     (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
     head that shares its blocks with the embedding keeps them; with TIED_RUNS it is repacked into
     runs (never another layout), which the embedding then reads (one copy of the table)."""
@@ -340,7 +346,8 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
         if isinstance(m, hf_quant.GroupInt4Linear):
             m.to_planar(RUNS)
         elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
-                and m.in_features * m.out_features > PLANAR_MIN_WEIGHTS:
+                and m.in_features * m.out_features > (RUNS_MIN_WEIGHTS if _runs_type(m.ggml_type)
+                                                      else PLANAR_MIN_WEIGHTS):
             table = tables.get(m.blocks.untyped_storage().data_ptr())
             if table is None:
                 m.to_planar(RUNS, FIVE_BIT_RUNS)

@@ -389,22 +389,30 @@ class BlockLinear(QuantLinear):
     planar = False  # True once to_planar() replaced the blocks by a kernel's layout (formats/runs.py, planar.py)
     planar_fmt = ""
 
+    @staticmethod
+    def repack_for(ggml_type: int, runs: bool = True, five_bit: bool = True):
+        """(repack function, the layout it makes) that to_planar applies to this GGUF type, or
+        None: Q4_K into Q4KR (runs.py; Q4KP, planar.py, where not `runs`), Q5_K into Q5KP, Q6_K
+        into Q6KP; with `runs` and `five_bit`, Q5_0 / Q5_1 into Q50R / Q51R."""
+        from . import planar
+        from . import runs as run_layout
+        table = {"Q4_K": (run_layout.repack_q4k, "Q4KR") if runs else (planar.repack_q4k, "Q4KP"),
+                 "Q5_K": (planar.repack_q5k, "Q5KP"), "Q6_K": (planar.repack_q6k, "Q6KP")}
+        if runs and five_bit:
+            table.update({t: (run_layout.repack_q5, layout) for t, layout in run_layout.FIVE_BIT.items()})
+        return table.get(gguf_blocks.type_name(ggml_type))
+
     def to_planar(self, runs: bool = True, five_bit: bool = True) -> bool:
         """Q4_K, Q5_K and Q6_K on CUDA: the blocks repacked as Q4KR (runs.py: 4.625 bits a weight
         against 4.5) for qruns.py's GEMV (Q4KP for qplanar.py's where not `runs`), Q5KP (5.625
         against 5.5) or Q6KP (6.5625, as Q6_K) for qplanar.py's; with `runs` and `five_bit`, Q5_0
-        and Q5_1 as Q50R and Q51R (runs.py: the blocks' bytes) for qruns.py's; the blocks freed;
-        once, after fusion. False for other types."""
+        and Q5_1 as Q50R and Q51R (runs.py: the blocks' bytes) for qruns.py's (repack_for's
+        table); the blocks freed; once, after fusion. False for other types."""
         from . import planar
-        from . import runs as run_layout
-        repack = {gguf_blocks.TYPES["Q4_K"]: run_layout.repack_q4k if runs else planar.repack_q4k,
-                  gguf_blocks.TYPES["Q6_K"]: planar.repack_q6k,
-                  gguf_blocks.TYPES["Q5_K"]: planar.repack_q5k}
-        if runs and five_bit:
-            repack.update({gguf_blocks.TYPES[t]: run_layout.repack_q5 for t in run_layout.FIVE_BIT})
-        if self.planar or self.ggml_type not in repack or self.in_features % gguf_blocks.LAYOUTS[self.ggml_type].block:
+        repack = self.repack_for(self.ggml_type, runs, five_bit)
+        if self.planar or repack is None or self.in_features % gguf_blocks.LAYOUTS[self.ggml_type].block:
             return self.planar
-        self.hold(planar.one_storage(repack[self.ggml_type](self.qweight())))
+        self.hold(planar.one_storage(repack[0](self.qweight())))
         return True
 
     def hold(self, pw: QWeight) -> None:
