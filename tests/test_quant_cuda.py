@@ -88,6 +88,7 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
     from models.formats import loader
     if planar_min is not None:
         monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
+        monkeypatch.setattr(loader, "RUNS_MIN_WEIGHTS", planar_min)
     if planar_min == 0:  # (a tied head in runs too, with its embedding: not the default, kept working)
         monkeypatch.setattr(loader, "TIED_RUNS", True)
     path = tiny_gguf(tmp_path, kind, linear, types, embed)
@@ -97,8 +98,9 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
     mlp = layer.mlp
     gate_up = mlp.gate_up_proj  # fused; as stored, or repacked as Q4KR, Q50R, Q51R (runs.py), Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
+    least = loader.RUNS_MIN_WEIGHTS if loader._runs_type(linear) else loader.PLANAR_MIN_WEIGHTS
     assert gate_up.planar == ((linear in KQUANTS and gate_up.in_features % 256 == 0 or linear in FIVE_BIT)
-                              and gate_up.in_features * gate_up.out_features > loader.PLANAR_MIN_WEIGHTS)
+                              and gate_up.in_features * gate_up.out_features > least)
     embed_tokens, head = q16.model.model.embed_tokens, q16.model.lm_head
     if planar_min == 0 and kind == "qwen2" and embed in FIVE_BIT + (Q.Q4_K,):  # a tied head in runs, shared
         assert embed_tokens.planar and head.planar and embed_tokens.words is head.words
@@ -118,6 +120,7 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
     from models.formats import loader
     if planar_min is not None:
         monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
+        monkeypatch.setattr(loader, "RUNS_MIN_WEIGHTS", planar_min)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     reader = gguf.GGUFReader(path)
     file_bytes = {}
@@ -137,10 +140,15 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
     # the embedding keeps the file's blocks
     embed = lm.model.model.embed_tokens
     embed_q4k = embed.blocks.numel() if isinstance(embed, quant.BlockEmbedding) and embed.ggml_type == Q.Q4_K else 0
-    if planar_min is None:
-        assert q6kp == 0 and got["Q4_K"] == file_bytes["Q4_K"] and got["Q6_K"] == file_bytes["Q6_K"], got
+    q4k = [m for m in lm.model.modules() if isinstance(m, quant.BlockLinear) and m.ggml_type == Q.Q4_K]
+    q4kr = sum(m.out_features * m.in_features // 256 for m in q4k if m.planar_fmt == "Q4KR")
+    assert all(m.planar_fmt in ("", "Q4KR") for m in q4k)
+    if planar_min is None:  # (a tiny model's matrices: Q6_K in its blocks; Q4_K in runs where RUNS_MIN_WEIGHTS is 0)
+        assert q6kp == 0 and got["Q6_K"] == file_bytes["Q6_K"], got
+        assert (q4kr > 0) == (loader.RUNS_MIN_WEIGHTS == 0), q4kr
     else:
-        assert got["Q4_K"] == embed_q4k + (file_bytes["Q4_K"] - embed_q4k) * 148 // 144, (got["Q4_K"], file_bytes["Q4_K"])
+        assert q4kr == (file_bytes["Q4_K"] - embed_q4k) // 144
+    assert got["Q4_K"] == file_bytes["Q4_K"] + 4 * q4kr, (got["Q4_K"], file_bytes["Q4_K"], q4kr)
     quantized = sum(v for k, v in file_bytes.items() if k.startswith("Q"))
     f32 = file_bytes.get("F32", 0)
     assert used <= 1.05 * (quantized + f32 // 2) + (1 << 20), (used, quantized)
