@@ -52,7 +52,9 @@ both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a hea
 programs of that many value columns on that many warps (delta.SPLIT_CONFIG). selfN: qruns.py's
 GEMVs of at most N MB (N = 1048576: all) quantizing their own int8 input in their programs
 (qruns.SELF_MAX_BYTES), not in a launch before; r0: every Q4_K / Q5_0 / Q5_1 matrix in runs,
-whatever its size (loader.RUNS_MIN_WEIGHTS 0); selfNr0: both.
+whatever its size (loader.RUNS_MIN_WEIGHTS 0); selfNr0: both; before: neither (the defaults
+before both); self0: no GEMV quantizing its own input; rmin4: the runs types' matrices of up to 4
+Mi weights in their blocks.
 (The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
 variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
 """
@@ -151,6 +153,9 @@ VARIANTS = {
     **{f"self{mb}": dict(own=mb << 20) for mb in (2, 8, 32, 128, 1 << 20)},
     **{f"self{mb}r0": dict(own=mb << 20, runs_min=0) for mb in (2, 8, 32, 1 << 20)},
     "r0": dict(runs_min=0),
+    "before": dict(own=0, runs_min=4 << 20),  # the defaults before 2026-12-03 12:30: no SELF, runs above 4 Mi weights
+    "self0": dict(own=0),  # every runs-type matrix in runs, each after its int8 launch
+    "rmin4": dict(runs_min=4 << 20),  # the runs types' small matrices in their blocks (SELF where repacked)
     "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (loader.TIED_RUNS)
     "tiedblocks": dict(tied=False),  # (the default since 2026-12-03: both in their blocks)
     "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)

@@ -192,8 +192,8 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, progra
         if res:
             assert torch.equal(bits(row.stream), bits(stream))
         assert qruns.normed_input(row) is q
-        y = qruns.gemv(NormedRow(x, r, nw, 1e-6), qw, int8=True)
-        assert torch.equal(y, qruns.gemv(h, qw, int8=True))
+        y = qruns.gemv(NormedRow(x, r, nw, 1e-6), qw, int8=True, self_quantize=False)
+        assert torch.equal(y, qruns.gemv(h, qw, int8=True, self_quantize=False))
 
 
 @pytest.mark.parametrize("kind,n,k,group,swiglu,bias", [
@@ -331,7 +331,8 @@ def test_qlinear_sends_runs_to_qruns(device):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The GEMV (its inline DP4A included, which the interpreter does not run) on either input, with
+    """The GEMV (its inline DP4A included, which the interpreter does not run) on either input (and
+    on int8 inputs it makes itself, from a row or a NormedRow: its inline cvt and byte packing), with
     and without its read ahead, whole steps or not, SwiGLU or not, the quantizers (alone and after
     the norm) and the dequantize kernel, for INT4 and Q4KR, compile to sm_90 binaries (Triton's
     own ptxas, no device)."""
@@ -343,11 +344,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt, aux, aux2, G in ((0, "*fp16", "*u8", 128), (1, "*i32", "*i16", 32)):
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                   stride_a="i32", stride_z="i32")
-        cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
-                   dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8,
-                        HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)]
+                   stride_a="i32", stride_z="i32", res="*bf16", nw="*bf16", stream="*bf16", eps="fp32")
+        cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 and not own else "*bf16"},
+                   dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8 or own > 0,
+                        SELF=own > 0, NORM=own > 1, HAS_RES=own > 1, HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf,
+                        PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)
+                  for own in ((0, 1, 2) if a8 else (0,))]  # (own: 1 the input quantized here, 2 normed first)
         cases.append((qruns._runs_dequant_kernel,
                       dict(w="*u8", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),

@@ -318,9 +318,10 @@ TIED_RUNS = False
 
 
 # GGUF linears of a runs type (Q4_K, and Q5_0 / Q5_1 with FIVE_BIT_RUNS) are repacked above this many
-# weights (PLANAR_MIN_WEIGHTS for the planar types): smaller ones stay in their blocks (qlinear.py's
-# GEMV on the row as given, no int8 launch before it).
-RUNS_MIN_WEIGHTS = PLANAR_MIN_WEIGHTS
+# weights (PLANAR_MIN_WEIGHTS for the planar types), every one by default: a small one's GEMV
+# quantizes its own input (qruns.SELF_MAX_BYTES), so no int8 launch comes before it. Where it is
+# larger, the smaller ones stay in their blocks (qlinear.py's GEMV on the row as given).
+RUNS_MIN_WEIGHTS = 0
 
 
 def _runs_type(ggml_type: int) -> bool:

@@ -540,9 +540,11 @@ def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tupl
 # Matrices of at most this many bytes quantize their int8 input in their own programs (SELF: each
 # program quantizes the whole row, normed first where the input is a NormedRow) rather than after a
 # launch of its own (quantize_input, normed_input): a launch fewer before each of a small model's
-# GEMVs, whose steps are bound by launches, for a few instructions a weight more (each of the
-# N / BN programs quantizes all K inputs). 0: never.
-SELF_MAX_BYTES = 0
+# GEMVs, whose steps are bound by launches, for more instructions a weight (each of the N / BN
+# programs quantizes all K inputs: ~260 more a run on a row, ~460 on a NormedRow, against ~50 a
+# row and run of the GEMV itself; bench/sass_loop.py --self). The bound leaves out the 27B-like
+# model's matrices (18 MB and up), whose GEMVs run on the DRAM's bandwidth. 0: never.
+SELF_MAX_BYTES = 8 << 20
 
 
 def self_quantizes(x: "torch.Tensor | NormedRow", pw: QWeight, int8: bool) -> bool:
