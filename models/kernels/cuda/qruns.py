@@ -544,7 +544,7 @@ def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tupl
 # programs quantizes all K inputs: ~260 more a run on a row, ~460 on a NormedRow, against ~50 a
 # row and run of the GEMV itself; bench/sass_loop.py --self). The bound leaves out the 27B-like
 # model's matrices (18 MB and up), whose GEMVs run on the DRAM's bandwidth. 0: never.
-SELF_MAX_BYTES = 8 << 20
+SELF_MAX_BYTES = 0
 
 
 def self_quantizes(x: "torch.Tensor | NormedRow", pw: QWeight, int8: bool) -> bool:
