@@ -308,7 +308,7 @@ RUNS = True
 # super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R); False: in their blocks
 # (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant. The 0.5B-like Q4_K decode 1,863.1 tok/s
 # against 1,664.1 (its [9728, 896] gate/up pair 3.5 us against 6.5); SmolLM2-135M-like even, its
-# matrices under PLANAR_MIN_WEIGHTS (2,040.6 against 2,041.9 tok/s; bench/RESULTS.md set AK).
+# matrices then under the bound of 4 Mi weights (2,040.6 against 2,041.9 tok/s; bench/RESULTS.md set AK).
 FIVE_BIT_RUNS = True
 # A tied LM head of a runs type repacked too (its embedding then reads its runs: one copy still); False:
 # both keep the blocks. The head's float path in runs measured even on the 0.5B-like shape (1,867.4
@@ -318,9 +318,11 @@ TIED_RUNS = False
 
 
 # GGUF linears of a runs type (Q4_K, and Q5_0 / Q5_1 with FIVE_BIT_RUNS) are repacked above this many
-# weights (PLANAR_MIN_WEIGHTS for the planar types), every one by default: a small one's GEMV
-# quantizes its own input (qruns.SELF_MAX_BYTES), so no int8 launch comes before it. Where it is
-# larger, the smaller ones stay in their blocks (qlinear.py's GEMV on the row as given).
+# weights (PLANAR_MIN_WEIGHTS for the planar types): every one by default, the small ones too (each
+# after its int8 launch, as the large ones). Q4_K decode against PLANAR_MIN_WEIGHTS's 4 Mi (set AL,
+# bench/ab_decode.py's `before`): Qwen2.5-0.5B-like 1,933.4 tok/s against 1,861.8, LFM2-1.2B-like
+# 1,999.5 against 1,897.8, SmolLM2-135M-like even (2,049.6 against 2,045.0). Where it is larger, the
+# smaller ones stay in their blocks (qlinear.py's GEMV on the row as given).
 RUNS_MIN_WEIGHTS = 0
 
 
@@ -335,8 +337,8 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
     """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears kept as
     stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
     them), else into INT4P; GGUF linears of more than RUNS_MIN_WEIGHTS weights: Q4_K into Q4KR
-    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS); of more than PLANAR_MIN_WEIGHTS: Q5_K and Q6_K into Q5KP and Q6KP
-    (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
+    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS); of more than PLANAR_MIN_WEIGHTS: Q5_K
+    and Q6_K into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
     head that shares its blocks with the embedding keeps them; with TIED_RUNS it is repacked into
     runs (never another layout), which the embedding then reads (one copy of the table)."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:

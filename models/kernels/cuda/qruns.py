@@ -539,11 +539,13 @@ def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tupl
 
 # Matrices of at most this many bytes quantize their int8 input in their own programs (SELF: each
 # program quantizes the whole row, normed first where the input is a NormedRow) rather than after a
-# launch of its own (quantize_input, normed_input): a launch fewer before each of a small model's
-# GEMVs, whose steps are bound by launches, for more instructions a weight (each of the N / BN
-# programs quantizes all K inputs: ~260 more a run on a row, ~460 on a NormedRow, against ~50 a
-# row and run of the GEMV itself; bench/sass_loop.py --self). The bound leaves out the 27B-like
-# model's matrices (18 MB and up), whose GEMVs run on the DRAM's bandwidth. 0: never.
+# launch of its own (quantize_input, normed_input). 0 (never) by default: a launch fewer before
+# each GEMV was measured slower, not faster, at 8 MB (bench/RESULTS.md set AL: Q4_K decode, the
+# SmolLM2-135M-like 1,731.2 tok/s against 2,047.0 without, the Qwen2.5-0.5B-like 1,568.0 against
+# 1,937.7): each thread quantizes (and norms) a whole 32-input run in a chain of ~260 (~460 on a
+# NormedRow) more instructions (bench/sass_loop.py --self), on the critical path of every program,
+# against ~50 a row and run of the GEMV itself. Kept as a tested form (tests/test_qruns.py,
+# bench/ab_decode.py's selfN variants).
 SELF_MAX_BYTES = 0
 
 
