@@ -47,7 +47,10 @@ long to read whole, under 4,096 of them, in K steps of 128 as before 2026-12-03)
 (both). normwait / normend: the GEMV after a materialized norm launches once the norm has waited
 on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 (garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
-add_rms_norm launch), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
+add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch / no
+qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), int8apart (the
+runs GEMVs' int8 inputs each made in a launch of its own, not by the SwiGLU pair, the attention merge
+or the delta step before them: qruns.FUSED_INT8 off), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
 both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
 programs of that many value columns on that many warps (delta.SPLIT_CONFIG). selfN: qruns.py's
 GEMVs of at most N MB (N = 1048576: all) quantizing their own int8 input in their programs
@@ -91,7 +94,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
                 runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None,
-                runs_min=loader.RUNS_MIN_WEIGHTS, own=qruns.SELF_MAX_BYTES)
+                runs_min=loader.RUNS_MIN_WEIGHTS, own=qruns.SELF_MAX_BYTES, fusedint8=qruns.FUSED_INT8)
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
@@ -177,7 +180,11 @@ VARIANTS = {
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
-    "skipnorm": dict(skip=("norm",)),  # no add_rms_norm launch (the stream and the normed row unwritten)
+    "skipnorm": dict(skip=("norm",)),
+    "int8apart": dict(fusedint8=False),  # every runs GEMV's int8 input in a launch of its own (qruns.FUSED_INT8 off)
+    "skipquant": dict(skip=("quant",)),  # no qruns.quantize_input launch (the GEMV reads a stale buffer)
+    "skipnq": dict(skip=("normquant",)),  # no qruns.normed_input launch (the stream and the int8 row unwritten)
+    "skipint8": dict(skip=("quant", "normquant")),  # no add_rms_norm launch (the stream and the normed row unwritten)
     "skipconv": dict(skip=("conv",)),  # no Gated DeltaNet conv step (its delta step reads garbage)
     "skipdeltastep": dict(skip=("step",)),  # no Gated DeltaNet delta step (the conv step runs)
     "skipdelta": dict(skip=("conv", "step")),
@@ -192,6 +199,17 @@ VARIANTS = {
 
 
 _ADD_RMS_NORM, _DELTA_LAUNCH = cuda_base.add_rms_norm, cuda_delta.launch
+_RUNS_QUANTIZE, _RUNS_NORMED = qruns.quantize_input, qruns.normed_input
+_STALE: dict = {}
+
+
+def _stale_int8(x):
+    """The skipquant / skipnq ablations' int8 input: a buffer of its size made once, no launch."""
+    k = x.x.shape[-1] if isinstance(x, cuda_linear.NormedRow) else x.shape[-1]
+    key = (k, x.device)
+    if key not in _STALE:
+        _STALE[key] = torch.empty(1, k // 32 * 10, dtype=torch.int32, device=x.device)
+    return _STALE[key]
 
 
 def _unnormed(x, y, weight, eps, sum_out=None, early="start", out_dtype=None):
@@ -238,6 +256,9 @@ def apply(variant: str) -> None:
     skipped = {k for p, k in (("conv", cuda_delta._conv_step_kernel), ("step", cuda_delta._delta_step_kernel))
                if p in v["skip"]}
     cuda_delta.launch = _launch_without(skipped) if skipped else _DELTA_LAUNCH
+    qruns.FUSED_INT8 = v["fusedint8"]
+    qruns.quantize_input = _stale_int8 if "quant" in v["skip"] else _RUNS_QUANTIZE
+    qruns.normed_input = _stale_int8 if "normquant" in v["skip"] else _RUNS_NORMED
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
     cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]

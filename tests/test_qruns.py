@@ -344,11 +344,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt, aux, aux2, G in ((0, "*fp16", "*u8", 128), (1, "*i32", "*i16", 32)):
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                   stride_a="i32", stride_z="i32", res="*bf16", nw="*bf16", stream="*bf16", eps="fp32")
+                   stride_a="i32", stride_z="i32", res="*bf16", nw="*bf16", stream="*bf16", eps="fp32", q8="*i32",
+                   sync="*i32")
         cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 and not own else "*bf16"},
                    dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8 or own > 0,
                         SELF=own > 0, NORM=own > 1, HAS_RES=own > 1, HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf,
-                        PDL=True, INTERPRETED=False))
+                        Q8=False, PDL=True, INTERPRETED=False))
                   for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)
                   for own in ((0, 1, 2) if a8 else (0,))]  # (own: 1 the input quantized here, 2 normed first)
         cases.append((qruns._runs_dequant_kernel,

@@ -24,6 +24,7 @@ from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
 from ..kernels.cuda import prefill_attention as cuda_prefill_attention
 from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
+from ..kernels.cuda import qruns
 
 
 class RMSNorm(nn.Module):
@@ -167,7 +168,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "gate_up_proj", None)
         if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
-            return self.down_proj(fused.gemv_swiglu(x))  # the dequant-GEMV computes silu(gate) * up
+            # the dequant-GEMV computes silu(gate) * up, and the down's int8 input where it reads one
+            dtype = (x.out_dtype or x.dtype) if isinstance(x, cuda_linear.NormedRow) else x.dtype
+            return self.down_proj(fused.gemv_swiglu(x, int8_out=qruns.reads_int8(self.down_proj, dtype)))
         if isinstance(fused, FusedLinear) and cuda_base.usable(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
             x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import kernels
 from ..sharding import Plan, Split, divisible, expert_splits
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base
+from ..kernels.cuda import attention as cuda_attention, base as cuda_base, qruns
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
@@ -95,7 +95,8 @@ class Attention(QKVProjections):
             q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)
             if cuda_base.attention_usable(x, D):
-                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions))
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions,
+                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype)))
             return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask, positions))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
-from ..kernels.cuda import scan as cuda_scan
+from ..kernels.cuda import qruns, scan as cuda_scan
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_lm import Body, CausalLM
 from . import moe
@@ -174,7 +174,8 @@ class GatedDeltaNet(nn.Module):
             # the conv, the delta rule and the gated norm in two kernels
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
-                                     self.dv, beta_scale=self.beta_scale, sync=self.delta_sync)
+                                     self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
+                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype))
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
@@ -240,7 +241,8 @@ class GatedAttention(QKVProjections):
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
             if cuda_base.attention_usable(x, self.d):
-                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d))
+                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d,
+                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype)))
             gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
             out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
             return self.o_proj(out.view(T, -1))

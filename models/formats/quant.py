@@ -332,10 +332,11 @@ class QuantLinear(nn.Module):
             y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
         return y
 
-    def gemv_swiglu(self, x) -> torch.Tensor:
-        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch."""
+    def gemv_swiglu(self, x, int8_out: bool = False):
+        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch. int8_out:
+        the kernels' (a runs GEMV reads the result next: the row carrying its int8 words too)."""
         return self.kernels.gemv(x if not isinstance(x, torch.Tensor) else x.contiguous(), self.qweight(), self.bias,
-                                 swiglu=True)
+                                 swiglu=True, int8_out=int8_out)
 
     def split(self, x) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)

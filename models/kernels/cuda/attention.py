@@ -14,15 +14,19 @@ probabilities meet the values in bf16 on the tensor cores, as the torch form's b
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from . import base as cuda_base
+from . import base as cuda_base, qruns
 from .base import cdiv, launch, next_pow2, triton
+from .linear import NormedRow
 
 if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
+    from .qruns import _quantize_runs
 
     @triton.jit
     def _split_kernel(q, k_cache, v_cache, pos_ptr, m_out, l_out, acc_out, stride_kh, stride_vh, scale,
@@ -61,8 +65,9 @@ if triton is not None:
         tl.store(acc_out + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
-    def _merge_kernel(m_in, l_in, acc_in, gate, out, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr,
-                      D: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(m_in, l_in, acc_in, gate, out, q8, GATE_STRIDE: tl.constexpr, HAS_GATE: tl.constexpr,
+                      D: tl.constexpr, NSPLIT: tl.constexpr, Q8: tl.constexpr, KQ: tl.constexpr, PDL: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
         _pdl_enter(PDL)
         h = tl.program_id(0)
         sp = tl.arange(0, NSPLIT)
@@ -75,6 +80,10 @@ if triton is not None:
             z = tl.load(gate + h * GATE_STRIDE + d).to(tl.float32)
             o = o / (1.0 + tl.exp(-z))
         tl.store(out + h * D + d, o.to(out.dtype.element_ty))
+        if Q8:  # the head's runs as qruns.quantize_input makes them from the stored row (KQ: the row's words)
+            r = h * (D // 32) + tl.arange(0, D // 32)[:, None]
+            v = tl.reshape(o.to(out.dtype.element_ty).to(tl.float32), [D // 32, 32])
+            _quantize_runs(v, r, r >= 0, q8, KQ, INTERPRETED)
 
 
 def n_splits(max_context: int) -> int:
@@ -83,9 +92,12 @@ def n_splits(max_context: int) -> int:
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-           gate: torch.Tensor | None = None, gate_stride: int = 0) -> torch.Tensor:
+           gate: torch.Tensor | None = None, gate_stride: int = 0, int8_out: bool = False):
     """q [H, 1, D] contiguous; caches [KVH, S, D] with contiguous rows; positions [1] on the device
-    (slots 0..positions[0] are live); gate: the tensor whose head h starts at h * gate_stride."""
+    (slots 0..positions[0] are live); gate: the tensor whose head h starts at h * gate_stride.
+    int8_out (D a multiple of 32; for an o_proj that reads qruns.py's int8 words: qruns.reads_int8):
+    the merge also writes the output's int8 words, and the output comes as a row carrying them
+    (NormedRow.made)."""
     H, _, D = q.shape
     kvh = k_cache.shape[0]
     G = H // kvh
@@ -97,6 +109,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
            q, k_cache, v_cache, positions, m, l_sum, acc, k_cache.stride(0), v_cache.stride(0),
            D ** -0.5, G=G, GP=max(16, next_pow2(G)), D=D, NSPLIT=ns, BLOCK_N=64, **cuda_base.pdl(q))
     out = torch.empty(1, H * D, dtype=q.dtype, device=q.device)
-    launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, GATE_STRIDE=gate_stride,
-           HAS_GATE=gate is not None, D=D, NSPLIT=ns, **cuda_base.pdl(q))
-    return out
+    q8 = int8_out and D % 32 == 0
+    words = qruns.int8_words(H * D, q.device) if q8 else out
+    launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, words, GATE_STRIDE=gate_stride,
+           HAS_GATE=gate is not None, D=D, NSPLIT=ns, Q8=q8, KQ=H * D // 4,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cuda_base.pdl(q))
+    return NormedRow.made(out, {"int8 runs": words}) if q8 else out

@@ -17,15 +17,19 @@ ops, so the two agree to bf16 rounding. The torch form replaces ~30 kernel launc
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from . import base as cuda_base
+from . import base as cuda_base, qruns
 from .base import cdiv, launch, next_pow2, triton
+from .linear import NormedRow
 
 if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
+    from .qruns import _quantize_runs
 
     # Both kernels read their layer's own state before waiting on the previous kernel (PDL), as
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
@@ -57,16 +61,19 @@ if triton is not None:
         tl.store(state + c[:, None] * KM1 + j[None, :], shifted, mask=cm[:, None] & (j[None, :] < KM1))
 
     @triton.jit
-    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, part, ssq, sync, z_off, b_off, a_off, eps,
+    def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, part, ssq, sync, q8, z_off, b_off, a_off, eps,
                            q_scale, beta_scale, KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
-                           DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                           DV: tl.constexpr, BV: tl.constexpr, Q8: tl.constexpr, KQ: tl.constexpr,
+                           PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Value head program_id(0)'s columns program_id(1) BV.. (grid [nv, DV / BV]). With BV = DV
         one program owns the head (part, ssq and sync unread). Split, each column's state, o and
         gate are its program's own, but the head's gated RMSNorm needs all of o's squares: each
         program stores its gated o (part) and its sum of squares (ssq), and the last of the
         head's programs to count itself in (`sync`, an acq_rel atomic after a barrier) sums the
         squares in column-block order (the same bits whatever the order of arrival), writes the
-        head's output and sets the count back to zero."""
+        head's output and sets the count back to zero. Q8: the program writing a head's output
+        also writes its int8 runs (qruns.quantize_input's words from the stored output; KQ: the
+        row's words)."""
         SPLIT: tl.constexpr = DV // BV
         h = tl.program_id(0)
         c = tl.program_id(1)
@@ -97,7 +104,11 @@ if triton is not None:
         z = tl.load(proj + z_off + h * DV + dv).to(tl.float32)
         if SPLIT == 1:
             o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * nw
-            tl.store(out + h * DV + dv, (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty))
+            y = (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty)
+            tl.store(out + h * DV + dv, y)
+            if Q8:
+                r = h * (DV // 32) + tl.arange(0, DV // 32)[:, None]
+                _quantize_runs(tl.reshape(y.to(tl.float32), [DV // 32, 32]), r, r >= 0, q8, KQ, INTERPRETED)
         else:
             tl.store(part + h * DV + dv, o * nw * (z / (1.0 + tl.exp(-z))))
             tl.store(ssq + h * SPLIT + c, tl.sum(o * o, axis=0))
@@ -106,7 +117,11 @@ if triton is not None:
                 ms = tl.sum(tl.load(ssq + h * SPLIT + tl.arange(0, SPLIT), cache_modifier=".cg"), axis=0) / DV
                 col = tl.arange(0, DV)
                 gated = tl.load(part + h * DV + col, cache_modifier=".cg")  # (other programs wrote it: from L2)
-                tl.store(out + h * DV + col, (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty))
+                y = (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty)
+                tl.store(out + h * DV + col, y)
+                if Q8:
+                    r = h * (DV // 32) + tl.arange(0, DV // 32)[:, None]
+                    _quantize_runs(tl.reshape(y.to(tl.float32), [DV // 32, 32]), r, r >= 0, q8, KQ, INTERPRETED)
                 tl.store(sync + h, 0)
 
 
@@ -120,13 +135,15 @@ SPLIT_CONFIG = (32, 4)
 def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor,
            neg_A: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
            nk: int, nv: int, dk: int, dv: int, beta_scale: float = 1.0,
-           sync: torch.Tensor | None = None) -> torch.Tensor:
+           sync: torch.Tensor | None = None, int8_out: bool = False):
     """proj: the fused input projection's output [1, conv_dim + value_dim + 2 nv] (mixed qkv, z,
     b, a), contiguous; conv_state [conv_dim, K-1] and rec_state [nv, dk, dv] fp32, both updated in
     place; conv_weight [conv_dim, 1, K]. beta = beta_scale * sigmoid(b) (2 for OLMo-Hybrid).
     sync: int32 zeros, at least nv, this layer's own (`counters`; every launch leaves them zero):
     with them the delta step splits each head's value columns over programs (SPLIT_CONFIG).
-    Returns the normed, gated output [1, nv * dv]."""
+    Returns the normed, gated output [1, nv * dv]; with int8_out (dv a multiple of 32: for an
+    out_proj that reads qruns.py's int8 words, qruns.reads_int8) as a row carrying its int8 words
+    too, written by the same launch (NormedRow.made)."""
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
     k = conv_weight.shape[-1]
@@ -142,9 +159,12 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
         ssq = torch.empty(nv, dv // bv, dtype=torch.float32, device=proj.device)
     else:  # one program a head (part, ssq and sync unread)
         bv, warps, part, ssq, sync = dv, 8, out, out, out
+    q8 = int8_out and dv % 32 == 0
+    words = qruns.int8_words(value_dim, proj.device) if q8 else out
     launch(_delta_step_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part, ssq,
-           sync, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, num_warps=warps, **cuda_base.pdl(proj))
-    return out
+           sync, words, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, Q8=q8, KQ=value_dim // 4,
+           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(proj))
+    return NormedRow.made(out, {"int8 runs": words}) if q8 else out
 
 
 def counters(nv: int, device: torch.device) -> torch.Tensor:

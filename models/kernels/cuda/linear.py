@@ -167,6 +167,14 @@ class NormedRow:
         self._h: torch.Tensor | None = None
         self.forms: dict = {}  # other forms of the normed row, made once for the GEMVs that read them (qplanar's int8)
 
+    @classmethod
+    def made(cls, row: torch.Tensor, forms: dict) -> "NormedRow":
+        """A row computed already (no norm pending: materialize() returns it), carrying other forms
+        of it that its launch made too (qruns.py's int8 words, for the runs GEMV that reads it)."""
+        made = cls(row, None, row, 0.0)
+        made._h, made.forms = row, forms
+        return made
+
     def row_for_prologue(self) -> torch.Tensor | None:
         """Where the normed row is not computed yet: an empty tensor for it, now this row's, for
         the GEMV whose prologue normalizes it to write (gemv's normed_out); else None."""

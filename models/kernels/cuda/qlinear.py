@@ -135,16 +135,17 @@ def launch_config(qw: QWeight, swiglu: bool = False, config: tuple[int, int, int
 
 
 def gemv(x: "torch.Tensor | NormedRow", qw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
-         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple[int, int, int] | None = None,
+         int8_out: bool = False) -> "torch.Tensor | NormedRow":
     """x [1, K] contiguous (or a NormedRow of one). Returns [1, N] (swiglu: [1, N/2], the gate
     rows first) in out_dtype (x's by default). config: (BLOCK_N, num_warps, most weights a step),
     pick_config's by default (bench/quant_bench.py --sweep measures others); FP8 and the planar
     formats take their own kernels' (fp8.py, qplanar.py), and so do 4-bit runs (qruns.py: Q4KR,
-    INT4 in groups of a multiple of 32)."""
+    INT4 in groups of a multiple of 32; int8_out, qruns.gemv's: the output's int8 words too)."""
     if qw.fmt == "FP8":
         return fp8.gemv(x, qw, bias, swiglu, out_dtype, config)
     if qruns.takes(qw):  # a NormedRow normed and quantized in one launch before it
-        return qruns.gemv(x, qw, bias, swiglu, out_dtype)
+        return qruns.gemv(x, qw, bias, swiglu, out_dtype, int8_out=int8_out)
     if qw.fmt in qplanar.FMTS:  # qplanar.py's GEMV: a NormedRow normed and quantized in one launch before it
         return qplanar.gemv(x, qw, bias, swiglu, out_dtype)
     if isinstance(x, NormedRow) and (qw.nbytes() > PROLOGUE_MAX_BYTES or x._h is not None):

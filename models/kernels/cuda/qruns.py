@@ -32,10 +32,11 @@ import torch
 
 from . import base as cuda_base, qplanar
 from .base import cdiv, launch, next_pow2, triton
-from ...formats.quant import QWeight
+from ...formats.quant import QuantLinear, QWeight
 from .linear import NormedRow
 
-__all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes"]
+__all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes",
+           "reads_int8", "int8_words"]
 
 FMTS = {"INT4": 0, "Q4KR": 1, "Q50R": 2, "Q51R": 3}  # the kernels' FMT constant
 RUN = 32  # weights a run: an int8 input's group
@@ -308,15 +309,18 @@ if triton is not None:
         return acc + scale * ws - offset * xs
 
     @triton.jit
-    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, res, nw, stream, eps,
+    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, res, nw, stream, eps, q8, sync,
                           G: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
                           STEPS: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr,
                           SELF: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                          SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
                           INTERPRETED: tl.constexpr):
         """Rows pid BN.. (N outputs; SWIGLU: the up rows N below), C runs a step, STEPS steps. A8
         without SELF: x is quantize_input's words; with SELF, the row (its runs quantized here, and
-        with NORM first normed: rms_norm(x + res) nw, the sum written into `stream` by program 0)."""
+        with NORM first normed: rms_norm(x + res) nw, the sum written into `stream` by program 0).
+        Q8 (BN divides 32, N a multiple of 32): the output row's int8 runs into q8 as well, by the
+        last of a run's 32 / BN programs to count itself in (`sync`, an acq_rel atomic after a
+        barrier; the count set back to zero), from the outputs as stored: quantize_input's bits."""
         KQ: tl.constexpr = RUNS * 8  # the int8 input's words
         r = tl.program_id(0) * BN + tl.arange(0, BN)
         # [C, BN, 4] tiles (runs first: Triton's coalescing orders the dims that are not contiguous by
@@ -385,9 +389,18 @@ if triton is not None:
                                       FMT, A8, EVEN, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
         _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=0) if SWIGLU else y, bias, out, r, N, HAS_BIAS, SWIGLU)
+        if Q8:
+            run = tl.program_id(0) * BN // 32
+            tl.debug_barrier()  # every thread's stores before the count (the release covers them)
+            if tl.atomic_add(sync + run, 1, sem="acq_rel", scope="gpu") == 32 // BN - 1:
+                at = run * 32 + tl.arange(0, 32)[None, :]
+                v = tl.load(out + at, cache_modifier=".cg").to(tl.float32)  # (other programs wrote it: from L2)
+                rr = run + tl.zeros([1, 1], dtype=tl.int32)
+                _quantize_runs(v, rr, rr >= 0, q8, N // 4, INTERPRETED)
+                tl.store(sync + run, 0)
 
     @triton.jit
-    def _quantize_runs(v, r, ok, dst, KQ: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _quantize_runs(v, r, ok, dst, KQ, INTERPRETED: tl.constexpr):
         """v [RB, 32] fp32 (runs r [RB, 1]; ok: which are real) → dst: per run, q = round-half-even(v
         127 / amax) as int8 (words r 8.. in order) and (dx = amax / 127, dx sum q) as fp32 bits
         (words KQ + 2 r, + 1): qplanar._quantize_groups' arithmetic on groups of 32."""
@@ -561,14 +574,18 @@ def self_quantizes(x: "torch.Tensor | NormedRow", pw: QWeight, int8: bool) -> bo
 
 def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
          out_dtype: torch.dtype | None = None, config: tuple[int, int, bool] | None = None,
-         int8: bool | None = None, self_quantize: bool | None = None) -> torch.Tensor:
+         int8: bool | None = None, self_quantize: bool | None = None,
+         int8_out: bool = False) -> "torch.Tensor | NormedRow":
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch,
     normed_input); pw an INT4, Q4KR, Q50R or Q51R QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
     gate rows first) in out_dtype (the row's dtype by default). int8 (qplanar.int8_inputs of the
     row's dtype by default): against x~ = quantize_input's instead of x; self_quantize
     (self_quantizes' rule by default): that input made in the GEMV's programs, the same bits of
     x~ (of a NormedRow: its norm's sum of squares in another order, so x~ may differ where a value
-    rounds at a tie). config: (BN, num_warps, PREFETCH), pick_config's by default."""
+    rounds at a tie). config: (BN, num_warps, PREFETCH), pick_config's by default. int8_out (for
+    an output that a runs GEMV reads next: reads_int8): the output also as quantize_input's words,
+    made in this launch, returned as a row carrying them (NormedRow.made), where the tile allows
+    (BN dividing 32, whole runs of outputs); else the output alone."""
     n_out = pw.n // 2 if swiglu else pw.n
     x, row_dtype, int8 = qplanar.row_input(x, int8)  # (qplanar.int8_inputs' rule)
     own = self_quantizes(x, pw, int8) if self_quantize is None else (self_quantize and int8)
@@ -590,13 +607,54 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
     aux, aux2, sa, sz = _aux(pw)
     steps = cdiv(runs, c)
+    q8 = int8_out and n_out % RUN == 0 and RUN % bn == 0 and n_out // RUN <= COUNTERS
+    words = int8_words(n_out, src.device) if q8 else out
     launch(_runs_gemv_kernel, (cdiv(n_out, bn),), xin, pw.data.view(torch.int32), aux, aux2,
-           bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, res, nw, stream, eps, G=pw.group,
+           bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, res, nw, stream, eps, words,
+           counters(src.device) if q8 else words, G=pw.group,
            RUNS=runs, BN=bn, C=c, STEPS=steps, EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, SELF=own, NORM=norm,
            HAS_RES=norm and x.res is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-           PREFETCH=prefetch and steps > 1, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
-           **cuda_base.pdl(src))
-    return out
+           PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           num_warps=warps, **cuda_base.pdl(src))
+    return NormedRow.made(out, {"int8 runs": words}) if q8 else out
+
+
+# The Q8 launches' counters a device: one a run of outputs (a SwiGLU pair of up to 2 Mi outputs)
+COUNTERS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """COUNTERS int32 zeros on `device`, through which a Q8 launch's programs meet. Each launch
+    leaves them zero, and launches on one stream follow each other, so one buffer serves them
+    all; made once (at a model's first eager step: graphs.py warms up before it captures) and
+    never replaced, as captured graphs hold its address."""
+    have = _COUNTERS.get(device)
+    if have is None:
+        have = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return have
+
+
+# The int8 input of a runs GEMV made by the launch before it (FUSED_INT8: the SwiGLU pair's epilogue,
+# the attention merge, the Gated DeltaNet step), not in a quantize_input launch of its own
+# (CHAT_FUSED_INT8=0 for the A/B: bench/ab_decode.py's int8apart)
+FUSED_INT8 = os.environ.get("CHAT_FUSED_INT8", "1").lower() not in ("0", "false", "off", "no")
+
+
+def reads_int8(linear, dtype: torch.dtype) -> bool:
+    """Whether `linear`'s one-row CUDA GEMV on rows of `dtype` reads quantize_input's words (a
+    QuantLinear of a layout these kernels take, in a 16-bit model), so that the launch making
+    its input may make them too (FUSED_INT8)."""
+    if not (FUSED_INT8 and isinstance(linear, QuantLinear) and linear.kernels is not None
+            and qplanar.int8_inputs(dtype)):
+        return False
+    qw = linear.qweight()
+    return takes(qw) and linear.kernels.fits(qw.fmt, qw.k, qw.group)
+
+
+def int8_words(k: int, device: torch.device) -> torch.Tensor:
+    """An empty buffer for one row of k inputs as quantize_input's words."""
+    return torch.empty(1, k // RUN * 10, dtype=torch.int32, device=device)
 
 
 # (rows a program, runs a program, num_warps): the dequantize launch's tile (prefill's weights)
