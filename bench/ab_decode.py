@@ -52,14 +52,12 @@ qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), i
 runs GEMVs' int8 inputs each made in a launch of its own, not by the SwiGLU pair, the attention merge
 or the delta step before them: qruns.FUSED_INT8 off), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
 both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
-programs of that many value columns on that many warps (delta.SPLIT_CONFIG). selfN: qruns.py's
-GEMVs of at most N MB (N = 1048576: all) quantizing their own int8 input in their programs
-(qruns.SELF_MAX_BYTES), not in a launch before; r0: every Q4_K / Q5_0 / Q5_1 matrix in runs,
-whatever its size (loader.RUNS_MIN_WEIGHTS 0); selfNr0: both; before: neither (the defaults
-before both); self0: no GEMV quantizing its own input; rmin4: the runs types' matrices of up to 4
-Mi weights in their blocks.
-(The fp8prefetch variant, of branch next-fp8-prefetch, and the normcopy and late
-variants, the forms before commits a509cd5 and c6bd2d3, are in bench/RESULTS.md.)
+programs of that many value columns on that many warps (delta.SPLIT_CONFIG). r0: every Q4_K /
+Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0, the default since
+2026-12-03); rmin4: the runs types' matrices of up to 4 Mi weights in their blocks.
+(The fp8prefetch variant, of branch next-fp8-prefetch, the normcopy and late variants, the forms
+before commits a509cd5 and c6bd2d3, and the selfN variants of the self-quantizing runs GEMV,
+removed after set AL, are in bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -94,7 +92,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
                 runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None,
-                runs_min=loader.RUNS_MIN_WEIGHTS, own=qruns.SELF_MAX_BYTES, fusedint8=qruns.FUSED_INT8)
+                runs_min=loader.RUNS_MIN_WEIGHTS, fusedint8=qruns.FUSED_INT8)
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
@@ -151,14 +149,8 @@ VARIANTS = {
     # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
     # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
     "blocks5": dict(five=False),
-    # the runs' GEMVs of at most N MB quantizing their own input (qruns.SELF_MAX_BYTES), and with "r0"
-    # every Q4_K / Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0)
-    **{f"self{mb}": dict(own=mb << 20) for mb in (2, 8, 32, 128, 1 << 20)},
-    **{f"self{mb}r0": dict(own=mb << 20, runs_min=0) for mb in (2, 8, 32, 1 << 20)},
-    "r0": dict(runs_min=0),
-    "before": dict(own=0, runs_min=4 << 20),  # the defaults before 2026-12-03 12:30: no SELF, runs above 4 Mi weights
-    "self0": dict(own=0),  # every runs-type matrix in runs, each after its int8 launch
-    "rmin4": dict(runs_min=4 << 20),  # the runs types' small matrices in their blocks (SELF where repacked)
+    "r0": dict(runs_min=0),  # every Q4_K / Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0)
+    "rmin4": dict(runs_min=4 << 20),  # the runs types' matrices of up to 4 Mi weights in their blocks
     "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (loader.TIED_RUNS)
     "tiedblocks": dict(tied=False),  # (the default since 2026-12-03: both in their blocks)
     "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)
@@ -278,7 +270,7 @@ def apply(variant: str) -> None:
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
     # (read when a model is built: one model a value)
     loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS = v["planar_min"], v["runs"], v["five"]
-    loader.TIED_RUNS, loader.RUNS_MIN_WEIGHTS, qruns.SELF_MAX_BYTES = v["tied"], v["runs_min"], v["own"]
+    loader.TIED_RUNS, loader.RUNS_MIN_WEIGHTS = v["tied"], v["runs_min"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:

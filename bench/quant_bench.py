@@ -216,7 +216,7 @@ def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,A
     blocks, qlinear.py's pick), qruns.pick_config's config and the best config on the inputs as
     given (the float path, no int8 launch); heads beside the bf16 GEMV of their shape instead:
     microseconds a call and TB/s of the weight's bytes."""
-    from models.formats import planar, runs
+    from models.formats import gguf_blocks, planar, quant, runs
     from models.kernels.cuda import linear, qlinear, qplanar, qruns
     from shapes import random_quant_linear
     todo = [(int(a), int(b.rstrip("sh")), b.endswith("s"), b.endswith("h"))
@@ -224,8 +224,9 @@ def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,A
     for fmt in formats.split(","):
         for n, k, swiglu, head in todo:
             qw = random_quant_linear(fmt, n, k, device, gen).qweight()
-            repack = {"Q4_K": runs.repack_q4k, "Q5_0": runs.repack_q5, "Q5_1": runs.repack_q5}
-            pw = repack[qw.fmt](qw) if qw.fmt in repack else qw
+            made = quant.BlockLinear.repack_for(gguf_blocks.TYPES[qw.fmt], True, True) \
+                if qw.fmt in gguf_blocks.TYPES else None
+            pw = made[0](qw) if made is not None and made[1] in runs.REPACKED else qw
             if head:
                 xk = x[:, :k].float().contiguous()
                 wb = torch.empty(n, k, device=device, dtype=torch.bfloat16)

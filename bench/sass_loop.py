@@ -115,12 +115,11 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     return _disassemble(cubin), rows * kw * 8
 
 
-def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int = 1, int8: bool = True,
-                  own: str = "") -> tuple[str, int]:
-    """qruns.py's GEMV (the runs: INT4 as AWQ stores it, Q4KR of Q4_K's, Q50R / Q51R of Q5_0's / Q5_1's) on a random [n, k]
-    weight (config: BN rows a program, num_warps, PREFETCH 0/1); int8: on quantize_input's input; own
-    "row" / "norm": the input quantized in the programs (SELF), from a bf16 row / a NormedRow with a
-    residual pending."""
+def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int = 1,
+                  int8: bool = True) -> tuple[str, int]:
+    """qruns.py's GEMV (the runs: INT4 as AWQ stores it, Q4KR of Q4_K's, Q50R / Q51R of Q5_0's /
+    Q5_1's) on a random [n, k] weight (config: BN rows a program, num_warps, PREFETCH 0/1); int8:
+    on quantize_input's input."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -134,18 +133,16 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
     aux, aux2, sa, sz = qruns._aux(pw)
     dt = {torch_name: tri for torch_name, tri in (("float16", "fp16"), ("uint8", "u8"), ("int32", "i32"),
                                                   ("int16", "i16"))}
-    sig = dict(x="*i32" if int8 and not own else "*bf16", w="*i32", aux="*" + dt[str(aux.dtype).split(".")[1]],
+    sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*" + dt[str(aux.dtype).split(".")[1]],
                aux2="*" + dt[str(aux2.dtype).split(".")[1]], bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-               stride_a="i32", stride_z="i32", res="*bf16", nw="*bf16", stream="*bf16", eps="fp32", q8="*i32",
-               sync="*i32")
+               stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
     runs_n, c = k // 32, 32 * warps
     const = dict(G=pw.group, RUNS=runs_n, BN=bn, C=c, STEPS=-(-runs_n // c), EVEN=runs_n % c == 0,
-                 FMT=qruns.FMTS[pw.fmt], A8=int8 or bool(own), SELF=bool(own), NORM=own == "norm",
-                 HAS_RES=own == "norm", HAS_BIAS=False, SWIGLU=False, PREFETCH=bool(prefetch), Q8=False, PDL=True,
-                 INTERPRETED=False)
+                 FMT=qruns.FMTS[pw.fmt], A8=int8, HAS_BIAS=False, SWIGLU=False, PREFETCH=bool(prefetch), Q8=False,
+                 PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=k // 8, stride_a=sa, stride_z=sz)
     names = list(sig)
-    aligned = ["x", "w", "aux", "aux2", "out", "res", "nw", "stream"] + [x for x, v in ints.items() if v % 16 == 0]
+    aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]
     attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in aligned}
     src = ASTSource(fn=qruns._runs_gemv_kernel, signature={**sig, **{c: "constexpr" for c in const}},
                     constexprs=const, attrs=attrs)
@@ -247,8 +244,6 @@ def main() -> None:
                     help="INT4R / Q4KR (qruns.py: AWQ's INT4 as stored, Q4_K as runs): BN rows x num_warps x "
                          "PREFETCH 0/1 (qruns.pick_config's by default)")
     ap.add_argument("--int8", action="store_true", help="the planar layouts: the GEMV on int8 inputs (DP4A)")
-    ap.add_argument("--self", dest="own", default="", choices=("", "row", "norm"),
-                    help="the runs: the int8 input quantized in the GEMV's programs, from a row or a NormedRow")
     ap.add_argument("--fp8-config", default=None,
                     help="FP8: BLOCK_N x 128-weight blocks a step x num_warps (fp8.pick_config's by default)")
     ap.add_argument("--fp8-form", default="f32", choices=("f32", "f16"),
@@ -264,7 +259,7 @@ def main() -> None:
         if fmt in ("INT4R", "Q4KR", "Q50R", "Q51R"):
             cfg = tuple(map(int, a.runs_config.split("x"))) if a.runs_config else \
                 tuple(map(int, qruns.pick_config(a.n, a.k)))
-            text, weights = _compile_runs(fmt, a.n, a.k, *cfg, int8=a.int8, own=a.own)
+            text, weights = _compile_runs(fmt, a.n, a.k, *cfg, int8=a.int8)
             body = main_loop(text)
             if not body:
                 print(f"{fmt:>5}: no loop (one step covers the row)")

@@ -192,49 +192,8 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, progra
         if res:
             assert torch.equal(bits(row.stream), bits(stream))
         assert qruns.normed_input(row) is q
-        y = qruns.gemv(NormedRow(x, r, nw, 1e-6), qw, int8=True, self_quantize=False)
-        assert torch.equal(y, qruns.gemv(h, qw, int8=True, self_quantize=False))
-
-
-@pytest.mark.parametrize("kind,n,k,group,swiglu,bias", [
-    ("Q50R", 12, 576, 32, True, False), ("Q4KR", 21, 4864, 32, False, True), ("Q51R", 10, 96, 32, True, True),
-    ("INT4", 37, 1024, 128, False, False), ("Q4KR", 40, 512, 32, True, True)])
-def test_a_gemv_that_quantizes_its_own_input(device, kind, n, k, group, swiglu, bias):
-    """self_quantize (the int8 input made in the GEMV's programs, not in a launch before it): on a
-    row, the same bits as the GEMV after quantize_input, for every tile shape (K past a last step's
-    runs: 96 on 4 warps, 4,864); on a NormedRow, with and without a residual pending, the stream's
-    bits as add_rms_norm's and the outputs within the int8 product's bound of x~ @ W^T for x~ the
-    quantized normed row, or the same bits where the row was normed (or quantized) before."""
-    from models.kernels.cuda import base, qplanar, qruns
-    from models.kernels.cuda.linear import NormedRow
-    qw, w = weight(kind, n, k, 1, device, group)
-    g = torch.Generator().manual_seed(4)
-    b = torch.randn(n, generator=g).to(device) if bias else None
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        x = (torch.randn(1, k, generator=g) * 2).to(device, dtype)
-        x[0, :32] = 0.0  # (a run of zeros: dx 0)
-        for config in (None, (2, 1, False), (8, 4, True), (4, 2, True), (2, 4, True)):
-            two = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config, self_quantize=False)
-            one = qruns.gemv(x, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config, self_quantize=True)
-            assert torch.equal(one, two), (config, dtype, float((one.double() - two.double()).abs().max()))
-        for res in (True, False):
-            r = torch.randn(1, k, generator=g).to(device, dtype) if res else None
-            nw = (torch.rand(k, generator=g) + 0.5).to(device, dtype)
-            stream, h = base.add_rms_norm(x, r if res else torch.zeros_like(x), nw, 1e-6)
-            ref, tol = product_and_tolerance(qplanar.quantized_reference(h, 32).to(device), w, b, swiglu, dtype)
-            for config in (None, (2, 1, False), (4, 2, True)):
-                row = NormedRow(x, r, nw, 1e-6)
-                out = qruns.gemv(row, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config,
-                                 self_quantize=True)
-                err = (out.double() - ref).abs()
-                assert bool((err <= tol).all()), (config, dtype, res, float((err - tol).max()))
-                assert "int8 runs" not in row.forms and row._h is None
-                if res:
-                    assert torch.equal(row.stream, stream)
-                two = qruns.gemv(h, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config)
-                row.materialize()  # (normed before: its row quantized in the programs, the same bits)
-                assert torch.equal(qruns.gemv(row, qw, b, swiglu=swiglu, out_dtype=dtype, int8=True, config=config,
-                                              self_quantize=True), two)
+        y = qruns.gemv(NormedRow(x, r, nw, 1e-6), qw, int8=True)
+        assert torch.equal(y, qruns.gemv(h, qw, int8=True))
 
 
 @pytest.mark.parametrize("kind,n,k,group,start,stop", [("INT4", 37, 1024, 128, 0, 37), ("INT4", 37, 256, 64, 5, 30),
@@ -331,8 +290,7 @@ def test_qlinear_sends_runs_to_qruns(device):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs Triton (not interpreted)")
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The GEMV (its inline DP4A included, which the interpreter does not run) on either input (and
-    on int8 inputs it makes itself, from a row or a NormedRow: its inline cvt and byte packing), with
+    """The GEMV (its inline DP4A included, which the interpreter does not run) on either input, with
     and without its read ahead, whole steps or not, SwiGLU or not, the quantizers (alone and after
     the norm) and the dequantize kernel, for INT4 and Q4KR, compile to sm_90 binaries (Triton's
     own ptxas, no device)."""
@@ -344,14 +302,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt, aux, aux2, G in ((0, "*fp16", "*u8", 128), (1, "*i32", "*i16", 32)):
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                   stride_a="i32", stride_z="i32", res="*bf16", nw="*bf16", stream="*bf16", eps="fp32", q8="*i32",
-                   sync="*i32")
-        cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 and not own else "*bf16"},
-                   dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8 or own > 0,
-                        SELF=own > 0, NORM=own > 1, HAS_RES=own > 1, HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf,
-                        Q8=False, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)
-                  for own in ((0, 1, 2) if a8 else (0,))]  # (own: 1 the input quantized here, 2 normed first)
+                   stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
+        cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
+                   dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8,
+                        HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf, Q8=False, PDL=True, INTERPRETED=False))
+                  for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)]
         cases.append((qruns._runs_dequant_kernel,
                       dict(w="*u8", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),

@@ -338,9 +338,10 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
     stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
     them), else into INT4P; GGUF linears of more than RUNS_MIN_WEIGHTS weights: Q4_K into Q4KR
     and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS); of more than PLANAR_MIN_WEIGHTS: Q5_K
-    and Q6_K into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and INT4P, the 5-bit blocks kept. A
-    head that shares its blocks with the embedding keeps them; with TIED_RUNS it is repacked into
-    runs (never another layout), which the embedding then reads (one copy of the table)."""
+    and Q6_K into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and
+    INT4P, the 5-bit blocks kept. A head that shares its blocks with the embedding keeps them; with
+    TIED_RUNS it is repacked into runs (never another layout), which the embedding then reads (one
+    copy of the table)."""
     if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
         return
     tables = {m.blocks.untyped_storage().data_ptr(): m for m in model.modules()

@@ -21,9 +21,10 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   activations' dtype (on CUDA, a Q4_K half of them is repacked as one Q4KP matrix,
   `PlanarExperts`; another type is dequantized at load for the MoE kernels).
 Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
-in its blocks as BlockLinear / BlockEmbedding, but for the K-quant, Q5_0 and Q5_1 linears of more
-than loader.PLANAR_MIN_WEIGHTS weights, repacked after fusion (`BlockLinear.to_planar`: Q4_K, Q5_0
-and Q5_1 in runs.py's layouts, Q5_K and Q6_K in planar.py's): one-token products run the Triton
+in its blocks as BlockLinear / BlockEmbedding, but for the linears repacked after fusion
+(`BlockLinear.to_planar`): Q4_K, Q5_0 and Q5_1 of more than loader.RUNS_MIN_WEIGHTS weights (0:
+all) in runs.py's layouts, Q5_K and Q6_K of more than loader.PLANAR_MIN_WEIGHTS in planar.py's
+(a head tied to its embedding keeps its blocks: loader.TIED_RUNS). One-token products run the Triton
 dequant-GEMV, longer ones dequantize a chunk of rows
 to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
 shared with the HF formats of hf_quant.py).
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gguf_blocks
+from . import gguf_blocks, runs as run_layout
 
 GROUP = 32  # weights per GGUF block, and the int4 kernel's group size
 _Q4_TYPES = {2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
@@ -396,7 +397,6 @@ class BlockLinear(QuantLinear):
         None: Q4_K into Q4KR (runs.py; Q4KP, planar.py, where not `runs`), Q5_K into Q5KP, Q6_K
         into Q6KP; with `runs` and `five_bit`, Q5_0 / Q5_1 into Q50R / Q51R."""
         from . import planar
-        from . import runs as run_layout
         table = {"Q4_K": (run_layout.repack_q4k, "Q4KR") if runs else (planar.repack_q4k, "Q4KP"),
                  "Q5_K": (planar.repack_q5k, "Q5KP"), "Q6_K": (planar.repack_q6k, "Q6KP")}
         if runs and five_bit:
@@ -436,8 +436,8 @@ class BlockLinear(QuantLinear):
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         if self.planar:
-            from . import planar, runs
-            rows = runs.dequantize_rows if self.planar_fmt in RUN_LAYOUTS else planar.dequantize_planar_rows
+            from . import planar
+            rows = run_layout.dequantize_rows if self.planar_fmt in RUN_LAYOUTS else planar.dequantize_planar_rows
             return rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
@@ -581,7 +581,7 @@ class PlanarExperts(nn.Module):
 
 
 # The row-major repacked layouts (formats/runs.py) an embedding can gather rows of
-RUN_LAYOUTS = ("Q4KR", "Q50R", "Q51R")
+RUN_LAYOUTS = run_layout.REPACKED
 
 
 class BlockEmbedding(nn.Module):

@@ -27,7 +27,7 @@ import torch
 from . import gguf_blocks
 from .planar import _super_block_rows, k4_scales, one_storage, q4k_codes
 
-__all__ = ["repack_q4k", "repack_q5", "FIVE_BIT", "dequantize", "dequantize_rows", "one_storage", "codes"]
+__all__ = ["repack_q4k", "repack_q5", "FIVE_BIT", "REPACKED", "dequantize", "dequantize_rows", "one_storage", "codes"]
 
 
 def _runs(codes: torch.Tensor) -> torch.Tensor:
@@ -53,6 +53,9 @@ def repack_q4k(qw):
 
 # GGUF 5-bit block types → their runs layout
 FIVE_BIT = {"Q5_0": "Q50R", "Q5_1": "Q51R"}
+# Every layout GGUF blocks are repacked into here (Q4_K's, then the 5-bit types'), in the order of
+# the kernels' FMT constants after INT4's (models/kernels/cuda/qruns.py: FMTS)
+REPACKED = ("Q4KR", *FIVE_BIT.values())
 
 
 def repack_q5(qw):

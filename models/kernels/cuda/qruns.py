@@ -32,13 +32,15 @@ import torch
 
 from . import base as cuda_base, qplanar
 from .base import cdiv, launch, next_pow2, triton
+from ...formats import runs
 from ...formats.quant import QuantLinear, QWeight
 from .linear import NormedRow
 
 __all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes",
            "reads_int8", "int8_words"]
 
-FMTS = {"INT4": 0, "Q4KR": 1, "Q50R": 2, "Q51R": 3}  # the kernels' FMT constant
+# The kernels' FMT constant: INT4 0, then runs.REPACKED's (Q4KR 1, Q50R 2, Q51R 3: FMT >= 2 the 5-bit ones)
+FMTS = {"INT4": 0, **{fmt: i + 1 for i, fmt in enumerate(runs.REPACKED)}}
 RUN = 32  # weights a run: an int8 input's group
 # Programs of the norm-and-quantize launch (about; each sums the whole row's squares)
 NORM_QUANTIZE_PROGRAMS = 8
@@ -49,7 +51,7 @@ QUANTIZE_RUNS = 8
 def serves(fmt: str, k: int, group: int | None) -> bool:
     """Whether these kernels read rows of k weights in this format: Q4KR, Q50R, Q51R, and INT4 in
     `group`s of whole 32-weight runs at any k of whole groups."""
-    return fmt in ("Q4KR", "Q50R", "Q51R") or (fmt == "INT4" and bool(group) and group % RUN == 0 and k % group == 0)
+    return fmt in runs.REPACKED or (fmt == "INT4" and bool(group) and group % RUN == 0 and k % group == 0)
 
 
 def takes(qw: QWeight) -> bool:
@@ -152,108 +154,12 @@ if triton is not None:
         return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32)
 
     @triton.jit
-    def _packed_bytes(y, INTERPRETED: tl.constexpr):
-        """y [..., 4] fp32 (|y| <= 127 and a bit) → int32 [...]: byte b the int8 of y[..., b] rounded
-        half to even (_rounded's values, for finite y: no clamp needed, as |y| rounds to 127 at most).
-        On the device: four cvt.rni and three byte permutes a word."""
-        if INTERPRETED:
-            w = tl.sum((_rounded(y, INTERPRETED) & 255) << (8 * tl.arange(0, 4)), axis=len(y.shape) - 1)
-        else:
-            e, o = tl.split(tl.reshape(y, y.shape[:-1] + [2, 2]))  # (bytes 0 and 2, bytes 1 and 3)
-            y0, y2 = tl.split(e)
-            y1, y3 = tl.split(o)
-            w = tl.inline_asm_elementwise(
-                "{ .reg .s32 a, b, c, d; cvt.rni.s32.f32 a, $1; cvt.rni.s32.f32 b, $2; cvt.rni.s32.f32 c, $3; "
-                "cvt.rni.s32.f32 d, $4; prmt.b32 a, a, b, 0x0040; prmt.b32 c, c, d, 0x0040; "
-                "prmt.b32 $0, a, c, 0x5410; }", "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
-        return w
-
-    @triton.jit
-    def _byte_sums(w, INTERPRETED: tl.constexpr):
-        """The sum of each int32's four signed bytes (a DP4A against ones)."""
-        if INTERPRETED:
-            t = tl.zeros(w.shape, dtype=tl.int32)
-            for b in tl.static_range(4):
-                t += (w << (24 - 8 * b)) >> 24
-        else:
-            t = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, 16843009, 0;", "=r,r", [w], dtype=tl.int32,
-                                          is_pure=True, pack=1)
-        return t
-
-    @triton.jit
-    def _summed_at(x, res, at, ok, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
-        """(x + res)[at] in x's dtype, as add_rms_norm rounds it (qplanar._summed's operations)."""
-        if EVEN:
-            s = tl.load(x + at).to(tl.float32)
-            if HAS_RES:
-                s += tl.load(res + at).to(tl.float32)
-        else:
-            s = tl.load(x + at, mask=ok, other=0.0).to(tl.float32)
-            if HAS_RES:
-                s += tl.load(res + at, mask=ok, other=0.0).to(tl.float32)
-        if not HAS_RES:
-            s += 0.0
-        return s.to(x.dtype.element_ty)
-
-    @triton.jit
-    def _self_rms(x, res, stream, eps, ci, write, RUNS: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
-                  HAS_RES: tl.constexpr, EVEN: tl.constexpr):
-        """SELF with NORM: 1 / rms of the row x + res (its RUNS 32 values, C runs a step), the sum
-        written into `stream` by the program where `write`."""
-        ss = tl.zeros((C, 1, 1), dtype=tl.float32)
-        for i in range(STEPS):
-            run = i * C + ci
-            at = run * 32 + tl.arange(0, 32)[None, None, :]
-            ok = run < RUNS
-            sv = _summed_at(x, res, at, ok, HAS_RES, EVEN)
-            if HAS_RES:
-                tl.store(stream + at, sv, mask=ok & write)
-            sf = sv.to(tl.float32)
-            ss += tl.sum(sf * sf, axis=2, keep_dims=True)
-        return 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(ss, axis=2), axis=1), axis=0) / (RUNS * 32) + eps)
-
-    @triton.jit
-    def _self_values(x, res, nw, rn, at, ok, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr):
-        """The row's values at `at` in fp32: x as given, or with NORM the normed row rounded to x's
-        dtype (qplanar._add_norm's operations, rn its 1 / rms)."""
-        if NORM:
-            sf = _summed_at(x, res, at, ok, HAS_RES, EVEN).to(tl.float32)
-            if EVEN:
-                g = tl.load(nw + at).to(tl.float32)
-            else:
-                g = tl.load(nw + at, mask=ok, other=0.0).to(tl.float32)
-            v = (sf * rn * g).to(x.dtype.element_ty).to(tl.float32)
-        else:
-            if EVEN:
-                v = tl.load(x + at).to(tl.float32)
-            else:
-                v = tl.load(x + at, mask=ok, other=0.0).to(tl.float32)
-        return v
-
-    @triton.jit
-    def _step_input(x, res, nw, rn, run, m, RUNS: tl.constexpr, KQ: tl.constexpr, A8: tl.constexpr,
-                    SELF: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+    def _step_input(x, run, m, RUNS: tl.constexpr, KQ: tl.constexpr, A8: tl.constexpr, EVEN: tl.constexpr):
         """The runs' int8 input (A8): (xe, xo) [C, 1, 4], the int32 words of the run's inputs 0-15
-        and 16-31 in order, and (dx, dx sum q) [C, 1, 1]. Loaded from quantize_input's words, or
-        with SELF made here from the row (normed with NORM) by _quantize_runs' operations: the same
-        bits. Zeros on the float path (unused)."""
+        and 16-31 in order, and (dx, dx sum q) [C, 1, 1], from quantize_input's words. Zeros on the
+        float path (unused)."""
         ok = run < RUNS
-        if SELF:
-            b = tl.arange(0, 4)[None, None, None, :]
-            run4 = run[:, :, :, None]
-            at = run4 * 32 + 4 * m[:, :, :, None] + b  # [C, 1, 4, 4]: inputs 4 m + b of the run
-            ve = _self_values(x, res, nw, rn, at, run4 < RUNS, NORM, HAS_RES, EVEN)
-            vo = _self_values(x, res, nw, rn, at + 16, run4 < RUNS, NORM, HAS_RES, EVEN)
-            amax = tl.maximum(tl.max(tl.max(tl.abs(ve), axis=3), axis=2, keep_dims=True),
-                              tl.max(tl.max(tl.abs(vo), axis=3), axis=2, keep_dims=True))  # [C, 1, 1]
-            inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
-            dx = tl.div_rn(amax, 127.0)
-            xe = _packed_bytes(ve * inv[:, :, :, None], INTERPRETED)
-            xo = _packed_bytes(vo * inv[:, :, :, None], INTERPRETED)
-            xs = tl.sum(_byte_sums(xe, INTERPRETED) + _byte_sums(xo, INTERPRETED), axis=2,
-                        keep_dims=True).to(tl.float32) * dx
-        elif A8:
+        if A8:
             if EVEN:
                 xe = tl.load(x + run * 8 + m)
                 xo = tl.load(x + run * 8 + 4 + m)
@@ -277,15 +183,13 @@ if triton is not None:
         """acc [C, BN, 1] plus the runs' contributions. A8: on the int8 input (xe, xo, dx, xs:
         _step_input's); else on the row x as given. FMT >= 2: the codes' fifth bits from `high`."""
         ok = run < RUNS
-        if FMT >= 2:  # word m's codes: weights 4m.. (low nibbles) and 16 + 4m.. (high), bit 4 from high
-            lo = (words & 0x0F0F0F0F) | _spread(high >> (4 * m))
-            hi = ((words >> 4) & 0x0F0F0F0F) | _spread(high >> (16 + 4 * m))
+        lo = words & 0x0F0F0F0F  # word m's codes: weights 4m.. (low nibbles) and 16 + 4m.. (high)
+        hi = (words >> 4) & 0x0F0F0F0F
+        if FMT >= 2:  # (bit 4 from high)
+            lo |= _spread(high >> (4 * m))
+            hi |= _spread(high >> (16 + 4 * m))
         if A8:
-            if FMT >= 2:
-                isum = _dp4a_pair(lo, xe, hi, xo, INTERPRETED)
-            else:
-                isum = _dp4a_pair(words & 0x0F0F0F0F, xe, (words >> 4) & 0x0F0F0F0F, xo, INTERPRETED)
-            isum = tl.sum(isum, axis=2, keep_dims=True)
+            isum = tl.sum(_dp4a_pair(lo, xe, hi, xo, INTERPRETED), axis=2, keep_dims=True)
             return acc + scale * (isum.to(tl.float32) * dx) - offset * xs
         ws = tl.zeros(words.shape, dtype=tl.float32)
         xs4 = tl.zeros(m.shape, dtype=tl.float32) + tl.zeros(run.shape, dtype=tl.float32)
@@ -297,27 +201,23 @@ if triton is not None:
             else:
                 xl = tl.load(at, mask=ok, other=0.0).to(tl.float32)
                 xh = tl.load(at + 16, mask=ok, other=0.0).to(tl.float32)
-            if FMT >= 2:  # (codes to fp32 by the exponent: 2^23 + q, less 2^23; no int-to-float)
-                cl = (((lo >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                ch = (((hi >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                ws += cl * xl + ch * xh
-            else:
-                ws += ((words >> (8 * b)) & 15).to(tl.float32) * xl + ((words >> (8 * b + 4)) & 15).to(tl.float32) * xh
+            # (codes to fp32 by the exponent, 2^23 + q less 2^23, exact: no int-to-float)
+            cl = (((lo >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            ch = (((hi >> (8 * b)) & 31) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            ws += cl * xl + ch * xh
             xs4 += xl + xh
         ws = tl.sum(ws, axis=2, keep_dims=True)
         xs = tl.sum(xs4, axis=2, keep_dims=True)
         return acc + scale * ws - offset * xs
 
     @triton.jit
-    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, res, nw, stream, eps, q8, sync,
+    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, q8, sync,
                           G: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
                           STEPS: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr,
-                          SELF: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
-                          INTERPRETED: tl.constexpr):
-        """Rows pid BN.. (N outputs; SWIGLU: the up rows N below), C runs a step, STEPS steps. A8
-        without SELF: x is quantize_input's words; with SELF, the row (its runs quantized here, and
-        with NORM first normed: rms_norm(x + res) nw, the sum written into `stream` by program 0).
+                          HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, Q8: tl.constexpr,
+                          PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Rows pid BN.. (N outputs; SWIGLU: the up rows N below), C runs a step, STEPS steps. A8:
+        x is quantize_input's words; else the row.
         Q8 (BN divides 32, N a multiple of 32): the output row's int8 runs into q8 as well, by the
         last of a run's 32 / BN programs to count itself in (`sync`, an acq_rel atomic after a
         barrier; the count set back to zero), from the outputs as stored: quantize_input's bits."""
@@ -339,9 +239,6 @@ if triton is not None:
             u_words, u_high, u_scale, u_offset = words, high, scale, offset
         if PDL:  # (the weights before the wait: no kernel writes them)
             tl.extra.cuda.gdc_wait()
-        rn = 1.0
-        if SELF and NORM:
-            rn = _self_rms(x, res, stream, eps, ci, tl.program_id(0) == 0, RUNS, C, STEPS, HAS_RES, EVEN)
         acc = tl.zeros((C, BN, 1), dtype=tl.float32)
         acc_up = acc
         if PREFETCH:
@@ -352,8 +249,7 @@ if triton is not None:
                 if SWIGLU:
                     nu_words, nu_high, nu_scale, nu_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w,
                                                                        stride_a, stride_z, G, FMT, RUNS, EVEN)
-                xe, xo, dx, xs = _step_input(x, res, nw, rn, run - C, m, RUNS, KQ, A8, SELF, NORM, HAS_RES, EVEN,
-                                             INTERPRETED)
+                xe, xo, dx, xs = _step_input(x, run - C, m, RUNS, KQ, A8, EVEN)
                 acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, run - C, m, RUNS, FMT, A8, EVEN,
                                INTERPRETED)
                 if SWIGLU:
@@ -362,14 +258,14 @@ if triton is not None:
                     u_words, u_high, u_scale, u_offset = nu_words, nu_high, nu_scale, nu_offset
                 words, high, scale, offset = n_words, n_high, n_scale, n_offset
             last = (STEPS - 1) * C + ci
-            xe, xo, dx, xs = _step_input(x, res, nw, rn, last, m, RUNS, KQ, A8, SELF, NORM, HAS_RES, EVEN, INTERPRETED)
+            xe, xo, dx, xs = _step_input(x, last, m, RUNS, KQ, A8, EVEN)
             acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, last, m, RUNS, FMT, A8, EVEN,
                            INTERPRETED)
             if SWIGLU:
                 acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, last, m, RUNS, FMT,
                                   A8, EVEN, INTERPRETED)
         else:
-            xe, xo, dx, xs = _step_input(x, res, nw, rn, ci, m, RUNS, KQ, A8, SELF, NORM, HAS_RES, EVEN, INTERPRETED)
+            xe, xo, dx, xs = _step_input(x, ci, m, RUNS, KQ, A8, EVEN)
             acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, ci, m, RUNS, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
                 acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, ci, m, RUNS, FMT, A8,
@@ -378,8 +274,7 @@ if triton is not None:
                 run = i * C + ci
                 words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
                                                        FMT, RUNS, EVEN)
-                xe, xo, dx, xs = _step_input(x, res, nw, rn, run, m, RUNS, KQ, A8, SELF, NORM, HAS_RES, EVEN,
-                                             INTERPRETED)
+                xe, xo, dx, xs = _step_input(x, run, m, RUNS, KQ, A8, EVEN)
                 acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, run, m, RUNS, FMT, A8, EVEN,
                                INTERPRETED)
                 if SWIGLU:
@@ -550,58 +445,22 @@ def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tupl
     return bn, warps, True
 
 
-# Matrices of at most this many bytes quantize their int8 input in their own programs (SELF: each
-# program quantizes the whole row, normed first where the input is a NormedRow) rather than after a
-# launch of its own (quantize_input, normed_input). 0 (never) by default: a launch fewer before
-# each GEMV was measured slower, not faster, at 8 MB (bench/RESULTS.md set AL: Q4_K decode, the
-# SmolLM2-135M-like 1,731.2 tok/s against 2,047.0 without, the Qwen2.5-0.5B-like 1,568.0 against
-# 1,937.7): each thread quantizes (and norms) a whole 32-input run in a chain of ~260 (~460 on a
-# NormedRow) more instructions (bench/sass_loop.py --self), on the critical path of every program,
-# against ~50 a row and run of the GEMV itself. Kept as a tested form (tests/test_qruns.py,
-# bench/ab_decode.py's selfN variants).
-SELF_MAX_BYTES = 0
-
-
-def self_quantizes(x: "torch.Tensor | NormedRow", pw: QWeight, int8: bool) -> bool:
-    """Whether gemv quantizes x in the GEMV's programs (SELF_MAX_BYTES): int8 inputs, and a NormedRow
-    whose int8 form no other GEMV has made (that one is read as made) in its input's dtype."""
-    if not int8 or pw.nbytes() > SELF_MAX_BYTES:
-        return False
-    if isinstance(x, NormedRow):
-        return "int8 runs" not in x.forms and (x._h is not None or x.out_dtype in (None, x.x.dtype))
-    return True
-
-
 def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None = None, swiglu: bool = False,
          out_dtype: torch.dtype | None = None, config: tuple[int, int, bool] | None = None,
-         int8: bool | None = None, self_quantize: bool | None = None,
-         int8_out: bool = False) -> "torch.Tensor | NormedRow":
+         int8: bool | None = None, int8_out: bool = False) -> "torch.Tensor | NormedRow":
     """x [1, K] contiguous (or a NormedRow of one: normed and quantized in one launch,
     normed_input); pw an INT4, Q4KR, Q50R or Q51R QWeight (takes). Returns [1, N] (swiglu: [1, N/2], the
     gate rows first) in out_dtype (the row's dtype by default). int8 (qplanar.int8_inputs of the
-    row's dtype by default): against x~ = quantize_input's instead of x; self_quantize
-    (self_quantizes' rule by default): that input made in the GEMV's programs, the same bits of
-    x~ (of a NormedRow: its norm's sum of squares in another order, so x~ may differ where a value
-    rounds at a tie). config: (BN, num_warps, PREFETCH), pick_config's by default. int8_out (for
-    an output that a runs GEMV reads next: reads_int8): the output also as quantize_input's words,
-    made in this launch, returned as a row carrying them (NormedRow.made), where the tile allows
-    (BN dividing 32, whole runs of outputs); else the output alone."""
+    row's dtype by default): against x~ = quantize_input's instead of x. config: (BN, num_warps,
+    PREFETCH), pick_config's by default. int8_out (for an output that a runs GEMV reads next:
+    reads_int8): the output also as quantize_input's words, made in this launch, returned as a row
+    carrying them (NormedRow.made), where the tile allows (BN dividing 32, whole runs of outputs);
+    else the output alone."""
     n_out = pw.n // 2 if swiglu else pw.n
     x, row_dtype, int8 = qplanar.row_input(x, int8)  # (qplanar.int8_inputs' rule)
-    own = self_quantizes(x, pw, int8) if self_quantize is None else (self_quantize and int8)
     normed = isinstance(x, NormedRow)
     src = x.x if normed else x
-    norm = normed and own and x._h is None
-    if normed and own and not norm:  # (normed already: its row, quantized here)
-        x, normed = x._h, False
-    if own:
-        xin = x.x if normed else x
-        res = x.res if normed and x.res is not None else xin
-        nw, stream, eps = (x.weight, x.stream, x.eps) if normed else (xin, xin, 0.0)
-    else:
-        xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
-        res = nw = stream = xin
-        eps = 0.0
+    xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
     bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu, int8)
     runs, c = pw.k // RUN, 32 * warps
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
@@ -610,10 +469,9 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     q8 = int8_out and n_out % RUN == 0 and RUN % bn == 0 and n_out // RUN <= COUNTERS
     words = int8_words(n_out, src.device) if q8 else out
     launch(_runs_gemv_kernel, (cdiv(n_out, bn),), xin, pw.data.view(torch.int32), aux, aux2,
-           bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, res, nw, stream, eps, words,
-           counters(src.device) if q8 else words, G=pw.group,
-           RUNS=runs, BN=bn, C=c, STEPS=steps, EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, SELF=own, NORM=norm,
-           HAS_RES=norm and x.res is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, words,
+           counters(src.device) if q8 else words, G=pw.group, RUNS=runs, BN=bn, C=c, STEPS=steps,
+           EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
            PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
            num_warps=warps, **cuda_base.pdl(src))
     return NormedRow.made(out, {"int8 runs": words}) if q8 else out
