@@ -50,7 +50,8 @@ on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
 add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch / no
 qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), int8apart (the
 runs GEMVs' int8 inputs each made in a launch of its own, not by the SwiGLU pair, the attention merge
-or the delta step before them: qruns.FUSED_INT8 off), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
+or the delta step before them: qruns.FUSED_INT8 empty), pairapart / mergeapart (the down's / the
+attention's o_proj's in a launch of its own), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
 both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
 programs of that many value columns on that many warps (delta.SPLIT_CONFIG). r0: every Q4_K /
 Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0, the default since
@@ -173,7 +174,9 @@ VARIANTS = {
     "normend": dict(normlaunch="end"),
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
     "skipnorm": dict(skip=("norm",)),
-    "int8apart": dict(fusedint8=False),  # every runs GEMV's int8 input in a launch of its own (qruns.FUSED_INT8 off)
+    "int8apart": dict(fusedint8=frozenset()),  # every runs GEMV's int8 input in a launch of its own (qruns.FUSED_INT8)
+    "pairapart": dict(fusedint8=frozenset(("merge", "delta"))),  # the down's int8 input in its own launch
+    "mergeapart": dict(fusedint8=frozenset(("pair", "delta"))),  # o_proj's int8 input in its own launch
     "skipquant": dict(skip=("quant",)),  # no qruns.quantize_input launch (the GEMV reads a stale buffer)
     "skipnq": dict(skip=("normquant",)),  # no qruns.normed_input launch (the stream and the int8 row unwritten)
     "skipint8": dict(skip=("quant", "normquant")),  # no add_rms_norm launch (the stream and the normed row unwritten)

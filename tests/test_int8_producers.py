@@ -126,7 +126,7 @@ def test_a_model_computes_the_same_bits_with_the_int8_made_by_its_producers(tmp_
                             (launched.append((kernel, kw.get("Q8", False))), _real(kernel, grid, *a, **kw))[1])
     logits, counts = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(qruns, "FUSED_INT8", fused)
+        monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(qruns.PRODUCERS if fused else ()))
         for graph in ("on", "off"):
             s = DecodeSession(lm.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
                               cuda_graph=graph)

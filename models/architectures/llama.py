@@ -96,7 +96,7 @@ class Attention(QKVProjections):
                                             eps=self.q_norm.eps if norms else 0.0)
             if cuda_base.attention_usable(x, D):
                 return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions,
-                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype)))
+                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype, "merge")))
             return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask, positions))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)

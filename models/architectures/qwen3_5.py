@@ -175,7 +175,7 @@ class GatedDeltaNet(nn.Module):
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
                                      self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
-                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype))
+                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype, "delta"))
             return self.out_proj(out)
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
@@ -242,7 +242,7 @@ class GatedAttention(QKVProjections):
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
             if cuda_base.attention_usable(x, self.d):
                 return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d,
-                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype)))
+                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype, "merge")))
             gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
             out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
             return self.o_proj(out.view(T, -1))

@@ -493,17 +493,21 @@ def counters(device: torch.device) -> torch.Tensor:
     return have
 
 
-# The int8 input of a runs GEMV made by the launch before it (FUSED_INT8: the SwiGLU pair's epilogue,
-# the attention merge, the Gated DeltaNet step), not in a quantize_input launch of its own
-# (CHAT_FUSED_INT8=0 for the A/B: bench/ab_decode.py's int8apart)
-FUSED_INT8 = os.environ.get("CHAT_FUSED_INT8", "1").lower() not in ("0", "false", "off", "no")
+# The launches that make the int8 input of the runs GEMV after them, in place of a quantize_input
+# launch of its own: "pair" (a SwiGLU pair's runs GEMV, for the down), "merge" (the attention merge,
+# for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all
+# (the default), or a comma list of them (bench/ab_decode.py's int8apart / pairapart / mergeapart).
+PRODUCERS = ("pair", "merge", "delta")
+_FUSED = os.environ.get("CHAT_FUSED_INT8", "1").lower()
+FUSED_INT8 = frozenset(PRODUCERS if _FUSED in ("1", "all") else (p for p in _FUSED.split(",") if p in PRODUCERS))
 
 
-def reads_int8(linear, dtype: torch.dtype) -> bool:
+def reads_int8(linear, dtype: torch.dtype, producer: str) -> bool:
     """Whether `linear`'s one-row CUDA GEMV on rows of `dtype` reads quantize_input's words (a
     QuantLinear of a layout these kernels take, in a 16-bit model), so that the launch making
-    its input may make them too (FUSED_INT8)."""
-    if not (FUSED_INT8 and isinstance(linear, QuantLinear) and linear.kernels is not None
+    its input (`producer`, one of PRODUCERS) makes them too, where FUSED_INT8 holds it."""
+    assert producer in PRODUCERS, producer
+    if not (producer in FUSED_INT8 and isinstance(linear, QuantLinear) and linear.kernels is not None
             and qplanar.int8_inputs(dtype)):
         return False
     qw = linear.qweight()
