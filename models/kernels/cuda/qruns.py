@@ -498,7 +498,7 @@ def counters(device: torch.device) -> torch.Tensor:
 # for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all
 # (the default), or a comma list of them (bench/ab_decode.py's int8apart / pairapart / mergeapart).
 PRODUCERS = ("pair", "merge", "delta")
-_FUSED = os.environ.get("CHAT_FUSED_INT8", "1").lower()
+_FUSED = os.environ.get("CHAT_FUSED_INT8", "merge,delta").lower()
 FUSED_INT8 = frozenset(PRODUCERS if _FUSED in ("1", "all") else (p for p in _FUSED.split(",") if p in PRODUCERS))
 
 
