@@ -495,8 +495,11 @@ def counters(device: torch.device) -> torch.Tensor:
 
 # The launches that make the int8 input of the runs GEMV after them, in place of a quantize_input
 # launch of its own: "pair" (a SwiGLU pair's runs GEMV, for the down), "merge" (the attention merge,
-# for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all
-# (the default), or a comma list of them (bench/ab_decode.py's int8apart / pairapart / mergeapart).
+# for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all,
+# or a comma list of them; "merge,delta" by default: Q4_K decode with both against none, 1.054x on
+# the SmolLM2-135M-like shape, 1.033x Qwen2.5-0.5B-like, 1.014x Qwen3.5-27B-like; the pair's
+# counted epilogue cost more than the launch it saved, 0.983x and 0.988x (bench/ab_decode.py's
+# int8apart / pairapart; bench/RESULTS.md set AM).
 PRODUCERS = ("pair", "merge", "delta")
 _FUSED = os.environ.get("CHAT_FUSED_INT8", "merge,delta").lower()
 FUSED_INT8 = frozenset(PRODUCERS if _FUSED in ("1", "all") else (p for p in _FUSED.split(",") if p in PRODUCERS))
