@@ -45,14 +45,15 @@ qplanar.HEAD_FLOAT_TILE); pairbygate (the bf16 GEMV's SwiGLU pairs read in one K
 gate rows alone would be: linear.pick_config without `pair`); downk128 (the bf16 GEMV's rows too
 long to read whole, under 4,096 of them, in K steps of 128 as before 2026-12-03), gemvbefore
 (both). normwait / normend: the GEMV after a materialized norm launches once the norm has waited
-on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). Ablations
-(garbage values, so other tokens; the time a kernel takes inside the graphed step): skipnorm (no
-add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch / no
-qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), int8apart (the
-runs GEMVs' int8 inputs each made in a launch of its own, not by the SwiGLU pair, the attention merge
-or the delta step before them: qruns.FUSED_INT8 empty), pairapart / mergeapart (the down's / the
-attention's o_proj's in a launch of its own), skipconv / skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step,
-both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
+on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). int8apart: the runs GEMVs'
+int8 inputs each made in a launch of its own, not by the attention merge or the delta step before
+them (qruns.FUSED_INT8 empty); pairon: the down's made by the SwiGLU pair's epilogue too;
+mergeapart / deltaapart: o_proj's / out_proj's in a launch of its own (the same tokens in each;
+set AM4's pairapart and mergeapart ran on 594865e, whose default had all three producers on).
+Ablations (garbage values, so other tokens; the time a kernel takes inside the graphed step):
+skipnorm (no add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch
+/ no qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), skipconv /
+skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step, both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
 programs of that many value columns on that many warps (delta.SPLIT_CONFIG). r0: every Q4_K /
 Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0, the default since
 2026-12-03); rmin4: the runs types' matrices of up to 4 Mi weights in their blocks.
@@ -172,14 +173,16 @@ VARIANTS = {
     **{f"rq{r}": dict(runsq=r) for r in (4, 16, 32)},
     "normwait": dict(normlaunch="wait"),  # the GEMV after a materialized norm launches once the norm has waited
     "normend": dict(normlaunch="end"),
+    # the launches making the runs GEMVs' int8 inputs (qruns.FUSED_INT8, from the default's producers)
+    "int8apart": dict(fusedint8=frozenset()),  # every one in a launch of its own
+    "pairon": dict(fusedint8=DEFAULTS["fusedint8"] | {"pair"}),  # the down's by the SwiGLU pair's epilogue too
+    "mergeapart": dict(fusedint8=DEFAULTS["fusedint8"] - {"merge"}),  # o_proj's in a launch of its own
+    "deltaapart": dict(fusedint8=DEFAULTS["fusedint8"] - {"delta"}),  # out_proj's in a launch of its own
     # ablations, for the time a kernel takes inside the graphed step (other tokens: garbage values)
-    "skipnorm": dict(skip=("norm",)),
-    "int8apart": dict(fusedint8=frozenset()),  # every runs GEMV's int8 input in a launch of its own (qruns.FUSED_INT8)
-    "pairapart": dict(fusedint8=frozenset(("merge", "delta"))),  # the down's int8 input in its own launch
-    "mergeapart": dict(fusedint8=frozenset(("pair", "delta"))),  # o_proj's int8 input in its own launch
+    "skipnorm": dict(skip=("norm",)),  # no add_rms_norm launch (the stream and the normed row unwritten)
     "skipquant": dict(skip=("quant",)),  # no qruns.quantize_input launch (the GEMV reads a stale buffer)
     "skipnq": dict(skip=("normquant",)),  # no qruns.normed_input launch (the stream and the int8 row unwritten)
-    "skipint8": dict(skip=("quant", "normquant")),  # no add_rms_norm launch (the stream and the normed row unwritten)
+    "skipint8": dict(skip=("quant", "normquant")),  # neither
     "skipconv": dict(skip=("conv",)),  # no Gated DeltaNet conv step (its delta step reads garbage)
     "skipdeltastep": dict(skip=("step",)),  # no Gated DeltaNet delta step (the conv step runs)
     "skipdelta": dict(skip=("conv", "step")),

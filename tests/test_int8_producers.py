@@ -93,6 +93,44 @@ def test_the_delta_step_makes_its_outputs_int8_words(device, split):
         assert int(sync.abs().sum()) == 0
 
 
+def test_reads_int8_asks_for_words_only_where_a_runs_gemv_reads_them(monkeypatch):
+    """reads_int8: a QuantLinear of a runs layout (AWQ groups of whole runs) in a 16-bit model, its
+    producer among FUSED_INT8; not an fp32 model, not CHAT_PLANAR_A16's inputs as given, not groups
+    that are not whole runs (INT4P's), not a bf16 Linear, not a producer left out."""
+    from models.kernels.cuda import qlinear, qruns  # (qlinear: the QuantLinears' CUDA forms, as a model imports them)
+    from test_qplanar import int4_linear
+    from models.formats.quant import QuantLinear
+    assert QuantLinear.kernels is qlinear
+    runs_int4, planar_int4 = int4_linear(8, 256, 128, 0, "cpu"), int4_linear(8, 240, 48, 0, "cpu")
+    monkeypatch.delenv("CHAT_PLANAR_A16", raising=False)
+    monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(("merge", "delta")))
+    assert qruns.reads_int8(runs_int4, torch.bfloat16, "merge") and qruns.reads_int8(runs_int4, torch.float16, "delta")
+    assert not qruns.reads_int8(runs_int4, torch.bfloat16, "pair")
+    assert not qruns.reads_int8(runs_int4, torch.float32, "merge")
+    assert not qruns.reads_int8(planar_int4, torch.bfloat16, "merge")
+    assert not qruns.reads_int8(torch.nn.Linear(256, 8), torch.bfloat16, "merge")
+    monkeypatch.setenv("CHAT_PLANAR_A16", "1")
+    assert not qruns.reads_int8(runs_int4, torch.bfloat16, "merge")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's interpreter)")
+def test_producers_whose_programs_split_a_run_return_the_row_alone():
+    """No words where a program would not own whole runs: a pair of 48 outputs (a run split over
+    two tiles' worth of programs at its end), a head of 16 values; the output as without."""
+    pytest.importorskip("triton")
+    from models.kernels.cuda import attention as cuda_attention, qruns
+    cpu = torch.device("cpu")
+    qw, _ = weight("Q4KR", 96, 512, 1, cpu)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(2))
+    out = qruns.gemv(x, qw, swiglu=True, int8=True, int8_out=True)
+    assert isinstance(out, torch.Tensor) and torch.equal(out, qruns.gemv(x, qw, swiglu=True, int8=True))
+    g = torch.Generator().manual_seed(3)
+    kc, vc, q = torch.randn(2, 64, 16, generator=g), torch.randn(2, 64, 16, generator=g), torch.randn(4, 1, 16, generator=g)
+    p = torch.tensor([40])
+    got = cuda_attention.decode(q, kc, vc, p, int8_out=True)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, cuda_attention.decode(q, kc, vc, p))
+
+
 def _load(tmp_path, case):
     """A tiny bf16 model on CUDA whose linears are all runs (loader.RUNS_MIN_WEIGHTS 0 applies)."""
     import models
