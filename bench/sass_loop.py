@@ -124,12 +124,13 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.formats import runs
+    from models.formats import gguf_blocks, quant, runs
     from models.kernels.cuda import qruns
-    if fmt in ("Q50R", "Q51R"):
-        pw = runs.repack_q5(weight("Q5_0" if fmt == "Q50R" else "Q5_1", n, k))
+    if fmt in runs.REPACKED:  # (from the GGUF type repacked into it, by the loader's table)
+        ggml = {"Q4KR": "Q4_K", **{layout: t for t, layout in runs.FIVE_BIT.items()}}[fmt]
+        pw = quant.BlockLinear.repack_for(gguf_blocks.TYPES[ggml], True, True)[0](weight(ggml, n, k))
     else:
-        pw = runs.repack_q4k(weight("Q4_K", n, k)) if fmt == "Q4KR" else weight("INT4", n, k)
+        pw = weight("INT4", n, k)
     aux, aux2, sa, sz = qruns._aux(pw)
     dt = {torch_name: tri for torch_name, tri in (("float16", "fp16"), ("uint8", "u8"), ("int32", "i32"),
                                                   ("int16", "i16"))}
@@ -254,9 +255,10 @@ def main() -> None:
     from models.kernels.cuda import qplanar
     print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.launch_config'}'s (BLOCK_N x num_warps x most "
           f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
+    from models.formats import runs
     from models.kernels.cuda import qruns
     for fmt in a.formats:
-        if fmt in ("INT4R", "Q4KR", "Q50R", "Q51R"):
+        if fmt == "INT4R" or fmt in runs.REPACKED:
             cfg = tuple(map(int, a.runs_config.split("x"))) if a.runs_config else \
                 tuple(map(int, qruns.pick_config(a.n, a.k)))
             text, weights = _compile_runs(fmt, a.n, a.k, *cfg, int8=a.int8)
