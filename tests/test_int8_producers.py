@@ -131,6 +131,32 @@ def test_producers_whose_programs_split_a_run_return_the_row_alone():
     assert isinstance(got, torch.Tensor) and torch.equal(got, cuda_attention.decode(q, kc, vc, p))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's interpreter)")
+def test_a_made_row_is_its_row_to_every_gemv_and_its_words_to_the_runs_gemv():
+    """NormedRow.made(row, words): the bf16-path GEMV, qlinear.py's (Q6_K blocks), qplanar.py's
+    (Q6KP) and the torch forms compute on the row; the runs GEMV on int8 inputs reads the words it
+    carries (words of another row give that row's product: not quantized again)."""
+    pytest.importorskip("triton")
+    from models.formats.quant import QuantLinear
+    from models.kernels.cuda import linear, qlinear, qplanar, qruns
+    from models.kernels.cuda.linear import NormedRow
+    from test_qplanar import gguf_repack, gguf_weight
+    g = torch.Generator().manual_seed(9)
+    row = torch.randn(1, 256, generator=g)
+    made = NormedRow.made(row, {"int8 runs": qruns.quantize_input(2 * row)})
+    w = torch.randn(24, 256, generator=g)
+    assert torch.equal(linear.gemv(made, w), linear.gemv(row, w))
+    q6, _ = gguf_weight("Q6_K", 24, 256, 1, "cpu")
+    assert torch.equal(qlinear.gemv(made, q6), qlinear.gemv(row, q6))
+    q6p = gguf_repack("Q6_K")(q6)
+    assert torch.equal(qplanar.gemv(made, q6p), qplanar.gemv(row, q6p))
+    assert QuantLinear.plain(made) is row
+    qw, _ = weight("Q4KR", 24, 256, 1, "cpu")
+    assert torch.equal(qruns.gemv(made, qw, int8=True), qruns.gemv(2 * row, qw, int8=True))
+    assert not torch.equal(qruns.gemv(made, qw, int8=True), qruns.gemv(row, qw, int8=True))
+    assert torch.equal(qruns.gemv(made, qw, int8=False), qruns.gemv(row, qw, int8=False))
+
+
 def _load(tmp_path, case):
     """A tiny bf16 model on CUDA whose linears are all runs (loader.RUNS_MIN_WEIGHTS 0 applies)."""
     import models
