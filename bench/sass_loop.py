@@ -8,7 +8,9 @@ Needs Triton (its ptxas and nvdisasm compile and disassemble for Hopper; no devi
 format, compiles `_qgemv_kernel` as `gemv` would launch it on an [n, k] weight (plain input, no
 norm, bias or SwiGLU), finds the main loop (the longest backward branch) and prints its
 instructions per thread, the weights a program decodes per iteration, instructions per weight
-(loop instructions x threads / weights), the loop's global loads, and its commonest opcodes.
+(loop instructions x threads / weights), the loop's global loads, the kernel's registers a thread
+(cuobjdump: 64 Ki registers an SM, so REG:228 leaves room for 8 warps, REG:111 for 18), and its
+commonest opcodes.
 
 Why it matters: an H200 issues ~3.3e13 thread-instructions a second (132 SMs x 4 schedulers x 32
 lanes x 1.98 GHz), and its bandwidth delivers ~8.6e12 4-bit weights a second, so a 4-bit GEMV
@@ -197,13 +199,25 @@ def _compile_fp8_16(n: int, k: int, bn: int, r: int, warps: int) -> tuple[str, i
 
 
 def _disassemble(cubin: bytes) -> str:
+    """The SASS, after a first line `// REG:n STACK:n ...` (cuobjdump's resource usage: registers a
+    thread bound how many warps an SM holds, 64 Ki registers an SM)."""
     import triton
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        found = re.search(r"(REG:\d+ STACK:\d+)", usage)
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        return f"// {found.group(1) if found else 'REG:?'}\n" + sass
+
+
+def resources(text: str) -> str:
+    """_disassemble's first line: registers a thread and stack bytes."""
+    return text.split("\n", 1)[0].lstrip("/ ")
 
 
 def main_loop(text: str) -> list[str]:
@@ -269,7 +283,7 @@ def main() -> None:
             ops = collections.Counter(opcode(x) for x in body)
             loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
             print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
-                  f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; "
+                  f"{len(body) * cfg[1] * 32 / weights:.2f} a weight; global loads {loads}; {resources(text)}; "
                   + ", ".join(f"{o} {c}" for o, c in ops.most_common(12)))
             continue
         if fmt in qplanar.FMTS:
@@ -294,7 +308,7 @@ def main() -> None:
             weights *= max(1, round(ops["IDP"] / (2 * cfg[0] * cfg[2] / (cfg[1] * 32))))
         loads = sum(v for o, v in ops.items() if o in ("LDG", "LD"))
         print(f"{fmt:>5}: {len(body)} instructions a thread per iteration, {weights} weights -> "
-              f"{len(body) * warps * 32 / weights:.2f} a weight; global loads {loads}; "
+              f"{len(body) * warps * 32 / weights:.2f} a weight; global loads {loads}; {resources(text)}; "
               + ", ".join(f"{o} {c}" for o, c in ops.most_common(10)))
 
 
