@@ -20,8 +20,9 @@ from test_qruns import weight
 def _words(row):
     """The int8 words a launch returned its row with (NormedRow.made), and the row."""
     from models.kernels.cuda.linear import NormedRow
-    assert isinstance(row, NormedRow) and row._h is not None and "int8 runs" in row.forms
-    return row.forms["int8 runs"], row._h
+    from models.kernels.cuda import qruns
+    assert isinstance(row, NormedRow) and row._h is not None and qruns.INT8_RUNS in row.forms
+    return row.forms[qruns.INT8_RUNS], row._h
 
 
 @pytest.mark.parametrize("kind,n,k,group,swiglu", [("Q4KR", 128, 512, 32, True), ("Q50R", 192, 576, 32, True),
@@ -133,17 +134,16 @@ def test_producers_whose_programs_split_a_run_return_the_row_alone():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's interpreter)")
 def test_a_made_row_is_its_row_to_every_gemv_and_its_words_to_the_runs_gemv():
-    """NormedRow.made(row, words): the bf16-path GEMV, qlinear.py's (Q6_K blocks), qplanar.py's
+    """qruns.carrying(row, words) (a NormedRow.made): the bf16-path GEMV, qlinear.py's (Q6_K blocks), qplanar.py's
     (Q6KP) and the torch forms compute on the row; the runs GEMV on int8 inputs reads the words it
     carries (words of another row give that row's product: not quantized again)."""
     pytest.importorskip("triton")
     from models.formats.quant import QuantLinear
     from models.kernels.cuda import linear, qlinear, qplanar, qruns
-    from models.kernels.cuda.linear import NormedRow
     from test_qplanar import gguf_repack, gguf_weight
     g = torch.Generator().manual_seed(9)
     row = torch.randn(1, 256, generator=g)
-    made = NormedRow.made(row, {"int8 runs": qruns.quantize_input(2 * row)})
+    made = qruns.carrying(row, qruns.quantize_input(2 * row))
     w = torch.randn(24, 256, generator=g)
     assert torch.equal(linear.gemv(made, w), linear.gemv(row, w))
     q6, _ = gguf_weight("Q6_K", 24, 256, 1, "cpu")

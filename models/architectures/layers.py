@@ -169,8 +169,8 @@ class SwiGLU(nn.Module):
         fused = getattr(self, "gate_up_proj", None)
         if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
             # the dequant-GEMV computes silu(gate) * up, and the down's int8 input where it reads one
-            dtype = (x.out_dtype or x.dtype) if isinstance(x, cuda_linear.NormedRow) else x.dtype
-            return self.down_proj(fused.gemv_swiglu(x, int8_out=qruns.reads_int8(self.down_proj, dtype, "pair")))
+            int8_out = qruns.reads_int8(self.down_proj, cuda_linear.row_dtype(x), "pair")
+            return self.down_proj(fused.gemv_swiglu(x, int8_out=int8_out))
         if isinstance(fused, FusedLinear) and cuda_base.usable(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
             x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
-from . import checkpoints, gguf_blocks, hf_quant, quant
+from . import checkpoints, gguf_blocks, hf_quant, quant, runs
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -330,7 +330,7 @@ def _runs_type(ggml_type: int) -> bool:
     """Whether BlockLinear.to_planar repacks this type in row-major runs (formats/runs.py), which a
     tied embedding can read too (BlockEmbedding.share_layout)."""
     repack = quant.BlockLinear.repack_for(ggml_type, RUNS, FIVE_BIT_RUNS)
-    return repack is not None and repack[1] in quant.RUN_LAYOUTS
+    return repack is not None and repack[1] in runs.REPACKED
 
 
 def repack_for_cuda(model: torch.nn.Module) -> None:

@@ -437,7 +437,7 @@ class BlockLinear(QuantLinear):
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         if self.planar:
             from . import planar
-            rows = run_layout.dequantize_rows if self.planar_fmt in RUN_LAYOUTS else planar.dequantize_planar_rows
+            rows = run_layout.dequantize_rows if self.planar_fmt in run_layout.REPACKED else planar.dequantize_planar_rows
             return rows(self.qweight(), start, min(stop, self.out_features)).float()
         raw = self.blocks[start:stop]
         if self.dequant_kernel is not None and raw.device.type == "cpu":
@@ -580,9 +580,6 @@ class PlanarExperts(nn.Module):
         return out
 
 
-# The row-major repacked layouts (formats/runs.py) an embedding can gather rows of
-RUN_LAYOUTS = run_layout.REPACKED
-
 
 class BlockEmbedding(nn.Module):
     """An embedding table in GGUF blocks as stored; a lookup dequantizes only the rows it reads
@@ -604,9 +601,9 @@ class BlockEmbedding(nn.Module):
 
     def share_layout(self, head: "BlockLinear") -> bool:
         """Read the rows of `head` (the tied LM head, built on these blocks by as_linear) once the
-        loader has repacked it in one of RUN_LAYOUTS; the blocks freed. False (nothing changed)
-        where the head's layout is not row-major runs."""
-        if not head.planar or head.planar_fmt not in RUN_LAYOUTS or self.planar:
+        loader has repacked it in one of runs.REPACKED (row-major: an embedding can gather rows of
+        them); the blocks freed. False (nothing changed) where the head's layout is not one of them."""
+        if not head.planar or head.planar_fmt not in run_layout.REPACKED or self.planar:
             return self.planar
         del self.blocks
         for name in ("words", "dd", "sm"):

@@ -2,7 +2,9 @@
 
 Contract: `decode(q, k_cache, v_cache, positions)` is attention of q [H, 1, D] over cache slots
 0..positions[0] of [KVH, S, D] caches (GQA: query head h reads KV head h // (H / KVH)), returning
-[1, H*D]; with `gate` (the gated attention of Qwen3.5), the output times sigmoid(gate).
+[1, H*D]; with `gate` (the gated attention of Qwen3.5), the output times sigmoid(gate); with
+`int8_out` (D a multiple of 32), that row carrying its int8 words for a runs o_proj
+(qruns.carrying: quantize_input's bits, made by the merge).
 The live length is read from the device, so one launch (and one CUDA graph) serves every position
 and reads only the live slots, not a padded bucket; the torch form (layers.decode_attention) needs
 a mask over a bucket and four kernels. Two launches: each program of the first takes one KV
@@ -20,13 +22,12 @@ import torch
 
 from . import base as cuda_base, qruns
 from .base import cdiv, launch, next_pow2, triton
-from .linear import NormedRow
 
 if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
-    from .qruns import _quantize_runs
+    from .qruns import _quantize_head
 
     @triton.jit
     def _split_kernel(q, k_cache, v_cache, pos_ptr, m_out, l_out, acc_out, stride_kh, stride_vh, scale,
@@ -81,9 +82,7 @@ if triton is not None:
             o = o / (1.0 + tl.exp(-z))
         tl.store(out + h * D + d, o.to(out.dtype.element_ty))
         if Q8:  # the head's runs as qruns.quantize_input makes them from the stored row (KQ: the row's words)
-            r = h * (D // 32) + tl.arange(0, D // 32)[:, None]
-            v = tl.reshape(o.to(out.dtype.element_ty).to(tl.float32), [D // 32, 32])
-            _quantize_runs(v, r, r >= 0, q8, KQ, INTERPRETED)
+            _quantize_head(o.to(out.dtype.element_ty), h * (D // 32), D // 32, q8, KQ, INTERPRETED)
 
 
 def n_splits(max_context: int) -> int:
@@ -114,4 +113,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, words, GATE_STRIDE=gate_stride,
            HAS_GATE=gate is not None, D=D, NSPLIT=ns, Q8=q8, KQ=H * D // 4,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cuda_base.pdl(q))
-    return NormedRow.made(out, {"int8 runs": words}) if q8 else out
+    return qruns.carrying(out, words) if q8 else out

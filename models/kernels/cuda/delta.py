@@ -12,6 +12,8 @@ output projection (tests/test_gpu.py compares them), and updates both states in 
   columns (every column's state, o and gate are its own), and the head's last program to finish
   sums the blocks' squares in a fixed order and norms the head: the same bits every run. Without
   them, one program a head.
+With `int8_out` (dv a multiple of 32) the output comes carrying its int8 words for a runs out_proj
+(qruns.carrying: quantize_input's bits, written by the program that writes the head).
 Everything accumulates in fp32 and rounds once to the output dtype; the torch form rounds between
 ops, so the two agree to bf16 rounding. The torch form replaces ~30 kernel launches per layer.
 """
@@ -23,13 +25,12 @@ import torch
 
 from . import base as cuda_base, qruns
 from .base import cdiv, launch, next_pow2, triton
-from .linear import NormedRow
 
 if triton is not None:
     import triton.language as tl
 
     from .base import _pdl_enter
-    from .qruns import _quantize_runs
+    from .qruns import _quantize_head
 
     # Both kernels read their layer's own state before waiting on the previous kernel (PDL), as
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
@@ -107,8 +108,7 @@ if triton is not None:
             y = (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty)
             tl.store(out + h * DV + dv, y)
             if Q8:
-                r = h * (DV // 32) + tl.arange(0, DV // 32)[:, None]
-                _quantize_runs(tl.reshape(y.to(tl.float32), [DV // 32, 32]), r, r >= 0, q8, KQ, INTERPRETED)
+                _quantize_head(y, h * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
         else:
             tl.store(part + h * DV + dv, o * nw * (z / (1.0 + tl.exp(-z))))
             tl.store(ssq + h * SPLIT + c, tl.sum(o * o, axis=0))
@@ -120,8 +120,7 @@ if triton is not None:
                 y = (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty)
                 tl.store(out + h * DV + col, y)
                 if Q8:
-                    r = h * (DV // 32) + tl.arange(0, DV // 32)[:, None]
-                    _quantize_runs(tl.reshape(y.to(tl.float32), [DV // 32, 32]), r, r >= 0, q8, KQ, INTERPRETED)
+                    _quantize_head(y, h * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
                 tl.store(sync + h, 0)
 
 
@@ -164,7 +163,7 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     launch(_delta_step_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part, ssq,
            sync, words, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, Q8=q8, KQ=value_dim // 4,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(proj))
-    return NormedRow.made(out, {"int8 runs": words}) if q8 else out
+    return qruns.carrying(out, words) if q8 else out
 
 
 def counters(nv: int, device: torch.device) -> torch.Tensor:

@@ -156,7 +156,8 @@ class NormedRow:
     """A one-token RMSNorm input not computed yet: rms_norm(x + res) * weight, with x + res (the
     residual stream) still to be written into `stream`. The first GEMV that reads it computes
     both in its prologue (or `materialize()` does, in one add_rms_norm launch). res may be None
-    (nothing pending: the stream is x). Linear layers take it in place of a tensor."""
+    (nothing pending: the stream is x). Linear layers take it in place of a tensor. `made`: a
+    row computed already, carrying other forms of it (`forms`) that the GEMVs read."""
 
     def __init__(self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype | None = None):
@@ -194,6 +195,11 @@ class NormedRow:
                                                  sum_out=self.stream if self.res is not None else None,
                                                  out_dtype=self.out_dtype)
         return self._h
+
+
+def row_dtype(x: "torch.Tensor | NormedRow") -> torch.dtype:
+    """The dtype of the row a GEMV reads: a NormedRow's normed row's (out_dtype, else x's)."""
+    return (x.out_dtype or x.dtype) if isinstance(x, NormedRow) else x.dtype
 
 
 def gemv_and_row(x: "torch.Tensor | NormedRow", w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ from . import base as cuda_base
 from .base import cdiv, launch, next_pow2, triton
 from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
 from ...formats.quant import QWeight
-from .linear import NormedRow
+from .linear import NormedRow, row_dtype as linear_row_dtype
 
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",
            "dequantize_rows", "pick_config", "FMTS", "experts_gate_up", "experts_down"]
@@ -614,12 +614,11 @@ def row_input(x: "torch.Tensor | NormedRow", int8: bool | None) -> tuple["torch.
     """(x, the row's dtype, int8) for a GEMV here or in qruns.py: int8 by default int8_inputs of
     the row's dtype; a NormedRow kept only for int8 inputs (normed and quantized in one launch),
     else materialized."""
-    normed = isinstance(x, NormedRow)
-    row_dtype = (x.out_dtype or x.dtype) if normed else x.dtype
-    int8 = int8_inputs(row_dtype) if int8 is None else int8
-    if normed and not int8:
+    dtype = linear_row_dtype(x)
+    int8 = int8_inputs(dtype) if int8 is None else int8
+    if isinstance(x, NormedRow) and not int8:
         x = x.materialize()
-    return x, row_dtype, int8
+    return x, dtype, int8
 
 
 def pairs_for(fmt: "str | int") -> bool:

@@ -23,6 +23,13 @@ layouts add a word a run of fifth bits, spread into bit 4 of the code bytes ((b 
 A program owns BN rows (a SwiGLU pair's: BN gate rows and the BN up rows N below) and walks K in
 steps of C runs (32 num_warps: a run a thread), the next step's words read before the step's are
 summed (PREFETCH). With PDL, the first step's words and scales are read before the wait.
+
+The int8 input may come made by the launch before the GEMV (FUSED_INT8): a producer that owns
+whole runs of its output writes their words too (`_quantize_head`, quantize_input's bits from the
+output as stored) and returns `carrying(row, words)`, a NormedRow.made whose INT8_RUNS form the
+GEMV reads (`reads_int8`: whether the consumer reads runs int8). `gemv(..., int8_out=True)` is this
+GEMV as a producer (a SwiGLU pair's, for its down): the last of a run's programs to count itself
+in on `counters` quantizes the run.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ __all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "deq
 # The kernels' FMT constant: INT4 0, then runs.REPACKED's (Q4KR 1, Q50R 2, Q51R 3: FMT >= 2 the 5-bit ones)
 FMTS = {"INT4": 0, **{fmt: i + 1 for i, fmt in enumerate(runs.REPACKED)}}
 RUN = 32  # weights a run: an int8 input's group
+INT8_RUNS = "int8 runs"  # a NormedRow's form (NormedRow.forms) holding quantize_input's words of it
 # Programs of the norm-and-quantize launch (about; each sums the whole row's squares)
 NORM_QUANTIZE_PROGRAMS = 8
 # Runs a program of quantize_input's launch (one warp each)
@@ -288,10 +296,8 @@ if triton is not None:
             run = tl.program_id(0) * BN // 32
             tl.debug_barrier()  # every thread's stores before the count (the release covers them)
             if tl.atomic_add(sync + run, 1, sem="acq_rel", scope="gpu") == 32 // BN - 1:
-                at = run * 32 + tl.arange(0, 32)[None, :]
-                v = tl.load(out + at, cache_modifier=".cg").to(tl.float32)  # (other programs wrote it: from L2)
-                rr = run + tl.zeros([1, 1], dtype=tl.int32)
-                _quantize_runs(v, rr, rr >= 0, q8, N // 4, INTERPRETED)
+                v = tl.load(out + run * 32 + tl.arange(0, 32), cache_modifier=".cg")  # (other programs wrote it: from L2)
+                _quantize_head(v, run, 1, q8, N // 4, INTERPRETED)
                 tl.store(sync + run, 0)
 
     @triton.jit
@@ -309,6 +315,13 @@ if triton is not None:
         tl.store(dst + r * 8 + tl.arange(0, 8)[None, :], packed, mask=ok)
         tl.store(dst + KQ + 2 * r, dx.to(tl.int32, bitcast=True), mask=ok)
         tl.store(dst + KQ + 2 * r + 1, (qsum.to(tl.float32) * dx).to(tl.int32, bitcast=True), mask=ok)
+
+    @triton.jit
+    def _quantize_head(y, first, R: tl.constexpr, dst, KQ, INTERPRETED: tl.constexpr):
+        """A producer's R runs of its output y ([R 32] values as stored, in order), runs first..
+        of the row whose words dst holds (KQ: their count): _quantize_runs of them."""
+        r = first + tl.arange(0, R)[:, None]
+        _quantize_runs(tl.reshape(y.to(tl.float32), [R, 32]), r, r >= 0, dst, KQ, INTERPRETED)
 
     @triton.jit
     def _quantize_kernel(x, out, stride_x, RUNS: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
@@ -385,7 +398,7 @@ def quantize_input(x: torch.Tensor) -> torch.Tensor:
     32-input run, q = round(x 127 / amax) as int8 in order, then (dx = amax / 127, dx sum q) as
     fp32 bits a run: x~ = q dx (qplanar.quantized_reference(x, 32))."""
     S, K = x.shape
-    out = torch.empty(S, K // 32 * 10, dtype=torch.int32, device=x.device)
+    out = torch.empty(S, K // RUN * 10, dtype=torch.int32, device=x.device)
     rb = QUANTIZE_RUNS
     launch(_quantize_kernel, (cdiv(K // 32, rb), S), x, out, x.stride(0), RUNS=K // 32, RB=rb,
            INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
@@ -396,20 +409,20 @@ def normed_input(row: NormedRow) -> torch.Tensor:
     """quantize_input of a NormedRow, made once a row (its other run GEMVs take the same): where
     the row is not normed yet, one launch norms it (the stream written, the row kept as
     materialize() would leave it) and quantizes it."""
-    q = row.forms.get("int8 runs")
+    q = row.forms.get(INT8_RUNS)
     if q is None:
         h = row.row_for_prologue()
         if h is None:
             q = quantize_input(row.materialize())
         else:
             K = row.x.shape[-1]
-            q = torch.empty(1, K // 32 * 10, dtype=torch.int32, device=row.x.device)
+            q = int8_words(K, row.x.device)
             rb = next_pow2(-(-(K // 32) // NORM_QUANTIZE_PROGRAMS))
             launch(_norm_quantize_kernel, (cdiv(K // 32, rb),), row.x, row.res if row.res is not None else row.x,
                    row.weight, row.stream, h, q, row.eps, N=K, BLOCK=next_pow2(K), RB=rb,
                    HAS_RES=row.res is not None, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
                    **cuda_base.pdl(row.x))
-        row.forms["int8 runs"] = q
+        row.forms[INT8_RUNS] = q
     return q
 
 
@@ -474,7 +487,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
            EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
            PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
            num_warps=warps, **cuda_base.pdl(src))
-    return NormedRow.made(out, {"int8 runs": words}) if q8 else out
+    return carrying(out, words) if q8 else out
 
 
 # The Q8 launches' counters a device: one a run of outputs (a SwiGLU pair of up to 2 Mi outputs)
@@ -520,6 +533,12 @@ def reads_int8(linear, dtype: torch.dtype, producer: str) -> bool:
 def int8_words(k: int, device: torch.device) -> torch.Tensor:
     """An empty buffer for one row of k inputs as quantize_input's words."""
     return torch.empty(1, k // RUN * 10, dtype=torch.int32, device=device)
+
+
+def carrying(row: torch.Tensor, words: torch.Tensor) -> NormedRow:
+    """`row` as the runs GEMV after it takes it: a row made already (NormedRow.made) carrying its
+    int8 words (INT8_RUNS), which that GEMV reads in place of a quantize_input launch."""
+    return NormedRow.made(row, {INT8_RUNS: words})
 
 
 # (rows a program, runs a program, num_warps): the dequantize launch's tile (prefill's weights)
