@@ -50,8 +50,8 @@ int8 inputs each made in a launch of its own, not by the attention merge or the 
 them (qruns.FUSED_INT8 empty); pairon: the down's made by the SwiGLU pair's epilogue too;
 mergeapart / deltaapart: o_proj's / out_proj's in a launch of its own (the same tokens in each);
 coopapart: a NormedRow's for a one-step runs GEMV made by normed_input's launch, not in the GEMV's
-programs (its squares summed in another order: other tokens may follow;
-set AM4's pairapart and mergeapart ran on 594865e, whose default had all three producers on).
+programs (its squares summed in another order: other tokens may follow). Set AM4's pairapart and
+mergeapart ran on 594865e, whose default had all three producers on.
 Ablations (garbage values, so other tokens; the time a kernel takes inside the graphed step):
 skipnorm (no add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch
 / no qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), skipconv /
