@@ -227,10 +227,11 @@ def test_the_producers_compile_for_hopper_without_a_gpu():
                dict(KEY_DIM=2048, R=2, DK=128, DV=128, BV=bv, Q8=True, KQ=48 * 128 // 4, PDL=True, INTERPRETED=False))
               for bv in (32, 128)]
     sig = dict(x="*i32", w="*i32", aux="*i32", aux2="*i16", bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-               stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
+               stride_a="i32", stride_z="i32", q8="*i32", sync="*i32", res="*i32", nw="*i32", stream="*i32",
+               eps="fp32")
     cases += [(qruns._runs_gemv_kernel, sig,
                dict(G=32, RUNS=160, BN=bn, C=32, STEPS=5, EVEN=True, FMT=1, A8=True, HAS_BIAS=False, SWIGLU=True,
-                    PREFETCH=True, Q8=True, PDL=True, INTERPRETED=False))
+                    PREFETCH=True, Q8=True, COOP=False, HAS_RES=False, PDL=True, INTERPRETED=False))
               for bn in (2, 4)]
     for fn, sig, const in cases:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
