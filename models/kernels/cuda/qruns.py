@@ -509,7 +509,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     src = x.x if normed else x
     bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu, int8)
     runs, c = pw.k // RUN, 32 * warps
-    coop = (COOP_NORM and normed and int8 and runs <= c and x._h is None and "int8 runs" not in x.forms
+    coop = (COOP_NORM and normed and int8 and runs <= c and x._h is None and INT8_RUNS not in x.forms
             and x.out_dtype in (None, x.x.dtype))
     if coop:
         xin = x.x
