@@ -172,9 +172,10 @@ def _load(tmp_path, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["llama-Q4_K", "qwen2-Q5_0", "qwen3_5-gptq_v2"])
 def test_a_model_computes_the_same_bits_with_the_int8_made_by_its_producers(tmp_path, monkeypatch, case):
-    """Logits of a prefill and eight decode steps (graph on, then eager), the fusion on against off:
-    equal bits; and with it on, the step launches fewer quantize_input kernels, the producers
-    making those words instead (not vacuous)."""
+    """Logits of a prefill and eight decode steps (graph on, then eager), each producer alone, the
+    default set and all of them against none: equal bits; and each setting's eager step launches
+    as many fewer quantize_input kernels as its producers made words, each producer making some
+    where the model has its launch (not vacuous)."""
     from gguf import GGMLQuantizationType as Q
 
     from engine.session import DecodeSession
@@ -188,9 +189,12 @@ def test_a_model_computes_the_same_bits_with_the_int8_made_by_its_producers(tmp_
     for mod in (qruns, cuda_attention, cuda_delta):
         monkeypatch.setattr(mod, "launch", lambda kernel, grid, *a, _real=cuda_base.launch, **kw:
                             (launched.append((kernel, kw.get("Q8", False))), _real(kernel, grid, *a, **kw))[1])
+    maker = {"pair": qruns._runs_gemv_kernel, "merge": cuda_attention._merge_kernel,
+             "delta": cuda_delta._delta_step_kernel}
+    settings = [(), *((p,) for p in qruns.PRODUCERS), tuple(sorted(qruns.FUSED_INT8)), qruns.PRODUCERS]
     logits, counts = {}, {}
-    for fused in (True, False):
-        monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(qruns.PRODUCERS if fused else ()))
+    for fused in settings:
+        monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(fused))
         for graph in ("on", "off"):
             s = DecodeSession(lm.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
                               cuda_graph=graph)
@@ -198,12 +202,16 @@ def test_a_model_computes_the_same_bits_with_the_int8_made_by_its_producers(tmp_
             launched.clear()
             logits[fused, graph] = torch.stack([s.step(t)[-1].float().clone() for t in steps])
             if graph == "off":
-                counts[fused] = (sum(k is qruns._quantize_kernel for k, _ in launched), sum(q for _, q in launched))
-    assert torch.equal(logits[True, "on"], logits[False, "on"])
-    assert torch.equal(logits[True, "off"], logits[False, "off"])
-    assert torch.equal(logits[True, "on"], logits[True, "off"])
-    (quantized_on, made_on), (quantized_off, made_off) = counts[True], counts[False]
-    assert made_off == 0 and made_on > 0 and quantized_on == quantized_off - made_on, counts
+                counts[fused] = (sum(k is qruns._quantize_kernel for k, _ in launched),
+                                 {p: sum(q for k, q in launched if k is maker[p]) for p in qruns.PRODUCERS})
+    for fused in settings:
+        for graph in ("on", "off"):
+            assert torch.equal(logits[fused, graph], logits[(), "off"]), (fused, graph)
+        quantized, made = counts[fused]
+        assert quantized == counts[()][0] - sum(made.values()), (fused, counts)
+        assert all(made[p] == 0 for p in qruns.PRODUCERS if p not in fused), (fused, counts)
+    has = {"pair": True, "merge": True, "delta": kind == "qwen3_5"}  # (every case has attention layers)
+    assert all((counts[(p,)][1][p] > 0) == has[p] for p in qruns.PRODUCERS), counts
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",

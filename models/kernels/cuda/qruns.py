@@ -34,6 +34,7 @@ in on `counters` quantizes the run.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -564,7 +565,11 @@ def counters(device: torch.device) -> torch.Tensor:
 # int8apart / pairapart; bench/RESULTS.md set AM).
 PRODUCERS = ("pair", "merge", "delta")
 _FUSED = os.environ.get("CHAT_FUSED_INT8", "merge,delta").lower()
-FUSED_INT8 = frozenset(PRODUCERS if _FUSED in ("1", "all") else (p for p in _FUSED.split(",") if p in PRODUCERS))
+_NAMES = PRODUCERS if _FUSED in ("1", "all") else [p.strip() for p in _FUSED.split(",") if p.strip() not in ("", "0")]
+if set(_NAMES) - set(PRODUCERS):  # (a knob read at import: a warning, not an error that would stop every model)
+    warnings.warn(f"CHAT_FUSED_INT8: {', '.join(sorted(set(_NAMES) - set(PRODUCERS)))} ignored; "
+                  f"give 0, 1 or a comma list of {', '.join(PRODUCERS)}", stacklevel=1)
+FUSED_INT8 = frozenset(p for p in _NAMES if p in PRODUCERS)
 
 
 def reads_int8(linear, dtype: torch.dtype, producer: str) -> bool:
