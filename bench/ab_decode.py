@@ -48,10 +48,8 @@ long to read whole, under 4,096 of them, in K steps of 128 as before 2026-12-03)
 on its predecessor / when the norm ends (linear.MATERIALIZE_LAUNCH). int8apart: the runs GEMVs'
 int8 inputs each made in a launch of its own, not by the attention merge or the delta step before
 them (qruns.FUSED_INT8 empty); pairon: the down's made by the SwiGLU pair's epilogue too;
-mergeapart / deltaapart: o_proj's / out_proj's in a launch of its own (the same tokens in each);
-coopapart: a NormedRow's for a one-step runs GEMV made by normed_input's launch, not in the GEMV's
-programs (its squares summed in another order: other tokens may follow). Set AM4's pairapart and
-mergeapart ran on 594865e, whose default had all three producers on.
+mergeapart / deltaapart: o_proj's / out_proj's in a launch of its own (the same tokens in each;
+set AM4's pairapart and mergeapart ran on 594865e, whose default had all three producers on).
 Ablations (garbage values, so other tokens; the time a kernel takes inside the graphed step):
 skipnorm (no add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quantize_input launch
 / no qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), skipconv /
@@ -96,7 +94,7 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
                 normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
                 runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None,
-                runs_min=loader.RUNS_MIN_WEIGHTS, fusedint8=qruns.FUSED_INT8, coop=qruns.COOP_NORM)
+                runs_min=loader.RUNS_MIN_WEIGHTS, fusedint8=qruns.FUSED_INT8)
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
@@ -177,7 +175,6 @@ VARIANTS = {
     "normend": dict(normlaunch="end"),
     # the launches making the runs GEMVs' int8 inputs (qruns.FUSED_INT8, from the default's producers)
     "int8apart": dict(fusedint8=frozenset()),  # every one in a launch of its own
-    "coopapart": dict(coop=False),  # a NormedRow's for a one-step runs GEMV in normed_input's launch (qruns.COOP_NORM)
     "pairon": dict(fusedint8=DEFAULTS["fusedint8"] | {"pair"}),  # the down's by the SwiGLU pair's epilogue too
     "mergeapart": dict(fusedint8=DEFAULTS["fusedint8"] - {"merge"}),  # o_proj's in a launch of its own
     "deltaapart": dict(fusedint8=DEFAULTS["fusedint8"] - {"delta"}),  # out_proj's in a launch of its own
@@ -257,7 +254,7 @@ def apply(variant: str) -> None:
     skipped = {k for p, k in (("conv", cuda_delta._conv_step_kernel), ("step", cuda_delta._delta_step_kernel))
                if p in v["skip"]}
     cuda_delta.launch = _launch_without(skipped) if skipped else _DELTA_LAUNCH
-    qruns.FUSED_INT8, qruns.COOP_NORM = v["fusedint8"], v["coop"]
+    qruns.FUSED_INT8 = v["fusedint8"]
     qruns.quantize_input = _stale_int8 if "quant" in v["skip"] else _RUNS_QUANTIZE
     qruns.normed_input = _stale_int8 if "normquant" in v["skip"] else _RUNS_NORMED
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]

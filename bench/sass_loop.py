@@ -138,12 +138,11 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
                                                   ("int16", "i16"))}
     sig = dict(x="*i32" if int8 else "*bf16", w="*i32", aux="*" + dt[str(aux.dtype).split(".")[1]],
                aux2="*" + dt[str(aux2.dtype).split(".")[1]], bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-               stride_a="i32", stride_z="i32", q8="*i32", sync="*i32", res="*bf16", nw="*bf16", stream="*bf16",
-               eps="fp32")
+               stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
     runs_n, c = k // 32, 32 * warps
     const = dict(G=pw.group, RUNS=runs_n, BN=bn, C=c, STEPS=-(-runs_n // c), EVEN=runs_n % c == 0,
                  FMT=qruns.FMTS[pw.fmt], A8=int8, HAS_BIAS=False, SWIGLU=False, PREFETCH=bool(prefetch), Q8=False,
-                 COOP=False, HAS_RES=False, PDL=True, INTERPRETED=False)
+                 PDL=True, INTERPRETED=False)
     ints = dict(N=n, stride_w=k // 8, stride_a=sa, stride_z=sz)
     names = list(sig)
     aligned = ["x", "w", "aux", "aux2", "out"] + [x for x, v in ints.items() if v % 16 == 0]

@@ -196,44 +196,6 @@ def test_normed_input_is_add_rms_norm_then_quantize_input(device, k, res, progra
         assert torch.equal(y, qruns.gemv(h, qw, int8=True))
 
 
-@pytest.mark.parametrize("kind,n,k,group,swiglu,warps", [("Q50R", 24, 576, 32, True, 1), ("Q4KR", 21, 512, 32, False, 1),
-                                                        ("INT4", 37, 1024, 128, False, 1), ("Q51R", 10, 96, 32, True, 2),
-                                                        ("Q4KR", 40, 2048, 32, True, 2)])
-def test_a_one_step_gemv_norms_and_quantizes_a_normed_row_itself(device, kind, n, k, group, swiglu, warps, monkeypatch):
-    """COOP_NORM: a NormedRow read in one step (K up to 32 runs a thread) is normed and quantized
-    in the GEMV's programs (no normed_input launch, the row's int8 form not made): the stream's
-    bits as add_rms_norm's, the outputs within the int8 product's bound of x~ @ W^T for x~ the
-    quantized normed row (the squares summed in another order: a tie may round the other way),
-    with and without a residual pending; COOP off, normed_input's launch as before."""
-    from models.kernels.cuda import base, qplanar, qruns
-    from models.kernels.cuda.linear import NormedRow
-    qw, w = weight(kind, n, k, 1, device, group)
-    g = torch.Generator().manual_seed(8)
-    launched = []
-    real = qruns.launch
-    monkeypatch.setattr(qruns, "launch", lambda kernel, grid, *a, **kw: (launched.append((kernel, kw.get("COOP"))),
-                                                                         real(kernel, grid, *a, **kw))[1])
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        x = (torch.randn(1, k, generator=g) * 2).to(device, dtype)
-        x[0, :32] = 0.0
-        for res in (True, False):
-            r = torch.randn(1, k, generator=g).to(device, dtype) if res else None
-            nw = (torch.rand(k, generator=g) + 0.5).to(device, dtype)
-            stream, h = base.add_rms_norm(x, r if res else torch.zeros_like(x), nw, 1e-6)
-            ref, tol = product_and_tolerance(qplanar.quantized_reference(h, 32).to(device), w, None, swiglu, dtype)
-            for coop in (True, False):
-                monkeypatch.setattr(qruns, "COOP_NORM", coop)
-                launched.clear()
-                row = NormedRow(x, r, nw, 1e-6)
-                out = qruns.gemv(row, qw, swiglu=swiglu, out_dtype=dtype, int8=True, config=(4, warps, True))
-                err = (out.double() - ref).abs()
-                assert bool((err <= tol).all()), (coop, dtype, res, float((err - tol).max()))
-                assert launched[-1] == (qruns._runs_gemv_kernel, coop)  # (not vacuous)
-                assert (len(launched) == 1) == coop and ("int8 runs" in row.forms) != coop
-                if res:
-                    assert torch.equal(row.stream, stream)
-
-
 @pytest.mark.parametrize("kind,n,k,group,start,stop", [("INT4", 37, 1024, 128, 0, 37), ("INT4", 37, 256, 64, 5, 30),
                                                        ("Q4KR", 45, 1024, 32, 2, 45), ("Q4KR", 18, 768, 32, 3, 18),
                                                        ("Q50R", 20, 896, 32, 1, 20), ("Q51R", 13, 576, 32, 0, 9)])
@@ -340,17 +302,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     cases = []
     for fmt, aux, aux2, G in ((0, "*fp16", "*u8", 128), (1, "*i32", "*i16", 32)):
         sig = dict(x="*bf16", w="*i32", aux=aux, aux2=aux2, bias="*bf16", out="*bf16", N="i32", stride_w="i32",
-                   stride_a="i32", stride_z="i32", q8="*i32", sync="*i32", res="*bf16", nw="*bf16", stream="*bf16",
-                   eps="fp32")
+                   stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
         cases += [(qruns._runs_gemv_kernel, {**sig, "x": "*i32" if a8 else "*bf16"},
                    dict(G=G, RUNS=runs, BN=4, C=64, STEPS=-(-runs // 64), EVEN=runs % 64 == 0, FMT=fmt, A8=a8,
-                        HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf, Q8=False, COOP=False, HAS_RES=False, PDL=True,
-                        INTERPRETED=False))
+                        HAS_BIAS=swiglu, SWIGLU=swiglu, PREFETCH=pf, Q8=False, PDL=True, INTERPRETED=False))
                   for swiglu in (False, True) for a8 in (False, True) for pf in (False, True) for runs in (160, 544)]
-        cases += [(qruns._runs_gemv_kernel, sig,  # (COOP: a NormedRow's int8 input made in the programs)
-                   dict(G=G, RUNS=runs, BN=4, C=64, STEPS=1, EVEN=runs == 64, FMT=fmt, A8=True, HAS_BIAS=False,
-                        SWIGLU=swiglu, PREFETCH=False, Q8=False, COOP=True, HAS_RES=res, PDL=True, INTERPRETED=False))
-                  for swiglu in (False, True) for res in (False, True) for runs in (28, 64)]
         cases.append((qruns._runs_dequant_kernel,
                       dict(w="*u8", aux=aux, aux2=aux2, out="*bf16", start="i32", stop="i32", stride_w="i32",
                            stride_a="i32", stride_z="i32", stride_o="i32"),

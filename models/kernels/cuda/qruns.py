@@ -72,7 +72,7 @@ if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .qplanar import _add_norm, _dp4a_pair, _epilogue, _summed
+    from .qplanar import _add_norm, _dp4a_pair, _epilogue
 
     @triton.jit
     def _run_words(w, rows, run, m, stride_w, RUNS: tl.constexpr, EVEN: tl.constexpr):
@@ -187,33 +187,6 @@ if triton is not None:
         return xe, xo, dx, xs
 
     @triton.jit
-    def _coop_input(x, res, nw, stream, eps, write, RUNS: tl.constexpr, C: tl.constexpr, HAS_RES: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
-        """COOP: the int8 input of a NormedRow's one step (RUNS <= C runs), made by the program's
-        threads together (not a run a thread): (x + res) rounded as add_rms_norm rounds it (written
-        into `stream` where `write`), normed by nw (qplanar._add_norm's operations; the squares
-        summed in this layout's order), rounded to x's dtype, then each run quantized as
-        _quantize_runs does. Returns _step_input's (xe, xo, dx, xs) for runs 0..C-1."""
-        offs = tl.arange(0, C * 32)
-        ok = offs < RUNS * 32
-        s = _summed(x, res, offs, ok, HAS_RES)
-        if HAS_RES:
-            tl.store(stream + offs, s, mask=ok & write)
-        sf = s.to(tl.float32)
-        rn = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / (RUNS * 32) + eps)
-        h = (sf * rn * tl.load(nw + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
-        v = tl.reshape(h.to(tl.float32), [C, 32])
-        amax = tl.max(tl.abs(v), axis=1)[:, None]
-        inv = tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0))
-        dx = tl.div_rn(amax, 127.0)
-        q = _rounded(v * inv, INTERPRETED)
-        xs = tl.sum(q, axis=1)[:, None].to(tl.float32) * dx
-        shift = (tl.arange(0, 32) % 4 * 8)[None, :]
-        packed = tl.sum(tl.reshape((q & 255) << shift, [C, 8, 4]), axis=2)  # [C, 8]: words 0-3 xe, 4-7 xo
-        xe, xo = tl.split(tl.permute(tl.reshape(packed, [C, 2, 4]), [0, 2, 1]))
-        return tl.reshape(xe, [C, 1, 4]), tl.reshape(xo, [C, 1, 4]), tl.reshape(dx, [C, 1, 1]), tl.reshape(xs, [C, 1, 1])
-
-    @triton.jit
     def _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, run, m, RUNS: tl.constexpr,
                  FMT: tl.constexpr, A8: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr):
         """acc [C, BN, 1] plus the runs' contributions. A8: on the int8 input (xe, xo, dx, xs:
@@ -247,15 +220,13 @@ if triton is not None:
         return acc + scale * ws - offset * xs
 
     @triton.jit
-    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, q8, sync, res, nw, stream, eps,
+    def _runs_gemv_kernel(x, w, aux, aux2, bias, out, N, stride_w, stride_a, stride_z, q8, sync,
                           G: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
                           STEPS: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr, A8: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, Q8: tl.constexpr,
-                          COOP: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                          PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Rows pid BN.. (N outputs; SWIGLU: the up rows N below), C runs a step, STEPS steps. A8:
-        x is quantize_input's words; else the row. COOP (one step, A8): x is a NormedRow's x, its
-        int8 input made here (_coop_input: rms_norm(x + res) nw, the sum written into `stream` by
-        program 0).
+        x is quantize_input's words; else the row.
         Q8 (BN divides 32, N a multiple of 32): the output row's int8 runs into q8 as well, by the
         last of a run's 32 / BN programs to count itself in (`sync`, an acq_rel atomic after a
         barrier; the count set back to zero), from the outputs as stored: quantize_input's bits."""
@@ -303,28 +274,23 @@ if triton is not None:
                 acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, last, m, RUNS, FMT,
                                   A8, EVEN, INTERPRETED)
         else:
-            if COOP:
-                xe, xo, dx, xs = _coop_input(x, res, nw, stream, eps, tl.program_id(0) == 0, RUNS, C, HAS_RES,
-                                             INTERPRETED)
-            else:
-                xe, xo, dx, xs = _step_input(x, ci, m, RUNS, KQ, A8, EVEN)
+            xe, xo, dx, xs = _step_input(x, ci, m, RUNS, KQ, A8, EVEN)
             acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, ci, m, RUNS, FMT, A8, EVEN, INTERPRETED)
             if SWIGLU:
                 acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, ci, m, RUNS, FMT, A8,
                                   EVEN, INTERPRETED)
-            if not COOP:  # (one step: the loop's x is quantize_input's words)
-                for i in range(1, STEPS):
-                    run = i * C + ci
-                    words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
-                                                           FMT, RUNS, EVEN)
-                    xe, xo, dx, xs = _step_input(x, run, m, RUNS, KQ, A8, EVEN)
-                    acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, run, m, RUNS, FMT, A8, EVEN,
-                                   INTERPRETED)
-                    if SWIGLU:
-                        u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
-                                                                       stride_z, G, FMT, RUNS, EVEN)
-                        acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, run, m, RUNS,
-                                          FMT, A8, EVEN, INTERPRETED)
+            for i in range(1, STEPS):
+                run = i * C + ci
+                words, high, scale, offset = _run_step(w, aux, aux2, rows, run, m, stride_w, stride_a, stride_z, G,
+                                                       FMT, RUNS, EVEN)
+                xe, xo, dx, xs = _step_input(x, run, m, RUNS, KQ, A8, EVEN)
+                acc = _run_dot(acc, x, xe, xo, dx, xs, words, high, scale, offset, run, m, RUNS, FMT, A8, EVEN,
+                               INTERPRETED)
+                if SWIGLU:
+                    u_words, u_high, u_scale, u_offset = _run_step(w, aux, aux2, rows + N, run, m, stride_w, stride_a,
+                                                                   stride_z, G, FMT, RUNS, EVEN)
+                    acc_up = _run_dot(acc_up, x, xe, xo, dx, xs, u_words, u_high, u_scale, u_offset, run, m, RUNS,
+                                      FMT, A8, EVEN, INTERPRETED)
         y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BN]
         _epilogue(y, tl.sum(tl.sum(acc_up, axis=2), axis=0) if SWIGLU else y, bias, out, r, N, HAS_BIAS, SWIGLU)
         if Q8:
@@ -508,17 +474,9 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     x, row_dtype, int8 = qplanar.row_input(x, int8)  # (qplanar.int8_inputs' rule)
     normed = isinstance(x, NormedRow)
     src = x.x if normed else x
+    xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
     bn, warps, prefetch = config or pick_config(n_out, pw.k, swiglu, int8)
     runs, c = pw.k // RUN, 32 * warps
-    coop = (COOP_NORM and normed and int8 and runs <= c and x._h is None and INT8_RUNS not in x.forms
-            and x.out_dtype in (None, x.x.dtype))
-    if coop:
-        xin = x.x
-        res, nw, stream, eps = (x.res if x.res is not None else xin), x.weight, x.stream, x.eps
-    else:
-        xin = (normed_input(x) if normed else quantize_input(x)) if int8 else x
-        res = nw = stream = xin
-        eps = 0.0
     out = torch.empty(1, n_out, dtype=out_dtype or row_dtype, device=src.device)
     aux, aux2, sa, sz = _aux(pw)
     steps = cdiv(runs, c)
@@ -526,18 +484,11 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
     words = int8_words(n_out, src.device) if q8 else out
     launch(_runs_gemv_kernel, (cdiv(n_out, bn),), xin, pw.data.view(torch.int32), aux, aux2,
            bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, words,
-           counters(src.device) if q8 else words, res, nw, stream, eps, G=pw.group, RUNS=runs, BN=bn, C=c,
-           STEPS=steps, EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-           PREFETCH=prefetch and steps > 1, Q8=q8, COOP=coop, HAS_RES=coop and x.res is not None,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           counters(src.device) if q8 else words, G=pw.group, RUNS=runs, BN=bn, C=c, STEPS=steps,
+           EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
            num_warps=warps, **cuda_base.pdl(src))
     return carrying(out, words) if q8 else out
-
-
-# A NormedRow read by a runs GEMV of one step (K up to 32 runs a thread of its programs: a small
-# model's qkv and gate/up) has its norm and int8 input made in each of the GEMV's programs, by
-# their threads together (_coop_input), not in normed_input's launch before it. Not measured yet.
-COOP_NORM = os.environ.get("CHAT_COOP_NORM", "1").lower() not in ("0", "false", "off", "no")
 
 
 # The Q8 launches' counters a device: one a run of outputs (a SwiGLU pair of up to 2 Mi outputs)
