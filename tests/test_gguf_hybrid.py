@@ -88,6 +88,30 @@ def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, 
     assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
 
 
+def test_value_head_projections_keep_their_blocks(converted, tmp_path):
+    """qwen35 in Q8_0: attn_qkv's tiled value rows move whole (its blocks kept), ssm_out stays
+    as stored with its columns tiled (config linear_out_proj_tiled: the layer feeds it its heads
+    in that order); nothing of a delta layer's projections is dequantized, and the model stays
+    within the quantized tolerance of the same file dequantized, greedy tokens equal."""
+    from llama_cpp_tree import convert
+    from models.formats import checkpoints, quant
+    hf_dir, _ = converted["qwen3_5"]
+    path = convert(hf_dir, str(tmp_path / "q8.gguf"), "q8_0", pre="qwen2", options=("--no-mtp",))
+    ckpt = checkpoints.load_gguf(path, keep_quantized=True)
+    assert ckpt.config["linear_out_proj_tiled"] and not ckpt.notes
+    for name in ("in_proj_qkv", "out_proj"):
+        assert isinstance(ckpt.tensors[f"model.layers.0.linear_attn.{name}.weight"], quant.GgufTensor)
+    assert "linear_out_proj_tiled" not in checkpoints.load_gguf(path).config  # dequantized: HF's order
+    q, ref = models.load(path, quantized=True), models.load(path)
+    delta = q.model.model.layers[0].linear_attn
+    assert delta.out_tiled and isinstance(delta.out_proj, quant.BlockLinear)
+    ids = rand_ids(40, 3)
+    a, b = session(ref).prefill(ids, all_logits=True), session(q).prefill(ids, all_logits=True)
+    assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    assert list(session(q).generate(ids, greedy)) == list(session(ref).generate(ids, greedy))
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
 def test_4bit_moe_gguf_keeps_its_experts_quantized_and_mapped(converted, kind, tmp_path):
     """The converter's file with its experts requantized to Q4_0: on the CPU the experts stay the

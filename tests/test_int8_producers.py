@@ -237,8 +237,9 @@ def test_the_producers_compile_for_hopper_without_a_gpu():
                dict(act="*fp32", proj="*bf16", rec="*fp32", neg_A="*fp32", dt_bias="*fp32", norm_w="*bf16",
                     out="*bf16", part="*fp32", ssq="*fp32", sync="*i32", q8="*i32", z_off="i32", b_off="i32",
                     a_off="i32", eps="fp32", q_scale="fp32", beta_scale="fp32"),
-               dict(KEY_DIM=2048, R=2, DK=128, DV=128, BV=bv, Q8=True, KQ=48 * 128 // 4, PDL=True, INTERPRETED=False))
-              for bv in (32, 128)]
+               dict(KEY_DIM=2048, R=2, DK=128, DV=128, BV=bv, Q8=True, KQ=48 * 128 // 4, TILED=tiled, PDL=True,
+                    INTERPRETED=False))
+              for bv in (32, 128) for tiled in (False, True)]
     sig = dict(x="*i32", w="*i32", aux="*i32", aux2="*i16", bias="*bf16", out="*bf16", N="i32", stride_w="i32",
                stride_a="i32", stride_z="i32", q8="*i32", sync="*i32")
     cases += [(qruns._runs_gemv_kernel, sig,

@@ -66,6 +66,9 @@ class HybridConfig:
     # and its own gated-norm epsilon; None = rms_eps
     beta_scale: float = 1.0
     linear_norm_eps: float | None = None
+    # out_proj's columns in llama.cpp's tiled value-head order (a qwen35 GGUF's blocks, which
+    # cannot be reordered: checkpoints._gguf_values); the layer then writes its heads that way
+    linear_out_tiled: bool = False
 
     @classmethod
     def from_hf(cls, c: dict, moe: bool = False) -> "HybridConfig":
@@ -98,7 +101,8 @@ class HybridConfig:
             num_experts=num_experts(c) if moe else 0, experts_per_tok=c.get("num_experts_per_tok", 0),
             moe_intermediate_size=c.get("moe_intermediate_size", 0),
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
-            norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers)
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers,
+            linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)))
 
 
 class GatedRMSNorm(nn.Module):
@@ -144,6 +148,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps)
         self.beta_scale = cfg.beta_scale
         self.out_proj = Linear(self.value_dim, h, bias=False)
+        # value head h = key head kh's j-th (h = kh r + j) feeds out_proj's slot j nk + kh
+        self.out_tiled = cfg.linear_out_tiled and self.nk != self.nv
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """out_proj of the normed, gated output [T, value_dim] in HF's grouped head order (with
+        `out_tiled`, its heads reordered to the tiled order out_proj's columns are in)."""
+        if self.out_tiled:
+            T = out.shape[0]
+            out = out.view(T, self.nk, self.nv // self.nk, self.dv).transpose(1, 2).reshape(T, self.value_dim)
+        return self.out_proj(out)
 
     def reset_buffers(self, device) -> None:
         """After loading: the decay rate -exp(A_log) and dt_bias in fp32, the constant weights
@@ -175,8 +189,9 @@ class GatedDeltaNet(nn.Module):
             out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
                                      self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
-                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype, "delta"))
-            return self.out_proj(out)
+                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype, "delta"),
+                                     tiled=self.out_tiled)
+            return self.out_proj(out)  # already in out_proj's head order
         if hasattr(self, "in_proj"):
             mixed, z, b, a = self.in_proj.split(x)
         else:
@@ -196,8 +211,8 @@ class GatedDeltaNet(nn.Module):
             q, k = mixed[:, :kd].unflatten(1, (self.nk, self.dk)), mixed[:, kd:2 * kd].unflatten(1, (self.nk, self.dk))
             out = gated_delta.chunked_raw(q, k, mixed[:, 2 * kd:].unflatten(1, (self.nv, self.dv)), a, b, self.neg_A,
                                           self.dt_bias32, self.beta_scale, st["recurrent"])
-            return self.out_proj(cuda_scan.gated_norm(out, z.unflatten(1, (self.nv, self.dv)), self.norm.weight,
-                                                      self.norm.eps))
+            return self.project_out(cuda_scan.gated_norm(out, z.unflatten(1, (self.nv, self.dv)), self.norm.weight,
+                                                         self.norm.eps))
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
         q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
         k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
@@ -217,7 +232,7 @@ class GatedDeltaNet(nn.Module):
             out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
         z = z.reshape(T, self.nv, self.dv)
         out = self.norm(out.to(x.dtype), z).reshape(T, self.value_dim)
-        return self.out_proj(out)
+        return self.project_out(out)
 
 
 class GatedAttention(QKVProjections):

@@ -309,10 +309,23 @@ def _tiled_to_grouped(t, dim: int, nk: int, nv: int, head: int):
     return t.index_select(dim, perm)
 
 
+def _tiled_slots(split: int, nk: int, nv: int, head: int) -> np.ndarray:
+    """The row order that puts a [q; k; v] projection's tiled value rows (after `split` rows of
+    q and k) back in HF's grouped order, q and k rows unmoved: for GGUF blocks, whose rows move
+    whole."""
+    r, n = nv // nk, nv * head
+    perm = np.arange(n).reshape(r, nk, head).transpose(1, 0, 2).reshape(n)
+    return np.concatenate([np.arange(split), split + perm])
+
+
 def _gguf_values(config: dict, tensors: dict) -> None:
     """In place: the values llama.cpp's converter changed, back to HF's (hybrids: zero-centred
     norms stored as 1 + w, A_log stored as -exp(A_log), value heads tiled; MoE: gate and up
-    experts stored apart)."""
+    experts stored apart). A Gated DeltaNet out_proj kept in GGUF blocks keeps the converter's
+    tiled column order (its columns cannot move within blocks: a value head of 128 columns is
+    half a K-quant block): `config["linear_out_proj_tiled"]` then tells the model to feed it
+    its value heads in that order (qwen3_5.GatedDeltaNet.out_tiled), and every layer's
+    out_proj stays as stored."""
     from . import quant
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_proj")]:
         base = name[: -len("gate_proj")]
@@ -322,6 +335,10 @@ def _gguf_values(config: dict, tensors: dict) -> None:
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
     reorder = config["model_type"] != "qwen3_next" and nk != nv
+    tiled_out = reorder and any(n.endswith("linear_attn.out_proj.weight") and isinstance(t, quant.GgufTensor)
+                                for n, t in tensors.items())
+    if tiled_out:
+        config["linear_out_proj_tiled"] = True
     for name in list(tensors):
         t = tensors[name]
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -332,8 +349,11 @@ def _gguf_values(config: dict, tensors: dict) -> None:
             continue
         if name.endswith("in_proj_qkv.weight"):
             split = 2 * nk * dk
-            q_k = t.dequantize() if isinstance(t, quant.GgufTensor) else t
-            tensors[name] = torch.cat([q_k[:split], _tiled_to_grouped(q_k[split:], 0, nk, nv, dv)])
+            if isinstance(t, quant.GgufTensor):  # whole rows move: the blocks are kept
+                slots = _tiled_slots(split, nk, nv, dv)
+                tensors[name] = t.permute_rows(lambda a, s=slots: np.ascontiguousarray(a[s]))
+            else:
+                tensors[name] = torch.cat([t[:split], _tiled_to_grouped(t[split:], 0, nk, nv, dv)])
         elif name.endswith("conv1d.weight"):
             split = 2 * nk * dk
             tensors[name] = torch.cat([t[:split], _tiled_to_grouped(t[split:], 0, nk, nv, dv)])
@@ -341,7 +361,7 @@ def _gguf_values(config: dict, tensors: dict) -> None:
             tensors[name] = _tiled_to_grouped(t, 0, nk, nv, dv)
         elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
             tensors[name] = _tiled_to_grouped(t, 0, nk, nv, 1)
-        elif name.endswith("out_proj.weight"):
+        elif name.endswith("out_proj.weight") and not tiled_out:
             tensors[name] = _tiled_to_grouped(t, 1, nk, nv, dv)
 
 
@@ -405,7 +425,8 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             if unpermute is not None:
                 w = unpermute(w)
             tensors[_hf_name(name, model_type)] = torch.from_numpy(np.ascontiguousarray(w))
-        _gguf_values(index["config"], tensors)
+        config = dict(index["config"])  # this load's own: _gguf_values may add to it
+        _gguf_values(config, tensors)
     except CheckpointError:
         raise
     except NotImplementedError as e:  # gguf-py cannot dequantize this type either
@@ -418,7 +439,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
              f"{', '.join(gguf_type(t).name for t in quant.kept_types())})"
              for kind, count in sorted(widened.items())]
     tokenizer = Tokenizer.from_str(index["tokenizer"])
-    return Checkpoint(index["config"], tensors, tokenizer, index["chat_template"], index["bos_token"],
+    return Checkpoint(config, tensors, tokenizer, index["chat_template"], index["bos_token"],
                       index["eos_token"], tuple(index["eos_ids"]), [path], notes)
 
 

@@ -65,7 +65,7 @@ if triton is not None:
     def _delta_step_kernel(act, proj, rec, neg_A, dt_bias, norm_w, out, part, ssq, sync, q8, z_off, b_off, a_off, eps,
                            q_scale, beta_scale, KEY_DIM: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, BV: tl.constexpr, Q8: tl.constexpr, KQ: tl.constexpr,
-                           PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                           TILED: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
         """Value head program_id(0)'s columns program_id(1) BV.. (grid [nv, DV / BV]). With BV = DV
         one program owns the head (part, ssq and sync unread). Split, each column's state, o and
         gate are its program's own, but the head's gated RMSNorm needs all of o's squares: each
@@ -74,11 +74,16 @@ if triton is not None:
         squares in column-block order (the same bits whatever the order of arrival), writes the
         head's output and sets the count back to zero. Q8: the program writing a head's output
         also writes its int8 runs (qruns.quantize_input's words from the stored output; KQ: the
-        row's words)."""
+        row's words). TILED: head h's output (and words) go to slot (h % R) NK + h // R, the
+        tiled order of a qwen35 GGUF's out_proj columns (NK = the key heads)."""
         SPLIT: tl.constexpr = DV // BV
         h = tl.program_id(0)
         c = tl.program_id(1)
         kh = h // R
+        if TILED:
+            slot = (h % R) * (KEY_DIM // DK) + kh
+        else:
+            slot = h
         dk = tl.arange(0, DK)
         dv = c * BV + tl.arange(0, BV)
         s_ptr = rec + h * DK * DV + dk[:, None] * DV + dv[None, :]
@@ -106,9 +111,9 @@ if triton is not None:
         if SPLIT == 1:
             o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * nw
             y = (o * z / (1.0 + tl.exp(-z))).to(out.dtype.element_ty)
-            tl.store(out + h * DV + dv, y)
+            tl.store(out + slot * DV + dv, y)
             if Q8:
-                _quantize_head(y, h * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
+                _quantize_head(y, slot * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
         else:
             tl.store(part + h * DV + dv, o * nw * (z / (1.0 + tl.exp(-z))))
             tl.store(ssq + h * SPLIT + c, tl.sum(o * o, axis=0))
@@ -118,9 +123,9 @@ if triton is not None:
                 col = tl.arange(0, DV)
                 gated = tl.load(part + h * DV + col, cache_modifier=".cg")  # (other programs wrote it: from L2)
                 y = (gated / tl.sqrt(ms + eps)).to(out.dtype.element_ty)
-                tl.store(out + h * DV + col, y)
+                tl.store(out + slot * DV + col, y)
                 if Q8:
-                    _quantize_head(y, h * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
+                    _quantize_head(y, slot * (DV // 32), DV // 32, q8, KQ, INTERPRETED)
                 tl.store(sync + h, 0)
 
 
@@ -134,7 +139,7 @@ SPLIT_CONFIG = (32, 4)
 def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, rec_state: torch.Tensor,
            neg_A: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
            nk: int, nv: int, dk: int, dv: int, beta_scale: float = 1.0,
-           sync: torch.Tensor | None = None, int8_out: bool = False):
+           sync: torch.Tensor | None = None, int8_out: bool = False, tiled: bool = False):
     """proj: the fused input projection's output [1, conv_dim + value_dim + 2 nv] (mixed qkv, z,
     b, a), contiguous; conv_state [conv_dim, K-1] and rec_state [nv, dk, dv] fp32, both updated in
     place; conv_weight [conv_dim, 1, K]. beta = beta_scale * sigmoid(b) (2 for OLMo-Hybrid).
@@ -142,7 +147,8 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     with them the delta step splits each head's value columns over programs (SPLIT_CONFIG).
     Returns the normed, gated output [1, nv * dv]; with int8_out (dv a multiple of 32: for an
     out_proj that reads qruns.py's int8 words, qruns.reads_int8) as a row carrying its int8 words
-    too, written by the same launch (NormedRow.made)."""
+    too, written by the same launch (NormedRow.made). tiled: the heads in llama.cpp's tiled
+    order (qwen3_5.GatedDeltaNet.out_tiled), not HF's grouped one."""
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
     k = conv_weight.shape[-1]
@@ -162,7 +168,7 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     words = qruns.int8_words(value_dim, proj.device) if q8 else out
     launch(_delta_step_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part, ssq,
            sync, words, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, Q8=q8, KQ=value_dim // 4,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(proj))
+           TILED=bool(tiled) and nv != nk, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(proj))
     return qruns.carrying(out, words) if q8 else out
 
 
