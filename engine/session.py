@@ -143,6 +143,8 @@ class DecodeSession:
             raise ConfigError("cpu_kernel: 'on' is the CPU's decode step (with compile: off); use auto or off")
         if device.type == "cpu" and compile == "off" and cpu_kernel != "off":
             self._step_fn = self._cpu_kernel_step(cpu_kernel == "on")
+        elif device.type == "cpu" and hasattr(self.model, "cpu_kernels_off"):
+            self.model.cpu_kernels_off()  # (an earlier session over this model may have attached them)
         # the attention caches in the step's dtype where it keeps them narrower (the C++ step over
         # 4-bit weights: fp16, half the bytes a long context's step reads)
         mib = lambda v: v if v == "auto" else v << 20  # noqa: E731
@@ -224,6 +226,8 @@ class DecodeSession:
             self.cpu_kernel_note = f"CPU decode kernel unavailable ({e}); decoding with the torch step"
             return self.model
         if step is None:
+            if getattr(self.model, "cpu_block_kernels", False):  # its GGUF blocks read by the C++ library
+                return self.model
             if required:
                 raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (the dense GQA "
                                   "models in float32 have one); use cpu_kernel: auto or off")
@@ -236,7 +240,9 @@ class DecodeSession:
         if self.graph is not None:
             return "CUDA graph of the eager step" + (" (Triton kernels)" if self._attends_live else "")
         if self._step_fn is self.model:
-            return "torch (eager)" + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
+            blocks = " with GGUF blocks through the C++ per-linear kernels" \
+                if getattr(self.model, "cpu_block_kernels", False) else ""
+            return "torch (eager)" + blocks + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
         return "torch.compile" if self._compiled else "C++ step (cpu_kernel)"
 
     @property

@@ -13,6 +13,7 @@ import torch
 
 import models
 from engine.config import SamplingConfig
+from engine.session import DecodeSession
 from parity import TOL, rand_ids, session
 from tiny_gguf import mapped_spans
 
@@ -88,15 +89,51 @@ def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, 
     assert float((a - b).abs().max()) <= 0.02 * float(a.abs().max())
 
 
-def test_value_head_projections_keep_their_blocks(converted, tmp_path):
+@pytest.fixture(scope="module")
+def q8_hybrid(converted, tmp_path_factory):
+    """The tiny qwen3_5 as llama.cpp's converter writes it in Q8_0."""
+    from llama_cpp_tree import convert
+    return convert(converted["qwen3_5"][0], str(tmp_path_factory.mktemp("q8") / "q8.gguf"), "q8_0", pre="qwen2",
+                   options=("--no-mtp",))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybrid, kind, tmp_path):
+    """Where the C++ whole step does not serve (hybrids, MoE), the GGUF blocks on the CPU take the
+    library's per-linear kernels (the Q8_0 qwen3_5; the qwen3_5_moe with Q4_0 experts read by
+    BlockExperts): a session's decode steps and prefill equal, to the quantized tolerance, the
+    torch forms on a second load of the file; cpu_kernel off detaches them again."""
+    from gguf import GGMLQuantizationType as Q
+
+    from models.formats import quant
+    from tiny_gguf import requantize
+    path = q8_hybrid if kind == "qwen3_5" else \
+        requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
+    lm, reference = models.load(path, quantized=True), models.load(path, quantized=True)
+    s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
+    assert lm.model.cpu_block_kernels and "C++ per-linear kernels" in s.decode_path
+    kinds = (quant.BlockExperts,) if kind == "qwen3_5_moe" else (quant.BlockLinear,)
+    kept = [m for m in lm.model.modules() if isinstance(m, kinds)]
+    assert kept and all(m.fp32_kernel is not None and m.dequant_kernel is not None for m in kept)
+    r = DecodeSession(reference.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32,
+                      cpu_kernel="off")
+    assert all(m.fp32_kernel is None for m in reference.model.modules() if isinstance(m, kinds))
+    prompt, tokens = rand_ids(30, 5), [5, 9, 200, 7, 7, 31]
+    got = torch.stack([s.prefill(prompt)[-1]] + [s.step(t)[-1] for t in tokens])
+    want = torch.stack([r.prefill(prompt)[-1]] + [r.step(t)[-1] for t in tokens])
+    # (the tied Q8_0 head's torch form sums in bf16, the library's q8_linear in fp32: ~0.3% apart here)
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+    DecodeSession(lm.model, max_context=16, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="off")
+    assert not lm.model.cpu_block_kernels and all(m.fp32_kernel is None for m in kept)
+
+
+def test_value_head_projections_keep_their_blocks(converted, q8_hybrid):
     """qwen35 in Q8_0: attn_qkv's tiled value rows move whole (its blocks kept), ssm_out stays
     as stored with its columns tiled (config linear_out_proj_tiled: the layer feeds it its heads
     in that order); nothing of a delta layer's projections is dequantized, and the model stays
     within the quantized tolerance of the same file dequantized, greedy tokens equal."""
-    from llama_cpp_tree import convert
     from models.formats import checkpoints, quant
-    hf_dir, _ = converted["qwen3_5"]
-    path = convert(hf_dir, str(tmp_path / "q8.gguf"), "q8_0", pre="qwen2", options=("--no-mtp",))
+    path = q8_hybrid
     ckpt = checkpoints.load_gguf(path, keep_quantized=True)
     assert ckpt.config["linear_out_proj_tiled"] and not ckpt.notes
     for name in ("in_proj_qkv", "out_proj"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
 from ..kernels.cuda import base as cuda_base
 from .layers import Linear, Residual, Rope, add_norm, causal_mask, head_logits
 from .state_spec import StateView
@@ -35,6 +36,26 @@ class CausalLM(nn.Module):
         self.rope = rope
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    # whether the last cpu_decode_step attached the C++ library's per-linear kernels (GGUF blocks)
+    cpu_block_kernels = False
+
+    def cpu_decode_step(self, dtype):
+        """None: no whole-step C++ kernel for this architecture (llama.py's dense models have
+        one); its GGUF blocks on the CPU take the library's per-linear kernels instead, attached
+        here (`cpu_block_kernels` says whether). Raises kernels.CpuStepUnavailable where they
+        would serve but the library cannot be built or loaded here."""
+        self.cpu_block_kernels = kernels.cpu_block_kernels(self, dtype)
+        return None
+
+    def cpu_step_serves(self, dtype) -> bool:
+        """Whether decode in `dtype` would run C++ kernels (built or not yet)."""
+        return kernels.cpu_blocks_served(self, dtype)
+
+    def cpu_kernels_off(self) -> None:
+        """The per-linear kernels detached (a session with cpu_kernel off)."""
+        kernels.cpu_kernels_off(self)
+        self.cpu_block_kernels = False
 
     def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether an eager one-token forward on `device` in `dtype` runs the Triton attention,

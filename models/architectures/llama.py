@@ -142,13 +142,16 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
 
     def cpu_decode_step(self, dtype):
-        """The C++ one-token step (models/kernels/cpu/) where it serves this model, else None.
+        """The C++ one-token step (models/kernels/cpu/) where it serves this model (no MoE MLP),
+        else None, the GGUF blocks then read by the library's per-linear kernels (CausalLM's).
         Raises kernels.CpuStepUnavailable where it would serve but cannot be built or loaded here."""
-        return None if self.config.moe_layers else kernels.cpu_decode_step(self, dtype)
+        if self.config.moe_layers:
+            return super().cpu_decode_step(dtype)
+        return kernels.cpu_decode_step(self, dtype)
 
     def cpu_step_serves(self, dtype) -> bool:
-        """Whether decode in `dtype` would run the C++ step (built or not yet); it has no MoE MLP."""
-        return not self.config.moe_layers and kernels.cpu_step_serves(self, dtype)
+        """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""
+        return (not self.config.moe_layers and kernels.cpu_step_serves(self, dtype)) or super().cpu_step_serves(dtype)
 
     def pads_prefill(self, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         """Whether a prefill may run padded to a length bucket (CausalLM.forward's `last`;

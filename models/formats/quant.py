@@ -478,7 +478,14 @@ class BlockExperts(nn.Module):
     """Routed SwiGLU experts in GGUF blocks as stored (any type gguf_blocks knows), computing what
     moe.Experts computes on the dequantized weights (fp32 products on exactly gguf-py's values):
     only the experts the tokens chose are dequantized, one at a time, so a 4-bit MoE file stays
-    4-bit in memory and its unused experts are never read from the mapping."""
+    4-bit in memory and its unused experts are never read from the mapping. Where the C++
+    library's kernels are set (kernels.cpu_block_kernels), an expert that a few rows chose is
+    read from its blocks directly (`fp32_kernel`: decode) and the others dequantized by it
+    (`dequant_kernel`, the same values)."""
+
+    fp32_kernel = None
+    dequant_kernel = None
+    KERNEL_ROWS = BlockLinear.KERNEL_ROWS
 
     def __init__(self, t: GgufExperts):
         super().__init__()
@@ -488,18 +495,24 @@ class BlockExperts(nn.Module):
         self.register_buffer("down_blocks", t.down.blocks())
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        g, u, d = self.types
-        return (gguf_blocks.dequantize(self.gate_blocks[e], g).to(dtype),
-                gguf_blocks.dequantize(self.up_blocks[e], u).to(dtype),
-                gguf_blocks.dequantize(self.down_blocks[e], d).to(dtype))
+        deq = self.dequant_kernel if self.dequant_kernel is not None and not self.gate_blocks.is_cuda \
+            else gguf_blocks.dequantize
+        return tuple(deq(b[e], t).to(dtype) for b, t in zip((self.gate_blocks, self.up_blocks, self.down_blocks),
+                                                            self.types))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen ones."""
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            gate, up, down = self.expert(e, x.dtype)
-            y = F.linear(F.silu(F.linear(x[tok], gate)) * F.linear(x[tok], up), down)
+            xs = x[tok]
+            if self.fp32_kernel is not None and x.dtype == torch.float32 and xs.shape[0] <= self.KERNEL_ROWS:
+                g, u, d = self.types
+                h = F.silu(self.fp32_kernel(xs, self.gate_blocks[e], g)) * self.fp32_kernel(xs, self.up_blocks[e], u)
+                y = self.fp32_kernel(h, self.down_blocks[e], d)
+            else:
+                gate, up, down = self.expert(e, x.dtype)
+                y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
             out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
         return out
 

@@ -2,7 +2,8 @@
 step). Architectures import the kernel modules they call; a kernel never imports an
 architecture. The C++ step is reached through the hook below (an architecture whose models it
 can serve offers it as `model.cpu_decode_step(dtype)`; the engine asks the model, not this
-package)."""
+package). Where the whole step does not serve a model, its GGUF blocks still go through the C++
+library's per-linear kernels (`cpu_block_kernels`)."""
 from __future__ import annotations
 
 import torch
@@ -24,11 +25,40 @@ def cpu_step_built() -> bool:
     return step.is_built()
 
 
+def cpu_blocks_served(model, dtype: torch.dtype) -> bool:
+    """Whether the C++ library's per-linear kernels serve this model's GGUF blocks (built or not):
+    switched on (CHAT_CPU_KERNEL), fp32, CPU weights in blocks (or a Q8_0 head)."""
+    from .cpu import step
+    return step.ENABLED and dtype == torch.float32 and step.has_blocks(model)
+
+
+def cpu_block_kernels(model, dtype: torch.dtype) -> bool:
+    """The C++ library's per-linear kernels attached to the model's GGUF blocks where they serve
+    (`cpu_blocks_served`): whether they were. Raises CpuStepUnavailable where they would serve
+    but the library cannot be built or loaded here."""
+    from .cpu import step
+    if not cpu_blocks_served(model, dtype):
+        return False
+    try:
+        step.attach_block_kernels(model)
+    except step.Unavailable as e:
+        raise CpuStepUnavailable(str(e)) from None
+    return True
+
+
+def cpu_kernels_off(model) -> None:
+    """The per-linear kernels detached: the torch forms again (cpu_kernel off)."""
+    from .cpu import step
+    step.detach_block_kernels(model)
+
+
 def cpu_decode_step(model, dtype: torch.dtype):
-    """The C++ one-token step for this dense GQA model, or None where it does not serve it.
-    Raises CpuStepUnavailable where it would serve but cannot be built or loaded here."""
+    """The C++ one-token step for this dense GQA model, or None where it does not serve it (its
+    GGUF blocks then take the per-linear kernels: `model.cpu_block_kernels` says whether).
+    Raises CpuStepUnavailable where either would serve but cannot be built or loaded here."""
     from .cpu import step
     if not step.serves(model, dtype):
+        model.cpu_block_kernels = cpu_block_kernels(model, dtype)
         return None
     try:
         return step.CpuStep(model)

@@ -28,7 +28,7 @@ import tempfile
 
 import torch
 
-from ...formats.quant import BlockEmbedding, BlockLinear, Int4Linear, Q8Embedding
+from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
@@ -186,18 +186,44 @@ def main() -> int:
     return 0
 
 
+def has_blocks(model) -> bool:
+    """Whether the model holds CPU weights the library's per-linear kernels read: GGUF blocks
+    (BlockLinear, BlockExperts) or a Q8_0 head."""
+    head = getattr(model, "lm_head", None)
+    return (hasattr(head, "fp32_kernel") and hasattr(head, "codes")) or any(
+        (isinstance(m, BlockLinear) and not m.stored()[0].is_cuda) or
+        (isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda) for m in model.modules())
+
+
+def attach_block_kernels(model) -> None:
+    """The library's per-linear kernels on the model's modules, in place (loads the library;
+    raises Unavailable): GGUF blocks read directly for a few rows (decode: BlockLinear's and
+    BlockExperts' `fp32_kernel`) or dequantized by it (prefill: `dequant_kernel`, gguf-py's
+    values bit for bit), a Q8_0 head's fp32 sums. The whole step serves dense GQA models;
+    for the others (hybrids, MoE) this is what the C++ library does."""
+    load()
+    head = getattr(model, "lm_head", None)
+    if hasattr(head, "fp32_kernel") and hasattr(head, "codes"):  # a Q8_0 head: sums in fp32, not bf16
+        head.fp32_kernel = torch.ops.chat_cpu.q8_linear
+    for m in model.modules():
+        if isinstance(m, (BlockLinear, BlockExperts)):
+            m.fp32_kernel = torch.ops.chat_cpu.block_linear
+            m.dequant_kernel = torch.ops.chat_cpu.block_dequant
+
+
+def detach_block_kernels(model) -> None:
+    """attach_block_kernels undone: the modules' torch forms again (a session with cpu_kernel off
+    after one with it on, over the same model)."""
+    for m in model.modules():
+        for name in ("fp32_kernel", "dequant_kernel"):
+            m.__dict__.pop(name, None)
+
+
 class CpuStep:
     """The decode step (one token) through the C++ library; call as the model is called."""
 
     def __init__(self, model):
-        load()
-        head = model.lm_head
-        if hasattr(head, "fp32_kernel") and hasattr(head, "codes"):  # a Q8_0 head: sums in fp32, not bf16
-            head.fp32_kernel = torch.ops.chat_cpu.q8_linear
-        for m in model.modules():  # GGUF blocks read directly (decode) or dequantized here (prefill)
-            if isinstance(m, BlockLinear):
-                m.fp32_kernel = torch.ops.chat_cpu.block_linear
-                m.dequant_kernel = torch.ops.chat_cpu.block_dequant
+        attach_block_kernels(model)
         self.model = model
         cfg = model.config
         params: list[torch.Tensor | None] = []
