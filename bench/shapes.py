@@ -153,12 +153,13 @@ def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Modul
 
 
 @torch.no_grad()
-def _q4_k_experts(model, device, gen) -> None:
-    """In place: each moe.Experts as the loader leaves a Q4_K GGUF's experts on CUDA
-    (quant.PlanarExperts, both halves Q4KP), from random Q4_K blocks; experts whose sizes are not
-    whole super-blocks stay dense (random_model's weights)."""
+def _k_experts(model, fmt: str, device, gen) -> None:
+    """In place: each moe.Experts as the loader leaves a Q4_K (Q5_K) GGUF's experts on CUDA
+    (quant.PlanarExperts, both halves Q4KP (Q5KP)), from random `fmt` blocks; experts whose sizes
+    are not whole super-blocks stay dense (random_model's weights)."""
     from models.architectures.moe import Experts
     from models.formats import planar, quant
+    repack = {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k}[fmt]
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if not isinstance(child, Experts):
@@ -167,10 +168,8 @@ def _q4_k_experts(model, device, gen) -> None:
             if h % 256 or (i2 // 2) % 256:
                 continue
             ex = quant.PlanarExperts(e, h, i2 // 2)
-            ex.keep_planar("gate_up", planar.repack_q4k(quant.QWeight("Q4_K", _random_blocks("Q4_K", e * i2, h, device, gen),
-                                                                      e * i2, h)))
-            ex.keep_planar("down", planar.repack_q4k(quant.QWeight("Q4_K", _random_blocks("Q4_K", e * h, i2 // 2, device,
-                                                                                          gen), e * h, i2 // 2)))
+            for half, (n, k) in (("gate_up", (i2, h)), ("down", (h, i2 // 2))):
+                ex.keep_planar(half, repack(quant.QWeight(fmt, _random_blocks(fmt, e * n, k, device, gen), e * n, k)))
             setattr(module, child_name, ex)
 
 
@@ -178,7 +177,7 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
     """The shape with every linear in `fmt` (see random_quant_linear), the rest as random_model.
     Q4_K, as a Q4_K_M file: the LM head in Q6_K and the embedding table in Q4_K blocks, routed
     experts as PlanarExperts (Q4KP, as the loader repacks a Q4_K GGUF's on CUDA); Q5_K likewise,
-    as a Q5_K_M file (routed experts dense); AWQ and FP8, as their checkpoints: embedding and LM
+    as a Q5_K_M file (routed experts Q5KP); AWQ and FP8, as their checkpoints: embedding and LM
     head in `dtype`."""
     from models.formats import gguf_blocks, quant
     model, _ = models.build_model(dict(SHAPES[name]))
@@ -192,8 +191,7 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
                 q = random_quant_linear("Q6_K" if head else fmt, child.out_features, child.in_features, device, gen)
                 setattr(module, child_name, q)
     if gguf:
-        if fmt == "Q4_K":
-            _q4_k_experts(model, device, gen)
+        _k_experts(model, fmt, device, gen)
         n, k = model.model.embed_tokens.weight.shape
         kind = fmt if k % 256 == 0 else _FALLBACK[fmt]
         emb = quant.BlockEmbedding(_random_blocks(kind, n, k, device, gen), ggml_type=gguf_blocks.TYPES[kind])

@@ -21,7 +21,7 @@ def _steps(layer, states, xs, sync):
     from models.kernels.cuda import delta as cuda_delta
     st = {k: v.clone() for k, v in states.items()}
     with torch.inference_mode():
-        outs = [cuda_delta.decode(layer.in_proj(x.clone()), st["conv"], layer.conv1d.weight, st["recurrent"],
+        outs = [cuda_delta.decode(layer.project_in(x.clone()), st["conv"], layer.conv1d.weight, st["recurrent"],
                                   layer.neg_A, layer.dt_bias32, layer.norm.weight, layer.norm.eps, layer.nk, layer.nv,
                                   layer.dk, layer.dv, beta_scale=layer.beta_scale, sync=sync) for x in xs]
     return outs, st

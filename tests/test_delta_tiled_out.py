@@ -32,7 +32,7 @@ def test_the_decode_kernel_writes_each_head_at_its_tiled_slot(device, split, int
     for tiled in (False, True):
         st = {k: v.clone() for k, v in states.items()}
         with torch.inference_mode():
-            out = cuda_delta.decode(layer.in_proj(x.clone()), st["conv"], layer.conv1d.weight, st["recurrent"],
+            out = cuda_delta.decode(layer.project_in(x.clone()), st["conv"], layer.conv1d.weight, st["recurrent"],
                                     layer.neg_A, layer.dt_bias32, layer.norm.weight, layer.norm.eps, nk, nv, dk, dv,
                                     sync=sync, int8_out=int8_out, tiled=tiled)
         outs.append((out, st))

@@ -295,19 +295,25 @@ def test_decode_step_reads_no_value_on_the_host(moe_models):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("down_type,shared", [("Q4_K", 256), ("Q6_K", 256), ("Q4_K", 0)])
-def test_q4_k_experts_decode_on_the_device_as_their_torch_form(down_type, shared, monkeypatch):
-    """A layer whose routed experts come from a GGUF in Q4_K (quant.PlanarExperts, as the loader
-    builds them on CUDA; a Q6_K down half dense, as in Q4_K_M files): one token through the
-    routing and qplanar.py's expert GEMVs (kernels/cuda/moe.py's down launch for a dense half),
-    with no host sync, against the torch form on the same weights (the same experts chosen)."""
+@pytest.mark.parametrize("gate_type,down_type,shared", [("Q4_K", "Q4_K", 256), ("Q4_K", "Q6_K", 256),
+                                                        ("Q4_K", "Q4_K", 0), ("Q5_K", "Q6_K", 256),
+                                                        ("Q4_K", "Q8_0", 256)])
+def test_k_quant_experts_decode_on_the_device_as_their_torch_form(gate_type, down_type, shared, monkeypatch):
+    """A layer whose routed experts come from a GGUF in K-quants (quant.PlanarExperts, as the
+    loader builds them on CUDA: Q4_K_M's Q4_K and Q6_K halves, Q5_K_M's Q5_K; a Q8_0 half dense):
+    one token through the routing and qplanar.py's expert GEMVs (kernels/cuda/moe.py's down launch
+    for a dense half), with no host sync, against the torch form on the same weights (the same
+    experts chosen)."""
     kernels()
     from models.formats import quant
     from models.kernels.cuda import base as cuda_base
     from test_qplanar import gguf_experts
     E, H, I, k = 8, 256, 256, 3
     m = bf16_layer(E, H, I, k, shared, True, seed=1)
-    m.experts = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type), torch.device("cuda"), torch.bfloat16)
+    m.experts = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type, gate_type=gate_type), torch.device("cuda"),
+                                              torch.bfloat16)
+    assert set(m.experts.planar_halves) == {h for h, t in (("gate_up", gate_type), ("down", down_type))
+                                            if t in quant.PLANAR_KINDS}
     models.fuse(m)
     assert moe.decode_serves(m.experts)
     g = torch.Generator(device="cuda").manual_seed(2)

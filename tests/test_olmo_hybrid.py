@@ -45,10 +45,11 @@ def test_unpaired_linear_heads_are_refused():
         config_from_hf(c)
 
 
-def delta_layer_and_states(device, dtype, nk=2, nv=2, dk=64, dv=128, olmo=True):
+def delta_layer_and_states(device, dtype, nk=2, nv=2, dk=64, dv=128, olmo=True, fuse=True):
     """A GatedDeltaNet (hidden 256) with random weights and random states: as OLMo-Hybrid
     configures it (beta = 2 sigmoid(b), gated-norm eps 1e-5), or as Qwen3.5 does (olmo=False).
-    tests/test_gpu.py's DeltaNet kernel test takes it too."""
+    tests/test_gpu.py's DeltaNet kernel test takes it too. fuse False: the projections left
+    apart (a test replaces some first: test_delta_projections.py)."""
     from models.architectures.qwen3_5 import GatedDeltaNet, HybridConfig
     cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),
                        num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4, rotary_dim=16, rms_eps=1e-6,
@@ -64,7 +65,8 @@ def delta_layer_and_states(device, dtype, nk=2, nv=2, dk=64, dv=128, olmo=True):
             lin.weight.normal_(0, 0.05)
     layer = layer.to(device, dtype)
     layer.reset_buffers(device)
-    layer.fuse()
+    if fuse:
+        layer.fuse()
     states = {name: torch.randn(shape, device=device, dtype=dt or dtype) * 0.3
               for name, shape, dt in layer.state().tensors}
     return layer, states
@@ -76,7 +78,7 @@ def delta_kernel_vs_torch(device, dtype, monkeypatch):
     xs = torch.randn(5, 1, 256, device=device, dtype=dtype)
     st_k, st_t = ({k: v.clone() for k, v in states.items()} for _ in range(2))
     with torch.inference_mode():  # (x.clone(): each step starts with a torch op, as test_delta_split's _steps says)
-        fused = [layer.out_proj(cuda_delta.decode(layer.in_proj(x.clone()), st_k["conv"], layer.conv1d.weight,
+        fused = [layer.out_proj(cuda_delta.decode(layer.project_in(x.clone()), st_k["conv"], layer.conv1d.weight,
                                                   st_k["recurrent"], layer.neg_A, layer.dt_bias32, layer.norm.weight,
                                                   layer.norm.eps, 2, 2, 64, 128, beta_scale=layer.beta_scale))
                  for x in xs]

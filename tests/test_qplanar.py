@@ -423,35 +423,43 @@ def test_an_lm_heads_float_path_takes_its_own_tile():
     assert qplanar.pick_config(16384, 768, 32) == (8, 2, 32, 1)  # K unsplit, a big grid, no 64-word rows: general
 
 
-def gguf_experts(E, I, H, down_type="Q4_K", seed=0):
+def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K"):
     """A layer's routed experts as a GGUF stores them (quant.GgufExperts): gate and up [E, I, H]
-    in Q4_K, down [E, H, I] in `down_type` (Q4_K, or Q6_K as a Q4_K_M file's down experts)."""
-    from gguf import GGMLQuantizationType as Q
+    in `gate_type`, down [E, H, I] in `down_type` (K-quants: Q6_K as a Q4_K_M file's down experts;
+    or Q8_0, gguf-py's quantization of random weights)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, quants
 
     from models.formats import quant
     from tiny_gguf import random_k_blocks
 
     def t(qtype, rows, cols, s):
-        raw = random_k_blocks(qtype, E * rows, cols, 0.05, seed=seed + s)
+        if qtype == Q.Q8_0:
+            w = np.random.default_rng(seed + s).normal(0, 0.05, (E * rows, cols)).astype(np.float32)
+            raw = quants.quantize(w, qtype)
+        else:
+            raw = random_k_blocks(qtype, E * rows, cols, 0.05, seed=seed + s)
         return quant.GgufTensor(int(qtype), raw.reshape(E, rows, -1))
-    return quant.GgufExperts(t(Q.Q4_K, I, H, 0), t(Q.Q4_K, I, H, 1), t(Q[down_type], H, I, 2))
+    return quant.GgufExperts(t(Q[gate_type], I, H, 0), t(Q[gate_type], I, H, 1), t(Q[down_type], H, I, 2))
 
 
+@pytest.mark.parametrize("gate_type,down_type", [("Q4_K", "Q4_K"), ("Q5_K", "Q6_K"), ("Q6_K", "Q5_K")])
 @pytest.mark.parametrize("int8", [False, True])
-def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch):
+def test_expert_gemvs_are_the_chosen_experts_products(device, int8, gate_type, down_type, monkeypatch):
     """qplanar.experts_gate_up / experts_down read only the experts idx names (idx on the
     device), each slot against its own input row, and sum the slots in their order with the
     routing weights and a shared expert's output: against the fp64 oracle of the same blocks
-    (of the int8 inputs x~ and h~, where the kernels take them)."""
+    (of the int8 inputs x~ and h~, where the kernels take them); each planar layout (Q4KP, Q5KP,
+    Q6KP) in either half."""
     from models.formats import planar, quant
     from models.kernels.cuda import qplanar
     monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype: int8)
     E, I, H = 5, 256, 256
-    ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H), device, torch.float32)
+    ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type, gate_type=gate_type), device, torch.float32)
     gu, dn = ex.qweight("gate_up"), ex.qweight("down")
-    assert gu is not None and dn is not None and gu.fmt == dn.fmt == "Q4KP"
-    w_gu = planar.dequantize_q4kp(gu).cpu().reshape(E, 2 * I, H)  # (the oracle on the CPU, in fp64)
-    w_dn = planar.dequantize_q4kp(dn).cpu().reshape(E, H, I)
+    assert (gu.fmt, dn.fmt) == (quant.PLANAR_KINDS[gate_type], quant.PLANAR_KINDS[down_type])
+    w_gu = planar.dequantize_planar_rows(gu, 0, gu.n).cpu().reshape(E, 2 * I, H)  # (the oracle on the CPU, in fp64)
+    w_dn = planar.dequantize_planar_rows(dn, 0, dn.n).cpu().reshape(E, H, I)
     g = torch.Generator().manual_seed(4)
     idx = torch.tensor([[3, 0, 4]]).to(device)
     weights = torch.tensor([[0.5, 0.3, 0.2]]).to(device)
@@ -459,7 +467,7 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch)
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         x = torch.randn(1, H, generator=g).to(device, dtype)
         h = qplanar.experts_gate_up(x, gu, idx, E)
-        xd = qplanar.quantized_reference(x.cpu(), 32) if int8 else x.double().cpu()
+        xd = qplanar.quantized_reference(x.cpu(), gu.group) if int8 else x.double().cpu()
         ref_h, scale_h = [], []
         for e in idx[0].tolist():
             gate, up = (w_gu[e] @ xd[0]).chunk(2)
@@ -470,7 +478,7 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch)
         assert h.shape == (3, I) and h.dtype == torch.float32
         assert bool(((h.double().cpu() - ref_h).abs() <= 1e-5 * scale_h).all())
         out = qplanar.experts_down(h, dn, idx, weights, E, dtype, shared, sg)
-        hd = qplanar.quantized_reference(h.cpu(), 32) if int8 else h.double().cpu()
+        hd = qplanar.quantized_reference(h.cpu(), dn.group) if int8 else h.double().cpu()
         wd = weights.double().cpu()[0]
         parts = [wd[s] * (w_dn[e] @ hd[s]) for s, e in enumerate(idx[0].tolist())]
         ref = sum(parts) + shared.double().cpu()[0] / (1 + torch.exp(-sg.double().cpu()[0, 0]))
@@ -481,16 +489,22 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, monkeypatch)
         assert torch.equal(out, qplanar.experts_down(h, dn, idx, weights, E, dtype, shared, sg))
 
 
-@pytest.mark.parametrize("down_type", ["Q4_K", "Q6_K"])
-def test_planar_experts_compute_what_the_files_blocks_do(down_type):
+@pytest.mark.parametrize("gate_type,down_type", [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q5_K", "Q6_K"),
+                                                  ("Q4_K", "Q8_0"), ("Q8_0", "Q5_K")])
+def test_planar_experts_compute_what_the_files_blocks_do(gate_type, down_type):
     """PlanarExperts (the CUDA form of a GGUF's experts, built here on the CPU) against
-    BlockExperts (the CPU's, on the file's blocks) for several tokens: Q4_K halves repacked,
-    a Q6_K down half dense (a Q4_K_M file's); the bytes counted as Q4_K and the dense dtype."""
+    BlockExperts (the CPU's, on the file's blocks) for several tokens: K-quant halves repacked
+    (Q4_K_M's Q4_K and Q6_K, Q5_K_M's Q5_K), a Q8_0 half dense; each half's bytes counted under
+    the type the file stored, a dense half under its dtype."""
     from models.formats import quant
-    t = gguf_experts(6, 256, 256, down_type)
+    t = gguf_experts(6, 256, 256, down_type, gate_type=gate_type)
     planar_ex = quant.PlanarExperts.from_gguf(t, torch.device("cpu"), torch.float32)
-    assert (planar_ex.qweight("down") is None) == (down_type != "Q4_K")
-    assert hasattr(planar_ex, "down_proj") == (down_type != "Q4_K") and not hasattr(planar_ex, "gate_up_proj")
+    for half, kind in (("gate_up", gate_type), ("down", down_type)):
+        planar = kind in quant.PLANAR_KINDS
+        assert (planar_ex.qweight(half) is not None) == planar
+        assert hasattr(planar_ex, f"{half}_proj") == (not planar)
+    assert planar_ex.gguf_kinds() == {h: k for h, k in (("gate_up", gate_type), ("down", down_type))
+                                      if k in quant.PLANAR_KINDS}
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 256, generator=g)
     idx = torch.tensor([[1, 5], [5, 0], [2, 1], [1, 3]])
@@ -498,8 +512,10 @@ def test_planar_experts_compute_what_the_files_blocks_do(down_type):
     ref = quant.BlockExperts(t)(x, idx, w)
     assert torch.allclose(planar_ex(x, idx, w), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     formats = quant.weight_formats(planar_ex)
-    assert formats["Q4_K"] == sum(b.numel() * b.element_size() for b in planar_ex.stored())
-    assert ("float32" in formats) == (down_type != "Q4_K")
+    for half, kind in planar_ex.gguf_kinds().items():
+        held = sum(getattr(planar_ex, f"{half}_{n}").untyped_storage().nbytes() for n in ("words", "dd", "sm"))
+        assert formats[kind] == held if gate_type != down_type else formats[kind] >= held
+    assert ("float32" in formats) == ("Q8_0" in (gate_type, down_type))
 
 
 def test_one_storage_holds_the_same_weights_in_one_allocation(device):

@@ -145,9 +145,8 @@ class LlamaForCausalLM(CausalLM):
         """The C++ one-token step (models/kernels/cpu/) where it serves this model (no MoE MLP),
         else None, the GGUF blocks then read by the library's per-linear kernels (CausalLM's).
         Raises kernels.CpuStepUnavailable where it would serve but cannot be built or loaded here."""
-        if self.config.moe_layers:
-            return super().cpu_decode_step(dtype)
-        return kernels.cpu_decode_step(self, dtype)
+        cpu_step = None if self.config.moe_layers else kernels.cpu_decode_step(self, dtype)
+        return cpu_step if cpu_step is not None else super().cpu_decode_step(dtype)
 
     def cpu_step_serves(self, dtype) -> bool:
         """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""

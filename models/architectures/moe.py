@@ -189,7 +189,7 @@ def prefill_syncless(mlp: nn.Module, dtype: torch.dtype) -> bool:
 
 def decode_serves(ex: nn.Module) -> bool:
     """Whether the CUDA decode kernels read these experts: moe.Experts' contiguous 3D weights, or
-    PlanarExperts (its Q4_K halves through qplanar.py's expert GEMVs)."""
+    PlanarExperts (its planar halves through qplanar.py's expert GEMVs)."""
     if isinstance(ex, PlanarExperts):
         return True
     return isinstance(ex, Experts) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous()

@@ -176,26 +176,48 @@ class GatedDeltaNet(nn.Module):
                            ("recurrent", (self.nv, self.dk, self.dv), torch.float32)))
 
     def fuse(self) -> None:
-        """After loading: the four input projections from one matmul."""
-        fused = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        """After loading: the four input projections in as few matmuls as their storage allows:
+        one where all four share a format; else qkv with z and b with a, each pair one matmul
+        where its two do (a quantized file stores them apart: llama.cpp's Q4_K_M gives attn_qkv
+        Q5_K and attn_gate Q4_K, AutoGPTQ leaves b and a in bf16). `in_projs` holds the groups in
+        qkv, z, b, a order; project_in joins their outputs."""
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        fused = fuse_linears(parts)
         if fused is not None:
-            self.in_proj = fused
-            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+            groups = [fused]
+        else:
+            groups = []
+            for pair in (parts[:2], parts[2:]):
+                joined = fuse_linears(pair)
+                groups += [joined] if joined is not None else pair
+        self.in_projs = nn.ModuleList(groups)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def project_in(self, x) -> torch.Tensor:
+        """[T, conv_dim + value_dim + 2 nv]: qkv, z, b and a side by side, as the CUDA decode
+        step's kernel reads them (several groups: their outputs joined, one small copy)."""
+        if not hasattr(self, "in_projs"):
+            return torch.cat([self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
+        outs = [m(x) for m in self.in_projs]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def projections(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv, z, b, a) of x: the groups' outputs split where a group holds several (no copy)."""
+        if not hasattr(self, "in_projs"):
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return tuple(y for m in self.in_projs for y in (m.split(x) if hasattr(m, "split") else (m(x),)))
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        if hasattr(self, "in_proj") and cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
+        if cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
             # the conv, the delta rule and the gated norm in two kernels
-            out = cuda_delta.decode(self.in_proj(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
+            out = cuda_delta.decode(self.project_in(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
                                      self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
                                      self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
                                      int8_out=qruns.reads_int8(self.out_proj, x.dtype, "delta"),
                                      tiled=self.out_tiled)
             return self.out_proj(out)  # already in out_proj's head order
-        if hasattr(self, "in_proj"):
-            mixed, z, b, a = self.in_proj.split(x)
-        else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        mixed, z, b, a = self.projections(x)
         conv_state = st["conv"]
         if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
             mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)

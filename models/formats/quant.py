@@ -18,8 +18,8 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   either way the dequantized fp32 modules' results up to fp32 rounding.
 - MoE experts (3D tensors, any kept type) stay as stored too on the CPU (`BlockExperts`): a
   token's chosen experts are dequantized exactly, one at a time, and multiplied in the
-  activations' dtype (on CUDA, a Q4_K half of them is repacked as one Q4KP matrix,
-  `PlanarExperts`; another type is dequantized at load for the MoE kernels).
+  activations' dtype (on CUDA, a Q4_K, Q5_K or Q6_K half of them is repacked as one Q4KP, Q5KP
+  or Q6KP matrix, `PlanarExperts`; another type is dequantized at load for the MoE kernels).
 Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
 in its blocks as BlockLinear / BlockEmbedding, but for the linears repacked after fusion
 (`BlockLinear.to_planar`): Q4_K, Q5_0 and Q5_1 of more than loader.RUNS_MIN_WEIGHTS weights (0:
@@ -517,38 +517,61 @@ class BlockExperts(nn.Module):
         return out
 
 
+# the GGUF types whose expert halves PlanarExperts repacks (formats/planar.py) → the layout
+PLANAR_KINDS = {"Q4_K": "Q4KP", "Q5_K": "Q5KP", "Q6_K": "Q6KP"}
+
+
 class PlanarExperts(nn.Module):
     """Routed SwiGLU experts of a GGUF on CUDA, what moe.Experts computes: each half, the fused
-    [gate; up] rows [E, 2I, H] and the down rows [E, H, I], repacked as Q4KP where the file holds
-    it in Q4_K with whole super-blocks (formats/planar.py: the E experts' rows as one matrix,
-    expert e's from row e * rows), else dequantized to the model's dtype as moe.Experts holds it
-    (`gate_up_proj`, `down_proj`: a Q4_K_M file's Q6_K down experts). The decode step
-    (architectures/moe.py) reads only the chosen experts on the device; more tokens take each
-    chosen expert's rows dequantized (the CUDA kernels where imported, else planar's oracle)."""
+    [gate; up] rows [E, 2I, H] and the down rows [E, H, I], repacked as Q4KP, Q5KP or Q6KP where
+    the file holds it in Q4_K, Q5_K or Q6_K (gate and up in one type) with whole super-blocks
+    (formats/planar.py: the E experts' rows as one matrix, expert e's from row e * rows), else
+    dequantized to the model's dtype as moe.Experts holds it (`gate_up_proj`, `down_proj`: a
+    Q8_0 half, say). The decode step (architectures/moe.py) reads only the chosen experts on the
+    device (qplanar.py's expert GEMVs take every planar layout); more tokens take each chosen
+    expert's rows dequantized (the CUDA kernels where imported, else planar's oracle)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.planar_halves: dict[str, tuple[str, int, int, int]] = {}  # half: (fmt, n, k, group)
 
+    @staticmethod
+    def _repack(tensors: "list[GgufTensor]", device: torch.device) -> QWeight | None:
+        """The experts' rows of `tensors` (one half: gate and up, or down; [E, rows, K] each,
+        joined row-wise per expert) as one planar QWeight on `device`, or None where their type
+        is not one PLANAR_KINDS names, they differ, or the rows or K are not whole blocks."""
+        from . import planar
+        name = gguf_blocks.type_name(tensors[0].ggml_type)
+        e, rows, k = tensors[0].shape[0], sum(t.shape[1] for t in tensors), tensors[0].shape[2]
+        if name not in PLANAR_KINDS or any(t.ggml_type != tensors[0].ggml_type for t in tensors) \
+                or k % 256 or any(t.shape[1] % planar.ROWS for t in tensors):
+            return None
+        blocks = torch.cat([t.blocks() for t in tensors], 1).to(device).reshape(e * rows, -1)
+        repack = {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k, "Q6_K": planar.repack_q6k}[name]
+        return repack(QWeight(name, blocks, e * rows, k))
+
     @classmethod
     def from_gguf(cls, t: "GgufExperts", device: torch.device, dtype: torch.dtype) -> "PlanarExperts":
-        from . import planar
         e, i, h = t.gate.shape
         m = cls(e, h, i)
-        q4k = gguf_blocks.TYPES["Q4_K"]
-        if t.gate.ggml_type == t.up.ggml_type == q4k and h % 256 == 0 and i % planar.ROWS == 0:
-            blocks = torch.cat([t.gate.blocks(), t.up.blocks()], 1).to(device).reshape(e * 2 * i, -1)
-            m.keep_planar("gate_up", planar.repack_q4k(QWeight("Q4_K", blocks, e * 2 * i, h)))
+        gate_up = cls._repack([t.gate, t.up], device)
+        if gate_up is not None:
+            m.keep_planar("gate_up", gate_up)
         else:
             m.gate_up_proj = nn.Parameter(torch.cat([t.gate.dequantize(), t.up.dequantize()], 1).to(device, dtype),
                                           requires_grad=False)
-        if t.down.ggml_type == q4k and i % 256 == 0 and h % planar.ROWS == 0:
-            m.keep_planar("down", planar.repack_q4k(QWeight("Q4_K", t.down.blocks().to(device).reshape(e * h, -1), e * h,
-                                                            i)))
+        down = cls._repack([t.down], device)
+        if down is not None:
+            m.keep_planar("down", down)
         else:
             m.down_proj = nn.Parameter(t.down.dequantize().to(device, dtype), requires_grad=False)
         return m
+
+    def gguf_kinds(self) -> dict[str, str]:
+        """The GGUF type each planar half was repacked from ("gate_up"/"down" → "Q4_K", ...)."""
+        kinds = {v: k for k, v in PLANAR_KINDS.items()}
+        return {half: kinds[fmt] for half, (fmt, *_) in self.planar_halves.items()}
 
     def keep_planar(self, half: str, pw: QWeight) -> None:
         """Hold `pw` ([E rows, K], planar) as "gate_up" ([gate; up] rows of each expert) or "down"."""
@@ -671,8 +694,9 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         elif isinstance(m, BlockExperts):
             for ggml_type, blocks in zip(m.types, (m.gate_blocks, m.up_blocks, m.down_blocks)):
                 add(gguf_blocks.type_name(ggml_type), [blocks])
-        elif isinstance(m, PlanarExperts):
-            add("Q4_K", m.stored())  # (a dense half: a parameter, counted below)
+        elif isinstance(m, PlanarExperts):  # (a dense half: a parameter, counted below)
+            for half, kind in m.gguf_kinds().items():
+                add(kind, [getattr(m, f"{half}_{name}") for name in ("words", "dd", "sm")])
         elif hasattr(m, "format_tensors"):  # hf_quant's linears: (format name, its tensors)
             name, tensors = m.format_tensors()
             add(name, tensors)

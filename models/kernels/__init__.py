@@ -53,12 +53,11 @@ def cpu_kernels_off(model) -> None:
 
 
 def cpu_decode_step(model, dtype: torch.dtype):
-    """The C++ one-token step for this dense GQA model, or None where it does not serve it (its
-    GGUF blocks then take the per-linear kernels: `model.cpu_block_kernels` says whether).
-    Raises CpuStepUnavailable where either would serve but cannot be built or loaded here."""
+    """The C++ one-token step for this dense GQA model, or None where it does not serve it (the
+    caller then attaches the per-linear kernels: `cpu_block_kernels`). Raises CpuStepUnavailable
+    where it would serve but cannot be built or loaded here."""
     from .cpu import step
     if not step.serves(model, dtype):
-        model.cpu_block_kernels = cpu_block_kernels(model, dtype)
         return None
     try:
         return step.CpuStep(model)

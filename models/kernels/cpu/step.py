@@ -186,11 +186,16 @@ def main() -> int:
     return 0
 
 
+def _q8_head(model):
+    """The model's LM head where it is a Q8_0 head the library sums in fp32 (not bf16), else None."""
+    head = getattr(model, "lm_head", None)
+    return head if hasattr(head, "fp32_kernel") and hasattr(head, "codes") else None
+
+
 def has_blocks(model) -> bool:
     """Whether the model holds CPU weights the library's per-linear kernels read: GGUF blocks
     (BlockLinear, BlockExperts) or a Q8_0 head."""
-    head = getattr(model, "lm_head", None)
-    return (hasattr(head, "fp32_kernel") and hasattr(head, "codes")) or any(
+    return _q8_head(model) is not None or any(
         (isinstance(m, BlockLinear) and not m.stored()[0].is_cuda) or
         (isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda) for m in model.modules())
 
@@ -202,8 +207,8 @@ def attach_block_kernels(model) -> None:
     values bit for bit), a Q8_0 head's fp32 sums. The whole step serves dense GQA models;
     for the others (hybrids, MoE) this is what the C++ library does."""
     load()
-    head = getattr(model, "lm_head", None)
-    if hasattr(head, "fp32_kernel") and hasattr(head, "codes"):  # a Q8_0 head: sums in fp32, not bf16
+    head = _q8_head(model)
+    if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
     for m in model.modules():
         if isinstance(m, (BlockLinear, BlockExperts)):
