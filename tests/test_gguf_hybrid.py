@@ -200,3 +200,63 @@ def test_multi_token_prediction_layers_are_skipped(converted, tmp_path):
     assert len(ours.model.model.layers) == 4
     ids = rand_ids(30, 2)
     assert (session(ours).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL
+
+
+
+def _mixed_file(converted, tmp_path) -> str:
+    """The tiny qwen35 with its Gated DeltaNet projections in three types, as a Q4_K_M file mixes
+    them: attn_qkv Q8_0, attn_gate Q5_0, ssm_alpha and ssm_beta Q4_0 (4 rows each), ssm_out Q8_0."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tiny_gguf import requantize
+    return requantize(converted["qwen3_5"][1], str(tmp_path / "mixed.gguf"),
+                      {"attn_qkv.weight": Q.Q8_0, "attn_gate.weight": Q.Q5_0, "ssm_alpha.weight": Q.Q4_0,
+                       "ssm_beta.weight": Q.Q4_0, "ssm_out.weight": Q.Q8_0})
+
+
+def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted, tmp_path):
+    """The mixed file on the CPU with its blocks kept: the Q4_0 b and a of 4 rows, which torch's int4
+    packer does not take (whole 16-row groups only), stay in their blocks (before: a RuntimeError
+    at load); a prefill and decode steps give the dequantized file's logits."""
+    from models.formats import quant
+    path = _mixed_file(converted, tmp_path)
+    lm = models.load(path, quantized=True)
+    delta = next(layer.linear_attn for layer in lm.model.model.layers if layer.linear)
+    assert [m.ggml_type for m in delta.in_projs] == [8, 6, 2, 2] and all(
+        isinstance(m, quant.BlockLinear) for m in delta.in_projs)
+    prompt, steps = rand_ids(21, 8), rand_ids(6, 9)
+    a, b = session(lm), session(models.load(path))
+    assert (a.prefill(prompt) - b.prefill(prompt)).abs().max() <= 1e-5
+    for t in steps:
+        assert (a.step(t) - b.step(t)).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
+def test_delta_projections_of_three_types_run_the_cuda_step_kernel(converted, tmp_path, monkeypatch):
+    """The mixed file (_mixed_file) loaded on CUDA in bf16 with its blocks kept: each delta layer's
+    projections fuse in groups (qkv, z, b+a) and its decode steps run the CUDA step kernel on
+    their joined outputs (before, the four did not fuse and the layer took the torch step); the
+    logits of a prefill and of decode steps, graph on and off (the same bits), agree with the
+    CPU's fp32 forward on the file's dequantized weights."""
+    from models.kernels.cuda import delta as cuda_delta
+    path = _mixed_file(converted, tmp_path)
+    gpu = models.load(path, torch.device("cuda"), torch.bfloat16, quantized=True)
+    deltas = [layer.linear_attn for layer in gpu.model.model.layers if layer.linear]
+    assert deltas and all(len(d.in_projs) == 3 for d in deltas)
+    calls = []
+    monkeypatch.setattr(cuda_delta, "decode",
+                        lambda *a, _real=cuda_delta.decode, **kw: (calls.append(1), _real(*a, **kw))[1])
+    prompt, steps = rand_ids(21, 8), rand_ids(6, 9)
+    ref = session(models.load(path))
+    want = torch.cat([ref.prefill(prompt).reshape(1, -1)] + [ref.step(t).reshape(1, -1) for t in steps]).float()
+    got = {}
+    for graph in ("off", "on"):
+        s = DecodeSession(gpu.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
+                          cuda_graph=graph, eos_ids=())
+        got[graph] = torch.cat([s.prefill(prompt).reshape(1, -1)] +
+                               [s.step(t).reshape(1, -1) for t in steps]).float().cpu()
+        if graph == "off":
+            assert len(calls) == len(steps) * len(deltas), (len(calls), len(deltas))
+    assert torch.equal(got["on"], got["off"])
+    err = (got["off"] - want).abs().max() / want.abs().max()
+    assert err <= 0.05, float(err)

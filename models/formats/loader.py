@@ -256,7 +256,8 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
                       dtype: torch.dtype = torch.float32) -> torch.nn.Module | None:
     """The module that computes with `gt` as stored, or None to dequantize it into `module`.
     On the CPU, Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's
-    layout (one tensor at a time, so only one decoded copy exists at once); the other block
+    layout (one tensor at a time, so only one decoded copy exists at once) where their rows are
+    whole 16-row groups (else they stay in their blocks, as BlockLinear); the other block
     types, and Q8_0 linears inside the layers (which the C++ step reads as blocks), stay the
     file's pages. On CUDA every kept type goes to the device as the file's blocks (the Triton
     kernels of models.kernels.cuda.qlinear read them)."""
@@ -271,11 +272,14 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
             return quant.Q8Embedding(gt.decoded())
         return quant.BlockEmbedding(gt)
     if isinstance(module, torch.nn.Linear):
-        if gt.kind in ("q4_0", "q4_1"):
+        # (the int4 kernel packs whole 16-row groups: a matrix of other row counts, a Qwen3.5
+        # delta layer's b or a of a few heads, say, stays in its blocks)
+        packs = gt.shape[0] % quant.PACK_ROW_MULTIPLE == 0
+        if gt.kind in ("q4_0", "q4_1") and packs:
             return quant.Int4Linear.from_quant(gt.decoded())
-        if gt.kind == "q8_0" and head:
+        if gt.kind == "q8_0" and head and packs:
             return quant.Q8Linear(gt.decoded())
-        if gt.ggml_type in quant.BLOCK_TYPES or gt.kind == "q8_0":
+        if gt.ggml_type in quant.BLOCK_TYPES or gt.kind in ("q8_0", "q4_0", "q4_1"):
             return quant.BlockLinear.from_gguf(gt)
     return None
 

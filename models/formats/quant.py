@@ -45,6 +45,7 @@ _Q4_TYPES = {2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
 _Q8_0 = 8
 _PACK_ROWS = 2048  # rows packed at a time at load (a multiple of the packer's row tile)
 _TILE_ROWS = 64
+PACK_ROW_MULTIPLE = 16  # torch's int4 packer takes whole 16-row groups (_convert_weight_to_int4pack_for_cpu)
 
 
 @dataclass
