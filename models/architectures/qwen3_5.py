@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """out_proj of the normed, gated output [T, value_dim] in HF's grouped head order (with
         `out_tiled`, its heads reordered to the tiled order out_proj's columns are in)."""
-        if self.out_tiled:
+        if self.out_tiled:  # (one copy of T x value_dim values: small beside out_proj's read of its weights)
             T = out.shape[0]
             out = out.view(T, self.nk, self.nv // self.nk, self.dv).transpose(1, 2).reshape(T, self.value_dim)
         return self.out_proj(out)

@@ -1,0 +1,103 @@
+"""A hybrid model's GGUF as people download one, for the CPU benchmark: a random checkpoint of a
+published shape (bench/shapes.py: qwen3.5-0.8b, lfm2-1.2b, ...), converted by llama.cpp's own
+converter and quantized by llama.cpp's own quantizer (Q4_K_M by default), then bench/cpu_bench.py
+on that file: ours against llama.cpp on the same file, thread count and prompt.
+
+    python bench/hybrid_gguf.py --shape qwen3.5-0.8b --llama-python PYTHON [--type Q4_K_M]
+        [--out FILE] [--only-file] [-- cpu_bench.py's options]
+
+The weights are random (transformers' initialisation, seed 0, saved in bf16); the tokenizer is the
+tests' tiny byte-level BPE (tests/tiny.py), the converter padding the vocabulary to the shape's
+size, so the embedding and the LM head have their published sizes. Speed and memory depend on the
+shapes and the types, not on the values. The file is written once (default
+~/.cache/chat/bench-SHAPE.TYPE.gguf, atomically) and reused. llama.cpp's converter
+(tests/llama_cpp_tree.py) and quantizer (llama-cpp-python 0.3.36, in PYTHON) are bench-time
+references, never dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+# llama.cpp's ftype names of the files people download
+FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+          "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+# converter options per model_type (a Qwen3.5 checkpoint without its MTP layers)
+CONVERT_OPTIONS = {"qwen3_5_text": ("--no-mtp",), "qwen3_5_moe_text": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
+
+QUANTIZE = """import ctypes, sys
+import llama_cpp
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, sys.argv[3])
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def hf_checkpoint(shape: str, out_dir: str) -> tuple[str, str]:
+    """The shape's random HF checkpoint (bf16) with the tests' tiny tokenizer: (its dir, model_type)."""
+    import torch
+    import transformers
+
+    from shapes import SHAPES
+    from tiny import write_checkpoint
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = transformers.AutoConfig.for_model(model_type, **kw, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return write_checkpoint(model_type, out_dir, model=model), model_type
+
+
+def build(shape: str, qtype: str, python: str, out: str) -> str:
+    """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp."""
+    from llama_cpp_tree import convert
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
+        hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"))
+        f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "f16", pre="qwen2",
+                      options=CONVERT_OPTIONS.get(model_type, ()))
+        part = os.path.join(d, "out.gguf")
+        proc = subprocess.run([python, "-c", QUANTIZE, f16, part, FTYPES[qtype]], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"llama_model_quantize failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        os.replace(part, out)
+    return out
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3.5-0.8b")
+    p.add_argument("--type", default="Q4_K_M", choices=sorted(FTYPES))
+    p.add_argument("--llama-python", required=True, help="a Python that can import llama_cpp (its quantizer)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--only-file", action="store_true", help="write the file, do not benchmark")
+    a = p.parse_args(argv)
+    out = a.out or os.path.expanduser(f"~/.cache/chat/bench-{a.shape}.{a.type}.gguf")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    if not os.path.exists(out):
+        build(a.shape, a.type, a.llama_python, out)
+    import gguf
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(out).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    print(f"{out}: {os.path.getsize(out) / 1e6:.1f} MB;", ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
+          flush=True)
+    if not a.only_file:
+        sys.exit(subprocess.call([sys.executable, os.path.join(HERE, "cpu_bench.py"), "--model", out,
+                                  "--llama-python", a.llama_python, *rest]))
+
+
+if __name__ == "__main__":
+    main()
