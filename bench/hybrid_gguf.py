@@ -30,8 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
           "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
-# converter options per model_type (a Qwen3.5 checkpoint without its MTP layers)
+# converter options per model_type (a Qwen3.5 checkpoint without its MTP layers), and the
+# pre-tokenizer name it writes for the tiny tokenizer (the tests' conversions name the same)
 CONVERT_OPTIONS = {"qwen3_5_text": ("--no-mtp",), "qwen3_5_moe_text": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
+PRE = {"lfm2": "gpt-2"}
 
 QUANTIZE = """import ctypes, sys
 import llama_cpp
@@ -63,7 +65,7 @@ def build(shape: str, qtype: str, python: str, out: str) -> str:
     from llama_cpp_tree import convert
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
         hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"))
-        f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "f16", pre="qwen2",
+        f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "f16", pre=PRE.get(model_type, "qwen2"),
                       options=CONVERT_OPTIONS.get(model_type, ()))
         part = os.path.join(d, "out.gguf")
         proc = subprocess.run([python, "-c", QUANTIZE, f16, part, FTYPES[qtype]], capture_output=True, text=True)
