@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, conv as cuda_conv, shortconv as cuda_shortconv
+from ..kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
 from .causal_lm import Body, CausalLM
+from .causal_conv import conv_prefill, conv_step
 from .layers import Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
 from .llama import Attention
 from .state_spec import AttentionState, FixedState, StateView
@@ -75,29 +75,6 @@ def _ffn_size(c: dict) -> int:
             size = int(multiplier * size)
             size = multiple * ((size + multiple - 1) // multiple)
     return size
-
-
-def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """Causal depthwise conv of T inputs continuing from the window `state` (updated in place).
-    x: [T, C]; state: [C, K-1] (the last K-1 inputs, oldest first); weight: [C, K]. Returns [T, C]."""
-    if cuda_conv.usable(x, weight):  # one kernel, no copy of the window
-        return cuda_conv.causal_conv(x, state, weight, bias)
-    window = torch.cat((state, x.t().to(state.dtype)), dim=1)  # [C, K-1+T]
-    state.copy_(window[:, -state.shape[1]:])
-    return F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0].t()
-
-
-def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """One token: the window shifts by one in place. x: [1, C]; state: [C, K-1]. Returns [1, C]."""
-    xt = x[0].to(weight.dtype)
-    out = (state.to(weight.dtype) * weight[:, :-1]).sum(-1) + xt * weight[:, -1]
-    if bias is not None:
-        out = out + bias
-    state[:, :-1].copy_(state[:, 1:].clone())
-    state[:, -1].copy_(xt)
-    return out[None]
 
 
 class ShortConv(nn.Module):

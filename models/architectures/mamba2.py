@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cuda import base as cuda_base, conv as cuda_conv, ssd as cuda_ssd
+from .causal_conv import conv_prefill, conv_step
 from .layers import Linear, scaled_linear
 from .state_spec import FixedState
 
@@ -174,11 +175,9 @@ class Mamba2Mixer(nn.Module):
         conv_state = st["conv"]
         if cuda_conv.usable(xBC, self.conv1d.weight):  # one kernel, read where the projection left it
             xBC = cuda_conv.causal_conv(xBC, conv_state, self.conv1d.weight, self.conv1d.bias, silu=True)
-        else:
-            window = torch.cat((conv_state, xBC.t().to(conv_state.dtype)), dim=1)   # [C, K-1+T]: continues the stream
-            conv_state.copy_(window[:, -(self.K - 1):])
-            xBC = F.silu(F.conv1d(window[None].to(dtype), self.conv1d.weight, self.conv1d.bias,
-                                  groups=self.conv_dim)[0]).t()
+        else:  # continues the stream
+            xBC = F.silu((conv_step if T == 1 else conv_prefill)(xBC, conv_state, self.conv1d.weight[:, 0],
+                                                                 self.conv1d.bias))
         x, B, C = xBC.split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
         x = x.reshape(T, self.H, self.P)
         B, C = B.reshape(T, self.G, self.N), C.reshape(T, self.G, self.N)

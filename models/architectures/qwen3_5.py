@@ -20,6 +20,7 @@ from . import gated_delta
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
 from ..kernels.cuda import qruns, scan as cuda_scan
 from ..sharding import Plan, Split, divisible, expert_splits
+from .causal_conv import conv_prefill, conv_step
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
@@ -221,10 +222,8 @@ class GatedDeltaNet(nn.Module):
         conv_state = st["conv"]
         if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
             mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)
-        else:
-            window = torch.cat((conv_state, mixed.t().to(conv_state.dtype)), dim=1)  # [C, K-1+T]: continues the stream
-            conv_state.copy_(window[:, -(self.kernel - 1):])
-            mixed = F.silu(F.conv1d(window[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim)[0]).t()
+        else:  # continues the stream
+            mixed = F.silu((conv_step if T == 1 else conv_prefill)(mixed, conv_state, self.conv1d.weight[:, 0], None))
         if T > 1 and FUSED_PROLOGUE and PREFILL_FORM == "chunked" and cuda_base.prefill_usable(x) \
                 and cuda_scan.scan_fits(64, self.dk, self.dv):
             # the l2 norms, g and beta inside the chunks' first kernel, the gated norm in one more
