@@ -253,9 +253,9 @@ def test_delta_projections_of_three_types_run_the_cuda_step_kernel(converted, tm
     for graph in ("off", "on"):
         s = DecodeSession(gpu.model, max_context=128, device=torch.device("cuda"), dtype=torch.bfloat16,
                           cuda_graph=graph, eos_ids=())
-        rows = [s.prefill(prompt).reshape(1, -1)]
+        rows = [s.prefill(prompt).reshape(1, -1).float().clone()]  # (a graph's logits: one buffer, overwritten)
         calls.clear()  # (the session's start runs scratch steps of its own)
-        rows += [s.step(t).reshape(1, -1) for t in steps]
+        rows += [s.step(t).reshape(1, -1).float().clone() for t in steps]
         got[graph] = torch.cat(rows).float().cpu()
         if graph == "off":
             assert len(calls) == len(steps) * len(deltas), (len(calls), len(deltas))

@@ -30,11 +30,13 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """One token: the window shifts by one in place. x: [1, C]; state: [C, K-1]. Returns [1, C]."""
+    """One token: the window shifts by one in place. x: [1, C]; state: [C, K-1]. Returns [1, C].
+    Summed in fp32 and rounded once to weight's dtype, as conv1d's half-precision forms sum."""
     xt = x[0].to(weight.dtype)
-    out = (state.to(weight.dtype) * weight[:, :-1]).sum(-1) + xt * weight[:, -1]
+    w = weight.float()
+    out = (state.float() * w[:, :-1]).sum(-1) + xt.float() * w[:, -1]
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
     state[:, :-1].copy_(state[:, 1:].clone())
     state[:, -1].copy_(xt)
-    return out[None]
+    return out.to(weight.dtype)[None]
