@@ -1,10 +1,10 @@
-"""GatedDeltaNet.fuse where its four input projections are stored in different formats (llama.cpp's
-Q4_K_M gives a qwen35 file's attn_qkv Q5_K and attn_gate Q4_K; GPTQModel leaves b and a in bf16):
-qkv with z and b with a each become one matmul where the pair shares a format, the groups kept in
-order; `projections` splits their outputs for the torch path and `project_in` joins them for the
-CUDA decode step's kernel, which so runs for every mix (before, a layer whose four did not fuse
-fell back to the torch step). The layer computes what the same layer computes on the dequantized
-weights (fp32 on the CPU; bf16 on CUDA, the kernel step against the torch step)."""
+"""GatedDeltaNet.fuse where its four input projections are stored in different formats (a qwen35
+Q4_K_M file of llama.cpp's quantizer holds attn_qkv in Q6_K in some layers, attn_gate in Q4_K;
+GPTQ checkpoints leave b and a in bf16): qkv with z and b with a each become one matmul where the
+pair shares a format, the groups kept in order; `projections` splits their outputs for the torch
+path and `project_in` joins them for the CUDA decode step's kernel, which so runs for every mix
+of formats. The layer computes what the same layer computes on the dequantized weights (fp32 on
+the CPU; bf16 on CUDA, the kernel step against the torch step)."""
 import copy
 
 import pytest

@@ -202,10 +202,11 @@ def test_multi_token_prediction_layers_are_skipped(converted, tmp_path):
     assert (session(ours).prefill(ids, all_logits=True) - session(ref).prefill(ids, all_logits=True)).abs().max() <= TOL
 
 
-
 def _mixed_file(converted, tmp_path) -> str:
-    """The tiny qwen35 with its Gated DeltaNet projections in three types, as a Q4_K_M file mixes
-    them: attn_qkv Q8_0, attn_gate Q5_0, ssm_alpha and ssm_beta Q4_0 (4 rows each), ssm_out Q8_0."""
+    """The tiny qwen35 with its Gated DeltaNet projections in three block types, as quantized files
+    mix them (llama.cpp's Q4_K_M: attn_qkv Q6_K in some layers, attn_gate Q4_K), of the types
+    gguf-py's quantizers write: attn_qkv Q8_0, attn_gate Q5_0, ssm_alpha and ssm_beta Q4_0 (4 rows
+    each), ssm_out Q8_0."""
     from gguf import GGMLQuantizationType as Q
 
     from tiny_gguf import requantize
@@ -216,8 +217,8 @@ def _mixed_file(converted, tmp_path) -> str:
 
 def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted, tmp_path):
     """The mixed file on the CPU with its blocks kept: the Q4_0 b and a of 4 rows, which torch's int4
-    packer does not take (whole 16-row groups only), stay in their blocks (before: a RuntimeError
-    at load); a prefill and decode steps give the dequantized file's logits."""
+    packer does not take (whole 16-row groups only; it raises), stay in their blocks; a prefill and
+    decode steps give the dequantized file's logits."""
     from models.formats import quant
     path = _mixed_file(converted, tmp_path)
     lm = models.load(path, quantized=True)
@@ -235,8 +236,7 @@ def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted
 def test_delta_projections_of_three_types_run_the_cuda_step_kernel(converted, tmp_path, monkeypatch):
     """The mixed file (_mixed_file) loaded on CUDA in bf16 with its blocks kept: each delta layer's
     projections fuse in groups (qkv, z, b+a) and its decode steps run the CUDA step kernel on
-    their joined outputs (before, the four did not fuse and the layer took the torch step); the
-    logits of a prefill and of decode steps, graph on and off (the same bits), agree with the
+    their joined outputs; the logits of a prefill and of decode steps, graph on and off (the same bits), agree with the
     CPU's fp32 forward on the file's dequantized weights."""
     from models.kernels.cuda import delta as cuda_delta
     path = _mixed_file(converted, tmp_path)
