@@ -158,8 +158,8 @@ def _k_experts(model, fmt: str, device, gen) -> None:
     (quant.PlanarExperts, both halves Q4KP (Q5KP)), from random `fmt` blocks; experts whose sizes
     are not whole super-blocks stay dense (random_model's weights)."""
     from models.architectures.moe import Experts
-    from models.formats import planar, quant
-    repack = {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k}[fmt]
+    from models.formats import gguf_blocks, quant
+    repack = quant.BlockLinear.repack_for(gguf_blocks.TYPES[fmt], runs=False)[0]  # the planar layouts
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if not isinstance(child, Experts):
