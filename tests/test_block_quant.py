@@ -103,6 +103,22 @@ def test_tiny_gguf_blocks_match_the_dequantized_forward(tmp_path, kind, linear, 
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_a_tied_q8_0_table_of_a_vocabulary_torchs_packer_does_not_take(tmp_path):
+    """A tied Q8_0 embedding of 328 rows (not whole 16-row groups, which torch's int4 packer needs
+    for the Q8_0 head's two int4 planes; it raises): the table and the head stay in their blocks,
+    and compute the dequantized file's logits."""
+    from engine.reference import full_logits
+    from tiny import hf_model
+    from tiny_gguf import write_gguf
+    path = write_gguf("qwen2", str(tmp_path / "v328.gguf"), hf_model("qwen2", vocab_size=328, **SIZES), Q.Q8_0,
+                      embed_type=Q.Q8_0)
+    ref, q = models.load(path), models.load(path, quantized=True)
+    assert isinstance(q.model.model.embed_tokens, quant.BlockEmbedding) and isinstance(q.model.lm_head, quant.BlockLinear)
+    ids = list(range(3, 70))
+    a, b = full_logits(ref.model, ids), full_logits(q.model, ids)
+    assert a.shape[-1] == 328 and float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+
+
 @pytest.mark.parametrize("kind,linear,types,embed", CASES, ids=IDS)
 def test_cpp_step_on_tiny_block_ggufs(tmp_path, kind, linear, types, embed):
     """The C++ step reads the blocks directly; the torch step dequantizes them: same logits to

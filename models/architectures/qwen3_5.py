@@ -180,8 +180,11 @@ class GatedDeltaNet(nn.Module):
         """After loading: the four input projections in as few matmuls as their storage allows:
         one where all four share a format; else qkv with z and b with a, each pair one matmul
         where its two do (a quantized file stores them apart: llama.cpp's Q4_K_M gives attn_qkv
-        Q5_K and attn_gate Q4_K, AutoGPTQ leaves b and a in bf16). `in_projs` holds the groups in
-        qkv, z, b, a order; project_in joins their outputs."""
+        Q6_K in some layers and attn_gate Q4_K, GPTQ checkpoints leave b and a in bf16). `in_projs`
+        holds the groups in qkv, z, b, a order; project_in joins their outputs. Once: a second
+        call leaves them as they are."""
+        if hasattr(self, "in_projs"):
+            return
         parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
         fused = fuse_linears(parts)
         if fused is not None:

@@ -208,8 +208,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
         if isinstance(t, quant.GgufExperts):
-            # CUDA: Q4_K halves repacked for qplanar.py's expert GEMVs, the others dequantized for
-            # moe.py's kernels; the CPU keeps the file's blocks
+            # CUDA: Q4_K, Q5_K and Q6_K halves repacked for qplanar.py's expert GEMVs, the others
+            # dequantized for moe.py's kernels; the CPU keeps the file's blocks
             experts = quant.PlanarExperts.from_gguf(t, device, dtype) if device.type == "cuda" else quant.BlockExperts(t)
             setattr(model.get_submodule(owner), leaf, experts)
             continue
@@ -267,14 +267,14 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
             emb.out_dtype = dtype
             return emb
         return quant.BlockLinear.from_gguf(gt, device) if isinstance(module, torch.nn.Linear) else None
+    # (the int4 kernel packs whole 16-row groups: a matrix of other row counts, a Qwen3.5 delta
+    # layer's b or a of a few heads, or a vocabulary a tied Q8_0 head would pack, stays in its blocks)
+    packs = gt.shape[0] % quant.PACK_ROW_MULTIPLE == 0
     if isinstance(module, torch.nn.Embedding):
-        if gt.kind == "q8_0":
+        if gt.kind == "q8_0" and packs:
             return quant.Q8Embedding(gt.decoded())
         return quant.BlockEmbedding(gt)
     if isinstance(module, torch.nn.Linear):
-        # (the int4 kernel packs whole 16-row groups: a matrix of other row counts, a Qwen3.5
-        # delta layer's b or a of a few heads, say, stays in its blocks)
-        packs = gt.shape[0] % quant.PACK_ROW_MULTIPLE == 0
         if gt.kind in ("q4_0", "q4_1") and packs:
             return quant.Int4Linear.from_quant(gt.decoded())
         if gt.kind == "q8_0" and head and packs:
