@@ -169,7 +169,7 @@ def _k_experts(model, fmt: str, device, gen) -> None:
                 continue
             ex = quant.PlanarExperts(e, h, i2 // 2)
             for half, (n, k) in (("gate_up", (i2, h)), ("down", (h, i2 // 2))):
-                ex.keep_planar(half, repack(quant.QWeight(fmt, _random_blocks(fmt, e * n, k, device, gen), e * n, k)))
+                ex.keep_planar(half, repack(quant.QWeight(fmt, _random_blocks(fmt, e * n, k, device, gen), e * n, k)), fmt)
             setattr(module, child_name, ex)
 
 

@@ -307,13 +307,13 @@ def test_k_quant_experts_decode_on_the_device_as_their_torch_form(gate_type, dow
     kernels()
     from models.formats import quant
     from models.kernels.cuda import base as cuda_base
-    from test_qplanar import gguf_experts
+    from test_qplanar import PLANAR_LAYOUTS, gguf_experts
     E, H, I, k = 8, 256, 256, 3
     m = bf16_layer(E, H, I, k, shared, True, seed=1)
     m.experts = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type, gate_type=gate_type), torch.device("cuda"),
                                               torch.bfloat16)
     assert set(m.experts.planar_halves) == {h for h, t in (("gate_up", gate_type), ("down", down_type))
-                                            if t in quant.PLANAR_KINDS}
+                                            if t in PLANAR_LAYOUTS}
     models.fuse(m)
     assert moe.decode_serves(m.experts)
     g = torch.Generator(device="cuda").manual_seed(2)

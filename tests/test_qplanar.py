@@ -11,6 +11,9 @@ import torch
 
 from models.formats import hf_quant
 
+# the layout PlanarExperts repacks each GGUF type of an experts' half into (others stay dense)
+PLANAR_LAYOUTS = {"Q4_K": "Q4KP", "Q5_K": "Q5KP", "Q6_K": "Q6KP"}
+
 
 def product_and_tolerance(xd, w, b, swiglu, dtype):
     """(x @ W^T + b in fp64, SwiGLU'd over the row halves where `swiglu`; the module's tolerance
@@ -457,7 +460,7 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, gate_type, d
     E, I, H = 5, 256, 256
     ex = quant.PlanarExperts.from_gguf(gguf_experts(E, I, H, down_type, gate_type=gate_type), device, torch.float32)
     gu, dn = ex.qweight("gate_up"), ex.qweight("down")
-    assert (gu.fmt, dn.fmt) == (quant.PLANAR_KINDS[gate_type], quant.PLANAR_KINDS[down_type])
+    assert (gu.fmt, dn.fmt) == (PLANAR_LAYOUTS[gate_type], PLANAR_LAYOUTS[down_type])
     w_gu = planar.dequantize_planar_rows(gu, 0, gu.n).cpu().reshape(E, 2 * I, H)  # (the oracle on the CPU, in fp64)
     w_dn = planar.dequantize_planar_rows(dn, 0, dn.n).cpu().reshape(E, H, I)
     g = torch.Generator().manual_seed(4)
@@ -500,11 +503,11 @@ def test_planar_experts_compute_what_the_files_blocks_do(gate_type, down_type):
     t = gguf_experts(6, 256, 256, down_type, gate_type=gate_type)
     planar_ex = quant.PlanarExperts.from_gguf(t, torch.device("cpu"), torch.float32)
     for half, kind in (("gate_up", gate_type), ("down", down_type)):
-        planar = kind in quant.PLANAR_KINDS
+        planar = kind in PLANAR_LAYOUTS
         assert (planar_ex.qweight(half) is not None) == planar
         assert hasattr(planar_ex, f"{half}_proj") == (not planar)
     assert planar_ex.gguf_kinds() == {h: k for h, k in (("gate_up", gate_type), ("down", down_type))
-                                      if k in quant.PLANAR_KINDS}
+                                      if k in PLANAR_LAYOUTS}
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 256, generator=g)
     idx = torch.tensor([[1, 5], [5, 0], [2, 1], [1, 3]])

@@ -518,10 +518,6 @@ class BlockExperts(nn.Module):
         return out
 
 
-# the GGUF types whose expert halves PlanarExperts repacks (formats/planar.py) → the layout
-PLANAR_KINDS = {"Q4_K": "Q4KP", "Q5_K": "Q5KP", "Q6_K": "Q6KP"}
-
-
 class PlanarExperts(nn.Module):
     """Routed SwiGLU experts of a GGUF on CUDA, what moe.Experts computes: each half, the fused
     [gate; up] rows [E, 2I, H] and the down rows [E, H, I], repacked as Q4KP, Q5KP or Q6KP where
@@ -535,22 +531,30 @@ class PlanarExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.planar_halves: dict[str, tuple[str, int, int, int]] = {}  # half: (fmt, n, k, group)
+        # half: (layout, n, k, group, the GGUF type it was repacked from)
+        self.planar_halves: dict[str, tuple[str, int, int, int, str]] = {}
 
     @staticmethod
-    def _repack(tensors: "list[GgufTensor]", device: torch.device) -> QWeight | None:
+    def layout_for(ggml_type: int) -> str | None:
+        """The planar layout an experts' half of this GGUF type is repacked into (BlockLinear's
+        table without runs: Q4_K → Q4KP, Q5_K → Q5KP, Q6_K → Q6KP), or None: kept dense."""
+        repack = BlockLinear.repack_for(ggml_type, runs=False)
+        return None if repack is None else repack[1]
+
+    @classmethod
+    def _repack(cls, tensors: "list[GgufTensor]", device: torch.device) -> QWeight | None:
         """The experts' rows of `tensors` (one half: gate and up, or down; [E, rows, K] each,
         joined row-wise per expert) as one planar QWeight on `device`, or None where their type
-        is not one PLANAR_KINDS names, they differ, or the rows or K are not whole blocks."""
+        has no planar layout (layout_for), they differ, or the rows or K are not whole blocks."""
         from . import planar
-        name = gguf_blocks.type_name(tensors[0].ggml_type)
+        ggml_type = tensors[0].ggml_type
         e, rows, k = tensors[0].shape[0], sum(t.shape[1] for t in tensors), tensors[0].shape[2]
-        if name not in PLANAR_KINDS or any(t.ggml_type != tensors[0].ggml_type for t in tensors) \
+        if cls.layout_for(ggml_type) is None or any(t.ggml_type != ggml_type for t in tensors) \
                 or k % 256 or any(t.shape[1] % planar.ROWS for t in tensors):
             return None
         blocks = torch.cat([t.blocks() for t in tensors], 1).to(device).reshape(e * rows, -1)
-        repack = {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k, "Q6_K": planar.repack_q6k}[name]
-        return repack(QWeight(name, blocks, e * rows, k))
+        repack = BlockLinear.repack_for(ggml_type, runs=False)[0]
+        return repack(QWeight(gguf_blocks.type_name(ggml_type), blocks, e * rows, k))
 
     @classmethod
     def from_gguf(cls, t: "GgufExperts", device: torch.device, dtype: torch.dtype) -> "PlanarExperts":
@@ -558,34 +562,34 @@ class PlanarExperts(nn.Module):
         m = cls(e, h, i)
         gate_up = cls._repack([t.gate, t.up], device)
         if gate_up is not None:
-            m.keep_planar("gate_up", gate_up)
+            m.keep_planar("gate_up", gate_up, gguf_blocks.type_name(t.gate.ggml_type))
         else:
             m.gate_up_proj = nn.Parameter(torch.cat([t.gate.dequantize(), t.up.dequantize()], 1).to(device, dtype),
                                           requires_grad=False)
         down = cls._repack([t.down], device)
         if down is not None:
-            m.keep_planar("down", down)
+            m.keep_planar("down", down, gguf_blocks.type_name(t.down.ggml_type))
         else:
             m.down_proj = nn.Parameter(t.down.dequantize().to(device, dtype), requires_grad=False)
         return m
 
     def gguf_kinds(self) -> dict[str, str]:
         """The GGUF type each planar half was repacked from ("gate_up"/"down" → "Q4_K", ...)."""
-        kinds = {v: k for k, v in PLANAR_KINDS.items()}
-        return {half: kinds[fmt] for half, (fmt, *_) in self.planar_halves.items()}
+        return {half: kind for half, (*_, kind) in self.planar_halves.items()}
 
-    def keep_planar(self, half: str, pw: QWeight) -> None:
-        """Hold `pw` ([E rows, K], planar) as "gate_up" ([gate; up] rows of each expert) or "down"."""
+    def keep_planar(self, half: str, pw: QWeight, kind: str) -> None:
+        """Hold `pw` ([E rows, K], planar, repacked from GGUF type `kind`) as "gate_up" ([gate; up]
+        rows of each expert) or "down"."""
         for name, tensor in (("words", pw.data), ("dd", pw.scales), ("sm", pw.zeros)):
             self.register_buffer(f"{half}_{name}", tensor)
-        self.planar_halves[half] = (pw.fmt, pw.n, pw.k, pw.group)
+        self.planar_halves[half] = (pw.fmt, pw.n, pw.k, pw.group, kind)
 
     def qweight(self, half: str) -> QWeight | None:
         """The planar QWeight of "gate_up" or "down" (its buffers as they are now), or None
         where that half is dense."""
         if half not in self.planar_halves:
             return None
-        fmt, n, k, group = self.planar_halves[half]
+        fmt, n, k, group, _ = self.planar_halves[half]
         return QWeight(fmt, getattr(self, f"{half}_words"), n, k, getattr(self, f"{half}_dd"), getattr(self, f"{half}_sm"),
                        group)
 
