@@ -230,7 +230,7 @@ inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<co
 template <int64_t TN>  // TN rows of x (0: Tn, known at run time); TN = 1 keeps the sums in registers
 struct Acc {
   static constexpr int64_t R = TN ? TN : kMaxRows;
-  __m512 v[R];
+  __m512 v[R], v2[R];  // v2: the second 16 of each 32 where the weights come dequantized (wsum)
   float mins[R];
   const float* x;
   int64_t K, Tn;
@@ -248,6 +248,13 @@ struct Acc {
       const float* xp = x + t * K + j;
       v[t] = _mm512_fmadd_ps(s0v, _mm512_mul_ps(q0, _mm512_loadu_ps(xp)), v[t]);
       v[t] = _mm512_fmadd_ps(s1v, _mm512_mul_ps(q1, _mm512_loadu_ps(xp + 16)), v[t]);
+    }
+  }
+  inline void wsum(__m512 w0, __m512 w1, int64_t j) {  // + w0 . x[j..j+16) + w1 . x[j+16..j+32)
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const float* xp = x + t * K + j;
+      v[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), v[t]);
+      v2[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + 16), v2[t]);
     }
   }
   inline void min_term(const float* xs, int64_t nsub, int64_t i, float m) {  // + m * sum(x[32 i .. 32 i + 32))
@@ -281,7 +288,23 @@ inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, i
       q1 = _mm256_extracti128_si256(u, 1);
     }
     a.sub(i8_ps(q0), i8_ps(q1), 32 * i, d);
-  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+  } else if constexpr (T == kQ4_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint8_t* qs = b + 16;
+    for (int p = 0; p < 4; ++p) {
+      const __m512i c0 = _mm512_cvtepu8_epi32(ld(qs + 32 * p)), c1 = _mm512_cvtepu8_epi32(ld(qs + 32 * p + 16));
+      for (int e = 0; e < 2; ++e) {
+        const int sub = 2 * p + e;
+        int sc, mn;
+        scale_min_k4(sub, b + 4, sc, mn);
+        const __m512 table = _mm512_sub_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d * static_cast<float>(sc))),
+                                           _mm512_set1_ps(dmin * static_cast<float>(mn)));
+        const __m512i i0 = e ? _mm512_srli_epi32(c0, 4) : c0, i1 = e ? _mm512_srli_epi32(c1, 4) : c1;
+        a.wsum(_mm512_permutexvar_ps(i0, table), _mm512_permutexvar_ps(i1, table), 256 * i + 32 * sub);
+      }
+    }
+  } else if constexpr (T == kQ5_K) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
     __m256i h = _mm256_setzero_si256();
@@ -312,9 +335,14 @@ inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, i
         const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * c));
         for (int s2 = 0; s2 < 2; ++s2) {
           const int r = c + 2 * s2, k = 4 * h + r;
-          const __m256i lo = _mm256_and_si256(s2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * r), _mm256_set1_epi8(3));
-          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+          // the code's low nibble from l (its high nibble where s2) and its two high bits from hb
+          // moved to bits 4-5: one bitwise select (bits 0-3 from the first, 4-7 from the second), then
+          // bits 6-7 cleared
+          const __m256i lo = s2 ? _mm256_srli_epi16(l, 4) : l;
+          const __m256i hi = r < 2 ? _mm256_slli_epi16(hb, 4 - 2 * r) : r == 2 ? hb : _mm256_srli_epi16(hb, 2);
+          const __m256i v = _mm256_and_si256(_mm256_ternarylogic_epi32(_mm256_set1_epi8(0x0F), lo, hi, 0xCA),
+                                             _mm256_set1_epi8(0x3F));
+          const __m256i q = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
           const int64_t j = 256 * i + 32 * k;
           a.sub2(i8_ps(_mm256_castsi256_si128(q)), i8_ps(_mm256_extracti128_si256(q, 1)), j,
                  d * static_cast<float>(sc[2 * k]), d * static_cast<float>(sc[2 * k + 1]));
@@ -338,11 +366,12 @@ void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, c
     a.Tn = Tn;
     for (int64_t t = 0; t < Tn; ++t) {
       a.v[t] = _mm512_setzero_ps();
+      a.v2[t] = _mm512_setzero_ps();
       a.mins[t] = 0.f;
     }
   };
   auto finish = [&](Acc<TN>& a, int64_t n) {
-    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = _mm512_reduce_add_ps(a.v[t]) + a.mins[t];
+    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a.v[t], a.v2[t])) + a.mins[t];
   };
   int64_t n = n0;
   if constexpr (TN == 1) {  // two rows at a time: x read once for both, two independent chains
