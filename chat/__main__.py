@@ -135,6 +135,8 @@ def settings_for(args, transcript=None, sections=("engine",)):
             recorded["quantized"] = "off"  # recorded before the setting existed: weights were dequantized
         if transcript.model.get("fingerprint") and "cpu_kernel" not in recorded:
             recorded["cpu_kernel"] = "off"  # recorded before the C++ CPU step existed: the torch step ran
+        if transcript.model.get("fingerprint") and "cpu_int8" not in recorded:
+            recorded["cpu_int8"] = "off"  # recorded before the setting existed: fp32 inputs
         if transcript.model.get("source"):
             recorded["model"] = transcript.model["source"]
         if "sampling" in sections:

@@ -85,6 +85,9 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
     # Triton block kernels (on the H200 they decode slower than bf16: bench/RESULTS.md, set I)
     keep = eng.quantized == "on" or (eng.quantized == "auto" and device.type == "cpu")
     loaded = models.load(eng.model, device, dtype, quantized=keep, shard=shard)
+    if eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):
+        report("cpu_int8: on changes nothing here: the model holds no GGUF blocks on the CPU "
+               "(a GGUF file with quantized: auto on the CPU has them)")
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))

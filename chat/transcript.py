@@ -322,6 +322,7 @@ def engine_info(rt) -> dict:
     info = {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
             "cuda_graph": rt.settings.engine.cuda_graph, "quantized": rt.settings.engine.quantized,
             "compile": rt.settings.engine.compile, "cpu_kernel": rt.settings.engine.cpu_kernel,
+            "cpu_int8": rt.settings.engine.cpu_int8,
             "max_context": rt.session.max_context}
     if rt.device.type == "cpu":  # (not a setting: a replay elsewhere names it where tokens differ)
         info["cpu_isa"] = cpu_isa()

@@ -123,6 +123,8 @@ class EngineConfig(_Validated):
     cuda_graph: str = setting("auto", _choice("auto", "on", "off"))
     compile: str = setting("off", _choice("off", "on"))
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
+    # a GGUF's block products on the CPU (decode) on int8 inputs, as llama.cpp's (models/kernels/cpu/blocks_int8.h)
+    cpu_int8: str = setting("off", _choice("off", "on"))
     # a GGUF's blocks: kept on the CPU by auto; on CUDA by on (the Triton block kernels)
     quantized: str = setting("auto", _choice("auto", "on", "off"))
     # turn-boundary checkpoints of hybrid state: on the device, then spilled to (pinned) host memory

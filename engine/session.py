@@ -242,8 +242,12 @@ class DecodeSession:
         if self._step_fn is self.model:
             blocks = " with GGUF blocks through the C++ per-linear kernels" \
                 if getattr(self.model, "cpu_block_kernels", False) else ""
-            return "torch (eager)" + blocks + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
-        return "torch.compile" if self._compiled else "C++ step (cpu_kernel)"
+            int8 = " on int8 inputs (cpu_int8)" if blocks and getattr(self.model, "cpu_int8", False) else ""
+            return "torch (eager)" + blocks + int8 + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
+        if self._compiled:
+            return "torch.compile"
+        return "C++ step (cpu_kernel)" + (", its GGUF blocks on int8 inputs (cpu_int8)"
+                                          if getattr(self.model, "cpu_int8", False) else "")
 
     @property
     def prefill_path(self) -> str:

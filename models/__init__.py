@@ -1,7 +1,8 @@
 """Models: architectures (models/architectures), checkpoint formats and the loader
 (models/formats), device kernels (models/kernels). This package's names are the API that the
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
-the registry and aliases, `cpu_step_pending` (whether a model's C++ decode step still has
+the registry and aliases, `use_int8_inputs` (the `cpu_int8` setting on a loaded model),
+`cpu_step_pending` (whether a model's C++ decode step still has
 to be compiled, for a start-up notice), and the tensor-parallel plan of a checkpoint or a config
 (`sharding_plan`, `config_plan`, `local_model`: models/sharding.py)."""
 from __future__ import annotations
@@ -10,11 +11,12 @@ from .formats.checkpoints import CheckpointError
 from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse, load,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
+from .formats.quant import use_int8_inputs
 from .kernels import cpu_step_built
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
-           "sharding_plan", "config_plan", "local_model"]
+           "sharding_plan", "config_plan", "local_model", "use_int8_inputs"]
 
 
 def cpu_step_pending(model, dtype) -> bool:

@@ -366,6 +366,7 @@ class BlockLinear(QuantLinear):
     fp32_kernel = None
     dequant_kernel = None
     KERNEL_ROWS = 4  # up to this many input rows go to fp32_kernel; more: dequantize + GEMM
+    int8_inputs = False  # fp32_kernel's rows rounded to int8 per 32 first (use_int8_inputs)
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
@@ -451,7 +452,7 @@ class BlockLinear(QuantLinear):
         x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
-            y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type)
+            y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type, self.int8_inputs)
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
             rows = max(1, _DEQUANT_ELEMENTS // self.in_features)
@@ -487,6 +488,7 @@ class BlockExperts(nn.Module):
     fp32_kernel = None
     dequant_kernel = None
     KERNEL_ROWS = BlockLinear.KERNEL_ROWS
+    int8_inputs = False  # as BlockLinear's
 
     def __init__(self, t: GgufExperts):
         super().__init__()
@@ -509,8 +511,9 @@ class BlockExperts(nn.Module):
             xs = x[tok]
             if self.fp32_kernel is not None and x.dtype == torch.float32 and xs.shape[0] <= self.KERNEL_ROWS:
                 g, u, d = self.types
-                h = F.silu(self.fp32_kernel(xs, self.gate_blocks[e], g)) * self.fp32_kernel(xs, self.up_blocks[e], u)
-                y = self.fp32_kernel(h, self.down_blocks[e], d)
+                i8 = self.int8_inputs
+                h = F.silu(self.fp32_kernel(xs, self.gate_blocks[e], g, i8)) * self.fp32_kernel(xs, self.up_blocks[e], u, i8)
+                y = self.fp32_kernel(h, self.down_blocks[e], d, i8)
             else:
                 gate, up, down = self.expert(e, x.dtype)
                 y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
@@ -676,6 +679,21 @@ class BlockEmbedding(nn.Module):
     def as_linear(self) -> BlockLinear:
         """The same blocks as a tied LM head."""
         return BlockLinear(self.blocks, self.ggml_type)
+
+
+def use_int8_inputs(model: nn.Module, on: bool) -> int:
+    """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks for a few rows
+    (decode), round those rows to int8 per 32 values first (x~ = q dx, as llama.cpp's CPU kernels
+    do; models/kernels/cpu/blocks_int8.h), or (off) take them in fp32. Returns how many modules
+    hold CPU blocks (0: the setting changes nothing). Prefill's dequantized GEMMs stay fp32."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or \
+                isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda:
+            m.int8_inputs = on
+            n += 1
+    model.cpu_int8 = on and n > 0  # (what the session's decode_path reports)
+    return n
 
 
 def weight_formats(model: nn.Module) -> dict[str, int]:

@@ -443,16 +443,11 @@ Tensor block_dequant(const Tensor& w, int64_t type) {
   return y;
 }
 
-// y = x W^T for x [T, K] fp32 (T <= 8) and W in GGUF blocks [N, row bytes]
-Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) <= kMaxRows,
-              "block_linear: x must be [T <= 8, K] contiguous fp32");
-  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
-  TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
-  Tensor y = at::empty({Tn, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+#include "blocks_int8.h"
+
+// y = x W^T for x [T, K] fp32 (T <= 8, xp) and W in GGUF blocks [N, row bytes] into yp
+void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N, int64_t type,
+                   float* yp) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   std::vector<float> xs(Tn * (K / 32));  // each 32 inputs' sum, for the minimum terms
   for (int64_t t = 0; t < Tn; ++t)
@@ -476,8 +471,43 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type) {
     });
   });
 #endif
+}
+
+// y = x W^T for x [T, K] fp32 (T <= 8) and W in GGUF blocks [N, row bytes]; int8: on x~, x rounded
+// to int8 per 32 values (blocks_int8.h)
+Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) <= kMaxRows,
+              "block_linear: x must be [T <= 8, K] contiguous fp32");
+  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
+  Tensor y = at::empty({Tn, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (!int8) {
+    block_product(xp, Tn, K, wp, rb, N, type, yp);
+    return y;
+  }
+  const Int8Rows rows = quantize_rows(xp, Tn, K, code_offset(type));
+#if defined(CHAT_INT8_DOT)
+  by_type(type, [&](auto t) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (Tn == 1)
+        gemv_rows_i8<decltype(t)::value, 1>(rows, Tn, wp, rb, N, n0, n1, yp);
+      else
+        gemv_rows_i8<decltype(t)::value, 0>(rows, Tn, wp, rb, N, n0, n1, yp);
+    });
+  });
+#else
+  const std::vector<float> xt = dequantized_rows(rows, Tn);
+  block_product(xt.data(), Tn, K, wp, rb, N, type, yp);
+#endif
   return y;
 }
+
+// A BlockLinear's type as the step's params carry it: the GGUF type, plus kInt8Inputs where the
+// module takes int8 inputs (quant.BlockLinear.int8_inputs)
+constexpr int64_t kInt8Inputs = 256;
 
 // The linear at params[at_] (weight, int4 scale/zero or None for an fp32 weight, bias or None; for
 // GGUF blocks: uint8 blocks, their type as a one-element int64 tensor, bias or None);
@@ -488,7 +518,8 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   const std::optional<Tensor> bias = p.get(at_ + 2);
   at_ += 3;
   const bool blocks = sz.has_value() && sz->scalar_type() == at::kLong;  // GGUF blocks: sz holds the type
-  Tensor y = blocks ? block_linear(x.contiguous(), w, sz->data_ptr<int64_t>()[0])
+  const int64_t code = blocks ? sz->data_ptr<int64_t>()[0] : 0;
+  Tensor y = blocks ? block_linear(x.contiguous(), w, code % kInt8Inputs, code >= kInt8Inputs)
              : sz.has_value() ? int4_mm(x, w, *sz)
                               : at::linear(x, w);
   if (bias.has_value()) y.add_(*bias);
@@ -876,7 +907,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
 
 TORCH_LIBRARY(chat_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &q8_linear);
-  m.def("block_linear(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear);
+  m.def("block_linear(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear);
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);

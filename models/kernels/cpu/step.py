@@ -31,6 +31,8 @@ import torch
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
+HEADERS = [os.path.join(os.path.dirname(SOURCE), name) for name in ("blocks_int8.h",)]  # what SOURCE includes
+INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
 
@@ -64,8 +66,9 @@ def _cpu_signature() -> str:
 def library_path() -> str:
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chat")
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in [SOURCE] + HEADERS:
+        with open(source, "rb") as f:
+            h.update(f.read())
     for part in (torch.__version__, sys.version, " ".join(_flags()), _cpu_signature()):
         h.update(part.encode())
     return os.path.join(cache, f"cpu_step-{h.hexdigest()[:16]}.so")
@@ -134,7 +137,9 @@ def _linear_params(m: torch.nn.Module) -> list[torch.Tensor | None]:
     if isinstance(m, Int4Linear):
         return [m.packed, m.scale_zero, m.bias]
     if isinstance(m, BlockLinear):  # GGUF blocks as stored: their type rides in the scale slot
-        return [m.blocks, torch.tensor([m.ggml_type], dtype=torch.int64), m.bias]
+        # (+ INT8_INPUTS where the module rounds its input to int8: step.cpp's kInt8Inputs)
+        code = m.ggml_type + (INT8_INPUTS if m.int8_inputs else 0)
+        return [m.blocks, torch.tensor([code], dtype=torch.int64), m.bias]
     return [m.weight, None, m.bias]
 
 
