@@ -6,6 +6,7 @@ thread count and prompt, and prints a table with ratios.
     python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--context 16]  # tokens in the context when decoding starts
+                              [--cpu-int8 off|on|both]  # a GGUF's block products on int8 inputs
                               [--llama-python PYTHON]  # one that has llama_cpp
                               [--clock wall|cpu]
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
@@ -13,6 +14,8 @@ thread count and prompt, and prints a table with ratios.
 --clock cpu times the process's CPU time instead of the wall clock: with --threads 1 a measure of
 one core's work that other processes on a shared machine barely move (tok/s per core-second).
 --model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
+--cpu-int8 both runs ours with fp32 inputs and then with int8 ones (the `cpu_int8` setting), beside
+the one llama.cpp run.
 """
 from __future__ import annotations
 
@@ -153,6 +156,8 @@ def main() -> None:
     ap.add_argument("--compile", choices=("on", "off"), default="off")
     ap.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
                     help="the C++ decode step (auto/on) or the torch step (off)")
+    ap.add_argument("--cpu-int8", choices=("off", "on", "both"), default="off",
+                    help="a GGUF's block products on int8 inputs (cpu_int8: on), fp32 (off), or each in turn")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     args = ap.parse_args()
@@ -170,18 +175,30 @@ def main() -> None:
     load = time.perf_counter() - t0
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
     context = prompt_ids(lm.tokenizer, args.context)
-    ours = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context), load_s=load)
+    variants = {"off": ["off"], "on": ["on"], "both": ["off", "on"]}[args.cpu_int8]
+    ours = {}
+    for v in variants:
+        if not models.use_int8_inputs(lm.model, v == "on") and v == "on":
+            print("cpu_int8: the model holds no GGUF blocks on the CPU; it changes nothing", file=sys.stderr)
+        ours[v] = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context),
+                       load_s=load)
     rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads, context)
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
-          f"(session start {ours['session_s']:.1f} s)")
-    print(f"{'':12}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
-    print(f"{'ours':12}{ours['load_s']:>10.2f}{ours['prefill']:>16.1f}{ours['decode']:>15.1f}")
+          f"(session start {ours[variants[0]]['session_s']:.1f} s)")
+    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
+    names = {"off": "ours", "on": "ours (cpu_int8)"}
+    for v in variants:
+        o = ours[v]
+        print(f"{names[v]:18}{o['load_s']:>10.2f}{o['prefill']:>16.1f}{o['decode']:>15.1f}")
     if ref:
-        print(f"{'llama.cpp':12}{ref['load_s']:>10.2f}{ref['prefill']:>16.1f}{ref['decode']:>15.1f}")
-        print(f"{'ratio':12}{'':>10}{ours['prefill'] / ref['prefill']:>15.2f}x{ours['decode'] / ref['decode']:>14.2f}x")
+        print(f"{'llama.cpp':18}{ref['load_s']:>10.2f}{ref['prefill']:>16.1f}{ref['decode']:>15.1f}")
+        for v in variants:
+            o = ours[v]
+            print(f"{'ratio, ' + names[v]:18}{'':>10}{o['prefill'] / ref['prefill']:>15.2f}x"
+                  f"{o['decode'] / ref['decode']:>14.2f}x")
     else:
         print("llama.cpp: not measured (llama_cpp is not importable)")
     print(f"peak RSS after ours: {rss_ours:.0f} MB")

@@ -246,3 +246,45 @@ def test_the_q8_head_sums_in_fp32_under_the_cpp_step(smollm2_q4_model):
     assert rel(head.hi(x).float() + head.lo(x).float()) > 1e-4
     logits = s.prefill(lm.tokenizer.encode("The capital of France is", add_special_tokens=False).ids)
     assert logits.dtype == torch.float32 and bool((logits.to(torch.bfloat16).float() != logits).any())
+
+
+def test_rms_norm_rows_is_f_rms_norm():
+    """The library's rms_norm_rows (a hybrid's norms of a few rows, under kernels.cpu_block_kernels)
+    against F.rms_norm over the last dimension, any leading shape and a strided view: fp32
+    summation order only."""
+    cpu_step.load()
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 1024), (3, 576), (1, 16, 128), (2, 6, 7)]:
+        x = torch.randn(shape, generator=g) * 3
+        w = torch.randn(shape[-1], generator=g)
+        for eps in (1e-6, 1e-5 / 128):
+            want = torch.nn.functional.rms_norm(x, (shape[-1],), w, eps)
+            got = torch.ops.chat_cpu.rms_norm_rows(x, w, eps)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    x = torch.randn(1, 8, 64, generator=g)
+    view = x[:, 2:6]  # (not contiguous)
+    w = torch.ones(64)
+    assert torch.allclose(torch.ops.chat_cpu.rms_norm_rows(view, w, 1e-6),
+                          torch.nn.functional.rms_norm(view, (64,), w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_per_linear_kernels_take_the_norms_and_the_whole_step_does_not(tmp_path):
+    """cpu_block_kernels (hybrids, MoE: the torch step on the library's per-linear kernels) also
+    sets the norms' rms_norm_rows; the whole C++ step (dense models) leaves the torch model's norms
+    as they are, so its prefill is unchanged; cpu_kernel off takes them off again."""
+    from gguf import GGMLQuantizationType as Q
+
+    from models import kernels
+    from models.architectures.layers import RMSNorm
+    from test_block_quant import tiny_gguf
+    lm = models.load(tiny_gguf(tmp_path, "llama", Q.Q4_0), quantized=True)
+    norms = [m for m in lm.model.modules() if isinstance(m, RMSNorm)]
+    session(lm, "on")
+    assert all(m.cpu_kernel is None for m in norms)
+    assert kernels.cpu_block_kernels(lm.model, torch.float32)
+    assert all(m.cpu_kernel is not None for m in norms)
+    x = torch.randn(1, norms[0].weight.shape[0])
+    want = torch.nn.functional.rms_norm(x, (x.shape[-1],), norms[0].weight, norms[0].eps)
+    assert torch.allclose(norms[0](x), want, rtol=1e-6, atol=1e-6)
+    session(lm, "off")
+    assert all(m.cpu_kernel is None for m in norms)

@@ -36,8 +36,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
+    cpu_kernel = None  # the C++ library's rms_norm_rows for a decode step's few rows (kernels.cpu_block_kernels)
+    KERNEL_ROWS = 4
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """out_dtype: the output's dtype (x's by default; the final norm hands the LM head fp32)."""
+        if self.cpu_kernel is not None and x.dtype == torch.float32 and out_dtype in (None, torch.float32) \
+                and x.shape[0] <= self.KERNEL_ROWS and not x.is_cuda:
+            w = self.weight if self.offset == 0.0 else \
+                self.offset_weight if hasattr(self, "offset_weight") else self.offset + self.weight.float()
+            return self.cpu_kernel(x, w, self.eps)
         # One fused kernel where input, weight and output share a dtype (it accumulates in fp32):
         # the decode step is op-count bound on the CPU and launch bound on CUDA. A zero-centred
         # weight (offset 1) is applied in fp32 as HF does, which costs two casts.

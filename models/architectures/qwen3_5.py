@@ -114,7 +114,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    cpu_kernel = None  # as RMSNorm's
+
     def forward(self, x, z):
+        if self.cpu_kernel is not None and x.dtype == self.weight.dtype == torch.float32 \
+                and x.shape[0] <= RMSNorm.KERNEL_ROWS and not x.is_cuda:
+            return self.cpu_kernel(x, self.weight, self.eps) * F.silu(z)
         # the fused norm accumulates in fp32 and applies the weight (one kernel, not seven)
         return F.rms_norm(x.to(self.weight.dtype), (x.shape[-1],), self.weight, self.eps) * F.silu(z)
 
@@ -238,8 +243,12 @@ class GatedDeltaNet(nn.Module):
             return self.project_out(cuda_scan.gated_norm(out, z.unflatten(1, (self.nv, self.dv)), self.norm.weight,
                                                          self.norm.eps))
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
-        q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
-        k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
+        if self.norm.cpu_kernel is not None and T <= RMSNorm.KERNEL_ROWS and not qk.is_cuda:
+            q = self.norm.cpu_kernel(qk[:, :self.nk], self.q_norm_w, 1e-6 / self.dk)  # l2norm_scaled's form
+            k = self.norm.cpu_kernel(qk[:, self.nk:], self.k_norm_w, 1e-6 / self.dk)
+        else:
+            q = l2norm_scaled(qk[:, :self.nk], self.q_norm_w)  # l2norm(q) / sqrt(dk)
+            k = l2norm_scaled(qk[:, self.nk:], self.k_norm_w)  # l2norm(k)
         if self.nv != self.nk and (T == 1 or PREFILL_FORM != "chunked"):
             # each key head serves nv/nk consecutive value heads (chunked takes them unrepeated)
             q = q.repeat_interleave(self.nv // self.nk, dim=1)

@@ -40,7 +40,7 @@ def cpu_block_kernels(model, dtype: torch.dtype) -> bool:
     if not cpu_blocks_served(model, dtype):
         return False
     try:
-        step.attach_block_kernels(model)
+        step.attach_block_kernels(model, norms=True)
     except step.Unavailable as e:
         raise CpuStepUnavailable(str(e)) from None
     return True

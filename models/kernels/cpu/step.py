@@ -205,13 +205,19 @@ def has_blocks(model) -> bool:
         (isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda) for m in model.modules())
 
 
-def attach_block_kernels(model) -> None:
+def attach_block_kernels(model, norms: bool = False) -> None:
     """The library's per-linear kernels on the model's modules, in place (loads the library;
     raises Unavailable): GGUF blocks read directly for a few rows (decode: BlockLinear's and
     BlockExperts' `fp32_kernel`) or dequantized by it (prefill: `dequant_kernel`, gguf-py's
     values bit for bit), a Q8_0 head's fp32 sums. The whole step serves dense GQA models;
-    for the others (hybrids, MoE) this is what the C++ library does."""
+    for the others (hybrids, MoE) this is what the C++ library does, and with `norms` their
+    RMS norms of a few rows too (`cpu_kernel`: rms_norm_rows, one call where F.rms_norm is
+    about seven ops; the same values to fp32 summation order)."""
     load()
+    if norms:
+        for m in model.modules():
+            if hasattr(type(m), "cpu_kernel") and hasattr(m, "eps"):  # RMSNorm, GatedRMSNorm
+                m.cpu_kernel = torch.ops.chat_cpu.rms_norm_rows
     head = _q8_head(model)
     if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
@@ -225,7 +231,7 @@ def detach_block_kernels(model) -> None:
     """attach_block_kernels undone: the modules' torch forms again (a session with cpu_kernel off
     after one with it on, over the same model)."""
     for m in model.modules():
-        for name in ("fp32_kernel", "dequant_kernel"):
+        for name in ("fp32_kernel", "dequant_kernel", "cpu_kernel"):
             m.__dict__.pop(name, None)
 
 
