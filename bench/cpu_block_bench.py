@@ -1,0 +1,100 @@
+"""The CPU block products alone: G weights/s and GB/s of block_linear per GGUF type and shape, fp32
+inputs against int8 ones (`cpu_int8`), one decode row.
+
+    python bench/cpu_block_bench.py [--types Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K] [--shapes 3584x1024,1024x3584]
+                                    [--threads N] [--rows 1] [--cached]
+
+Each matrix is random blocks (finite fp16 scales) of N x K weights; enough copies of it are cycled
+through that they exceed the last-level cache (100 MB), so the weights come from DRAM as a
+model's decode reads them (`--cached`: one copy, the caches warm: the kernels' compute rate).
+Printed: the best of 10 passes, and the largest relative error against the fp64 product of the
+dequantized weights (with x rounded as the int8 path rounds it, for int8).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.formats import gguf_blocks  # noqa: E402
+from models.kernels.cpu import step  # noqa: E402
+
+
+def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    layout = gguf_blocks.LAYOUTS[gguf_blocks.TYPES[name]]
+    nb = k // layout.block
+    blocks = torch.randint(0, 256, (n, nb, layout.bytes), dtype=torch.uint8, generator=gen)
+    f16 = lambda v: torch.tensor([v], dtype=torch.float16).view(torch.uint8)  # noqa: E731
+    if name in ("Q4_K", "Q5_K"):
+        blocks[:, :, 0:2], blocks[:, :, 2:4] = f16(0.01), f16(0.002)
+    elif name == "Q6_K":
+        blocks[:, :, 208:210] = f16(0.01)
+    else:
+        blocks[:, :, 0:2] = f16(0.01)
+        if name in ("Q4_1", "Q5_1"):
+            blocks[:, :, 2:4] = f16(-0.05)
+    return blocks.reshape(n, nb * layout.bytes).contiguous()
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x~ (blocks_int8.h's rounding) in fp64."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(g * inv).clamp(-127, 127)
+    return (q.double() * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--types", default="Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
+    p.add_argument("--shapes", default="3584x1024,1024x3584,8192x2048")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--cached", action="store_true")
+    a = p.parse_args()
+    from engine.device import physical_cores
+    torch.set_num_threads(a.threads or physical_cores())
+    step.load()
+    op = torch.ops.chat_cpu.block_linear
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}")
+    print(f"{'type':6}{'shape':>14}{'fp32 us':>10}{'Gw/s':>7}{'GB/s':>7}{'int8 us':>10}{'Gw/s':>7}{'GB/s':>7}"
+          f"{'int8/fp32':>11}{'max rel err':>13}")
+    for name in a.types.split(","):
+        ggml = gguf_blocks.TYPES[name]
+        for shape in a.shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            blocks = random_blocks(name, n, k, gen)
+            x = torch.randn(a.rows, k, generator=gen)
+            w = gguf_blocks.dequantize(blocks, ggml).double()
+            copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
+            times, err = {}, 0.0
+            for int8 in (False, True):
+                xr = rounded(x) if int8 else x.double()
+                y = op(x, blocks, ggml, int8).double()
+                err = max(err, float(((y - xr @ w.t()).abs() / (xr.abs() @ w.abs().t()).clamp_min(1e-30)).max()))
+                for b in copies[:3]:
+                    op(x, b, ggml, int8)
+                best = float("inf")
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    for b in copies:
+                        op(x, b, ggml, int8)
+                    best = min(best, (time.perf_counter() - t0) / len(copies))
+                times[int8] = best
+            row = f"{name:6}{shape:>14}"
+            for int8 in (False, True):
+                t = times[int8]
+                row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{blocks.numel() / t / 1e9:>7.1f}"
+            print(row + f"{times[False] / times[True]:>10.2f}x{err:>13.1e}")
+
+
+if __name__ == "__main__":
+    main()
