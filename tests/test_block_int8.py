@@ -17,7 +17,21 @@ import models
 from models.formats import gguf_blocks, quant
 from test_block_quant import Q4_K_M, tiny_gguf
 from test_gguf_blocks import QUANTIZED, random_blocks
-from test_transcripts import chat_here  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def chat_here(capsys, monkeypatch):
+    """`chat ...` in this process: (exit status, stdout, stderr)."""
+    import os
+
+    from chat.__main__ import main
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run
 
 
 @pytest.fixture(scope="module")
