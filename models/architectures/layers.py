@@ -37,6 +37,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     cpu_kernel = None  # the C++ library's rms_norm_rows for a decode step's few rows (kernels.cpu_block_kernels)
+    cpu_kernel_name = "rms_norm_rows"
     KERNEL_ROWS = 4
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -115,6 +115,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     cpu_kernel = None  # as RMSNorm's
+    cpu_kernel_name = "rms_norm_rows"
 
     def forward(self, x, z):
         if self.cpu_kernel is not None and x.dtype == self.weight.dtype == torch.float32 \
@@ -137,6 +138,9 @@ def l2norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> to
 
 
 class GatedDeltaNet(nn.Module):
+    cpu_kernel = None  # the C++ library's delta_decode for one token on the CPU (kernels.cpu_block_kernels)
+    cpu_kernel_name = "delta_decode"
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.nk, self.nv, self.dk, self.dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
@@ -227,6 +231,12 @@ class GatedDeltaNet(nn.Module):
                                      tiled=self.out_tiled)
             return self.out_proj(out)  # already in out_proj's head order
         mixed, z, b, a = self.projections(x)
+        if self.cpu_kernel is not None and T == 1 and not x.is_cuda and x.dtype == torch.float32:
+            # the torch form below for one token, in one library call (models/kernels/cpu/delta_step.h)
+            return self.project_out(self.cpu_kernel(
+                mixed, z, b, a, st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A, self.dt_bias32,
+                self.q_norm_w, self.k_norm_w, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk, self.dv,
+                self.beta_scale))
         conv_state = st["conv"]
         if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
             mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)

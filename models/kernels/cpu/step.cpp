@@ -56,6 +56,8 @@ Tensor rms_norm_rows(const Tensor& x, const Tensor& w, double eps) {
   return y;
 }
 
+#include "delta_step.h"
+
 // torch's int4 kernel on one fp32 row: it takes and returns bf16; the casts are loops here (the
 // same round-to-nearest-even as Tensor.to), not two dispatched ops per matmul.
 Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
@@ -923,6 +925,9 @@ TORCH_LIBRARY(chat_cpu, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear);
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);
+  m.def("delta_decode(Tensor mixed, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight, "
+        "Tensor(b!) recurrent, Tensor neg_A, Tensor dt_bias, Tensor q_norm_w, Tensor k_norm_w, Tensor norm_w, "
+        "float norm_eps, int nk, int nv, int dk, int dv, float beta_scale) -> Tensor", &delta_decode);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps) -> Tensor", &llama_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",

@@ -31,7 +31,7 @@ import torch
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
-HEADERS = [os.path.join(os.path.dirname(SOURCE), name) for name in ("blocks_int8.h",)]  # what SOURCE includes
+HEADERS = [os.path.join(os.path.dirname(SOURCE), name) for name in ("blocks_int8.h", "delta_step.h")]  # what SOURCE includes
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
@@ -212,12 +212,14 @@ def attach_block_kernels(model, norms: bool = False) -> None:
     values bit for bit), a Q8_0 head's fp32 sums. The whole step serves dense GQA models;
     for the others (hybrids, MoE) this is what the C++ library does, and with `norms` their
     RMS norms of a few rows too (`cpu_kernel`: rms_norm_rows, one call where F.rms_norm is
-    about seven ops; the same values to fp32 summation order)."""
+    about seven ops) and their Gated DeltaNet steps (delta_decode, one call for ~40 ops): the
+    same values to fp32 summation order."""
     load()
-    if norms:
+    if norms:  # the modules that name a library op as their `cpu_kernel_name` (RMSNorm, GatedDeltaNet, ...)
         for m in model.modules():
-            if hasattr(type(m), "cpu_kernel") and hasattr(m, "eps"):  # RMSNorm, GatedRMSNorm
-                m.cpu_kernel = torch.ops.chat_cpu.rms_norm_rows
+            name = getattr(type(m), "cpu_kernel_name", None)
+            if name is not None:
+                m.cpu_kernel = getattr(torch.ops.chat_cpu, name)
     head = _q8_head(model)
     if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
