@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 import models
 from models.formats import gguf_blocks, quant
-from test_block_quant import Q4_K_M, tiny_gguf
+from test_block_quant import Q4_K_M, cpu_session, step_logits, tiny_gguf
 from test_gguf_blocks import QUANTIZED, random_blocks
 
 
@@ -127,7 +127,6 @@ def test_cpp_step_on_int8_inputs_is_the_torch_step_on_rounded_inputs(tmp_path, m
     The C++ step keeps an fp32 KV cache here: with its fp16 one, inputs that differ by 1e-5
     round to neighbouring int8 codes here and there, which moved these logits by ~1% (measured)."""
     from engine.config import SamplingConfig
-    from engine.session import DecodeSession
     from models.kernels.cpu import step as cpu_step
     init = cpu_step.CpuStep.__init__
 
@@ -149,22 +148,13 @@ def test_cpp_step_on_int8_inputs_is_the_torch_step_on_rounded_inputs(tmp_path, m
         if isinstance(m, quant.BlockLinear):
             m.register_forward_pre_hook(round_decode_rows)
 
-    def session(lm, kernel):
-        return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
-                             cpu_kernel=kernel)
-
-    def logits(lm, kernel):
-        s = session(lm, kernel)
-        s.prefill(list(range(3, 40)))
-        return torch.stack([s.step(t)[-1] for t in [5, 9, 200, 7, 7, 31, 4, 100]])
-
-    got, want, plain = logits(cpp, "on"), logits(ref, "off"), logits(fp32, "on")
-    assert "int8 inputs" in session(cpp, "on").decode_path
+    got, want, plain = step_logits(cpp, "on"), step_logits(ref, "off"), step_logits(fp32, "on")
+    assert "int8 inputs" in cpu_session(cpp, "on").decode_path
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()), float((got - want).abs().max())
     assert float((got - plain).abs().max()) > 1e-3 * float(want.abs().max())
     greedy = SamplingConfig(temperature=0, max_new_tokens=24)
-    assert list(session(cpp, "on").generate(list(range(3, 40)), greedy)) == \
-        list(session(ref, "off").generate(list(range(3, 40)), greedy))
+    assert list(cpu_session(cpp, "on").generate(list(range(3, 40)), greedy)) == \
+        list(cpu_session(ref, "off").generate(list(range(3, 40)), greedy))
 
 
 def test_the_setting_is_recorded_and_replayed(tmp_path, chat_here):

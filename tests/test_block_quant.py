@@ -119,34 +119,35 @@ def test_a_tied_q8_0_table_of_a_vocabulary_torchs_packer_does_not_take(tmp_path)
     assert a.shape[-1] == 328 and float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
 
 
+def cpu_session(lm, kernel):
+    from engine.session import DecodeSession
+    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel=kernel)
+
+
+def step_logits(lm, kernel):
+    """A 37-token prefill, then eight one-token steps' logits."""
+    s = cpu_session(lm, kernel)
+    s.prefill(list(range(3, 40)))
+    return torch.stack([s.step(t)[-1] for t in [5, 9, 200, 7, 7, 31, 4, 100]])
+
+
 @pytest.mark.parametrize("kind,linear,types,embed", CASES, ids=IDS)
 def test_cpp_step_on_tiny_block_ggufs(tmp_path, kind, linear, types, embed):
     """The C++ step reads the blocks directly; the torch step dequantizes them: same logits to
     fp32 summation order and the fp16 cache, step after step, and the same greedy tokens."""
     from engine.config import SamplingConfig
-    from engine.session import DecodeSession
     from models.kernels.cpu import step as cpu_step
     path = tiny_gguf(tmp_path, kind, linear, types, embed)
     # two loads: a C++ step sets its kernels on the model's block modules (its prefill then uses
     # them too), so the torch side must be a model no C++ step has touched
     cpp, ref = models.load(path, quantized=True), models.load(path, quantized=True)
     assert cpu_step.supports(cpp.model)
-
-    def session(lm, kernel):
-        return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
-                             cpu_kernel=kernel)
-
-    def logits(lm, kernel):
-        s = session(lm, kernel)
-        s.prefill(list(range(3, 40)))
-        return torch.stack([s.step(t)[-1] for t in [5, 9, 200, 7, 7, 31, 4, 100]])
-
-    got, want = logits(cpp, "on"), logits(ref, "off")
+    got, want = step_logits(cpp, "on"), step_logits(ref, "off")
     assert all(m.fp32_kernel is None for m in ref.model.modules() if isinstance(m, quant.BlockLinear))
     assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max()), float((got - want).abs().max())
     greedy = SamplingConfig(temperature=0, max_new_tokens=24)
-    assert list(session(cpp, "on").generate(list(range(3, 40)), greedy)) == \
-        list(session(ref, "off").generate(list(range(3, 40)), greedy))
+    assert list(cpu_session(cpp, "on").generate(list(range(3, 40)), greedy)) == \
+        list(cpu_session(ref, "off").generate(list(range(3, 40)), greedy))
 
 
 def test_blocks_are_the_files_mapped_pages(tmp_path):
