@@ -17,13 +17,13 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.formats import gguf_blocks  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
+from models.kernels.cuda.qplanar import quantized_reference  # noqa: E402  (x~: the int8 inputs' rounding)
 
 
 def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -40,15 +40,6 @@ def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
         if name in ("Q4_1", "Q5_1"):
             blocks[:, :, 2:4] = f16(-0.05)
     return blocks.reshape(n, nb * layout.bytes).contiguous()
-
-
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x~ (blocks_int8.h's rounding) in fp64."""
-    g = x.reshape(x.shape[0], -1, 32)
-    amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
-    q = torch.round(g * inv).clamp(-127, 127)
-    return (q.double() * (amax / torch.full_like(amax, 127.0)).double()).reshape(x.shape)
 
 
 def main() -> None:
@@ -77,7 +68,7 @@ def main() -> None:
             copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
             times, err = {}, 0.0
             for int8 in (False, True):
-                xr = rounded(x) if int8 else x.double()
+                xr = quantized_reference(x, 32) if int8 else x.double()
                 y = op(x, blocks, ggml, int8).double()
                 err = max(err, float(((y - xr @ w.t()).abs() / (xr.abs() @ w.abs().t()).clamp_min(1e-30)).max()))
                 for b in copies[:3]:
