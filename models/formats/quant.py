@@ -366,7 +366,7 @@ class BlockLinear(QuantLinear):
     fp32_kernel = None
     dequant_kernel = None
     KERNEL_ROWS = 4  # up to this many input rows go to fp32_kernel; more: dequantize + GEMM
-    int8_inputs = False  # fp32_kernel's rows rounded to int8 per 32 first (use_int8_inputs)
+    int8_inputs = False  # every row to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
@@ -451,7 +451,8 @@ class BlockLinear(QuantLinear):
             return self.cuda_forward(x, out_dtype)
         x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.fp32_kernel is not None and x2.dtype == torch.float32 and x2.shape[0] <= self.KERNEL_ROWS:
+        if self.fp32_kernel is not None and x2.dtype == torch.float32 and \
+                (x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs):
             y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type, self.int8_inputs)
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
@@ -509,7 +510,8 @@ class BlockExperts(nn.Module):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             xs = x[tok]
-            if self.fp32_kernel is not None and x.dtype == torch.float32 and xs.shape[0] <= self.KERNEL_ROWS:
+            if self.fp32_kernel is not None and x.dtype == torch.float32 and \
+                    (xs.shape[0] <= self.KERNEL_ROWS or self.int8_inputs):
                 g, u, d = self.types
                 i8 = self.int8_inputs
                 h = F.silu(self.fp32_kernel(xs, self.gate_blocks[e], g, i8)) * self.fp32_kernel(xs, self.up_blocks[e], u, i8)
@@ -682,10 +684,11 @@ class BlockEmbedding(nn.Module):
 
 
 def use_int8_inputs(model: nn.Module, on: bool) -> int:
-    """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks for a few rows
-    (decode), round those rows to int8 per 32 values first (x~ = q dx, as llama.cpp's CPU kernels
-    do; models/kernels/cpu/blocks_int8.h), or (off) take them in fp32. Returns how many modules
-    hold CPU blocks (0: the setting changes nothing). Prefill's dequantized GEMMs stay fp32."""
+    """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks, round its
+    input rows to int8 first, as llama.cpp's CPU kernels round theirs for that type (K-quants per
+    256 inputs, the 32-weight types per 32; models/kernels/cpu/blocks_int8.h), decode's rows and
+    prefill's alike, or (off) take decode's rows in fp32 and prefill's through the dequantized fp32
+    GEMM. Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
     n = 0
     for m in model.modules():
         if isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or \

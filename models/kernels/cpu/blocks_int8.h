@@ -3,69 +3,115 @@
 // block_shape and kMaxRows are step.cpp's).
 //
 // Contract: y = x~ W^T, W the blocks' dequantized weights (gguf-py's values), x~ the input rounded
-// to int8 per 32 values with one scale, as llama.cpp's CPU kernels round theirs (Q8_0 / Q8_K):
-// x~ = q dx, dx = max|x| / 127, q = round(x (127 / max|x|)) to the nearest, ties to even (the rule
-// of qplanar.quantized_reference, the CUDA GEMVs' int8 inputs). Per 32 weights (Q6_K: per 16) the
-// sum of codes times q is an integer, exact (VNNI's dot products, offsets such as Q4_0's 8 taken
-// in the integers), then scaled once in fp32 by d_w dx; the minimum terms of Q4_1 / Q5_1 / Q4_K /
-// Q5_K as m (dx sum(q)). tests/test_block_int8.py bounds the result against x~ W^T in fp64.
+// to int8 as llama.cpp's CPU kernels round it for that weight type (ggml's vec_dot_type), so that
+// the integer sums are llama.cpp's own:
+// - Q4_K / Q5_K / Q6_K (Q8_K): per 256 inputs, m the one of largest |x| (the first of equals),
+//   iscale = -127 / m, q = min(127, round(iscale x)) to the nearest, ties to even, x~ = q / iscale
+//   (quantize_row_q8_K_ref);
+// - the 32-weight types (Q8_0 / Q8_1): per 32, q = round(x (127 / max|x|)), ties to even, x~ = q dx
+//   with dx = max|x| / 127 rounded to fp16 (quantize_row_q8_0 / _q8_1's AVX forms). Q4_1 / Q5_1's
+//   minimum terms are m dx sum(q), x~'s own (llama.cpp's Q8_1 rounds dx sum(q) to fp16 again,
+//   which overflows to inf once a block's inputs sum past 65504).
+// The sums of codes times q are integers, exact: K-quants' over a super-block with the sub-block
+// scales multiplied in (maddubs, then a 16-bit dot product with the scales: llama.cpp's form),
+// Q6_K's offset 32 and the minimum terms through the 16-input sums of q; the 32-weight types' per
+// block (VNNI, offsets such as Q4_0's 8 taken in the integers). Each is scaled once in fp32.
+// tests/test_block_int8.py bounds the result against x~ W^T in fp64.
 //
 // Why: the fp32 product turns every code into a float (about a dozen vector instructions per 32
 // weights); an int8 dot product takes 32 codes in one, so decode of a K-quant file runs at
-// llama.cpp's speed, with llama.cpp's rounding of the inputs (bench/RESULTS.md). Off by default:
-// the fp32 path gives the dequantized model's own replies.
+// llama.cpp's speed, with llama.cpp's rounding of the inputs, and prefill's many rows share each
+// decoded block (bench/RESULTS.md). Off by default: the fp32 path gives the dequantized model's own
+// replies.
 
-// x's rows as int8: per row, K codes; per 32 codes their scale dx and dx sum(q); per 16, dx sum(q)
-// (Q6_K's halves); per 32, each 4 codes' negated sum times the weights' code offset (Q4_0 8,
-// Q5_0 16, Q6_K 32: the dot product's starting value, so that it sums (code - offset) q exactly)
-struct Int8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> dx, s32, s16;
-  std::vector<int32_t> init;
-  int64_t K = 0, nb = 0;
-};
+inline bool k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
-inline int code_offset(int64_t type) {
-  return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ6_K ? 32 : 0;
+inline float fp16_rounded(float v) {  // to the nearest fp16, ties to even (GGML_CPU_FP32_TO_FP16)
+  return static_cast<float>(c10::Half(v));
 }
 
-Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int offset) {
+// x's rows as int8: per row, K codes. K-quants: per 256 codes the scale (1 / iscale), per 16 the
+// sum of q. The 32-weight types: per 32 codes the scale dx and dx sum(q), and each 4 codes'
+// negated sum times the weights' code offset (Q4_0 8, Q5_0 16: the dot product's starting value,
+// so that it sums (code - offset) q exactly)
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> dx, s32;
+  std::vector<int16_t> bsums;
+  std::vector<int32_t> init;
+  int64_t K = 0, nb = 0;  // nb: scales a row (K / 256 or K / 32)
+};
+
+inline int code_offset(int64_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0; }
+
+Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   Int8Rows r;
   r.K = K;
-  r.nb = K / 32;
   r.q.resize(Tn * K);
+  if (k_type(type)) {  // Q8_K
+    r.nb = K / 256;
+    r.dx.resize(Tn * r.nb);
+    r.bsums.resize(Tn * K / 16);
+    for (int64_t t = 0; t < Tn; ++t)
+      for (int64_t b = 0; b < r.nb; ++b) {
+        const float* g = x + t * K + 256 * b;
+        int8_t* q = r.q.data() + t * K + 256 * b;
+        int16_t* bs = r.bsums.data() + t * K / 16 + 16 * b;
+        float amax = 0.f, mx = 0.f;
+        for (int j = 0; j < 256; ++j)
+          if (std::fabs(g[j]) > amax) {
+            amax = std::fabs(g[j]);
+            mx = g[j];
+          }
+        if (amax == 0.f) {
+          std::memset(q, 0, 256);
+          std::memset(bs, 0, 32);
+          r.dx[t * r.nb + b] = 0.f;
+          continue;
+        }
+        const float iscale = -127.f / mx;
+        for (int j = 0; j < 256; ++j) q[j] = static_cast<int8_t>(std::min(127.f, std::nearbyint(iscale * g[j])));
+        for (int j = 0; j < 16; ++j) {
+          int s = 0;
+          for (int l = 0; l < 16; ++l) s += q[16 * j + l];
+          bs[j] = static_cast<int16_t>(s);
+        }
+        r.dx[t * r.nb + b] = 1.f / iscale;
+      }
+    return r;
+  }
+  const int offset = code_offset(type);
+  r.nb = K / 32;
   r.dx.resize(Tn * r.nb);
   r.s32.resize(Tn * r.nb);
-  r.s16.resize(Tn * 2 * r.nb);
   r.init.resize(Tn * K / 4);
   for (int64_t t = 0; t < Tn; ++t)
     for (int64_t b = 0; b < r.nb; ++b) {
       const float* g = x + t * K + 32 * b;
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(g[j]));
-      const float inv = amax > 0.f ? 127.0f / amax : 0.f, d = amax / 127.0f;
+      const float inv = amax != 0.f ? 127.0f / amax : 0.f, d = amax / 127.0f;
       int8_t* q = r.q.data() + t * K + 32 * b;
-      int half[2] = {0, 0};
+      int sum = 0;
       for (int j = 0; j < 32; ++j) {
         const float v = std::nearbyint(g[j] * inv);  // (round to nearest, ties to even: the default mode)
         q[j] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
-        half[j / 16] += q[j];
+        sum += q[j];
       }
       for (int l = 0; l < 8; ++l)
         r.init[t * K / 4 + 8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-      r.dx[t * r.nb + b] = d;
-      r.s32[t * r.nb + b] = d * static_cast<float>(half[0] + half[1]);
-      r.s16[t * 2 * r.nb + 2 * b] = d * static_cast<float>(half[0]);
-      r.s16[t * 2 * r.nb + 2 * b + 1] = d * static_cast<float>(half[1]);
+      r.dx[t * r.nb + b] = fp16_rounded(d);
+      r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
     }
   return r;
 }
 
-// x~ itself (q dx): where no int8 dot product exists, the fp32 kernels take it (the same contract)
+// x~ itself: where no int8 dot product exists, the fp32 kernels take it (the same contract)
 std::vector<float> dequantized_rows(const Int8Rows& r, int64_t Tn) {
   std::vector<float> x(Tn * r.K);
+  const int64_t per = r.K / r.nb;
   for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t k = 0; k < r.K; ++k) x[t * r.K + k] = static_cast<float>(r.q[t * r.K + k]) * r.dx[t * r.nb + k / 32];
+    for (int64_t k = 0; k < r.K; ++k) x[t * r.K + k] = static_cast<float>(r.q[t * r.K + k]) * r.dx[t * r.nb + k / per];
   return x;
 }
 
@@ -74,81 +120,100 @@ std::vector<float> dequantized_rows(const Int8Rows& r, int64_t Tn) {
 
 #define CHAT_INLINE __attribute__((always_inline)) inline
 
-// Accumulators for up to kMaxRows rows of x~ (one a row: gemv_rows_i8's two rows at a time are two
-// chains), the minimum terms, and a super-block's scales times the inputs' (K-quants)
+// Accumulators for up to kMaxRows rows of x~ from row t0 (one a row: gemv_rows_i8's two rows at a
+// time are two chains) and the minimum terms: the 32-weight types
 template <int64_t TN>
 struct AccI8 {
   static constexpr int64_t R = TN ? TN : kMaxRows;
-  __m256 v[R], minv[R], s8[R];
-  __m512 s16[R];
+  __m256 v[R];
   float mins[R];
   const Int8Rows* x;
-  int64_t Tn;
+  int64_t Tn, t0;
 
-  void start(const Int8Rows& rows, int64_t tn) {
+  void start(const Int8Rows& rows, int64_t tn, int64_t first) {
     x = &rows;
     Tn = tn;
+    t0 = first;
     for (int64_t t = 0; t < Tn; ++t) {
-      v[t] = minv[t] = _mm256_setzero_ps();
+      v[t] = _mm256_setzero_ps();
       mins[t] = 0.f;
     }
   }
   float result(int64_t t) const {
-    const __m256 s8v = _mm256_add_ps(v[t], minv[t]);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8v), _mm256_extractf128_ps(s8v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v[t]), _mm256_extractf128_ps(v[t], 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) + mins[t];
   }
   CHAT_INLINE __m256i qx(int64_t t, int64_t b) const {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q.data() + t * x->K + 32 * b));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q.data() + (t0 + t) * x->K + 32 * b));
   }
-  // (u - offset) . q_b as 8 int32 partial sums (4 codes each) in fp32, for 32 unsigned codes u
-  CHAT_INLINE __m256 dot(__m256i u, int64_t t, int64_t b) const {
-    const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->init.data() + t * x->K / 4 + 8 * b));
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, u, qx(t, b)));
-  }
-  // + dw dx_b (u - offset) . q_b: one scale for the block's 32 codes
+  CHAT_INLINE float dx(int64_t t, int64_t b) const { return x->dx[(t0 + t) * x->nb + b]; }
+  // + dw dx_b (u - offset) . q_b for 32 unsigned codes u: one scale for the block's 32 codes
   CHAT_INLINE void blk(__m256i u, int64_t b, float dw) {
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t)
-      v[t] = _mm256_fmadd_ps(dot(u, t, b), _mm256_set1_ps(dw * x->dx[t * x->nb + b]), v[t]);
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->init.data() + (t0 + t) * x->K / 4 + 8 * b));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, u, qx(t, b)));
+      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
+    }
   }
   // + dw dx_b w . q_b for 32 signed codes w (Q8_0): |w| against q with w's sign
   CHAT_INLINE void blk_signed(__m256i w, int64_t b, float dw) {
     const __m256i u = _mm256_abs_epi8(w);  // (-128 gives 0x80: 128 unsigned, as wanted)
     for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
       const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_sign_epi8(qx(t, b), w)));
-      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x->dx[t * x->nb + b]), v[t]);
+      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
     }
   }
   CHAT_INLINE void min_term(int64_t b, float m) {  // + m dx_b sum(q_b)
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) mins[t] += m * x->s32[t * x->nb + b];
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) mins[t] += m * x->s32[(t0 + t) * x->nb + b];
   }
-  // Q4_K / Q5_K super-block i: its 8 sub-blocks' scales d sc (ds) times the inputs' dx, kept;
-  // and - sum over them of dmin mn (dm) dx sum(q) into the minimum terms
-  CHAT_INLINE void k_scales(int64_t i, __m256 ds, __m256 dm) {
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
-      s8[t] = _mm256_mul_ps(ds, _mm256_loadu_ps(x->dx.data() + t * x->nb + 8 * i));
-      minv[t] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(x->s32.data() + t * x->nb + 8 * i), minv[t]);
+};
+
+// The K-quants' accumulators: per row of x~, d dx (the super-block's integer sum) in 16 lanes, and
+// the minimum terms (Q4_K / Q5_K: dmin dx sum over sub-blocks of m sum(q)) in 8, subtracted
+template <int64_t TN>
+struct AccK {
+  static constexpr int64_t R = TN ? TN : kMaxRows;
+  __m512 v[R];
+  __m256 m[R];
+  const Int8Rows* x;
+  int64_t Tn, t0;
+
+  void start(const Int8Rows& rows, int64_t tn, int64_t first) {
+    x = &rows;
+    Tn = tn;
+    t0 = first;
+    for (int64_t t = 0; t < Tn; ++t) {
+      v[t] = _mm512_setzero_ps();
+      m[t] = _mm256_setzero_ps();
     }
   }
-  // + (that scale of sub-block `sub`) (u - offset) . q of super-block i's sub-block `sub`
-  CHAT_INLINE void k_blk(__m256i u, int64_t i, int sub) {
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t)
-      v[t] = _mm256_fmadd_ps(dot(u, t, 8 * i + sub), _mm256_permutevar8x32_ps(s8[t], _mm256_set1_epi32(sub)), v[t]);
+  float result(int64_t t) const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(m[t]), _mm256_extractf128_ps(m[t], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm512_reduce_add_ps(v[t]) - _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  // Q6_K super-block i: its 16 scales d sc (ds, a scale per 16 codes) times the inputs' dx, kept
-  CHAT_INLINE void q6_scales(int64_t i, __m512 ds) {
-    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t)
-      s16[t] = _mm512_mul_ps(ds, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
-                                     _mm256_loadu_ps(x->dx.data() + t * x->nb + 8 * i))));
-  }
-  // + (the scales of sub-block k's two halves) (u - 32) . q of super-block i's sub-block k
-  CHAT_INLINE void q6_blk(__m256i u, int64_t i, int k) {
-    const __m512i lanes = _mm512_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                            0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t)
-      v[t] = _mm256_fmadd_ps(dot(u, t, 8 * i + k), _mm512_castps512_ps256(_mm512_permutexvar_ps(lanes, s16[t])), v[t]);
+  // super-block i: the codes u[4] (64 each, inputs 64 p ..) times q, each pair of products times
+  // the 16-bit scales s[4] (a scale per 16 or 32 codes, lane by lane), summed as integers; offset
+  // (Q6_K) the 16 scales against which sum(q) per 16 is subtracted 32 times; mins (Q4_K / Q5_K)
+  // each sub-block's minimum twice, against the same sums
+  template <bool Q6>
+  CHAT_INLINE void unit(const __m512i u[4], const __m512i s[4], __m256i by16, int64_t i, float d, float dmin) {
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const int64_t row = t0 + t;
+      const int8_t* q = x->q.data() + row * x->K + 256 * i;
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u[p], _mm512_loadu_si512(q + 64 * p)), s[p]);
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums.data() + row * x->K / 16 + 16 * i));
+      const __m256i by = _mm256_madd_epi16(bs, by16);
+      const float dx = x->dx[row * x->nb + i];
+      if constexpr (Q6)
+        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(by, 5)));
+      else
+        m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by), _mm256_set1_ps(dmin * dx), m[t]);
+      v[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * dx), v[t]);
+    }
   }
 };
 
@@ -168,13 +233,15 @@ inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
   mn[1] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
 }
 
-inline __m256 bytes8_ps(const uint32_t w[2]) {  // 8 unsigned bytes as floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(w[1]), static_cast<int>(w[0]))));
+// lanes 0-15 of 16-bit lane index j, lanes 16-31 of j + 1 (a scale vector per two 32-code halves)
+inline __m512i pick16(int j) {
+  return _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(j)),
+                          _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1));
 }
 
-// One unit of a row (a 32-weight block, or a 256-weight super-block: 32-blocks 8 i ...) into a
-template <int64_t T, int64_t TN>
-CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, AccI8<TN>& a) {
+// One unit of a row (a 32-weight block, or a 256-weight super-block) into a's sums
+template <int64_t T, typename A>
+CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
   if constexpr (T == kQ8_0) {
     a.blk_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), i, f16(b));
   } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
@@ -190,47 +257,62 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, AccI8<TN>& a) {
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     uint32_t sc[2], mn[2];
     scales_mins_k4(b + 4, sc, mn);
-    a.k_scales(i, _mm256_mul_ps(bytes8_ps(sc), _mm256_set1_ps(f16(b))),
-               _mm256_mul_ps(bytes8_ps(mn), _mm256_set1_ps(f16(b + 2))));
+    const __m128i sc8 = _mm_set_epi32(0, 0, static_cast<int>(sc[1]), static_cast<int>(sc[0]));
+    const __m128i mn8 = _mm_set_epi32(0, 0, static_cast<int>(mn[1]), static_cast<int>(mn[0]));
+    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));  // each sub-block's twice
     const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
     __m256i h = _mm256_setzero_si256();
     if constexpr (T == kQ5_K) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) of 32 bytes
+    __m512i u[4], s[4];
+    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (32 bytes' low nibbles) and 2p + 1 (high)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-      __m256i q[2] = {_mm256_and_si256(v, _mm256_set1_epi8(0x0F)),
-                      _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))};
-      for (int e = 0; e < 2; ++e) {
-        const int sub = 2 * p + e;
-        if constexpr (T == kQ5_K)
-          q[e] = _mm256_mask_add_epi8(q[e], _mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(1 << sub))),
-                                      q[e], _mm256_set1_epi8(16));
-        a.k_blk(q[e], i, sub);
+      u[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+                              _mm512_set1_epi8(0x0F));
+      if constexpr (T == kQ5_K) {
+        const uint64_t hi = (static_cast<uint64_t>(_mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(2 << (2 * p))))) << 32) |
+                            _mm256_test_epi8_mask(h, _mm256_set1_epi8(static_cast<char>(1 << (2 * p))));
+        u[p] = _mm512_mask_add_epi8(u[p], hi, u[p], _mm512_set1_epi8(16));
       }
+      s[p] = _mm512_permutexvar_epi16(pick16(2 * p), scales);
     }
+    a.template unit<false>(u, s, mins, i, f16(b), f16(b + 2));
   } else if constexpr (T == kQ6_K) {
-    a.q6_scales(i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(b + 192))), _mm512_set1_ps(f16(b + 208))));
+    const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld(b + 192)));  // 16, one a 16 codes
+    __m512i u[4], s[4];
     for (int h = 0; h < 2; ++h) {
       const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      for (int c = 0; c < 2; ++c) {
-        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * c));
-        for (int s2 = 0; s2 < 2; ++s2) {  // sub-block k = 4 h + r: the unsigned 6-bit codes (offset 32)
+      for (int s2 = 0; s2 < 2; ++s2) {  // inputs 128 h + 64 s2 ..: sub-blocks r = 2 s2 + c, c = 0, 1
+        __m256i half[2];
+        for (int c = 0; c < 2; ++c) {  // the unsigned 6-bit codes (offset 32) of sub-block 4 h + r
           const int r = c + 2 * s2;
+          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * c));
           const __m256i lo = s2 ? _mm256_srli_epi16(l, 4) : l;
           const __m256i hi = r < 2 ? _mm256_slli_epi16(hb, 4 - 2 * r) : r == 2 ? hb : _mm256_srli_epi16(hb, 2);
-          const __m256i u = _mm256_and_si256(_mm256_ternarylogic_epi32(_mm256_set1_epi8(0x0F), lo, hi, 0xCA),
-                                             _mm256_set1_epi8(0x3F));
-          a.q6_blk(u, i, 4 * h + r);
+          half[c] = _mm256_and_si256(_mm256_ternarylogic_epi32(_mm256_set1_epi8(0x0F), lo, hi, 0xCA),
+                                     _mm256_set1_epi8(0x3F));
         }
+        const int p = 2 * h + s2;
+        u[p] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+        // 16-bit lane L (codes 2L, 2L + 1 of these 64): scale 8 h + 4 s2 + L / 8
+        s[p] = _mm512_permutexvar_epi16(
+            _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * p)),
+                             _mm512_setr_epi64(0, 0, 0x0001000100010001, 0x0001000100010001, 0x0002000200020002,
+                                               0x0002000200020002, 0x0003000300030003, 0x0003000300030003)),
+            scales);
       }
     }
+    a.template unit<true>(u, s, _mm512_castsi512_si256(scales), i, f16(b + 208), 0.f);
   }
 }
 
+// y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1)
 template <int64_t T, int64_t TN>
-void gemv_rows_i8(const Int8Rows& x, int64_t Tn_, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0,
-                  int64_t n1, float* y) {
+void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, int64_t row_bytes, int64_t N,
+                  int64_t n0, int64_t n1, float* y) {
   constexpr bool kq = T == kQ4_K || T == kQ5_K || T == kQ6_K;
-  const int64_t units = kq ? x.K / 256 : x.nb, ub = block_shape(T).bytes;
+  using Acc = std::conditional_t<kq, AccK<TN>, AccI8<TN>>;
+  const int64_t units = x.nb, ub = block_shape(T).bytes;
   const int64_t Tn = TN ? TN : Tn_;
   int64_t n = n0;
   if constexpr (TN == 1) {  // two rows at a time, the rows kAheadRows on prefetched (as gemv_rows_avx512)
@@ -241,25 +323,25 @@ void gemv_rows_i8(const Int8Rows& x, int64_t Tn_, const uint8_t* w, int64_t row_
       const bool prefetch = n + kAheadRows + 2 <= n1;
       if (!kq && prefetch)
         for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-      AccI8<TN> a0, a1;
-      a0.start(x, Tn);
-      a1.start(x, Tn);
+      Acc a0, a1;
+      a0.start(x, Tn, t0);
+      a1.start(x, Tn, t0);
       for (int64_t i = 0; i < units; ++i) {
         if (kq && prefetch)
           for (int64_t o = 2 * i * ub; o < 2 * (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-        row_unit_i8<T, TN>(b0 + i * ub, i, a0);
-        row_unit_i8<T, TN>(b1 + i * ub, i, a1);
+        row_unit_i8<T>(b0 + i * ub, i, a0);
+        row_unit_i8<T>(b1 + i * ub, i, a1);
       }
-      y[n] = a0.result(0);
-      y[n + 1] = a1.result(0);
+      y[t0 * N + n] = a0.result(0);
+      y[t0 * N + n + 1] = a1.result(0);
     }
   }
   for (; n < n1; ++n) {
     const uint8_t* b = w + n * row_bytes;
-    AccI8<TN> a;
-    a.start(x, Tn);
-    for (int64_t i = 0; i < units; ++i) row_unit_i8<T, TN>(b + i * ub, i, a);
-    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = a.result(t);
+    Acc a;
+    a.start(x, Tn, t0);
+    for (int64_t i = 0; i < units; ++i) row_unit_i8<T>(b + i * ub, i, a);
+    for (int64_t t = 0; t < Tn; ++t) y[(t0 + t) * N + n] = a.result(t);
   }
 }
 #endif

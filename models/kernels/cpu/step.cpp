@@ -488,11 +488,12 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
 #endif
 }
 
-// y = x W^T for x [T, K] fp32 (T <= 8) and W in GGUF blocks [N, row bytes]; int8: on x~, x rounded
-// to int8 per 32 values (blocks_int8.h)
+// y = x W^T for x [T, K] fp32 and W in GGUF blocks [N, row bytes]: T <= 8 (decode's rows) on x
+// itself; int8: on x~, x rounded to int8 as llama.cpp rounds it for that type (blocks_int8.h), any
+// T (prefill's rows kMaxRows at a time against each few rows of W, which stay in the caches)
 Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) <= kMaxRows,
-              "block_linear: x must be [T <= 8, K] contiguous fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (int8 || x.size(0) <= kMaxRows),
+              "block_linear: x must be [T <= 8, K] contiguous fp32 (any T with int8)");
   const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
   TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
   Tensor y = at::empty({Tn, N}, x.options());
@@ -503,19 +504,24 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
     block_product(xp, Tn, K, wp, rb, N, type, yp);
     return y;
   }
-  const Int8Rows rows = quantize_rows(xp, Tn, K, code_offset(type));
+  const Int8Rows rows = quantize_rows(xp, Tn, K, type);
 #if defined(CHAT_INT8_DOT)
   by_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    if (Tn == 1) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp); });
+      return;
+    }
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      if (Tn == 1)
-        gemv_rows_i8<decltype(t)::value, 1>(rows, Tn, wp, rb, N, n0, n1, yp);
-      else
-        gemv_rows_i8<decltype(t)::value, 0>(rows, Tn, wp, rb, N, n0, n1, yp);
+      for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W (a few KB) against every row of x~
+        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+          gemv_rows_i8<T, 0>(rows, t0, std::min(kMaxRows, Tn - t0), wp, rb, N, c0, std::min(n1, c0 + 16), yp);
     });
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);
-  block_product(xt.data(), Tn, K, wp, rb, N, type, yp);
+  for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+    block_product(xt.data() + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
 #endif
   return y;
 }
