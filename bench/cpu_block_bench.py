@@ -8,7 +8,7 @@ Each matrix is random blocks (finite fp16 scales) of N x K weights; enough copie
 through that they exceed the last-level cache (100 MB), so the weights come from DRAM as a
 model's decode reads them (`--cached`: one copy, the caches warm: the kernels' compute rate).
 Printed: the best of 10 passes, and the largest relative error against the fp64 product of the
-dequantized weights (with x rounded as the int8 path rounds it, for int8).
+dequantized weights (with x rounded as the int8 path rounds it, step.int8_reference, for int8).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.formats import gguf_blocks  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
-from models.kernels.cuda.qplanar import quantized_reference  # noqa: E402  (x~: the int8 inputs' rounding)
 
 
 def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -68,7 +67,7 @@ def main() -> None:
             copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
             times, err = {}, 0.0
             for int8 in (False, True):
-                xr = quantized_reference(x, 32) if int8 else x.double()
+                xr = step.int8_reference(x, ggml) if int8 else x.double()
                 y = op(x, blocks, ggml, int8).double()
                 err = max(err, float(((y - xr @ w.t()).abs() / (xr.abs() @ w.abs().t()).clamp_min(1e-30)).max()))
                 for b in copies[:3]:

@@ -205,6 +205,28 @@ def has_blocks(model) -> bool:
         (isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda) for m in model.modules())
 
 
+def int8_reference(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """x~ in fp64: x [T, K] fp32 rounded to int8 as block_linear(..., int8=True) rounds it for
+    blocks of `ggml_type` (blocks_int8.h's contract, llama.cpp's rule): K-quants per 256 inputs
+    (Q8_K: iscale = -127 / the input of largest |x|, q = min(127, round(iscale x)), x~ = q / iscale),
+    the 32-weight types per 32 (q = round(x 127 / max|x|), x~ = q fp16(max|x| / 127)). For
+    benchmarks' error columns; tests/test_block_int8.py writes its own."""
+    from ...formats import gguf_blocks
+    x = x.float()
+    if gguf_blocks.type_name(ggml_type) in ("Q4_K", "Q5_K", "Q6_K"):
+        g = x.reshape(x.shape[0], -1, 256)
+        m = g.gather(-1, g.abs().argmax(-1, keepdim=True))
+        nz = m != 0
+        iscale = torch.where(nz, torch.full_like(m, -127.0) / torch.where(nz, m, 1.0), 0.0)
+        d = torch.where(nz, torch.ones_like(m) / torch.where(nz, iscale, 1.0), 0.0)
+        return (torch.round(iscale * g).clamp(max=127).double() * d.double()).reshape(x.shape)
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    d = (amax / torch.full_like(amax, 127.0)).half().double()
+    return (torch.round(g * inv).clamp(-127, 127).double() * d).reshape(x.shape)
+
+
 def attach_block_kernels(model, norms: bool = False) -> None:
     """The library's per-linear kernels on the model's modules, in place (loads the library;
     raises Unavailable): GGUF blocks read directly for a few rows (decode: BlockLinear's and
