@@ -170,8 +170,9 @@ struct AccI8 {
 };
 
 // The K-quants' accumulators: per row of x~, d dx (the super-block's integer sum) in 16 lanes, and
-// the minimum terms (Q4_K / Q5_K: dmin dx sum over sub-blocks of m sum(q)) in 8, subtracted
-template <int64_t TN>
+// the minimum terms (Q4_K / Q5_K: dmin dx sum over sub-blocks of m sum(q)) in 8, subtracted;
+// without kMins, those are left to the caller (prefill's minimum_terms)
+template <int64_t TN, bool kMins = true>
 struct AccK {
   static constexpr int64_t R = TN ? TN : kMaxRows;
   __m512 v[R];
@@ -205,13 +206,15 @@ struct AccK {
       __m512i isum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p)
         isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u[p], _mm512_loadu_si512(q + 64 * p)), s[p]);
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums.data() + row * x->K / 16 + 16 * i));
-      const __m256i by = _mm256_madd_epi16(bs, by16);
       const float dx = x->dx[row * x->nb + i];
-      if constexpr (Q6)
-        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(by, 5)));
-      else
-        m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by), _mm256_set1_ps(dmin * dx), m[t]);
+      if constexpr (Q6 || kMins) {
+        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums.data() + row * x->K / 16 + 16 * i));
+        const __m256i by = _mm256_madd_epi16(bs, by16);
+        if constexpr (Q6)
+          isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(by, 5)));
+        else
+          m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by), _mm256_set1_ps(dmin * dx), m[t]);
+      }
       v[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * dx), v[t]);
     }
   }
@@ -306,12 +309,13 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
   }
 }
 
-// y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1)
-template <int64_t T, int64_t TN>
+// y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1); without kMins, Q4_K /
+// Q5_K's minimum terms left out (minimum_terms)
+template <int64_t T, int64_t TN, bool kMins = true>
 void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, int64_t row_bytes, int64_t N,
                   int64_t n0, int64_t n1, float* y) {
   constexpr bool kq = T == kQ4_K || T == kQ5_K || T == kQ6_K;
-  using Acc = std::conditional_t<kq, AccK<TN>, AccI8<TN>>;
+  using Acc = std::conditional_t<kq, AccK<TN, kMins>, AccI8<TN>>;
   const int64_t units = x.nb, ub = block_shape(T).bytes;
   const int64_t Tn = TN ? TN : Tn_;
   int64_t n = n0;
@@ -345,3 +349,31 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
   }
 }
 #endif
+
+// Q4_K / Q5_K: the minimum terms of all of x~'s rows against W's, subtracted from y [Tn, N] as one
+// fp32 GEMM, sum over sub-blocks of (dx sum(q)) (dmin m): prefill's many rows take them here, not
+// three instructions a row, super-block and row of W in the integer loop
+void minimum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t type,
+                   Tensor& y) {
+  const int64_t subs = x.K / 32, ub = block_shape(type).bytes;
+  Tensor a = at::empty({Tn, subs}, y.options()), b = at::empty({N, subs}, y.options());
+  float* ap = a.data_ptr<float>();
+  float* bp = b.data_ptr<float>();
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t j = 0; j < subs; ++j)
+      ap[t * subs + j] = x.dx[t * x.nb + j / 8] *
+                         static_cast<float>(x.bsums[t * x.K / 16 + 2 * j] + x.bsums[t * x.K / 16 + 2 * j + 1]);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t i = 0; i < x.nb; ++i) {
+        const uint8_t* blk = w + n * row_bytes + i * ub;
+        const float dmin = f16(blk + 2);
+        for (int j = 0; j < 8; ++j) {
+          int sc, m;
+          scale_min_k4(j, blk + 4, sc, m);
+          bp[n * subs + 8 * i + j] = dmin * static_cast<float>(m);
+        }
+      }
+  });
+  y.sub_(at::mm(a, b.t()));
+}

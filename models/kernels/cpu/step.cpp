@@ -512,15 +512,17 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp); });
       return;
     }
+    constexpr bool mins_apart = T == kQ4_K || T == kQ5_K;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W (a few KB) against every row of x~
         for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows) {
           if (Tn - t0 >= kMaxRows)  // (a whole tile: its sums in registers)
-            gemv_rows_i8<T, kMaxRows>(rows, t0, kMaxRows, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
+            gemv_rows_i8<T, kMaxRows, !mins_apart>(rows, t0, kMaxRows, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
           else
-            gemv_rows_i8<T, 0>(rows, t0, Tn - t0, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
+            gemv_rows_i8<T, 0, !mins_apart>(rows, t0, Tn - t0, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
         }
     });
+    if constexpr (mins_apart) minimum_terms(rows, Tn, wp, rb, N, T, y);
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);
