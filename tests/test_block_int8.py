@@ -103,6 +103,18 @@ def test_int8_block_products_are_the_rounded_inputs_product(cpp, qtype, rows):
     assert bool(((fp32 - ref).abs() > 1e-3 * scale).any())
 
 
+@pytest.mark.parametrize("qtype", [t for t in QUANTIZED if t not in K_QUANTS], ids=lambda t: t.name)
+def test_prefill_rows_on_an_odd_count_of_blocks(cpp, qtype):
+    """A prefill's rows over 15 blocks a row (no whole pairs: decode's form, kMaxRows at a time)
+    and over 16 (pairs of blocks, the offsets and minimum terms as one GEMM), 11 rows."""
+    for blocks in (15, 16):
+        raw = torch.from_numpy(random_blocks(qtype, rows=21, blocks_per_row=blocks, seed=blocks))
+        x = inputs(11, gguf_blocks.row_weights(int(qtype), raw.shape[1]), blocks)
+        ref, scale = reference(x, raw, qtype)
+        got = cpp.block_linear(x, raw, int(qtype), True).double()
+        assert torch.all((got - ref).abs() <= 1e-5 * scale + 1e-30), blocks
+
+
 def test_the_rounding_is_to_the_nearest_with_ties_to_even(cpp):
     """A Q8_0 row of ones (d = 1) sums q dx: inputs 127 and k + 1/2 (dx = 1) give q = 127 and the
     even neighbours: 127 + 0 + 2 + 2 + 4 - 0 - 2 = 133 (x's own sum is 132)."""

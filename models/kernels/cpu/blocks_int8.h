@@ -24,7 +24,7 @@
 // decoded block (bench/RESULTS.md). Off by default: the fp32 path gives the dequantized model's own
 // replies.
 
-inline bool k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+constexpr bool k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 inline float fp16_rounded(float v) {  // to the nearest fp16, ties to even (GGML_CPU_FP32_TO_FP16)
   return static_cast<float>(c10::Half(v));
@@ -32,17 +32,18 @@ inline float fp16_rounded(float v) {  // to the nearest fp16, ties to even (GGML
 
 // x's rows as int8: per row, K codes. K-quants: per 256 codes the scale (1 / iscale), per 16 the
 // sum of q. The 32-weight types: per 32 codes the scale dx and dx sum(q), and each 4 codes'
-// negated sum times the weights' code offset (Q4_0 8, Q5_0 16: the dot product's starting value,
+// negated sum times the weights' code offset (Q4_0 8, Q5_0 16, Q8_0 128: the dot product's starting value,
 // so that it sums (code - offset) q exactly)
 struct Int8Rows {
   std::vector<int8_t> q;
-  std::vector<float> dx, s32;
+  std::vector<float> dx, s32, dx8;  // dx8 (32-weight types, several rows): each dx 8 times, lane by lane
   std::vector<int16_t> bsums;
   std::vector<int32_t> init;
   int64_t K = 0, nb = 0;  // nb: scales a row (K / 256 or K / 32)
 };
 
-inline int code_offset(int64_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0; }
+// (Q8_0's 128: prefill's unsigned codes, gemm_rows_pairs; decode takes Q8_0's signs instead)
+inline int code_offset(int64_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ8_0 ? 128 : 0; }
 
 Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   Int8Rows r;
@@ -103,6 +104,10 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
       r.dx[t * r.nb + b] = fp16_rounded(d);
       r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
     }
+  if (Tn > 1) {
+    r.dx8.resize(Tn * r.nb * 8);
+    for (int64_t i = 0; i < Tn * r.nb; ++i) std::fill_n(r.dx8.data() + 8 * i, 8, r.dx[i]);
+  }
   return r;
 }
 
@@ -350,30 +355,105 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
 }
 #endif
 
-// Q4_K / Q5_K: the minimum terms of all of x~'s rows against W's, subtracted from y [Tn, N] as one
-// fp32 GEMM, sum over sub-blocks of (dx sum(q)) (dmin m): prefill's many rows take them here, not
-// three instructions a row, super-block and row of W in the integer loop
-void minimum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t type,
-                   Tensor& y) {
+#if defined(CHAT_INT8_DOT)
+// The 32-weight types' prefill accumulators: two blocks (64 codes) a step in 16 lanes, on the
+// unsigned codes, the offsets in the dot products' starting values (Q4_1 / Q5_1's minimum terms
+// are sum_terms')
+template <int64_t TN>
+struct AccL {
+  static constexpr int64_t R = TN ? TN : kMaxRows;
+  __m512 v[R];
+  const Int8Rows* x;
+  int64_t Tn, t0;
+
+  void start(const Int8Rows& rows, int64_t tn, int64_t first) {
+    x = &rows;
+    Tn = tn;
+    t0 = first;
+    for (int64_t t = 0; t < Tn; ++t) v[t] = _mm512_setzero_ps();
+  }
+  float result(int64_t t) const { return _mm512_reduce_add_ps(v[t]); }
+  // + dw dx u . q over blocks 2p and 2p + 1: u their 64 unsigned codes, dw2 their scales 8 times each
+  CHAT_INLINE void pair(__m512i u, __m512 dw2, int64_t p) {
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const int64_t row = t0 + t;
+      const __m512i q = _mm512_loadu_si512(x->q.data() + row * x->K + 64 * p);
+      const __m512 dx = _mm512_loadu_ps(x->dx8.data() + (row * x->nb + 2 * p) * 8);
+      const __m512i init = _mm512_loadu_si512(x->init.data() + row * x->K / 4 + 16 * p);
+      v[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, q)),
+                             _mm512_mul_ps(dw2, dx), v[t]);
+    }
+  }
+};
+
+// a 32-weight block's 32 codes as unsigned bytes, offset not taken (Q8_0's: + 128)
+template <int64_t T>
+CHAT_INLINE __m256i unsigned_codes(const uint8_t* b) {
+  if constexpr (T == kQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr int off = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
+    __m256i u = nibbles32(ld(b + off));
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      uint32_t qh;
+      std::memcpy(&qh, b + off - 4, 4);
+      u = _mm256_mask_add_epi8(u, static_cast<__mmask32>(qh), u, _mm256_set1_epi8(16));
+    }
+    return u;
+  }
+}
+
+// prefill's form of gemv_rows_i8 for the 32-weight types, K a multiple of 64: y[t, n] =
+// sum over blocks of dw dx (u - offset) . q, Q4_1 / Q5_1's minimum terms left to sum_terms
+template <int64_t T, int64_t TN>
+void gemm_rows_pairs(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, int64_t row_bytes, int64_t N,
+                     int64_t n0, int64_t n1, float* y) {
+  const int64_t pairs = x.nb / 2, ub = block_shape(T).bytes, Tn = TN ? TN : Tn_;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* b = w + n * row_bytes;
+    AccL<TN> a;
+    a.start(x, Tn, t0);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* b0 = b + 2 * p * ub;
+      const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(unsigned_codes<T>(b0)), unsigned_codes<T>(b0 + ub), 1);
+      a.pair(u, _mm512_insertf32x8(_mm512_set1_ps(f16(b0)), _mm256_set1_ps(f16(b0 + ub)), 1), p);
+    }
+    for (int64_t t = 0; t < Tn; ++t) y[(t0 + t) * N + n] = a.result(t);
+  }
+}
+#endif
+
+// Prefill's minimum terms, for all of x~'s rows against W's as one fp32 GEMM, y += a b^T: Q4_K /
+// Q5_K's (a: dx sum(q) per 32-input sub-block, b: -dmin m), Q4_1 / Q5_1's (a: dx sum(q) per
+// block, b: m). Out of the integer loop, where they cost a few instructions a row of x, block and
+// row of W. (The code offsets stay in the integers: as an fp32 term apart, -offset dw dx sum(q),
+// they cancel against the codes' sum, 1e-5 of |x~| |W| off where a block's codes sit at the offset.)
+void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t type, Tensor& y) {
+  const bool kq = k_type(type);
   const int64_t subs = x.K / 32, ub = block_shape(type).bytes;
   Tensor a = at::empty({Tn, subs}, y.options()), b = at::empty({N, subs}, y.options());
   float* ap = a.data_ptr<float>();
   float* bp = b.data_ptr<float>();
   for (int64_t t = 0; t < Tn; ++t)
     for (int64_t j = 0; j < subs; ++j)
-      ap[t * subs + j] = x.dx[t * x.nb + j / 8] *
-                         static_cast<float>(x.bsums[t * x.K / 16 + 2 * j] + x.bsums[t * x.K / 16 + 2 * j + 1]);
+      ap[t * subs + j] = kq ? x.dx[t * x.nb + j / 8] * static_cast<float>(x.bsums[t * x.K / 16 + 2 * j] +
+                                                                          x.bsums[t * x.K / 16 + 2 * j + 1])
+                            : x.s32[t * x.nb + j];
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t i = 0; i < x.nb; ++i) {
+      for (int64_t i = 0; i < (kq ? x.nb : subs); ++i) {
         const uint8_t* blk = w + n * row_bytes + i * ub;
-        const float dmin = f16(blk + 2);
-        for (int j = 0; j < 8; ++j) {
-          int sc, m;
-          scale_min_k4(j, blk + 4, sc, m);
-          bp[n * subs + 8 * i + j] = dmin * static_cast<float>(m);
+        if (kq) {
+          const float dmin = f16(blk + 2);
+          for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            scale_min_k4(j, blk + 4, sc, m);
+            bp[n * subs + 8 * i + j] = -dmin * static_cast<float>(m);
+          }
+        } else {
+          bp[n * subs + i] = f16(blk + 2);
         }
       }
   });
-  y.sub_(at::mm(a, b.t()));
+  y.add_(at::mm(a, b.t()));
 }

@@ -512,17 +512,30 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp); });
       return;
     }
-    constexpr bool mins_apart = T == kQ4_K || T == kQ5_K;
+    // prefill: the minimum terms apart (sum_terms)
+    constexpr bool apart = T == kQ4_K || T == kQ5_K || T == kQ4_1 || T == kQ5_1;
+    constexpr bool pairs = !k_type(T);
+    if (pairs && K % 64) {  // (the 32-weight types two blocks at a time; an odd count of blocks as decode)
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+          gemv_rows_i8<T, 0>(rows, t0, std::min(kMaxRows, Tn - t0), wp, rb, N, n0, n1, yp);
+      });
+      return;
+    }
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W (a few KB) against every row of x~
         for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows) {
-          if (Tn - t0 >= kMaxRows)  // (a whole tile: its sums in registers)
-            gemv_rows_i8<T, kMaxRows, !mins_apart>(rows, t0, kMaxRows, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
-          else
-            gemv_rows_i8<T, 0, !mins_apart>(rows, t0, Tn - t0, wp, rb, N, c0, std::min(n1, c0 + 16), yp);
+          const int64_t c1 = std::min(n1, c0 + 16);
+          if (Tn - t0 >= kMaxRows) {  // (a whole tile: its sums in registers)
+            if constexpr (pairs) gemm_rows_pairs<T, kMaxRows>(rows, t0, kMaxRows, wp, rb, N, c0, c1, yp);
+            else gemv_rows_i8<T, kMaxRows, !apart>(rows, t0, kMaxRows, wp, rb, N, c0, c1, yp);
+          } else {
+            if constexpr (pairs) gemm_rows_pairs<T, 0>(rows, t0, Tn - t0, wp, rb, N, c0, c1, yp);
+            else gemv_rows_i8<T, 0, !apart>(rows, t0, Tn - t0, wp, rb, N, c0, c1, yp);
+          }
         }
     });
-    if constexpr (mins_apart) minimum_terms(rows, Tn, wp, rb, N, T, y);
+    if constexpr (apart) sum_terms(rows, Tn, wp, rb, N, T, y);
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);
