@@ -20,9 +20,9 @@
 //
 // Why: the fp32 product turns every code into a float (about a dozen vector instructions per 32
 // weights); an int8 dot product takes 32 codes in one, so decode of a K-quant file runs at
-// llama.cpp's speed, with llama.cpp's rounding of the inputs, and prefill's many rows share each
-// decoded block (bench/RESULTS.md). Off by default: the fp32 path gives the dequantized model's own
-// replies.
+// llama.cpp's speed, with llama.cpp's rounding of the inputs, and prefill's rows, eight at a time,
+// share each decoded block in place of a dequantized fp32 GEMM (bench/RESULTS.md). Off by
+// default: the fp32 path gives the dequantized model's own replies.
 
 constexpr bool k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
@@ -32,8 +32,8 @@ inline float fp16_rounded(float v) {  // to the nearest fp16, ties to even (GGML
 
 // x's rows as int8: per row, K codes. K-quants: per 256 codes the scale (1 / iscale), per 16 the
 // sum of q. The 32-weight types: per 32 codes the scale dx and dx sum(q), and each 4 codes'
-// negated sum times the weights' code offset (Q4_0 8, Q5_0 16, Q8_0 128: the dot product's starting value,
-// so that it sums (code - offset) q exactly)
+// negated sum times the weights' code offset (Q4_0 8, Q5_0 16, Q8_0 128: the dot product's
+// starting value, so that it sums (code - offset) q exactly)
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> dx, s32, dx8;  // dx8 (32-weight types, several rows): each dx 8 times, lane by lane
