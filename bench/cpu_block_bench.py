@@ -1,5 +1,5 @@
 """The CPU block products alone: G weights/s and GB/s of block_linear per GGUF type and shape, fp32
-inputs against int8 ones (`cpu_int8`), one decode row.
+inputs against int8 ones (`cpu_int8`): one decode row, or a prefill's many.
 
     python bench/cpu_block_bench.py [--types Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K] [--shapes 3584x1024,1024x3584]
                                     [--threads N] [--rows 1] [--cached]
@@ -7,8 +7,12 @@ inputs against int8 ones (`cpu_int8`), one decode row.
 Each matrix is random blocks (finite fp16 scales) of N x K weights; enough copies of it are cycled
 through that they exceed the last-level cache (100 MB), so the weights come from DRAM as a
 model's decode reads them (`--cached`: one copy, the caches warm: the kernels' compute rate).
-Printed: the best of 10 passes, and the largest relative error against the fp64 product of the
-dequantized weights (with x rounded as the int8 path rounds it, step.int8_reference, for int8).
+With more than 8 rows (`--rows 512 --cached`: a prefill), the fp32 column is what a prefill runs
+with cpu_int8 off: BlockLinear's forward, the blocks dequantized by the library and one fp32 GEMM;
+the int8 column is block_linear on int8 inputs, as with cpu_int8 on. Printed: the best of 10
+passes (GFLOP/s in place of GB/s for a prefill), and the largest relative error against the
+fp64 product of the dequantized weights (with x rounded as the int8 path rounds it,
+step.int8_reference, for int8).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.formats import gguf_blocks  # noqa: E402
+from models.formats import gguf_blocks, quant  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
 
 
@@ -52,10 +56,21 @@ def main() -> None:
     from engine.device import physical_cores
     torch.set_num_threads(a.threads or physical_cores())
     step.load()
-    op = torch.ops.chat_cpu.block_linear
+    block_linear = torch.ops.chat_cpu.block_linear
+    modules: dict = {}
+
+    def op(x, blocks, ggml, int8):
+        if int8 or x.shape[0] <= 8:
+            return block_linear(x, blocks, ggml, int8)
+        key = blocks.data_ptr()
+        if key not in modules:  # (prefill's fp32 form: dequantized by the library, one GEMM)
+            modules[key] = quant.BlockLinear(blocks, ggml)
+            step.attach_block_kernels(modules[key])
+        return modules[key](x)
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}")
-    print(f"{'type':6}{'shape':>14}{'fp32 us':>10}{'Gw/s':>7}{'GB/s':>7}{'int8 us':>10}{'Gw/s':>7}{'GB/s':>7}"
+    rate = "GFLOP/s" if a.rows > 8 else "GB/s"  # (a prefill's rate: its arithmetic; a decode's: its bytes)
+    print(f"{'type':6}{'shape':>14}{'fp32 us':>10}{'Gw/s':>7}{rate:>8}{'int8 us':>10}{'Gw/s':>7}{rate:>8}"
           f"{'int8/fp32':>11}{'max rel err':>13}")
     for name in a.types.split(","):
         ggml = gguf_blocks.TYPES[name]
@@ -82,7 +97,8 @@ def main() -> None:
             row = f"{name:6}{shape:>14}"
             for int8 in (False, True):
                 t = times[int8]
-                row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{blocks.numel() / t / 1e9:>7.1f}"
+                per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
+                row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
             print(row + f"{times[False] / times[True]:>10.2f}x{err:>13.1e}")
 
 
