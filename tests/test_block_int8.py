@@ -90,7 +90,7 @@ def inputs(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])  # (17: two whole tiles of kMaxRows rows and one left)
 def test_int8_block_products_are_the_rounded_inputs_product(cpp, qtype, rows):
     raw = torch.from_numpy(random_blocks(qtype, rows=45, blocks_per_row=16 if qtype < Q.Q4_K else 2, seed=rows))
     k = gguf_blocks.row_weights(int(qtype), raw.shape[1])
@@ -99,8 +99,8 @@ def test_int8_block_products_are_the_rounded_inputs_product(cpp, qtype, rows):
     ref, scale = reference(x, raw, qtype)
     assert torch.all((got - ref).abs() <= 1e-5 * scale + 1e-30)
     # (not the fp32 product: x~ moves each output by far more than the tolerance somewhere)
-    fp32 = cpp.block_linear(x, raw, int(qtype)).double()
-    assert bool(((fp32 - ref).abs() > 1e-3 * scale).any())
+    fp32 = cpp.block_linear(x[:8], raw, int(qtype)).double()  # (the fp32 kernel: up to 8 rows)
+    assert bool(((fp32 - ref[:8]).abs() > 1e-3 * scale[:8]).any())
 
 
 @pytest.mark.parametrize("qtype", [t for t in QUANTIZED if t not in K_QUANTS], ids=lambda t: t.name)
@@ -154,6 +154,31 @@ def test_modules_take_the_setting(cpp, qtype):
     off = ex(xe, idx, weights)
     assert not torch.equal(on, off) and torch.allclose(on, off, rtol=0.05, atol=0.05 * float(off.abs().max()))
     assert torch.all((lin(x).double() - x.double() @ w.t()).abs() <= 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_experts_prefill_on_int8_inputs_is_each_token_alone(cpp, kind):
+    """A BlockExperts prefill on int8 inputs: 19 tokens, 13 of them routed to one expert (whole
+    tiles and a remainder there), equal each token's own decode (its row alone through the same
+    kernels) within the block products' tolerance; and not the fp32 experts' result."""
+    from models.kernels.cpu import step
+    from test_qplanar import gguf_experts
+    ex = quant.BlockExperts(gguf_experts(4, 256, 256, kind, gate_type=kind))
+    step.attach_block_kernels(ex)
+    quant.use_int8_inputs(ex, True)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 256, generator=gen)
+    idx = torch.stack([torch.where(torch.arange(19) < 13, 2, torch.arange(19) % 4),
+                       torch.where(torch.arange(19) < 13, 0, 3 - torch.arange(19) % 2)], 1)
+    idx[:, 1] = torch.where(idx[:, 1] == idx[:, 0], (idx[:, 0] + 1) % 4, idx[:, 1])
+    weights = torch.rand(19, 2, generator=gen)
+    assert int((idx == 2).sum()) > 8 and int((idx == 0).sum()) > 8
+    many = ex(x, idx, weights)
+    alone = torch.cat([ex(x[t:t + 1], idx[t:t + 1], weights[t:t + 1]) for t in range(19)])
+    scale = float(alone.abs().max())
+    assert torch.allclose(many, alone, rtol=0, atol=1e-5 * scale)
+    quant.use_int8_inputs(ex, False)
+    assert not torch.allclose(ex(x, idx, weights), many, rtol=0, atol=1e-4 * scale)
 
 
 def tie_distance(x: torch.Tensor, qtype: Q) -> float:
