@@ -223,10 +223,6 @@ struct AccK : RowsOf {
   }
 };
 
-inline __m256i nibbles32(__m128i v) {  // 16 bytes' low nibbles then their high ones, as 32 bytes
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-}
-
 // Q4_K / Q5_K: the 8 6-bit scales (sc) and minimums (mn) of 12 packed bytes, as bytes of sc[0..1]
 // and mn[0..1] (scale_min_k4's values, all at once)
 inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
@@ -415,7 +411,6 @@ void gemm_rows_pairs(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* 
     for (int64_t t = 0; t < Tn; ++t) y[(t0 + t) * N + n] = a.result(t);
   }
 }
-#endif
 
 // Prefill's minimum terms, for all of x~'s rows against W's as one fp32 GEMM, y += a b^T: Q4_K /
 // Q5_K's (a: dx sum(q) per 32-input sub-block, b: -dmin m), Q4_1 / Q5_1's (a: dx sum(q) per
@@ -439,11 +434,11 @@ void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_byte
         const uint8_t* blk = w + n * row_bytes + i * ub;
         if (kq) {
           const float dmin = f16(blk + 2);
-          for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            scale_min_k4(j, blk + 4, sc, m);
-            bp[n * subs + 8 * i + j] = -dmin * static_cast<float>(m);
-          }
+          uint32_t sc[2], mn[2];
+          scales_mins_k4(blk + 4, sc, mn);
+          uint8_t m[8];
+          std::memcpy(m, mn, 8);
+          for (int j = 0; j < 8; ++j) bp[n * subs + 8 * i + j] = -dmin * static_cast<float>(m[j]);
         } else {
           bp[n * subs + i] = f16(blk + 2);
         }
@@ -451,3 +446,4 @@ void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_byte
   });
   y.add_(at::mm(a, b.t()));
 }
+#endif
