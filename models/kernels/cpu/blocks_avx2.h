@@ -66,16 +66,6 @@ struct Acc8 {
 template <int64_t TN>
 using SimdAcc = Acc8<TN>;
 
-// 0xFF in byte j where bit j of the 32 bits at p is set (llama.cpp's bytes_from_bits_32)
-inline __m256i bit_bytes(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
-                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                               0x0101010101010101, 0x0000000000000000));
-  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
-}
-
 // One unit of a row (a 32-weight block, or a 256-weight super-block) into a's sums
 template <int64_t T, int64_t TN>
 inline void row_unit(const uint8_t* b, int64_t i, Acc8<TN>& a, const float* xs, int64_t nsub) {

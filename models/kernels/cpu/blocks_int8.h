@@ -120,10 +120,7 @@ std::vector<float> dequantized_rows(const Int8Rows& r, int64_t Tn) {
   return x;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VNNI__)
-#define CHAT_INT8_DOT 1
-
+#if defined(__AVX2__)
 #define CHAT_INLINE __attribute__((always_inline)) inline
 
 inline float hsum(__m256 v) {
@@ -142,6 +139,24 @@ struct RowsOf {
     t0 = first;
   }
 };
+
+// Q4_K / Q5_K: the 8 6-bit scales (sc) and minimums (mn) of 12 packed bytes, as bytes of sc[0..1]
+// and mn[0..1] (scale_min_k4's values, all at once)
+inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  sc[0] = u[0] & k6;
+  sc[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  mn[0] = u[1] & k6;
+  mn[1] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define CHAT_INT8_DOT 1
 
 // Accumulators for up to kMaxRows rows of x~ from row t0 (one a row: gemv_rows_i8's two rows at a
 // time are two chains) and the minimum terms: the 32-weight types
@@ -223,18 +238,6 @@ struct AccK : RowsOf {
   }
 };
 
-// Q4_K / Q5_K: the 8 6-bit scales (sc) and minimums (mn) of 12 packed bytes, as bytes of sc[0..1]
-// and mn[0..1] (scale_min_k4's values, all at once)
-inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
-  uint32_t u[3];
-  std::memcpy(u, q, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  sc[0] = u[0] & k6;
-  sc[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
-  mn[0] = u[1] & k6;
-  mn[1] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
-}
-
 // lanes 0-15 of 16-bit lane index j, lanes 16-31 of j + 1 (a scale vector per two 32-code halves)
 inline __m512i pick16(int j) {
   return _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(j)),
@@ -308,6 +311,11 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
   }
 }
 
+#endif
+
+#include "blocks_int8_avx2.h"
+
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
 // y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1); without kMins, Q4_K /
 // Q5_K's minimum terms left out (sum_terms)
 template <int64_t T, int64_t TN, bool kMins = true>

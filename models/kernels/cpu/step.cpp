@@ -236,6 +236,15 @@ inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<co
 inline __m256i nibbles32(__m128i v) {  // 16 bytes' low nibbles then their high ones, as 32 bytes
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
+// 0xFF in byte j where bit j of the 32 bits at p is set (llama.cpp's bytes_from_bits_32)
+inline __m256i bit_bytes(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -551,6 +560,24 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
         }
     });
     if constexpr (apart) sum_terms(rows, Tn, wp, rb, N, T, y);
+  });
+#elif defined(CHAT_INT8_AVX2)
+  by_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (Tn == 1) {
+        gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp);
+        return;
+      }
+      for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W against every row of x~, as above
+        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows) {
+          const int64_t c1 = std::min(n1, c0 + 16);
+          if (Tn - t0 >= kMaxRows)
+            gemv_rows_i8<T, kMaxRows>(rows, t0, kMaxRows, wp, rb, N, c0, c1, yp);
+          else
+            gemv_rows_i8<T, 0>(rows, t0, Tn - t0, wp, rb, N, c0, c1, yp);
+        }
+    });
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);
