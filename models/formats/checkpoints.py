@@ -3,7 +3,8 @@
 Two sources:
 - an HF checkpoint directory: config.json, model.safetensors or sharded safetensors with their
   index, tokenizer.json, tokenizer_config.json or chat_template.jinja, generation_config.json;
-- a GGUF file: metadata → config, tensors dequantized through the `gguf` package (ggml order
+- a GGUF file: metadata → config, tensors dequantized to gguf-py's values (gguf_blocks' torch
+  form where it knows the type, else the `gguf` package; ggml order
   reversed, llama.cpp's Q/K row permutation undone, its converter's value changes on the hybrid
   and MoE architectures undone), the tokenizer rebuilt from its arrays.
 Weights are never unpickled. Every failure raises `CheckpointError` with a one-line message.

@@ -366,7 +366,7 @@ class BlockLinear(QuantLinear):
     fp32_kernel = None
     dequant_kernel = None
     KERNEL_ROWS = 4  # fp32 inputs: up to this many rows go to fp32_kernel; more: dequantize + GEMM
-    int8_inputs = False  # any number of rows to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
+    int8_inputs = False  # any rows to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()

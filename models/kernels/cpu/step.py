@@ -31,7 +31,8 @@ import torch
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
-HEADERS = [os.path.join(os.path.dirname(SOURCE), name) for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h")]  # what SOURCE includes
+HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
+           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h")]
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
