@@ -62,11 +62,11 @@ def main() -> None:
     def op(x, blocks, ggml, int8):
         if int8 or x.shape[0] <= 8:
             return block_linear(x, blocks, ggml, int8)
-        key = id(blocks)  # (the entry holds blocks, so the id is not reused while it is here)
+        key = blocks.data_ptr()
         if key not in modules:  # (prefill's fp32 form: dequantized by the library, one GEMM)
-            modules[key] = (blocks, quant.BlockLinear(blocks, ggml))
-            step.attach_block_kernels(modules[key][1])
-        return modules[key][1](x)
+            modules[key] = quant.BlockLinear(blocks, ggml)
+            step.attach_block_kernels(modules[key])
+        return modules[key](x)
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}")
     rate = "GFLOP/s" if a.rows > 8 else "GB/s"  # (a prefill's rate: its arithmetic; a decode's: its bytes)
