@@ -90,7 +90,7 @@ def inputs(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 257])  # (17: two whole tiles and one row; 257: a long prefill)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 257])  # (17: two whole tiles and one row; 257: a GEMM on x~)
 def test_int8_block_products_are_the_rounded_inputs_product(cpp, qtype, rows):
     raw = torch.from_numpy(random_blocks(qtype, rows=45, blocks_per_row=16 if qtype < Q.Q4_K else 2, seed=rows))
     k = gguf_blocks.row_weights(int(qtype), raw.shape[1])

@@ -12,7 +12,6 @@ the result [T, C] in weight's dtype: sum_j weight[c, j] * window[c, t + j] (+ bi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.cuda import conv as cuda_conv
 

@@ -177,6 +177,11 @@ _DEQUANT = {0: _f32, 1: _f16_all, 30: _bf16, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q
             12: _q4_k, 13: _q5_k, 14: _q6_k}
 
 
+def dequantizes(ggml_type: int) -> bool:
+    """Whether `dequantize` knows this type."""
+    return ggml_type in _DEQUANT
+
+
 def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Blocks as stored, uint8 [..., row bytes] → fp32 [..., row weights], on raw's device."""
     if ggml_type not in _DEQUANT:

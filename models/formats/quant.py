@@ -365,8 +365,8 @@ class BlockLinear(QuantLinear):
 
     fp32_kernel = None
     dequant_kernel = None
-    KERNEL_ROWS = 4  # up to this many input rows go to fp32_kernel; more: dequantize + GEMM
-    int8_inputs = False  # every row to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
+    KERNEL_ROWS = 4  # fp32 inputs: up to this many rows go to fp32_kernel; more: dequantize + GEMM
+    int8_inputs = False  # any rows to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()

@@ -53,7 +53,8 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
     r.nb = K / 256;
     r.dx.resize(Tn * r.nb);
     r.bsums.resize(Tn * K / 16);
-    for (int64_t t = 0; t < Tn; ++t)
+    at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {  // (a prefill's rows: each row on its own)
+    for (int64_t t = ta; t < tb; ++t)
       for (int64_t b = 0; b < r.nb; ++b) {
         const float* g = x + t * K + 256 * b;
         int8_t* q = r.q.data() + t * K + 256 * b;
@@ -79,6 +80,7 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
         }
         r.dx[t * r.nb + b] = 1.f / iscale;
       }
+    });
     return r;
   }
   const int offset = code_offset(type);
@@ -86,7 +88,8 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   r.dx.resize(Tn * r.nb);
   r.s32.resize(Tn * r.nb);
   r.init.resize(Tn * K / 4);
-  for (int64_t t = 0; t < Tn; ++t)
+  at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
+  for (int64_t t = ta; t < tb; ++t)
     for (int64_t b = 0; b < r.nb; ++b) {
       const float* g = x + t * K + 32 * b;
       float amax = 0.f;
@@ -104,6 +107,7 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
       r.dx[t * r.nb + b] = fp16_rounded(d);
       r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
     }
+  });
   if (Tn > 1) {
     r.dx8.resize(Tn * r.nb * 8);
     for (int64_t i = 0; i < Tn * r.nb; ++i) std::fill_n(r.dx8.data() + 8 * i, 8, r.dx[i]);
@@ -114,91 +118,74 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
 // x~ itself: where no int8 dot product exists, the fp32 kernels take it (the same contract)
 std::vector<float> dequantized_rows(const Int8Rows& r, int64_t Tn) {
   std::vector<float> x(Tn * r.K);
-  const int64_t per = r.K / r.nb;
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t k = 0; k < r.K; ++k) x[t * r.K + k] = static_cast<float>(r.q[t * r.K + k]) * r.dx[t * r.nb + k / per];
+  const int64_t per = r.nb ? r.K / r.nb : 1;  // (K = 0: no rows to fill)
+  at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
+    for (int64_t t = ta; t < tb; ++t)
+      for (int64_t k = 0; k < r.K; ++k) x[t * r.K + k] = static_cast<float>(r.q[t * r.K + k]) * r.dx[t * r.nb + k / per];
+  });
   return x;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define CHAT_INT8_DOT 1
-
+#if defined(__AVX2__)
 #define CHAT_INLINE __attribute__((always_inline)) inline
 
-// Accumulators for up to kMaxRows rows of x~ from row t0 (one a row: gemv_rows_i8's two rows at a
-// time are two chains) and the minimum terms: the 32-weight types
-template <int64_t TN>
-struct AccI8 {
-  static constexpr int64_t R = TN ? TN : kMaxRows;
-  __m256 v[R];
-  float mins[R];
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// What every accumulator below reads: x~'s rows [t0, t0 + Tn), its sums zeroed by the caller's start()
+struct RowsOf {
   const Int8Rows* x;
   int64_t Tn, t0;
-
-  void start(const Int8Rows& rows, int64_t tn, int64_t first) {
+  void bind(const Int8Rows& rows, int64_t tn, int64_t first) {
     x = &rows;
     Tn = tn;
     t0 = first;
-    for (int64_t t = 0; t < Tn; ++t) {
-      v[t] = _mm256_setzero_ps();
-      mins[t] = 0.f;
-    }
-  }
-  float result(int64_t t) const {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v[t]), _mm256_extractf128_ps(v[t], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) + mins[t];
-  }
-  CHAT_INLINE __m256i qx(int64_t t, int64_t b) const {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q.data() + (t0 + t) * x->K + 32 * b));
-  }
-  CHAT_INLINE float dx(int64_t t, int64_t b) const { return x->dx[(t0 + t) * x->nb + b]; }
-  // + dw dx_b (u - offset) . q_b for 32 unsigned codes u: one scale for the block's 32 codes
-  CHAT_INLINE void blk(__m256i u, int64_t b, float dw) {
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
-      const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->init.data() + (t0 + t) * x->K / 4 + 8 * b));
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, u, qx(t, b)));
-      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
-    }
-  }
-  // + dw dx_b w . q_b for 32 signed codes w (Q8_0): |w| against q with w's sign
-  CHAT_INLINE void blk_signed(__m256i w, int64_t b, float dw) {
-    const __m256i u = _mm256_abs_epi8(w);  // (-128 gives 0x80: 128 unsigned, as wanted)
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, _mm256_sign_epi8(qx(t, b), w)));
-      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
-    }
-  }
-  CHAT_INLINE void min_term(int64_t b, float m) {  // + m dx_b sum(q_b)
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) mins[t] += m * x->s32[(t0 + t) * x->nb + b];
   }
 };
 
+// Q4_K / Q5_K: the 8 6-bit scales (sc) and minimums (mn) of 12 packed bytes, as bytes of sc[0..1]
+// and mn[0..1] (scale_min_k4's values, all at once)
+inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  sc[0] = u[0] & k6;
+  sc[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  mn[0] = u[1] & k6;
+  mn[1] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define CHAT_INT8_DOT 1
+
+// The 32-weight types' dot products of 32 codes with q, 8 lanes of 4 (VNNI): (u - offset) . q with
+// the offsets' sums as the starting value; a signed w's |w| against q with w's sign (Q8_0)
+CHAT_INLINE __m256i dot_from(__m256i init, __m256i u, __m256i q) { return _mm256_dpbusd_epi32(init, u, q); }
+CHAT_INLINE __m256i dot_signed(__m256i w, __m256i q) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
+}
+
 // The K-quants' accumulators: per row of x~, d dx (the super-block's integer sum) in 16 lanes, and
 // the minimum terms (Q4_K / Q5_K: dmin dx sum over sub-blocks of m sum(q)) in 8, subtracted;
-// without kMins, those are left to the caller (prefill's minimum_terms)
+// without kMins, those are left to the caller (prefill's sum_terms)
 template <int64_t TN, bool kMins = true>
-struct AccK {
+struct AccK : RowsOf {
   static constexpr int64_t R = TN ? TN : kMaxRows;
   __m512 v[R];
   __m256 m[R];
-  const Int8Rows* x;
-  int64_t Tn, t0;
 
   void start(const Int8Rows& rows, int64_t tn, int64_t first) {
-    x = &rows;
-    Tn = tn;
-    t0 = first;
-    for (int64_t t = 0; t < Tn; ++t) {
-      v[t] = _mm512_setzero_ps();
-      m[t] = _mm256_setzero_ps();
-    }
+    bind(rows, tn, first);
+    std::fill_n(v, Tn, _mm512_setzero_ps());
+    std::fill_n(m, Tn, _mm256_setzero_ps());
   }
-  float result(int64_t t) const {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(m[t]), _mm256_extractf128_ps(m[t], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm512_reduce_add_ps(v[t]) - _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  float result(int64_t t) const { return _mm512_reduce_add_ps(v[t]) - hsum(m[t]); }
   // super-block i: the codes u[4] (64 each, inputs 64 p ..) times q, each pair of products times
   // the 16-bit scales s[4] (a scale per 16 or 32 codes, lane by lane), summed as integers; offset
   // (Q6_K) the 16 scales against which sum(q) per 16 is subtracted 32 times; mins (Q4_K / Q5_K)
@@ -224,22 +211,6 @@ struct AccK {
     }
   }
 };
-
-inline __m256i nibbles32(__m128i v) {  // 16 bytes' low nibbles then their high ones, as 32 bytes
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-}
-
-// Q4_K / Q5_K: the 8 6-bit scales (sc) and minimums (mn) of 12 packed bytes, as bytes of sc[0..1]
-// and mn[0..1] (scale_min_k4's values, all at once)
-inline void scales_mins_k4(const uint8_t* q, uint32_t sc[2], uint32_t mn[2]) {
-  uint32_t u[3];
-  std::memcpy(u, q, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  sc[0] = u[0] & k6;
-  sc[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
-  mn[0] = u[1] & k6;
-  mn[1] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
-}
 
 // lanes 0-15 of 16-bit lane index j, lanes 16-31 of j + 1 (a scale vector per two 32-code halves)
 inline __m512i pick16(int j) {
@@ -314,8 +285,52 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
   }
 }
 
+#endif
+
+#include "blocks_int8_avx2.h"
+
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+// Accumulators for up to kMaxRows rows of x~ from row t0 (one a row: gemv_rows_i8's two rows at a
+// time are two chains) and the minimum terms: the 32-weight types (dot_from and dot_signed: VNNI's or
+// AVX2's)
+template <int64_t TN>
+struct AccI8 : RowsOf {
+  static constexpr int64_t R = TN ? TN : kMaxRows;
+  __m256 v[R];
+  float mins[R];
+
+  void start(const Int8Rows& rows, int64_t tn, int64_t first) {
+    bind(rows, tn, first);
+    std::fill_n(v, Tn, _mm256_setzero_ps());
+    std::fill_n(mins, Tn, 0.f);
+  }
+  float result(int64_t t) const { return hsum(v[t]) + mins[t]; }
+  CHAT_INLINE __m256i qx(int64_t t, int64_t b) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q.data() + (t0 + t) * x->K + 32 * b));
+  }
+  CHAT_INLINE float dx(int64_t t, int64_t b) const { return x->dx[(t0 + t) * x->nb + b]; }
+  // + dw dx_b (u - offset) . q_b for 32 unsigned codes u: one scale for the block's 32 codes
+  CHAT_INLINE void blk(__m256i u, int64_t b, float dw) {
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->init.data() + (t0 + t) * x->K / 4 + 8 * b));
+      const __m256 p = _mm256_cvtepi32_ps(dot_from(init, u, qx(t, b)));
+      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
+    }
+  }
+  // + dw dx_b w . q_b for 32 signed codes w (Q8_0): |w| against q with w's sign
+  CHAT_INLINE void blk_signed(__m256i w, int64_t b, float dw) {
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+      const __m256 p = _mm256_cvtepi32_ps(dot_signed(w, qx(t, b)));
+      v[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx(t, b)), v[t]);
+    }
+  }
+  CHAT_INLINE void min_term(int64_t b, float m) {  // + m dx_b sum(q_b)
+    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) mins[t] += m * x->s32[(t0 + t) * x->nb + b];
+  }
+};
+
 // y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1); without kMins, Q4_K /
-// Q5_K's minimum terms left out (minimum_terms)
+// Q5_K's minimum terms left out (sum_terms)
 template <int64_t T, int64_t TN, bool kMins = true>
 void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, int64_t row_bytes, int64_t N,
                   int64_t n0, int64_t n1, float* y) {
@@ -360,17 +375,13 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
 // unsigned codes, the offsets in the dot products' starting values (Q4_1 / Q5_1's minimum terms
 // are sum_terms')
 template <int64_t TN>
-struct AccL {
+struct AccL : RowsOf {
   static constexpr int64_t R = TN ? TN : kMaxRows;
   __m512 v[R];
-  const Int8Rows* x;
-  int64_t Tn, t0;
 
   void start(const Int8Rows& rows, int64_t tn, int64_t first) {
-    x = &rows;
-    Tn = tn;
-    t0 = first;
-    for (int64_t t = 0; t < Tn; ++t) v[t] = _mm512_setzero_ps();
+    bind(rows, tn, first);
+    std::fill_n(v, Tn, _mm512_setzero_ps());
   }
   float result(int64_t t) const { return _mm512_reduce_add_ps(v[t]); }
   // + dw dx u . q over blocks 2p and 2p + 1: u their 64 unsigned codes, dw2 their scales 8 times each
@@ -421,7 +432,6 @@ void gemm_rows_pairs(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* 
     for (int64_t t = 0; t < Tn; ++t) y[(t0 + t) * N + n] = a.result(t);
   }
 }
-#endif
 
 // Prefill's minimum terms, for all of x~'s rows against W's as one fp32 GEMM, y += a b^T: Q4_K /
 // Q5_K's (a: dx sum(q) per 32-input sub-block, b: -dmin m), Q4_1 / Q5_1's (a: dx sum(q) per
@@ -445,11 +455,11 @@ void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_byte
         const uint8_t* blk = w + n * row_bytes + i * ub;
         if (kq) {
           const float dmin = f16(blk + 2);
-          for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            scale_min_k4(j, blk + 4, sc, m);
-            bp[n * subs + 8 * i + j] = -dmin * static_cast<float>(m);
-          }
+          uint32_t sc[2], mn[2];
+          scales_mins_k4(blk + 4, sc, mn);
+          uint8_t m[8];
+          std::memcpy(m, mn, 8);
+          for (int j = 0; j < 8; ++j) bp[n * subs + 8 * i + j] = -dmin * static_cast<float>(m[j]);
         } else {
           bp[n * subs + i] = f16(blk + 2);
         }
@@ -457,3 +467,4 @@ void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_byte
   });
   y.add_(at::mm(a, b.t()));
 }
+#endif

@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -231,7 +231,24 @@ void gemv_rows(const float* x, int64_t Tn, int64_t K, const uint8_t* w, int64_t 
 }
 
 
+#if defined(__AVX2__)
+inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i nibbles32(__m128i v) {  // 16 bytes' low nibbles then their high ones, as 32 bytes
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+// 0xFF in byte j where bit j of the 32 bits at p is set (llama.cpp's bytes_from_bits_32)
+inline __m256i bit_bytes(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CHAT_SIMD_BLOCKS 1
 // The same product with AVX-512, from the blocks directly: per 32 (Q6_K: 16) weights the integer
 // codes widened to fp32 and multiplied with x, the block's scale applied to that partial sum, and
 // the minimum terms of Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x): the dequantized
@@ -239,7 +256,6 @@ void gemv_rows(const float* x, int64_t Tn, int64_t K, const uint8_t* w, int64_t 
 inline __m512 i8_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 inline __m128i lo_nib(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
 inline __m128i hi_nib(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
-inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // Accumulators for up to kMaxRows rows of x; `sub(t, q0, q1, j, s)` adds s * (q0 . x[j..j+16) + q1 . x[j+16..j+32))
 template <int64_t TN>  // TN rows of x (0: Tn, known at run time); TN = 1 keeps the sums in registers
@@ -249,6 +265,17 @@ struct Acc {
   float mins[R];
   const float* x;
   int64_t K, Tn;
+  void start(const float* rows, int64_t k, int64_t tn) {
+    x = rows;
+    K = k;
+    Tn = tn;
+    for (int64_t t = 0; t < Tn; ++t) {
+      v[t] = _mm512_setzero_ps();
+      v2[t] = _mm512_setzero_ps();
+      mins[t] = 0.f;
+    }
+  }
+  float result(int64_t t) const { return _mm512_reduce_add_ps(_mm512_add_ps(v[t], v2[t])) + mins[t]; }
   inline void sub(__m512 q0, __m512 q1, int64_t j, float s) {
     const __m512 sv = _mm512_set1_ps(s);
     for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
@@ -367,27 +394,24 @@ inline void row_unit(const uint8_t* b, int64_t i, Acc<TN>& a, const float* xs, i
   }
 }
 
+template <int64_t TN>
+using SimdAcc = Acc<TN>;
+#endif
+
+
+#include "blocks_avx2.h"
+
+#if defined(CHAT_SIMD_BLOCKS)
 constexpr int64_t kAheadRows = 4;  // how far ahead the row pairs are prefetched
 
-template <int64_t T, int64_t TN>
-void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, const uint8_t* w, int64_t row_bytes,
-                      int64_t N, int64_t n0, int64_t n1, float* y) {
+// y[t, n] for rows [n0, n1) of W in type T's blocks and x's Tn rows, through the accumulator A (the
+// AVX-512 Acc or the AVX2 Acc8: start(x, K, Tn), result(t), and a row_unit<T> of its own)
+template <int64_t T, int64_t TN, typename A>
+void gemv_rows_simd(const float* x, const float* xs, int64_t Tn_, int64_t K, const uint8_t* w, int64_t row_bytes,
+                    int64_t N, int64_t n0, int64_t n1, float* y) {
   constexpr bool kq = T == kQ4_K || T == kQ5_K || T == kQ6_K;
   const int64_t nsub = K / 32, units = kq ? K / 256 : nsub, ub = block_shape(T).bytes;
   const int64_t Tn = TN ? TN : Tn_;
-  auto start = [&](Acc<TN>& a) {
-    a.x = x;
-    a.K = K;
-    a.Tn = Tn;
-    for (int64_t t = 0; t < Tn; ++t) {
-      a.v[t] = _mm512_setzero_ps();
-      a.v2[t] = _mm512_setzero_ps();
-      a.mins[t] = 0.f;
-    }
-  };
-  auto finish = [&](Acc<TN>& a, int64_t n) {
-    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a.v[t], a.v2[t])) + a.mins[t];
-  };
   int64_t n = n0;
   if constexpr (TN == 1) {  // two rows at a time: x read once for both, two independent chains
     for (; n + 2 <= n1; n += 2) {
@@ -400,29 +424,28 @@ void gemv_rows_avx512(const float* x, const float* xs, int64_t Tn_, int64_t K, c
       const bool prefetch = n + kAheadRows + 2 <= n1;
       if (!kq && prefetch)
         for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-      Acc<TN> a0, a1;
-      start(a0);
-      start(a1);
+      A a0, a1;
+      a0.start(x, K, Tn);
+      a1.start(x, K, Tn);
       for (int64_t i = 0; i < units; ++i) {
         if (kq && prefetch)
           for (int64_t o = 2 * i * ub; o < 2 * (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         row_unit<T, TN>(b0 + i * ub, i, a0, xs, nsub);
         row_unit<T, TN>(b1 + i * ub, i, a1, xs, nsub);
       }
-      finish(a0, n);
-      finish(a1, n + 1);
+      y[n] = a0.result(0);
+      y[n + 1] = a1.result(0);
     }
   }
   for (; n < n1; ++n) {
     const uint8_t* b = w + n * row_bytes;
-    Acc<TN> a;
-    start(a);
+    A a;
+    a.start(x, K, Tn);
     for (int64_t i = 0; i < units; ++i) row_unit<T, TN>(b + i * ub, i, a, xs, nsub);
-    finish(a, n);
+    for (int64_t t = 0; t < Tn; ++t) y[t * N + n] = a.result(t);
   }
 }
 #endif
-
 
 template <typename F>
 void by_type(int64_t type, F&& f) {
@@ -463,7 +486,7 @@ Tensor block_dequant(const Tensor& w, int64_t type) {
 // y = x W^T for x [T, K] fp32 (T <= 8, xp) and W in GGUF blocks [N, row bytes] into yp
 void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N, int64_t type,
                    float* yp) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(CHAT_SIMD_BLOCKS)
   std::vector<float> xs(Tn * (K / 32));  // each 32 inputs' sum, for the minimum terms
   for (int64_t t = 0; t < Tn; ++t)
     for (int64_t i = 0; i < K / 32; ++i) {
@@ -472,11 +495,12 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
       xs[t * (K / 32) + i] = acc;
     }
   by_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (Tn == 1)
-        gemv_rows_avx512<decltype(t)::value, 1>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
+        gemv_rows_simd<T, 1, SimdAcc<1>>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
       else
-        gemv_rows_avx512<decltype(t)::value, 0>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
+        gemv_rows_simd<T, 0, SimdAcc<0>>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
     });
   });
 #else
@@ -487,6 +511,12 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
   });
 #endif
 }
+
+// Whether a prefill of Tn rows on int8 inputs takes x~ times the dequantized weights by the fp32
+// GEMM rather than the int8 tiles: the 32-weight types from 256 rows (a float scale a 32 codes
+// and row keeps their tiles at 0.65-0.77x of the fp32 GEMM at 512 rows, the GEMM on x~ at
+// 0.85-0.97x; at 128 rows the tiles are as fast: bench/cpu_block_bench.py, bench/RESULTS.md)
+bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256; }
 
 // y = x W^T for x [T, K] fp32 and W in GGUF blocks [N, row bytes]: T <= 8 (decode's rows) on x
 // itself; int8: on x~, x rounded to int8 as llama.cpp rounds it for that type (blocks_int8.h), any
@@ -505,6 +535,22 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
     return y;
   }
   const Int8Rows rows = quantize_rows(xp, Tn, K, type);
+  if (gemm_prefill(type, Tn)) {
+    // a prefill's x~ (exact in fp32) times the dequantized weights, a chunk of ~16 MiB of rows at
+    // a time, by torch's fp32 GEMM: where that is faster than the int8 tiles (gemm_prefill)
+    const std::vector<float> xt = dequantized_rows(rows, Tn);
+    const Tensor xtt = at::from_blob(const_cast<float*>(xt.data()), {Tn, K}, x.options());
+    const int64_t chunk = std::max<int64_t>(1, (int64_t{4} << 20) / std::max<int64_t>(K, 1));
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      const int64_t n1 = std::min(N, n0 + chunk);
+      const Tensor wd = block_dequant(w.slice(0, n0, n1), type);
+      if (n0 == 0 && n1 == N)
+        at::mm_out(y, xtt, wd.t());
+      else
+        y.slice(1, n0, n1).copy_(at::mm(xtt, wd.t()));
+    }
+    return y;
+  }
 #if defined(CHAT_INT8_DOT)
   by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
@@ -536,6 +582,24 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
         }
     });
     if constexpr (apart) sum_terms(rows, Tn, wp, rb, N, T, y);
+  });
+#elif defined(CHAT_INT8_AVX2)
+  by_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (Tn == 1) {
+        gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp);
+        return;
+      }
+      for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W against every row of x~, as above
+        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows) {
+          const int64_t c1 = std::min(n1, c0 + 16);
+          if (Tn - t0 >= kMaxRows)
+            gemv_rows_i8<T, kMaxRows>(rows, t0, kMaxRows, wp, rb, N, c0, c1, yp);
+          else
+            gemv_rows_i8<T, 0>(rows, t0, Tn - t0, wp, rb, N, c0, c1, yp);
+        }
+    });
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);

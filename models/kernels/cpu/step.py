@@ -31,7 +31,8 @@ import torch
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
-HEADERS = [os.path.join(os.path.dirname(SOURCE), name) for name in ("blocks_int8.h", "delta_step.h")]  # what SOURCE includes
+HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
+           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h")]
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
@@ -229,9 +230,10 @@ def int8_reference(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 def attach_block_kernels(model, norms: bool = False) -> None:
     """The library's per-linear kernels on the model's modules, in place (loads the library;
-    raises Unavailable): GGUF blocks read directly for a few rows (decode: BlockLinear's and
-    BlockExperts' `fp32_kernel`) or dequantized by it (prefill: `dequant_kernel`, gguf-py's
-    values bit for bit), a Q8_0 head's fp32 sums. The whole step serves dense GQA models;
+    raises Unavailable): GGUF blocks read directly for a few rows, or for any number on int8
+    inputs (BlockLinear's and BlockExperts' `fp32_kernel`: decode, and prefill with cpu_int8) or
+    dequantized by it (fp32 prefill: `dequant_kernel`, gguf-py's values bit for bit), a Q8_0
+    head's fp32 sums. The whole step serves dense GQA models;
     for the others (hybrids, MoE) this is what the C++ library does, and with `norms` their
     RMS norms of a few rows too (`cpu_kernel`: rms_norm_rows, one call where F.rms_norm is
     about seven ops) and their Gated DeltaNet steps (delta_decode, one call for ~40 ops): the
