@@ -8,7 +8,7 @@ thread count and prompt, and prints a table with ratios.
                               [--context 16]  # tokens in the context when decoding starts
                               [--cpu-int8 off|on|both]  # a GGUF's block products on int8 inputs
                               [--llama-python PYTHON]  # one that has llama_cpp
-                              [--clock wall|cpu]
+                              [--clock wall|cpu] [--rounds 1]
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
 --compile on the torch.compile'd decode step (the session's start, compile included, is printed).
 --clock cpu times the process's CPU time instead of the wall clock: with --threads 1 a measure of
@@ -16,6 +16,9 @@ one core's work that other processes on a shared machine barely move (tok/s per 
 --model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
 --cpu-int8 both runs ours with fp32 inputs and then with int8 ones (the `cpu_int8` setting), beside
 the one llama.cpp run.
+--rounds R runs ours and llama.cpp in turn R times (a shared machine's speed drifts by up to a
+fifth within minutes, bench/RESULTS.md): each round's figures and ratios are printed, and the table
+gives the medians over the rounds, its ratios the median of the rounds' ratios.
 """
 from __future__ import annotations
 
@@ -160,6 +163,8 @@ def main() -> None:
                     help="a GGUF's block products on int8 inputs (cpu_int8: on), fp32 (off), or each in turn")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="ours and llama.cpp in turn this many times; medians and per-round ratios")
     args = ap.parse_args()
     clock = CLOCKS[args.clock]
     import torch
@@ -176,29 +181,44 @@ def main() -> None:
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
     context = prompt_ids(lm.tokenizer, args.context)
     variants = {"off": ["off"], "on": ["on"], "both": ["off", "on"]}[args.cpu_int8]
-    ours = {}
-    for v in variants:
-        if not models.use_int8_inputs(lm.model, v == "on") and v == "on":
-            print("cpu_int8: the model holds no GGUF blocks on the CPU; it changes nothing", file=sys.stderr)
-        ours[v] = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context),
-                       load_s=load)
-    rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    ref = llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads, context)
+    rounds = []  # (ours by variant, llama.cpp's or None) a round
+    for _ in range(args.rounds):
+        ours = {}
+        for v in variants:
+            if not models.use_int8_inputs(lm.model, v == "on") and v == "on":
+                print("cpu_int8: the model holds no GGUF blocks on the CPU; it changes nothing", file=sys.stderr)
+            ours[v] = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context),
+                           load_s=load)
+        rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rounds.append((ours, llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads,
+                                                context)))
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
-          f"(session start {ours[variants[0]]['session_s']:.1f} s)")
-    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
+          f"(session start {rounds[0][0][variants[0]]['session_s']:.1f} s)")
     names = {"off": "ours", "on": "ours (cpu_int8)"}
+    measured = all(ref for _, ref in rounds)
+    if len(rounds) > 1:
+        for i, (ours, ref) in enumerate(rounds, 1):
+            line = "; ".join(f"{names[v]} {ours[v]['prefill']:.1f} / {ours[v]['decode']:.1f}" +
+                             (f" ({ours[v]['prefill'] / ref['prefill']:.2f}x / {ours[v]['decode'] / ref['decode']:.2f}x)"
+                              if ref else "") for v in variants)
+            if ref:
+                line += f"; llama.cpp {ref['prefill']:.1f} / {ref['decode']:.1f}"
+            print(f"round {i} (prefill / decode tok/s): {line}")
+        print(f"medians over {len(rounds)} rounds:")
+    med = statistics.median
+    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
     for v in variants:
-        o = ours[v]
-        print(f"{names[v]:18}{o['load_s']:>10.2f}{o['prefill']:>16.1f}{o['decode']:>15.1f}")
-    if ref:
-        print(f"{'llama.cpp':18}{ref['load_s']:>10.2f}{ref['prefill']:>16.1f}{ref['decode']:>15.1f}")
+        print(f"{names[v]:18}{load:>10.2f}{med(o[v]['prefill'] for o, _ in rounds):>16.1f}"
+              f"{med(o[v]['decode'] for o, _ in rounds):>15.1f}")
+    if measured:
+        refs = [ref for _, ref in rounds]
+        print(f"{'llama.cpp':18}{med(r['load_s'] for r in refs):>10.2f}{med(r['prefill'] for r in refs):>16.1f}"
+              f"{med(r['decode'] for r in refs):>15.1f}")
         for v in variants:
-            o = ours[v]
-            print(f"{'ratio, ' + names[v]:18}{'':>10}{o['prefill'] / ref['prefill']:>15.2f}x"
-                  f"{o['decode'] / ref['decode']:>14.2f}x")
+            print(f"{'ratio, ' + names[v]:18}{'':>10}{med(o[v]['prefill'] / r['prefill'] for o, r in rounds):>15.2f}x"
+                  f"{med(o[v]['decode'] / r['decode'] for o, r in rounds):>14.2f}x")
     else:
         print("llama.cpp: not measured (llama_cpp is not importable)")
     print(f"peak RSS after ours: {rss_ours:.0f} MB")
