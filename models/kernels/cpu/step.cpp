@@ -1,6 +1,5 @@
-// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2, Qwen3), or of LFM2 (its
-// short-convolution layers between GQA ones), for one token, every layer in one call: the contract
-// is in cpu_step.py, which builds and loads this file.
+// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2, Qwen3) for one token, every
+// layer in one call: the contract is in cpu_step.py, which builds and loads this file.
 //
 // Why C++: on a small model the eager torch step is bound by per-op overhead (~400 small ops a
 // step on SmolLM2, 21-25 ms against 8 ms of matmul). Here the matmuls stay torch's kernels (the
@@ -900,35 +899,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, int
   return attn.view({H, D});
 }
 
-// LFM2's short convolution of one token, in place of attention: bcx [1, 3C] (in_proj's B, C, x'),
-// the window st [C, K-1] (the last K-1 of B x', oldest first) shifted by one in place, weight [C, K],
-// bias or null; y[c] = C[c] * (sum_j<K-1 st[c, j] w[c, j] + B[c] x'[c] w[c, K-1] + bias[c]), summed
-// in that order (causal_conv.conv_step's)
-void short_conv(const float* bcx, float* st, const float* w, const float* bias, int64_t C, int64_t K, float* y) {
-  const float* b = bcx;
-  const float* c = bcx + C;
-  const float* xv = bcx + 2 * C;
-  for (int64_t ch = 0; ch < C; ++ch) {
-    const float bx = b[ch] * xv[ch];
-    const float* wr = w + ch * K;
-    float* sr = st + ch * (K - 1);
-    float s = sr[0] * wr[0];
-    for (int64_t j = 1; j < K - 1; ++j) s += sr[j] * wr[j];
-    s += bx * wr[K - 1];
-    if (bias) s += bias[ch];
-    for (int64_t j = 0; j < K - 2; ++j) sr[j] = sr[j + 1];
-    sr[K - 2] = bx;
-    y[ch] = c[ch] * s;
-  }
-}
-
 // x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
-// the per-head q and k norm weights, o_proj (a conv layer: in_proj, conv weight [C, K], conv bias
-// or None, out_proj), post norm weight, gate/up linears, down_proj; caches: per attention layer
-// k, v [KVH, S, D] fp32 or fp16, per conv layer its window [C, K-1] fp32; meta: H, KVH, D, rotary,
-// qk_norm (0/1), then per layer (qkv parts, 0 for a conv layer; gate/up parts). Returns the
-// residual stream after the last layer, its last branch added.
+// the per-head q and k norm weights, o_proj, post norm weight, gate/up linears, down_proj;
+// caches: per layer k, v [KVH, S, D] fp32 or fp16; meta: H, KVH, D, rotary, qk_norm (0/1), then per
+// layer (qkv parts, gate/up parts). Returns the residual stream after the last layer, its last
+// branch added.
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps) {
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
@@ -945,40 +921,24 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   Tensor attn = at::empty({1, H * D}, x.options());
   float* xs = x.data_ptr<float>();
   float* hs = h.data_ptr<float>();
-  int64_t at_ = 0, ci = 0;  // the next param, the next cache
+  int64_t at_ = 0;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t qkv_parts = meta[5 + 2 * l], gu_parts = meta[6 + 2 * l];
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
-    if (qkv_parts == 0) {  // a short-convolution layer (LFM2): in_proj, conv weight [C, K], bias, out_proj
-      Tensor bcx = linear(h, params, at_).contiguous();
-      const Tensor w = params.get(at_++).value();
-      const std::optional<Tensor> bias = params.get(at_++);
-      const Tensor& st = caches[ci++];
-      const int64_t C = w.size(0), K = w.size(1);
-      TORCH_CHECK(bcx.size(1) == 3 * C && st.is_contiguous() && st.scalar_type() == at::kFloat &&
-                      st.size(0) == C && st.size(1) == K - 1 && K >= 2,
-                  "cpu_step: a conv layer's in_proj, weight and window disagree");
-      Tensor y = at::empty({1, C}, x.options());
-      short_conv(bcx.data_ptr<float>(), st.data_ptr<float>(), w.data_ptr<float>(),
-                 bias.has_value() ? bias->data_ptr<float>() : nullptr, C, K, y.data_ptr<float>());
-      Tensor o = linear(y, params, at_);
-      const float* op = o.data_ptr<float>();
-      for (int64_t i = 0; i < hidden; ++i) xs[i] += op[i];
-    } else {
-      Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
-      float* q = qkv.data_ptr<float>();
-      float* k = q + H * D;
-      const float* v = k + KVH * D;
-      if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
-        const float* qw = params.get(at_++).value().data_ptr<float>();
-        const float* kw = params.get(at_++).value().data_ptr<float>();
-        for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
-        for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
+    Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
+    float* q = qkv.data_ptr<float>();
+    float* k = q + H * D;
+    const float* v = k + KVH * D;
+    if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
+      const float* qw = params.get(at_++).value().data_ptr<float>();
+      const float* kw = params.get(at_++).value().data_ptr<float>();
+      for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
+      for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
     }
     for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
     for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
-    const Tensor& kc = caches[ci++];
-    const Tensor& vc = caches[ci++];
+    const Tensor& kc = caches[2 * l];
+    const Tensor& vc = caches[2 * l + 1];
     if (kc.scalar_type() == at::kHalf)
       attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
     else
@@ -986,7 +946,6 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     Tensor a = linear(attn, params, at_);
     const float* ap = a.data_ptr<float>();
     for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
-    }
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
     Tensor gu = linears(h, params, at_, gu_parts).contiguous();
     const int64_t ffn = gu.size(1) / 2;
