@@ -772,6 +772,19 @@ constexpr int64_t kFlashLanes = 16;
 #else
 constexpr int64_t kFlashLanes = 8;
 #endif
+
+// A block's first kAhead key rows towards L1, before its scores
+inline void prefetch_keys(const at::Half* keys, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
+    for (int64_t l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+}
+// At row j's score: the key row kAhead on, and row j's values
+inline void prefetch_rows(const at::Half* keys, const at::Half* values, int64_t j, int64_t D) {
+  for (int64_t l = 0; l < D * 2; l += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
+  }
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -780,13 +793,9 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
                   float scale, float* part) {
   constexpr int D = NV * 16;
   alignas(64) float sc[kMaxGroup][kSlotBlock];
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
-    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+  prefetch_keys(keys, n, D);
   for (int64_t j = 0; j < n; ++j) {  // scores: each key row widened once, for all the group's queries
-    for (int l = 0; l < D * 2; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
-    }
+    prefetch_rows(keys, values, j, D);
     __m512 k[NV];
     for (int i = 0; i < NV; ++i) k[i] = load16(keys + j * D + 16 * i);
     for (int64_t g = 0; g < group; ++g) {
@@ -864,13 +873,9 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
                   float scale, float* part) {
   constexpr int D = NV * 8;
   alignas(32) float sc[kMaxGroup][kSlotBlock];
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
-    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+  prefetch_keys(keys, n, D);
   for (int64_t j = 0; j < n; ++j) {
-    for (int l = 0; l < D * 2; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
-    }
+    prefetch_rows(keys, values, j, D);
     __m256 k[NV];
     for (int i = 0; i < NV; ++i) k[i] = load8(keys + j * D + 8 * i);
     for (int64_t g = 0; g < group; ++g) {
