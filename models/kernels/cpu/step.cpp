@@ -1132,6 +1132,14 @@ inline __m256 i8x8_ps(const int8_t* p) {  // 8 int8 -> 8 fp32
 // bf16, enough to flip a near tie). x [T, K] in fp32 throughout: each block's 32 products summed,
 // then scaled and added, in a fixed order per output (the same bits on any thread count). int8
 // (`cpu_int8: on`): x~ W^T, x rounded as blocks_int8.h rounds it for Q8_0 blocks.
+// The head's rows come from DRAM (a vocabulary's worth each token): the row kHeadAhead on is
+// prefetched towards the caches while this one computes (4 or 8: 2.04-2.12 ms against 2.25 without,
+// SmolLM2's head with int8 inputs on 2 AVX2 threads)
+constexpr int64_t kHeadAhead = 4;
+inline void prefetch_row(const int8_t* row, int64_t K) {
+  for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(row + o, 0, 3);  // (_MM_HINT_T0's)
+}
+
 Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [T, K] fp32");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes [N, K] int8");
@@ -1154,6 +1162,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* c = cp + n * K;
         const float* s = sp + n * nb;
+        if (n + kHeadAhead < n1) prefetch_row(c + kHeadAhead * K, K);
         for (int64_t t = 0; t < T; ++t) {
           const int8_t* q = rows.q.data() + t * K;
           const float* dx = rows.dx.data() + t * nb;
@@ -1177,6 +1186,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* c = cp + n * K;
       const float* s = sp + n * nb;
+      if (n + kHeadAhead < n1) prefetch_row(c + kHeadAhead * K, K);
       for (int64_t t = 0; t < T; ++t) {
         const float* xr = xp + t * K;
 #if defined(__AVX512F__)
