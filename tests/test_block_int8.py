@@ -128,6 +128,31 @@ def test_the_rounding_is_to_the_nearest_with_ties_to_even(cpp):
     assert float(cpp.block_linear(x, blocks, int(Q.Q8_0))) == 132.0
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_the_q8_head_on_int8_inputs(cpp, rows):
+    """quant.Q8Linear (a tied Q8_0 head, as codes and fp32 scales) under the library: with
+    cpu_int8, x~ W^T with x rounded per 32 as for Q8_0 blocks (a code of -128 among them);
+    without, the fp32 product; use_int8_inputs counts the head and sets it both ways."""
+    raw = random_blocks(Q.Q8_0, rows=80, blocks_per_row=6, seed=rows)
+    raw[0, 2] = 0x80  # (code -128: its magnitude 128 against q with q's sign flipped)
+    w = gguf_blocks.dequantize(torch.from_numpy(raw), int(Q.Q8_0)).double()
+    blocks = raw.reshape(80, 6, 34)
+    codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(80, 192)
+    scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(80, 6).astype(np.float32)
+    head = quant.Q8Linear(quant.QuantTensor("q8_0", codes, scale, np.zeros_like(scale)))
+    assert torch.equal(head.codes.double().view(80, 6, 32) * head.scale.double()[..., None], w.view(80, 6, 32))
+    head.fp32_kernel = cpp.q8_linear  # (as step.attach_block_kernels sets a model's Q8_0 head)
+    x = inputs(rows, 192, rows)
+    xt = rounded(x, Q.Q8_0)
+    assert quant.use_int8_inputs(head, True) == 1 and head.int8_inputs
+    got = head(x).double()
+    assert torch.all((got - xt @ w.t()).abs() <= 1e-5 * (xt.abs() @ w.abs().t()) + 1e-30)
+    quant.use_int8_inputs(head, False)
+    exact, bound = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    assert torch.all((head(x).double() - exact).abs() <= 1e-5 * bound + 1e-30)
+    assert bool(((got - exact).abs() > 1e-3 * bound).any())  # (x~ is not x)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 def test_modules_take_the_setting(cpp, qtype):
     """use_int8_inputs on a BlockLinear and a BlockExperts with the library's kernels attached:

@@ -87,6 +87,84 @@ def test_cpp_step_on_tiny_4bit_ggufs(tmp_path, kind, qtype):
     assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
+def lfm2_session(lm, kernel, whole=True, max_context=256):
+    """A session of an LFM2 on the whole C++ step (whole) or on the torch step with the library's
+    per-linear kernels (the path LFM2 took before the C++ step knew its conv layers)."""
+    from models.architectures import lfm2
+    with pytest.MonkeyPatch.context() as mp:
+        if not whole:
+            mp.setattr(lfm2.Lfm2ForCausalLM, "offers_cpu_step", lambda self: False)
+        return session(lm, kernel, max_context)
+
+
+def lfm2_steps(s, prompt, tokens):
+    s.prefill(prompt)
+    logits = torch.stack([s.step(t)[-1] for t in tokens])
+    windows = [t.clone() for t in s.state.fixed_tensors()]
+    return logits, windows
+
+
+def test_cpp_step_runs_lfm2s_conv_layers(tmp_path):
+    """LFM2 (conv layers with biases around a GQA layer with q/k norms, a tied head), fp32: the
+    whole C++ step against the torch step, logits step after step and the conv windows it leaves
+    in the state (the next prefill continues from them), greedy and sampled replies."""
+    from tiny import write_checkpoint
+    lm = models.load(write_checkpoint("lfm2", str(tmp_path / "lfm2")))
+    assert cpu_step.supports(lm.model) and lm.model.config.conv_bias
+    on, off = session(lm, "on"), session(lm, "off")
+    assert isinstance(on._step_fn, cpu_step.CpuStep) and off.decode_path == "torch (eager)"
+    prompt, tokens = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+    (got, got_w), (want, want_w) = lfm2_steps(on, prompt, tokens), lfm2_steps(off, prompt, tokens)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()) + 1e-5
+    assert len(got_w) == 3 and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got_w, want_w))
+    for cfg in (GREEDY, SAMPLED):
+        assert list(session(lm, "on").generate(prompt, cfg)) == list(session(lm, "off").generate(prompt, cfg))
+
+
+def lfm2_in_blocks(tmp_path, qtype):
+    """A tiny LFM2 (no conv bias: GGUF files have none) whose layers' linears are GGUF blocks of
+    qtype, quantized by gguf-py."""
+    from gguf import quants
+
+    from models.formats import quant
+    from tiny import hf_model, write_checkpoint
+    d = str(tmp_path / "lfm2-nobias")
+    if not os.path.exists(d):
+        write_checkpoint("lfm2", d, model=hf_model("lfm2", conv_bias=False))
+    lm = models.load(d)
+    for parent in list(lm.model.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                raw = quants.quantize(child.weight.detach().numpy(), qtype)
+                setattr(parent, name, quant.BlockLinear(torch.from_numpy(raw), int(qtype), getattr(child, "sizes", None)))
+    return lm
+
+
+@pytest.mark.parametrize("qtype,int8", [("Q4_0", False), ("Q8_0", False), ("Q4_0", True), ("Q8_0", True)])
+def test_cpp_step_on_lfm2_in_blocks(tmp_path, qtype, int8):
+    """LFM2's linears in GGUF blocks, fp32 or int8 inputs (cpu_int8): the whole C++ step against
+    the torch step on the same per-linear kernels, two loads of one model (the step sets its
+    kernels on the modules). The C++ step keeps its KV cache in fp16 here (4-bit weights), so the
+    bound is that of the dense 4-bit files."""
+    from gguf import GGMLQuantizationType
+    qt = getattr(GGMLQuantizationType, qtype)
+    lm, reference = lfm2_in_blocks(tmp_path, qt), lfm2_in_blocks(tmp_path, qt)
+    for m in (lm, reference):
+        models.use_int8_inputs(m.model, int8)
+    assert cpu_step.supports(lm.model)
+    on, per_linear = lfm2_session(lm, "on"), lfm2_session(reference, "auto", whole=False)
+    assert isinstance(on._step_fn, cpu_step.CpuStep) and per_linear._step_fn is reference.model
+    assert reference.model.cpu_block_kernels and on.state.kv(1)[0].dtype == torch.float16
+    prompt, tokens = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+    (got, got_w), (want, want_w) = lfm2_steps(on, prompt, tokens), lfm2_steps(per_linear, prompt, tokens)
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+    # the first conv layer reads the same inputs through the same kernels on both sides: the same
+    # window; the later ones read a stream that passed the fp16 cache (and, with int8 inputs, its
+    # roundings)
+    assert torch.equal(got_w[0], want_w[0])
+    assert all(float((a - b).abs().max()) <= 0.02 * float(b.abs().max()) for a, b in zip(got_w, want_w))
+
+
 def sharp_qwen2_gguf(tmp_path, **over) -> str:
     """A tiny Qwen2 as Q4_1 GGUF with q and k scaled up: sharper attention, so an error in it
     moves the logits visibly."""

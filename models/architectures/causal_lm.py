@@ -40,17 +40,25 @@ class CausalLM(nn.Module):
     # whether the last cpu_decode_step attached the C++ library's per-linear kernels (GGUF blocks)
     cpu_block_kernels = False
 
+    def offers_cpu_step(self) -> bool:
+        """Whether the whole-step C++ kernel knows this architecture (llama.py's dense models and
+        LFM2 say so; the kernel then checks the weights it would read)."""
+        return False
+
     def cpu_decode_step(self, dtype):
-        """None: no whole-step C++ kernel for this architecture (llama.py's dense models have
-        one); its GGUF blocks on the CPU take the library's per-linear kernels instead, attached
-        here (`cpu_block_kernels` says whether). Raises kernels.CpuStepUnavailable where they
-        would serve but the library cannot be built or loaded here."""
+        """The C++ one-token step (models/kernels/cpu/) where it serves this model, else None:
+        its GGUF blocks on the CPU then take the library's per-linear kernels, attached here
+        (`cpu_block_kernels` says whether). Raises kernels.CpuStepUnavailable where either would
+        serve but the library cannot be built or loaded here."""
+        step = kernels.cpu_decode_step(self, dtype) if self.offers_cpu_step() else None
+        if step is not None:
+            return step
         self.cpu_block_kernels = kernels.cpu_block_kernels(self, dtype)
         return None
 
     def cpu_step_serves(self, dtype) -> bool:
-        """Whether decode in `dtype` would run C++ kernels (built or not yet)."""
-        return kernels.cpu_blocks_served(self, dtype)
+        """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""
+        return (self.offers_cpu_step() and kernels.cpu_step_serves(self, dtype)) or kernels.cpu_blocks_served(self, dtype)
 
     def cpu_kernels_off(self) -> None:
         """The per-linear kernels detached (a session with cpu_kernel off)."""

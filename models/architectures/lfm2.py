@@ -137,6 +137,9 @@ class Lfm2ForCausalLM(CausalLM):
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
 
+    def offers_cpu_step(self) -> bool:
+        return True  # (the C++ step runs the conv layers too)
+
     def state_spec(self):
         c = self.config
         return [AttentionState(c.num_kv_heads, c.head_dim) if layer.attention else layer.conv.state()

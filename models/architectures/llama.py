@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .. import kernels
 from ..sharding import Plan, Split, divisible, expert_splits
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, qruns
 from .causal_lm import Body, CausalLM
@@ -141,16 +140,8 @@ class LlamaForCausalLM(CausalLM):
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling))
 
-    def cpu_decode_step(self, dtype):
-        """The C++ one-token step (models/kernels/cpu/) where it serves this model (no MoE MLP),
-        else None, the GGUF blocks then read by the library's per-linear kernels (CausalLM's).
-        Raises kernels.CpuStepUnavailable where it would serve but cannot be built or loaded here."""
-        cpu_step = None if self.config.moe_layers else kernels.cpu_decode_step(self, dtype)
-        return cpu_step if cpu_step is not None else super().cpu_decode_step(dtype)
-
-    def cpu_step_serves(self, dtype) -> bool:
-        """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""
-        return (not self.config.moe_layers and kernels.cpu_step_serves(self, dtype)) or super().cpu_step_serves(dtype)
+    def offers_cpu_step(self) -> bool:
+        return not self.config.moe_layers  # (the C++ step has no MoE MLP)
 
     def pads_prefill(self, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         """Whether a prefill may run padded to a length bucket (CausalLM.forward's `last`;

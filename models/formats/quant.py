@@ -223,13 +223,14 @@ class Q8Linear(nn.Module):
         return (QuantTensor("q4", u >> 4, 16.0 * qt.scale, -128.0 * qt.scale),
                 QuantTensor("q4", u & 0x0F, qt.scale, np.zeros_like(qt.scale)))
 
-    # An fp32 form of this product, `fn(x, codes, scale)`, set by a kernel that provides one (the
+    # An fp32 form of this product, `fn(x, codes, scale, int8)`, set by a kernel that provides one (the
     # C++ CPU step, when a session decodes with it: its prefill and its steps then share it).
     fp32_kernel = None
+    int8_inputs = False  # x rounded to int8 in fp32_kernel first, as llama.cpp rounds it (use_int8_inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
-            return self.fp32_kernel(x.contiguous(), self.codes, self.scale)
+            return self.fp32_kernel(x.contiguous(), self.codes, self.scale, self.int8_inputs)
         return self.hi(x) + self.lo(x)  # (each plane's sums rounded to bf16 by the int4 kernel)
 
 
@@ -684,15 +685,16 @@ class BlockEmbedding(nn.Module):
 
 
 def use_int8_inputs(model: nn.Module, on: bool) -> int:
-    """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks, round its
-    input rows to int8 first, as llama.cpp's CPU kernels round theirs for that type (K-quants per
-    256 inputs, the 32-weight types per 32; models/kernels/cpu/blocks_int8.h), decode's rows and
+    """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks (a Q8_0 head
+    as Q8Linear holds it included), round its input rows to int8 first, as llama.cpp's CPU kernels
+    round theirs for that type (K-quants per 256 inputs, the 32-weight types per 32;
+    models/kernels/cpu/blocks_int8.h), decode's rows and
     prefill's alike, or (off) take decode's rows in fp32 and prefill's through the dequantized fp32
     GEMM. Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
     n = 0
     for m in model.modules():
         if isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or \
-                isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda:
+                isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda or isinstance(m, Q8Linear):
             m.int8_inputs = on
             n += 1
     model.cpu_int8 = on and n > 0  # (what the session's decode_path reports)

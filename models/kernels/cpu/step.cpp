@@ -1,5 +1,6 @@
-// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2, Qwen3) for one token, every
-// layer in one call: the contract is in cpu_step.py, which builds and loads this file.
+// The CPU decode step of a dense GQA transformer (Llama / SmolLM2, Qwen2, Qwen3), or of LFM2 (its
+// short-convolution layers between GQA ones), for one token, every layer in one call: the contract
+// is in cpu_step.py, which builds and loads this file.
 //
 // Why C++: on a small model the eager torch step is bound by per-op overhead (~400 small ops a
 // step on SmolLM2, 21-25 ms against 8 ms of matmul). Here the matmuls stay torch's kernels (the
@@ -648,16 +649,21 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
 }
 
 // Over an fp32 cache: up to this many live slots the attention runs as per-head loops, above it as
-// torch's batched GEMMs, which read a long cache faster. An fp16 cache (head sizes a multiple of 16,
-// up to 256) takes attend_long at any length, as fast as the loops on short ones (bench/RESULTS.md,
-// "Measurements behind the kernels' design").
+// torch's batched GEMMs, which read a long cache faster. An fp16 cache (head sizes a multiple of
+// kFlashLanes, up to 256; AVX-512, or AVX2 with FMA and F16C) takes attend_long at any length, as
+// fast as the loops on short ones (bench/RESULTS.md, "Measurements behind the kernels' design").
 constexpr int64_t kLoopSlots = 256;
 
-// Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 exists; the
+// Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 or F16C exists; the
 // rounding is to nearest even, as Tensor.to does).
 #if defined(__AVX512F__)
 inline __m512 load16(const at::Half* p) {  // 16 fp16 -> 16 fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+inline __m256 load8(const at::Half* p) {  // 8 fp16 -> 8 fp32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
@@ -667,6 +673,9 @@ inline void load_row(const at::Half* src, float* dst, int64_t n) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 #endif
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 inline void store_row(const float* src, at::Half* dst, int64_t n) {
@@ -675,6 +684,11 @@ inline void store_row(const float* src, at::Half* dst, int64_t n) {
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
   for (; i < n; ++i) dst[i] = at::Half(src[i]);
 }
@@ -711,6 +725,10 @@ void attend_short(const float* q, const T* kc, const T* vc, int64_t ks, int64_t 
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define CHAT_FLASH_DECODE 1
+#endif
+
 #if defined(__AVX512F__)
 // exp over 16 lanes (Cephes' expf: 2^n e^r with |r| <= ln2/2 and a degree-7 polynomial, within
 // ~1 ulp), for the long attention's softmax, where the per-score call of std::exp would cost more
@@ -733,6 +751,9 @@ inline __m512 exp16(__m512 x) {
 
 inline __mmask16 lanes_left(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
+#endif
+
+#if defined(CHAT_FLASH_DECODE)
 // An fp16 cache (flash decoding): the live slots split in fixed blocks, one block of one KV head per
 // work item on torch's threads; a work item reads each key row once for the `group` query heads
 // sharing it and leaves, per head, its block's softmax pieces: the max score m, the sum l of
@@ -746,18 +767,35 @@ constexpr int64_t kSlotBlock = 256;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kAhead = 16;
 
-template <int NV>  // D = 16 NV
+#if defined(__AVX512F__)
+constexpr int64_t kFlashLanes = 16;
+#else
+constexpr int64_t kFlashLanes = 8;
+#endif
+
+// A block's first kAhead key rows towards L1, before its scores
+inline void prefetch_keys(const at::Half* keys, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
+    for (int64_t l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+}
+// At row j's score: the key row kAhead on, and row j's values
+inline void prefetch_rows(const at::Half* keys, const at::Half* values, int64_t j, int64_t D) {
+  for (int64_t l = 0; l < D * 2; l += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int NV>  // D = 16 NV (AVX-512)
 void attend_block(const float* q, const at::Half* keys, const at::Half* values, int64_t n, int64_t group,
                   float scale, float* part) {
   constexpr int D = NV * 16;
   alignas(64) float sc[kMaxGroup][kSlotBlock];
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j)
-    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(reinterpret_cast<const char*>(keys + j * D) + l, _MM_HINT_T0);
+  prefetch_keys(keys, n, D);
   for (int64_t j = 0; j < n; ++j) {  // scores: each key row widened once, for all the group's queries
-    for (int l = 0; l < D * 2; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + kAhead) * D) + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + j * D) + l, _MM_HINT_T0);
-    }
+    prefetch_rows(keys, values, j, D);
     __m512 k[NV];
     for (int i = 0; i < NV; ++i) k[i] = load16(keys + j * D + 16 * i);
     for (int64_t g = 0; g < group; ++g) {
@@ -793,14 +831,98 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
   }
 }
 
-// Whether attend_long takes these sizes.
-bool long_fits(int64_t D, int64_t group) { return D % 16 == 0 && D <= 256 && group <= kMaxGroup; }
+#endif
 
-// attend_block for D = 16 nv, nv = 1..16
+#if defined(CHAT_FLASH_DECODE) && !defined(__AVX512F__)
+// The same work item with AVX2, FMA and F16C (8 lanes): exp8 is exp16's polynomial, 2^n made in the
+// exponent bits (no scalef); the sums are the AVX-512 form's in another lane order.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline __m256 exp8(__m256 x) {  // x <= 0 (a score less the block's max)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // (so 2^n below stays a normal number)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+// all ones in the lanes i < n of 8
+inline __m256 lanes_left8(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+template <int NV>  // D = 8 NV (AVX2)
+void attend_block(const float* q, const at::Half* keys, const at::Half* values, int64_t n, int64_t group,
+                  float scale, float* part) {
+  constexpr int D = NV * 8;
+  alignas(32) float sc[kMaxGroup][kSlotBlock];
+  prefetch_keys(keys, n, D);
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_rows(keys, values, j, D);
+    __m256 k[NV];
+    for (int i = 0; i < NV; ++i) k[i] = load8(keys + j * D + 8 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), k[0]);
+      for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * i), k[i], a);
+      sc[g][j] = hsum8(a) * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; c += 8)  // (the lanes past n: -inf)
+      mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(sc[g] + c), lanes_left8(n - c)));
+    const float m = hmax8(mv);
+    __m256 lv = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 8) {  // exp(score - m) in place, and their sum (the lanes past n: 0)
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_load_ps(sc[g] + c), _mm256_set1_ps(m))),
+                                     lanes_left8(n - c));
+      _mm256_store_ps(sc[g] + c, e);
+      lv = _mm256_add_ps(lv, e);
+    }
+    float* o = part + g * (D + 2);
+    for (int i0 = 0; i0 < NV; i0 += 8) {  // 8 vectors of the head at a time: their sums in registers
+      const int nv = std::min(8, NV - i0);
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 e = _mm256_set1_ps(sc[g][j]);
+        const at::Half* vr = values + j * D + 8 * i0;
+        for (int i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(e, load8(vr + 8 * i), acc[i]);
+      }
+      for (int i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * (i0 + i), acc[i]);
+    }
+    o[D] = m;
+    o[D + 1] = hsum8(lv);
+  }
+}
+#endif
+
+#if defined(CHAT_FLASH_DECODE)
+// Whether attend_long takes these sizes.
+bool long_fits(int64_t D, int64_t group) { return D % kFlashLanes == 0 && D <= 256 && group <= kMaxGroup; }
+
+// attend_block for D = kFlashLanes nv, nv = 1..256 / kFlashLanes
 template <int NV = 1>
 void attend_block_nv(int64_t nv, const float* q, const at::Half* keys, const at::Half* values, int64_t n,
                      int64_t group, float scale, float* part) {
-  if constexpr (NV <= 16) {
+  if constexpr (NV <= 256 / kFlashLanes) {
     if (nv == NV) return attend_block<NV>(q, keys, values, n, group, scale, part);
     attend_block_nv<NV + 1>(nv, q, keys, values, n, group, scale, part);
   }
@@ -818,7 +940,7 @@ void attend_long(const float* q, const at::Half* kc, const at::Half* vc, int64_t
       const float* qg = q + kv * group * D;
       const at::Half* keys = kc + kv * ks + s0 * D;
       const at::Half* values = vc + kv * vs + s0 * D;
-      attend_block_nv(D / 16, qg, keys, values, n, group, scale, part + (b * H + kv * group) * (D + 2));
+      attend_block_nv(D / kFlashLanes, qg, keys, values, n, group, scale, part + (b * H + kv * group) * (D + 2));
     }
   });
   for (int64_t h = 0; h < H; ++h) {  // the merge: blocks rescaled to the largest max, in block order
@@ -846,7 +968,7 @@ void attend(const float* q, const Tensor& kc, const Tensor& vc, int64_t live, in
   const T* kcp = kc.data_ptr<T>();
   const T* vcp = vc.data_ptr<T>();
   const int64_t ks = kc.stride(0), vs = vc.stride(0), group = H / KVH;
-#if defined(__AVX512F__)
+#if defined(CHAT_FLASH_DECODE)
   if constexpr (std::is_same_v<T, at::Half>) {
     if (long_fits(D, group)) {
       attend_long(q, kcp, vcp, ks, vs, live, H, group, D, scale, opt, attn.data_ptr<float>());
@@ -899,12 +1021,35 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, int
   return attn.view({H, D});
 }
 
+// LFM2's short convolution of one token, in place of attention: bcx [1, 3C] (in_proj's B, C, x'),
+// the window st [C, K-1] (the last K-1 of B x', oldest first) shifted by one in place, weight [C, K],
+// bias or null; y[c] = C[c] * (sum_j<K-1 st[c, j] w[c, j] + B[c] x'[c] w[c, K-1] + bias[c]), summed
+// in that order (causal_conv.conv_step's)
+void short_conv(const float* bcx, float* st, const float* w, const float* bias, int64_t C, int64_t K, float* y) {
+  const float* b = bcx;
+  const float* c = bcx + C;
+  const float* xv = bcx + 2 * C;
+  for (int64_t ch = 0; ch < C; ++ch) {
+    const float bx = b[ch] * xv[ch];
+    const float* wr = w + ch * K;
+    float* sr = st + ch * (K - 1);
+    float s = sr[0] * wr[0];
+    for (int64_t j = 1; j < K - 1; ++j) s += sr[j] * wr[j];
+    s += bx * wr[K - 1];
+    if (bias) s += bias[ch];
+    for (int64_t j = 0; j < K - 2; ++j) sr[j] = sr[j + 1];
+    sr[K - 2] = bx;
+    y[ch] = c[ch] * s;
+  }
+}
+
 // x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
-// the per-head q and k norm weights, o_proj, post norm weight, gate/up linears, down_proj;
-// caches: per layer k, v [KVH, S, D] fp32 or fp16; meta: H, KVH, D, rotary, qk_norm (0/1), then per
-// layer (qkv parts, gate/up parts). Returns the residual stream after the last layer, its last
-// branch added.
+// the per-head q and k norm weights, o_proj (a conv layer: in_proj, conv weight [C, K], conv bias
+// or None, out_proj), post norm weight, gate/up linears, down_proj; caches: per attention layer
+// k, v [KVH, S, D] fp32 or fp16, per conv layer its window [C, K-1] fp32; meta: H, KVH, D, rotary,
+// qk_norm (0/1), then per layer (qkv parts, 0 for a conv layer; gate/up parts). Returns the
+// residual stream after the last layer, its last branch added.
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps) {
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
@@ -921,24 +1066,40 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   Tensor attn = at::empty({1, H * D}, x.options());
   float* xs = x.data_ptr<float>();
   float* hs = h.data_ptr<float>();
-  int64_t at_ = 0;
+  int64_t at_ = 0, ci = 0;  // the next param, the next cache
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t qkv_parts = meta[5 + 2 * l], gu_parts = meta[6 + 2 * l];
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
-    Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
-    float* q = qkv.data_ptr<float>();
-    float* k = q + H * D;
-    const float* v = k + KVH * D;
-    if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
-      const float* qw = params.get(at_++).value().data_ptr<float>();
-      const float* kw = params.get(at_++).value().data_ptr<float>();
-      for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
-      for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
+    if (qkv_parts == 0) {  // a short-convolution layer (LFM2): in_proj, conv weight [C, K], bias, out_proj
+      Tensor bcx = linear(h, params, at_).contiguous();
+      const Tensor w = params.get(at_++).value();
+      const std::optional<Tensor> bias = params.get(at_++);
+      const Tensor& st = caches[ci++];
+      const int64_t C = w.size(0), K = w.size(1);
+      TORCH_CHECK(bcx.size(1) == 3 * C && st.is_contiguous() && st.scalar_type() == at::kFloat &&
+                      st.size(0) == C && st.size(1) == K - 1 && K >= 2,
+                  "cpu_step: a conv layer's in_proj, weight and window disagree");
+      Tensor y = at::empty({1, C}, x.options());
+      short_conv(bcx.data_ptr<float>(), st.data_ptr<float>(), w.data_ptr<float>(),
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr, C, K, y.data_ptr<float>());
+      Tensor o = linear(y, params, at_);
+      const float* op = o.data_ptr<float>();
+      for (int64_t i = 0; i < hidden; ++i) xs[i] += op[i];
+    } else {
+      Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
+      float* q = qkv.data_ptr<float>();
+      float* k = q + H * D;
+      const float* v = k + KVH * D;
+      if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
+        const float* qw = params.get(at_++).value().data_ptr<float>();
+        const float* kw = params.get(at_++).value().data_ptr<float>();
+        for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
+        for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
     }
     for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
     for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
-    const Tensor& kc = caches[2 * l];
-    const Tensor& vc = caches[2 * l + 1];
+    const Tensor& kc = caches[ci++];
+    const Tensor& vc = caches[ci++];
     if (kc.scalar_type() == at::kHalf)
       attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
     else
@@ -946,6 +1107,7 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     Tensor a = linear(attn, params, at_);
     const float* ap = a.data_ptr<float>();
     for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
+    }
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
     Tensor gu = linears(h, params, at_, gu_parts).contiguous();
     const int64_t ffn = gu.size(1) / 2;
@@ -959,10 +1121,26 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
 }
 
 // y = x W^T for W [N, K] in Q8_0 blocks (int8 codes, one fp32 scale per 32 of a row) and fp32 rows
-// x [T, K], in fp32 throughout: each block's 32 products summed, then scaled and added, in a fixed
-// order per output (the same bits on any thread count). The LM head of a GGUF with a Q8_0 table:
-// torch's int4 kernel (two 4-bit planes) rounds its sums to bf16, enough to flip a near tie.
-Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
+#if defined(CHAT_FLASH_DECODE) && !defined(__AVX512F__)
+inline __m256 i8x8_ps(const int8_t* p) {  // 8 int8 -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// y = x W^T for W in Q8_0 as quant.Q8Linear holds it (codes [N, K] int8, scale [N, K/32] fp32): the
+// LM head of a GGUF with a Q8_0 table (torch's int4 kernel, two 4-bit planes, rounds its sums to
+// bf16, enough to flip a near tie). x [T, K] in fp32 throughout: each block's 32 products summed,
+// then scaled and added, in a fixed order per output (the same bits on any thread count). int8
+// (`cpu_int8: on`): x~ W^T, x rounded as blocks_int8.h rounds it for Q8_0 blocks.
+// The head's rows come from DRAM (a vocabulary's worth each token): the row kHeadAhead on is
+// prefetched towards the caches while this one computes (4 or 8: 2.04-2.12 ms against 2.25 without,
+// SmolLM2's head with int8 inputs on 2 AVX2 threads)
+constexpr int64_t kHeadAhead = 4;
+inline void prefetch_row(const int8_t* row, int64_t K) {
+  for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(row + o, 0, 3);  // (_MM_HINT_T0's)
+}
+
+Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [T, K] fp32");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes [N, K] int8");
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
@@ -974,10 +1152,41 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  std::vector<float> xt;
+  if (int8) {  // x~: x rounded per 32 as Q8_0 (llama.cpp's vec_dot_type for Q8_0 weights)
+    const Int8Rows rows = quantize_rows(xp, T, K, kQ8_0);
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+    // llama.cpp's ggml_vec_dot_q8_0_q8_0: per block the integer sum of codes times q (the codes'
+    // magnitudes against q with their signs), times d dx in fp32, added in block order
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* c = cp + n * K;
+        const float* s = sp + n * nb;
+        if (n + kHeadAhead < n1) prefetch_row(c + kHeadAhead * K, K);
+        for (int64_t t = 0; t < T; ++t) {
+          const int8_t* q = rows.q.data() + t * K;
+          const float* dx = rows.dx.data() + t * nb;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t b = 0; b < nb; ++b) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * b));
+            const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[b] * dx[b]), _mm256_cvtepi32_ps(dot_signed(w, qv)), acc);
+          }
+          yp[t * N + n] = hsum(acc);
+        }
+      }
+    });
+    return y;
+#else
+    xt = dequantized_rows(rows, T);  // (no int8 dot product here: the fp32 sums below, on x~)
+    xp = xt.data();
+#endif
+  }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* c = cp + n * K;
       const float* s = sp + n * nb;
+      if (n + kHeadAhead < n1) prefetch_row(c + kHeadAhead * K, K);
       for (int64_t t = 0; t < T; ++t) {
         const float* xr = xp + t * K;
 #if defined(__AVX512F__)
@@ -990,6 +1199,18 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
           acc = _mm512_fmadd_ps(p, _mm512_set1_ps(s[b]), acc);
         }
         yp[t * N + n] = _mm512_reduce_add_ps(acc);
+#elif defined(CHAT_FLASH_DECODE)  // (AVX2, FMA, F16C)
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const int8_t* cb = c + b * 32;
+          const float* xb = xr + b * 32;
+          __m256 p = _mm256_mul_ps(i8x8_ps(cb), _mm256_loadu_ps(xb));
+          p = _mm256_fmadd_ps(i8x8_ps(cb + 8), _mm256_loadu_ps(xb + 8), p);
+          p = _mm256_fmadd_ps(i8x8_ps(cb + 16), _mm256_loadu_ps(xb + 16), p);
+          p = _mm256_fmadd_ps(i8x8_ps(cb + 24), _mm256_loadu_ps(xb + 24), p);
+          acc = _mm256_fmadd_ps(p, _mm256_set1_ps(s[b]), acc);
+        }
+        yp[t * N + n] = hsum8(acc);
 #else
         float acc[kLanes] = {0};
         for (int64_t b = 0; b < nb; ++b) {
@@ -1010,7 +1231,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale) {
 }  // namespace
 
 TORCH_LIBRARY(chat_cpu, m) {
-  m.def("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &q8_linear);
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scale, bool int8=False) -> Tensor", &q8_linear);
   m.def("block_linear(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear);
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);

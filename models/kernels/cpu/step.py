@@ -1,15 +1,17 @@
-"""The CPU decode step of dense GQA models in C++ (step.cpp), built once and cached.
+"""The CPU decode step of dense GQA models and LFM2 in C++ (step.cpp), built once and cached.
 
 Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
 blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers, written at the
 token's position), up to float summation order:
 tests/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
-the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms); `supports(model)`
-says.
+the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms) and LFM2 (its
+short-convolution layers update their conv window in the state in place, as the torch step
+does); `supports(model)` says.
 
 Why: the embedded SmolLM2's eager torch step is bound by the overhead of ~400 small ops (21-25 ms
 a step on 2 cores, of which the int4 matmuls are ~8 ms); this step runs them as loops in one call.
+LFM2's torch step spends ~40 small ops a layer around its block products (bench/RESULTS.md).
 
 The library is compiled with the system's C++ compiler on first use (~10-20 s, once) into
 $XDG_CACHE_HOME/chat (default ~/.cache/chat), named by a hash of the source, torch's and Python's
@@ -154,26 +156,42 @@ def _parts(module, fused: str, names: tuple[str, ...]) -> list:
     return [getattr(module, fused)] if hasattr(module, fused) else [getattr(module, n) for n in names]
 
 
+def _short_conv(layer):
+    """The layer's short convolution (LFM2's conv layers: in_proj, conv, out_proj), else None."""
+    return layer.conv if getattr(layer, "attention", True) is False and hasattr(layer, "conv") else None
+
+
 def _projections(layer) -> tuple[list, list]:
-    """A layer's q/k/v linears (one fused or three) and its gate/up linears (one fused or two)."""
-    return (_parts(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-            _parts(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj")))
+    """A layer's q/k/v linears (one fused or three; none in a conv layer) and its gate/up linears
+    (one fused or two)."""
+    qkv = [] if _short_conv(layer) else _parts(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+    return qkv, _parts(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
 def supports(model) -> bool:
-    """Whether a dense GQA model (Llama, Qwen2, Qwen3: the architectures that offer this step
-    ask) has the weights the step reads: 4-bit or fp32 linears, fp32 norms."""
+    """Whether a dense GQA model (Llama, Qwen2, Qwen3) or an LFM2 (the architectures that offer
+    this step ask) has the weights the step reads: 4-bit, GGUF-block or fp32 linears, fp32 norms
+    and conv weights."""
     cfg = model.config
     if cfg.head_dim > 512 or model.rope.rotary_dim % 2:
         return False
     for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
+        m, conv = layer.mlp, _short_conv(layer)
         qkv, gu = _projections(layer)
-        if not all(_linear_ok(x) for x in qkv + [a.o_proj] + gu + [m.down_proj]):
-            return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if cfg.qk_norm:
-            norms += [a.q_norm, a.k_norm]
+        if conv is not None:
+            mixer = [conv.in_proj, conv.out_proj]
+            if conv.conv.weight.dtype != torch.float32 or conv.kernel < 2 or \
+                    (conv.conv.bias is not None and conv.conv.bias.dtype != torch.float32):
+                return False
+        else:
+            if not hasattr(layer, "self_attn"):
+                return False
+            mixer = qkv + [layer.self_attn.o_proj]
+            if cfg.qk_norm:
+                norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+        if not all(_linear_ok(x) for x in mixer + gu + [m.down_proj]):
+            return False
         if any(n.weight.dtype != torch.float32 or n.offset != 0.0 or n.eps != cfg.rms_eps for n in norms):
             return False
     return isinstance(model.model.embed_tokens, (torch.nn.Embedding, Q8Embedding, BlockEmbedding))
@@ -271,14 +289,20 @@ class CpuStep:
         params: list[torch.Tensor | None] = []
         meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim, int(cfg.qk_norm)]
         for layer in model.model.layers:
-            a, m = layer.self_attn, layer.mlp
+            m, conv = layer.mlp, _short_conv(layer)
             qkv, gu = _projections(layer)
             params.append(layer.input_layernorm.weight)
-            for x in qkv:
-                params += _linear_params(x)
-            if cfg.qk_norm:
-                params += [a.q_norm.weight, a.k_norm.weight]
-            params += _linear_params(a.o_proj)
+            if conv is not None:  # (qkv parts 0 marks it in meta)
+                params += _linear_params(conv.in_proj)
+                params += [conv.conv.weight[:, 0].contiguous(), conv.conv.bias]
+                params += _linear_params(conv.out_proj)
+            else:
+                a = layer.self_attn
+                for x in qkv:
+                    params += _linear_params(x)
+                if cfg.qk_norm:
+                    params += [a.q_norm.weight, a.k_norm.weight]
+                params += _linear_params(a.o_proj)
             params.append(layer.post_attention_layernorm.weight)
             for x in gu:
                 params += _linear_params(x)
@@ -303,7 +327,8 @@ class CpuStep:
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
         if self._caches[0] is not state:  # the state's buffers never move: list them once
-            self._caches = (state, [t for i in range(len(model.model.layers)) for t in state.kv(i)])
+            self._caches = (state, [t for i, layer in enumerate(model.model.layers)
+                                    for t in ((state.fixed(i)["conv"],) if _short_conv(layer) else state.kv(i))])
         x = self.op(x, cos, sin, self.params, self._caches[1], self.meta, state.length, self.eps)
         return model.logits(x)
 
