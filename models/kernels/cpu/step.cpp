@@ -835,12 +835,8 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
 
 #if defined(CHAT_FLASH_DECODE) && !defined(__AVX512F__)
 // The same work item with AVX2, FMA and F16C (8 lanes): exp8 is exp16's polynomial, 2^n made in the
-// exponent bits (no scalef); the sums are the AVX-512 form's in another lane order.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+// exponent bits (no scalef); the sums are the AVX-512 form's in another lane order (hsum:
+// blocks_int8.h's).
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -881,7 +877,7 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
     for (int64_t g = 0; g < group; ++g) {
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), k[0]);
       for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * i), k[i], a);
-      sc[g][j] = hsum8(a) * scale;
+      sc[g][j] = hsum(a) * scale;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -909,7 +905,7 @@ void attend_block(const float* q, const at::Half* keys, const at::Half* values, 
       for (int i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * (i0 + i), acc[i]);
     }
     o[D] = m;
-    o[D + 1] = hsum8(lv);
+    o[D + 1] = hsum(lv);
   }
 }
 #endif
@@ -1095,18 +1091,18 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
         const float* kw = params.get(at_++).value().data_ptr<float>();
         for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
         for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
-    }
-    for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
-    for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
-    const Tensor& kc = caches[ci++];
-    const Tensor& vc = caches[ci++];
-    if (kc.scalar_type() == at::kHalf)
-      attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
-    else
-      attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
-    Tensor a = linear(attn, params, at_);
-    const float* ap = a.data_ptr<float>();
-    for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
+      }
+      for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
+      for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
+      const Tensor& kc = caches[ci++];
+      const Tensor& vc = caches[ci++];
+      if (kc.scalar_type() == at::kHalf)
+        attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+      else
+        attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+      Tensor a = linear(attn, params, at_);
+      const float* ap = a.data_ptr<float>();
+      for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
     }
     rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
     Tensor gu = linears(h, params, at_, gu_parts).contiguous();
@@ -1210,7 +1206,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
           p = _mm256_fmadd_ps(i8x8_ps(cb + 24), _mm256_loadu_ps(xb + 24), p);
           acc = _mm256_fmadd_ps(p, _mm256_set1_ps(s[b]), acc);
         }
-        yp[t * N + n] = hsum8(acc);
+        yp[t * N + n] = hsum(acc);
 #else
         float acc[kLanes] = {0};
         for (int64_t b = 0; b < nb; ++b) {
