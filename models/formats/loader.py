@@ -365,10 +365,13 @@ def repack_for_cuda(model: torch.nn.Module) -> None:
 
 
 def fuse(model: torch.nn.Module) -> None:
-    """Concatenate projections that read the same input, once, after the weights are in place."""
-    for m in list(model.modules()):
-        if hasattr(m, "fuse"):
-            m.fuse()
+    """Concatenate projections that read the same input, once, after the weights are in place.
+    Layer by layer: only the modules that fuse are held while it runs, so each module's parts are
+    freed as soon as their fused form replaces them, and the peak is the weights plus one module's
+    fused matrices, not a second copy of the model (tests/test_load_memory.py)."""
+    fusers = [m for m in model.modules() if hasattr(m, "fuse")]
+    for m in fusers:
+        m.fuse()
 
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
