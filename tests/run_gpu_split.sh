@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU suite with the embedded model's GGUF, in six pytest processes side by side on one
-# device (tests/test_gpu.py apart from the other files since 2026-12-02: together they ran past
-# 560 s on a slower host, bench/RESULTS.md set Y; the quantized GEMV files apart too, later that day:
-# with them the first process ran past 480 s, set AG):
-#   tests/run_gpu_split.sh MODEL.gguf [seconds each may take, 300 by default]
-# Each process writes its output to $OUT/gpu-N.txt (or gpu-logs/ where OUT is unset); the last
+# The whole GPU suite with the embedded model's GGUF in one device call: the gpu-marked tests in
+# fifteen pytest processes side by side on one device, sharded by test file (the broad set in
+# four, the quantized GEMV files in four, tests/test_gpu.py in two) and test_replay_devices.py by
+# test function (its two recording tests are the longest single items):
+#   tests/run_gpu_split.sh MODEL.gguf [seconds each may take, 530 by default]
+# Each process writes its output to $OUT/NAME.txt (or gpu-logs/ where OUT is unset); the last
 # lines of each are printed at the end, and the exit status is 1 where any process failed.
 set -u
 cd "$(dirname "$0")/.."
@@ -12,22 +12,36 @@ cd "$(dirname "$0")/.."
 bash tests/run_gpu.sh "$1" --co -q tests/test_gpu_real.py > /dev/null  # wheels installed, the model linked
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CHAT_TEST_GGUF=$(realpath "$1")
 logs=${OUT:-gpu-logs}; mkdir -p "$logs"
-T=${2:-300}
+T=${2:-530}
 P="python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
 Q="tests/test_qplanar.py tests/test_qruns.py tests/test_quant_cuda.py tests/test_quant_kernels.py"
-(timeout "$T" $P --ignore=tests/test_gpu_real.py --ignore=tests/test_replay_devices.py \
-   --ignore=tests/test_constraints_gpu.py --ignore=tests/test_gpu.py $(printf -- '--ignore=%s ' $Q) tests/ \
-   > "$logs/gpu-1.txt" 2>&1; echo "rc $?" >> "$logs/gpu-1.txt") &
-(timeout "$T" $P $Q > "$logs/gpu-6.txt" 2>&1; echo "rc $?" >> "$logs/gpu-6.txt") &
-(timeout "$T" $P tests/test_gpu.py > "$logs/gpu-5.txt" 2>&1; echo "rc $?" >> "$logs/gpu-5.txt") &
-(timeout "$T" $P tests/test_gpu_real.py -k "capital or piped" > "$logs/gpu-2.txt" 2>&1
- echo "rc $?" >> "$logs/gpu-2.txt") &
-(timeout "$T" $P tests/test_gpu_real.py tests/test_constraints_gpu.py -k "run_then_replay or test_constraints_gpu" \
-   > "$logs/gpu-3.txt" 2>&1; echo "rc $?" >> "$logs/gpu-3.txt") &
-(timeout "$T" $P tests/test_replay_devices.py > "$logs/gpu-4.txt" 2>&1; echo "rc $?" >> "$logs/gpu-4.txt") &
+APART="tests/test_gpu_real.py tests/test_replay_devices.py tests/test_constraints_gpu.py tests/test_gpu.py $Q"
+
+run() {  # run NAME PYTEST-ARGS...: one process, its log and its exit status in $logs/NAME.txt
+  local name=$1; shift
+  (timeout "$T" $P "$@" > "$logs/$name.txt" 2>&1; echo "rc $?" >> "$logs/$name.txt") &
+}
+
+shard() {  # shard NAME N PYTEST-ARGS...: the files holding gpu-marked tests, round-robin over N processes
+  local name=$1 n=$2; shift 2
+  local files
+  files=$($P --co "$@" 2>/dev/null | grep '::' | cut -d: -f1 | uniq)
+  for ((i = 0; i < n; i++)); do
+    run "$name-$i" $(echo "$files" | awk -v n="$n" -v i="$i" 'NF && (NR - 1) % n == i')
+  done
+}
+
+shard gpu-1 4 $(printf -- '--ignore=%s ' $APART) tests/
+shard gpu-6 4 $Q
+shard gpu-5 2 tests/test_gpu.py
+run gpu-2 tests/test_gpu_real.py -k "capital or piped"
+run gpu-3 tests/test_gpu_real.py tests/test_constraints_gpu.py -k "run_then_replay or test_constraints_gpu"
+for k in same_logits bf16_recording cpu_recordings; do
+  run "gpu-4-$k" tests/test_replay_devices.py -k "$k"
+done
 wait
 status=0
-for f in "$logs"/gpu-[1-6].txt; do
+for f in "$logs"/gpu-*.txt; do
   echo "== $(basename "$f"): $(grep -E '(passed|failed|error)' "$f" | tail -1)"
   grep -E '^(FAILED|ERROR) ' "$f"
   [ "$(tail -1 "$f")" = "rc 0" ] || status=1
