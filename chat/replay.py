@@ -22,7 +22,8 @@ from engine import reference
 from engine.config import ConfigError, SamplingConfig, build
 
 from .commands import SETTABLE
-from .transcript import UNSET, Event, Transcript, TranscriptError, cpu_isa, result_dict, stated_format
+from .transcript import (UNSET, Event, Transcript, TranscriptError, check_vocabulary, cpu_isa, result_dict,
+                         stated_format)
 from .turn import TurnResult
 
 
@@ -228,6 +229,7 @@ def _other_cpu_note(controller, recording: Transcript) -> str | None:
 def replay(controller, recording: Transcript, runs: int, on_chunk=None, tolerance: float | None = None) -> ReplayResult:
     """A cold run on a fresh session, then `runs` more on the same reused session; teacher-forced
     with a tolerance. Raises the first Divergence."""
+    check_vocabulary(recording, controller.session.vocab_size)  # (a bad file, before any run)
     controller.reset()
     initial = controller.settings
     near: list[NearTie] = []

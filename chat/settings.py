@@ -3,7 +3,8 @@
 Precedence, lowest first: the defaults (identical to the repo's config.yaml, a test checks), a user
 file (--config PATH, $CHAT_CONFIG, or $XDG_CONFIG_HOME/chat/config.yaml), CHAT_<KEY> environment
 variables, then --<key> flags. Keys are unique across sections, so each maps one to one to a flag
-and a variable. YAML is read with safe_load; errors name the file, line, key and allowed values.
+and a variable. YAML is read as safe_load reads it, a duplicate key refused (chat/yaml_lines.py); errors name the
+file and line (or the variable, or the flag), the key and the allowed values.
 """
 from __future__ import annotations
 
@@ -13,23 +14,28 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from engine.config import (ConfigError, EngineConfig, SamplingConfig, _Validated, _bool, _choice, _int, _str, build,
-                           setting)
+from engine.config import (ConfigError, EngineConfig, SamplingConfig, _Validated, _bool, _choice, _int, _path, _str,
+                           build, key_text, setting)
+
+from . import yaml_lines
+from .yaml_lines import YamlShapeError
 
 
 @dataclass(frozen=True)
 class UIConfig(_Validated):
-    system_prompt: str = setting("", _str())
+    system_prompt: str = setting("", _str(1 << 20, "text of at most 1048576 characters"))
     markdown: bool = setting(True, _bool())
     show_stats: bool = setting(True, _bool())
     color: str = setting("auto", _choice("auto", "always", "never"))
-    history_file: str = setting("", _str())
-    conversations_dir: str = setting("", _str())
-    keep_conversations: int = setting(100, _int(0, allowed="0 (save none) or how many to keep"))
+    history_file: str = setting("", _path("a file path, or \"\" for $XDG_STATE_HOME/chat/history"))
+    conversations_dir: str = setting("", _path("a directory, or \"\" for $XDG_STATE_HOME/chat/conversations"))
+    keep_conversations: int = setting(100, _int(0, 1_000_000, "0 (save none) or how many to keep, up to 1000000"))
 
 
 SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig, "ui": UIConfig}
 KEY_SECTION = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+# what `/set` and a transcript's `set` may change: the rest shapes the loaded model and session
+SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,23 @@ class Settings:
     def with_value(self, key: str, raw) -> "Settings":
         """One key changed (validated), e.g. from `/set temperature 0.2`."""
         if key not in KEY_SECTION:
-            raise ConfigError(f"{key}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
+            raise ConfigError(f"{key_text(key)}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
         section = KEY_SECTION[key]
         current = dataclasses.asdict(getattr(self, section))
         current[key] = raw
         return dataclasses.replace(self, **{section: build(SECTIONS[section], current, section)})
+
+
+def check_settable(values: dict) -> None:
+    """Each of `values` (a transcript's `set`, its sampling header, a /set line) is a settable key
+    with a value in its domain; raises ConfigError naming the first that is not."""
+    if not isinstance(values, dict):
+        raise ConfigError("settings must be a mapping of keys to values")
+    for key, value in values.items():
+        if key not in SETTABLE:
+            raise ConfigError(f"'{key_text(key)}' cannot be set here (settable: {', '.join(SETTABLE)})",
+                              key if isinstance(key, str) else None)
+        Settings().with_value(key, value)
 
 
 def default_config_path() -> str | None:
@@ -64,16 +82,19 @@ YAML_ERRORS = (yaml.YAMLError, ValueError, TypeError, RecursionError, UnicodeDec
 def yaml_error_message(path: str, e: BaseException) -> str:
     """One line naming the file and, when PyYAML knows it, the line."""
     mark = getattr(e, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}" if mark else path
+    line = mark.line + 1 if mark else getattr(e, "line", None)
+    where = f"{path}:{line}" if line else path
     if isinstance(e, yaml.YAMLError):
         return " ".join(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}".split())
-    return " ".join(f"{where}: unreadable YAML: {e}".split())
+    if isinstance(e, YamlShapeError):
+        return " ".join(f"{where}: {e}".split())
+    return " ".join(f"{where}: unreadable YAML: {str(e)[:200]}".split())
 
 
 def read_yaml(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml_lines.load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
     except YAML_ERRORS as e:
@@ -87,27 +108,39 @@ def read_yaml(path: str) -> dict:
 
 def load_settings(config_path: str | None = None, env: dict | None = None,
                   overrides: dict | None = None) -> Settings:
+    """The settings from the defaults, the user file, CHAT_* variables and flags (`overrides`, keyed
+    by setting). A bad value is an error naming where it came from: the file and line, the
+    variable, or the flag."""
     env = os.environ if env is None else env
     values: dict[str, dict] = {name: {} for name in SECTIONS}
+    origin: dict[str, str] = {}  # key -> where its value came from
     path = config_path or default_config_path()
     if path:
-        for section, body in read_yaml(path).items():
+        data = read_yaml(path)
+        for section, body in data.items():
+            line = data.key_lines.get(section, 1) if isinstance(data, yaml_lines.LineDict) else 1
             if section not in SECTIONS:
-                raise ConfigError(f"{path}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+                raise ConfigError(f"{path}:{line}: unknown section {key_text(section)}; known: {', '.join(SECTIONS)}")
             if body is None:
                 continue
             if not isinstance(body, dict):
-                raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+                raise ConfigError(f"{path}:{line}: section {section!r} must be a mapping of keys to values")
+            for key in body:
+                where = body.key_lines.get(key, line) if isinstance(body, yaml_lines.LineDict) else line
+                origin[key] = f"{path}:{where}"
             values[section].update(body)
     for key, section in KEY_SECTION.items():
         var = f"CHAT_{key.upper()}"
         if var in env:
             values[section][key] = env[var]
+            origin[key] = var
     for key, raw in (overrides or {}).items():
         if key not in KEY_SECTION:
-            raise ConfigError(f"{key}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
+            raise ConfigError(f"{key_text(key)}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
         values[KEY_SECTION[key]][key] = raw
+        origin[key] = f"--{key.replace('_', '-')}"
     try:
         return Settings(**{name: build(cls, values[name], name) for name, cls in SECTIONS.items()})
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        source = origin.get(e.key) if isinstance(e.key, str) else None
+        raise ConfigError(f"{source}: {e}" if source else str(e), e.key) from None

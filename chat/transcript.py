@@ -17,8 +17,11 @@ generated ids, the text, the finish reason, the seed and the sampling settings i
       - command: /undo                                     # /undo /retry /reset /system /set
         output_format: {regex: "[0-9]+"}                   # optional: the output format from here on
 A recording without `sampler` predates the field and replays with version 1, the sampler that
-made it. Files are read with safe_load and written atomically; every problem is a
-`TranscriptError` naming the file and line.
+made it. Files are read as safe_load reads them (a duplicate key refused) and written atomically.
+A transcript is validated whole before anything runs (`parse`): its keys and types, the order of
+its events (no /undo or /retry before a turn), every setting against its domain, seeds and token
+ids in range; `check_vocabulary` adds the model's vocabulary once a model is loaded. Every problem
+is a `TranscriptError` naming the file, the line and the field.
 """
 from __future__ import annotations
 
@@ -30,14 +33,17 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from engine.config import SEED_MAX, ConfigError, quote
 from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
+from . import yaml_lines
 from .constraints import ConstraintError, Format, from_yaml
-from .settings import YAML_ERRORS, yaml_error_message
+from .settings import YAML_ERRORS, check_settable, yaml_error_message
 
 FORMAT, VERSION = "chat-transcript", 1
 SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set")
 RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
+TOKEN_ID_MAX = 2**31 - 1  # (no vocabulary is larger; `check_vocabulary` then checks the model's own)
 
 
 class TranscriptError(ValueError):
@@ -45,33 +51,6 @@ class TranscriptError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
-
-
-# --- reading with line numbers -----------------------------------------------------------------
-
-class _LineDict(dict):
-    line = 0
-
-
-class _LineLoader(yaml.SafeLoader):
-    pass
-
-
-def _construct_mapping(loader, node):
-    loader.flatten_mapping(node)
-    d = _LineDict()
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            hash(key)
-        except TypeError:
-            raise TranscriptError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain value") from None
-        d[key] = loader.construct_object(value_node, deep=True)
-    d.line = node.start_mark.line + 1
-    return d
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 UNSET = "unset"  # an event without `format`: the format stays as it was
@@ -122,7 +101,12 @@ def _err(path: str, line: int, message: str) -> TranscriptError:
 
 
 def _int_list(value) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= TOKEN_ID_MAX
+                                           for v in value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_event(path: str, raw, index: int) -> Event:
@@ -132,7 +116,7 @@ def _check_event(path: str, raw, index: int) -> Event:
     known = {"user", "command", "set", "output_format", *RESULT_KEYS}
     for key in raw:
         if key not in known:
-            raise _err(path, line, f"event {index + 1}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+            raise _err(path, line, f"event {index + 1}: unknown key {quote(key)} (known: {', '.join(sorted(known))})")
     has_user, has_cmd = "user" in raw, "command" in raw
     if has_user == has_cmd:
         raise _err(path, line, f"event {index + 1} needs exactly one of 'user' or 'command'")
@@ -146,11 +130,22 @@ def _check_event(path: str, raw, index: int) -> Event:
         if not isinstance(cmd, str) or cmd.split(" ", 1)[0] not in SCRIPT_COMMANDS:
             raise _err(path, line, f"event {index + 1}: command must be one of {', '.join(SCRIPT_COMMANDS)}")
         ev.command = cmd.strip()
+        name, _, arg = ev.command.partition(" ")
+        if name == "/set":
+            key, _, value = arg.strip().partition(" ")
+            if not key or not value.strip():
+                raise _err(path, line, f"event {index + 1}: usage: /set KEY VALUE")
+            _settings(path, line, {key: value.strip()}, f"event {index + 1}: /set: ")
+        elif name == "/system":
+            _settings(path, line, {"system_prompt": arg}, f"event {index + 1}: /system: ")
+        elif arg.strip():
+            raise _err(path, line, f"event {index + 1}: {name} takes no argument")
     if "output_format" in raw:
         ev.format = _format(path, line, raw["output_format"], f"event {index + 1}: ")
     if "set" in raw:
         if not isinstance(raw["set"], dict):
             raise _err(path, line, f"event {index + 1}: 'set' must be a mapping of settings")
+        _settings(path, getattr(raw["set"], "line", line), raw["set"], f"event {index + 1}: set: ")
         ev.set = dict(raw["set"])
     present = [k for k in RESULT_KEYS if k in raw]
     if present:
@@ -160,20 +155,68 @@ def _check_event(path: str, raw, index: int) -> Event:
                                    f"{', '.join(RESULT_KEYS)}"
                        + (f" (missing {', '.join(missing)})" if missing else ""))
         r = raw
-        checks = [(_int_list(r["prompt_ids"]) and r["prompt_ids"], "prompt_ids must be a non-empty list of token ids"),
-                  (_int_list(r["generated_ids"]), "generated_ids must be a list of token ids"),
-                  (isinstance(r["reused"], int) and not isinstance(r["reused"], bool) and r["reused"] >= 0,
-                   "reused must be a count >= 0"),
-                  (isinstance(r["seed"], int) and not isinstance(r["seed"], bool) and r["seed"] >= 0,
-                   "seed must be an integer >= 0"),
+        checks = [(_int_list(r["prompt_ids"]) and r["prompt_ids"],
+                   f"prompt_ids must be a non-empty list of token ids in [0, {TOKEN_ID_MAX}]"),
+                  (_int_list(r["generated_ids"]), f"generated_ids must be a list of token ids in [0, {TOKEN_ID_MAX}]"),
+                  (_count(r["reused"]) and (not _int_list(r["prompt_ids"]) or r["reused"] <= len(r["prompt_ids"])),
+                   "reused must be a count >= 0, at most the prompt's length"),
+                  (_count(r["seed"]) and r["seed"] <= SEED_MAX, f"seed must be an integer in [0, {SEED_MAX}]"),
                   (isinstance(r["text"], str), "text must be a string"),
-                  (isinstance(r["finish_reason"], str), "finish_reason must be a string"),
+                  (isinstance(r["finish_reason"], str) and len(r["finish_reason"]) <= 32,
+                   "finish_reason must be a short string"),
                   (isinstance(r["sampling"], dict), "sampling must be a mapping")]
         for ok, message in checks:
             if not ok:
                 raise _err(path, line, f"event {index + 1}: {message}")
+        _recorded_sampling(path, line, r["sampling"], f"event {index + 1}: sampling: ")
         ev.result = {k: raw[k] for k in RESULT_KEYS}
     return ev
+
+
+def _settings(path: str, line: int, values: dict, what: str) -> None:
+    try:
+        check_settable(values)
+    except ConfigError as e:
+        key_line = getattr(values, "key_lines", {}).get(e.key, line) if e.key is not None else line
+        raise _err(path, key_line, f"{what}{e}") from None
+
+
+def _recorded_sampling(path: str, line: int, values: dict, what: str) -> None:
+    """A recorded turn's sampling settings: the SamplingConfig it ran with, whole."""
+    from engine.config import SamplingConfig, build
+    try:
+        build(SamplingConfig, dict(values), "sampling")
+    except ConfigError as e:
+        raise _err(path, line, f"{what}{e}") from None
+
+
+def _check_order(path: str, events: list[Event]) -> None:
+    """The events as the REPL would run them: /undo and /retry need an exchange before them."""
+    exchanges = 0
+    for i, ev in enumerate(events):
+        name = (ev.command or "").split(" ", 1)[0]
+        if name in ("/undo", "/retry") and exchanges == 0:
+            raise _err(path, ev.line, f"event {i + 1}: {name} with no exchange before it")
+        if ev.user is not None:
+            exchanges += 1
+        elif name == "/undo":
+            exchanges -= 1
+        elif name == "/reset":
+            exchanges = 0
+
+
+def check_vocabulary(t: Transcript, vocab_size: int) -> None:
+    """Every recorded token id is one of the model's `vocab_size` ids: a recording that names
+    another is a bad file for this model, not a divergence."""
+    for i, ev in enumerate(t.events):
+        if ev.result is None:
+            continue
+        for key in ("prompt_ids", "generated_ids"):
+            bad = next((v for v in ev.result[key] if v >= vocab_size), None)
+            if bad is not None:
+                raise _err(t.path or "<transcript>", ev.line,
+                           f"event {i + 1}: {key}: token id {bad} is outside the model's vocabulary "
+                           f"(0..{vocab_size - 1}); was it recorded with another model?")
 
 
 def _format(path: str, line: int, value, what: str = "") -> Format | None:
@@ -185,9 +228,7 @@ def _format(path: str, line: int, value, what: str = "") -> Format | None:
 
 def parse(text: str, path: str = "<transcript>") -> Transcript:
     try:
-        data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass: no arbitrary objects
-    except TranscriptError as e:
-        raise TranscriptError(f"{path}: {e}") from None
+        data = yaml_lines.load(text)
     except YAML_ERRORS as e:
         raise TranscriptError(yaml_error_message(path, e)) from None
     if not isinstance(data, dict):
@@ -196,15 +237,16 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
     if data.get("format") != FORMAT:
         raise _err(path, line, f"not a transcript: 'format' must be {FORMAT!r}")
     if data.get("version") != VERSION:
-        raise _err(path, line, f"transcript version {data.get('version')!r} is not supported (supported: {VERSION})")
+        raise _err(path, line, f"transcript version {quote(data.get('version'))} is not supported (supported: {VERSION})")
     known = {"format", "version", "sampler", "model", "engine", "sampling", "system_prompt", "output_format",
              "events"}
     for key in data:
         if key not in known:
-            raise _err(path, line, f"unknown key {key!r} (known: {', '.join(sorted(known))})")
+            raise _err(path, line, f"unknown key {quote(key)} (known: {', '.join(sorted(known))})")
     sampler = data.get("sampler")
-    if sampler is not None and (isinstance(sampler, bool) or sampler not in SAMPLER_VERSIONS):
-        raise _err(path, line, f"sampler version {sampler!r} is not supported "
+    if sampler is not None and (isinstance(sampler, bool) or not isinstance(sampler, int)
+                                or sampler not in SAMPLER_VERSIONS):
+        raise _err(path, line, f"sampler version {quote(sampler)} is not supported "
                                f"(supported: {', '.join(map(str, SAMPLER_VERSIONS))})")
     for key in ("model", "engine", "sampling"):
         if not isinstance(data.get(key, {}), dict):
@@ -212,12 +254,17 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
     system = data.get("system_prompt", "") or ""
     if not isinstance(system, str):
         raise _err(path, line, "'system_prompt' must be text")
+    _settings(path, line, {"system_prompt": system}, "")
     events = data.get("events")
     if not isinstance(events, list) or not events:
         raise _err(path, line, "'events' must be a non-empty list")
+    if "sampling" in data:
+        _settings(path, getattr(data["sampling"], "line", line), data["sampling"], "sampling: ")
     start = _format(path, line, data["output_format"]) if "output_format" in data else None
-    return Transcript([_check_event(path, e, i) for i, e in enumerate(events)], dict(data.get("model", {})),
-                      dict(data.get("engine", {})), dict(data.get("sampling", {})), system, path, sampler, start)
+    checked = [_check_event(path, e, i) for i, e in enumerate(events)]
+    _check_order(path, checked)
+    return Transcript(checked, dict(data.get("model", {})), dict(data.get("engine", {})),
+                      dict(data.get("sampling", {})), system, path, sampler, start)
 
 
 def load(path: str) -> Transcript:
@@ -336,6 +383,7 @@ def save_controller(controller, path: str) -> None:
 def load_into_controller(controller, path: str) -> int:
     """Resume a conversation: its messages (and system prompt) replace the current ones."""
     t = load(path)
+    check_vocabulary(t, controller.session.vocab_size)
     from engine.session import GenerationStats
 
     from .controller import TurnRecord

@@ -1,28 +1,55 @@
 """Engine and sampling settings: small frozen dataclasses validated on construction.
 
-Each field carries its own check and a human description of what is allowed, so every
-error names the key, the bad value and the allowed values. `coerce()` turns the strings
-that come from environment variables and flags into the field's type.
+Each field carries its own domain (type, lower and upper bound or allowed values) and a human
+description of it, declared once beside its default: every entry (config file, flag, CHAT_*
+variable, `/set`, a recording's settings) is checked against it, and every error names the key,
+the bad value (at most ~80 characters of it: `quote`) and the allowed values. `coerce()` turns the
+strings that come from environment variables and flags into the field's type.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class ConfigError(ValueError):
-    """A setting has an unknown key or a bad value; the message is one line for the user."""
+    """A setting has an unknown key or a bad value; the message is one line for the user. `key`
+    names the setting where one is at fault (so a caller can say where its value came from)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+_REPR = reprlib.Repr()  # (its limits as attributes: Python 3.10 and 3.11 take no arguments)
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 4, 6, 6, 4
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 70, 40, 70
+QUOTE_CHARS = 80
+
+
+def quote(value: Any) -> str:
+    """A bad value for an error line: its repr, bounded before it is built (a YAML alias bomb
+    expands to megabytes of repr) and cut to QUOTE_CHARS."""
+    text = " ".join(_REPR.repr(value).split())
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS - 1] + "…"
+
+
+def key_text(key: Any) -> str:
+    """A key as an error line names it: plain where it is a short string, else quoted."""
+    return key if isinstance(key, str) and key.isprintable() and len(key) <= 40 else quote(key)
 
 
 def _choice(*values: str):
     return dict(check=lambda v: v in values, allowed=" | ".join(values), kind=str)
 
 
-def _int(lo: int, hi: int | None = None, allowed: str | None = None):
-    ok = (lambda v: lo <= v) if hi is None else (lambda v: lo <= v <= hi)
-    text = allowed or (f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
-    return dict(check=ok, allowed=text, kind=int)
+def _int(lo: int, hi: int, allowed: str | None = None):
+    """An integer in [lo, hi]: every integer setting has an upper bound (the engine sizes windows,
+    buffers and C integers from them)."""
+    return dict(check=lambda v: lo <= v <= hi, allowed=allowed or f"an integer in [{lo}, {hi}]", kind=int)
 
 
 def _int_or_auto(lo: int, hi: int, allowed: str):
@@ -31,11 +58,10 @@ def _int_or_auto(lo: int, hi: int, allowed: str):
                 allowed=allowed, kind=(int, str))
 
 
-def _float(lo: float, hi: float | None = None, lo_open: bool = False, allowed: str | None = None):
+def _float(lo: float, hi: float, lo_open: bool = False, allowed: str | None = None):
     def ok(v):
-        above = v > lo if lo_open else v >= lo
-        return above and (hi is None or v <= hi)
-    text = allowed or (f"a number {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else ""))
+        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+    text = allowed or f"a number {'>' if lo_open else '>='} {lo} and <= {hi}"
     return dict(check=ok, allowed=text, kind=float)
 
 
@@ -43,13 +69,24 @@ def _bool():
     return dict(check=lambda v: isinstance(v, bool), allowed="true | false", kind=bool)
 
 
-def _str():
-    return dict(check=lambda v: isinstance(v, str), allowed="a string", kind=str)
+def _str(max_chars: int, allowed: str | None = None):
+    """Text of at most max_chars characters, without NUL (no path or prompt holds one)."""
+    return dict(check=lambda v: isinstance(v, str) and len(v) <= max_chars and "\0" not in v,
+                allowed=allowed or f"a string of at most {max_chars} characters", kind=str)
 
 
-def _str_list():
-    return dict(check=lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-                allowed="a list of non-empty strings", kind=list)
+PATH_CHARS = 4096  # (Linux's PATH_MAX)
+
+
+def _path(allowed: str):
+    return _str(PATH_CHARS, allowed)
+
+
+def _str_list(max_items: int, max_chars: int):
+    return dict(check=lambda v: isinstance(v, list) and len(v) <= max_items
+                and all(isinstance(s, str) and s and len(s) <= max_chars for s in v),
+                allowed=f"a list of at most {max_items} non-empty strings of at most {max_chars} characters",
+                kind=list)
 
 
 def setting(default: Any, rule: dict) -> Any:
@@ -93,7 +130,7 @@ def coerce(cls, key: str, raw: Any) -> Any:
             return "off"
         return text
     except ValueError:
-        raise ConfigError(f"{key}: {raw!r} is not valid; allowed: {f.metadata['allowed']}") from None
+        raise ConfigError(f"{key}: {quote(raw)} is not valid; allowed: {f.metadata['allowed']}", key) from None
 
 
 class _Validated:
@@ -106,7 +143,7 @@ class _Validated:
                 object.__setattr__(self, f.name, float(value))
                 value, type_ok = float(value), True
             if not type_ok or not f.metadata["check"](value):
-                raise ConfigError(f"{f.name}: {value!r} is not valid; allowed: {f.metadata['allowed']}")
+                raise ConfigError(f"{f.name}: {quote(value)} is not valid; allowed: {f.metadata['allowed']}", f.name)
         if hasattr(self, "_check"):
             self._check()
 
@@ -116,7 +153,8 @@ class _Validated:
 
 @dataclass(frozen=True)
 class EngineConfig(_Validated):
-    model: str = setting("smollm2", dict(check=lambda v: bool(v), allowed="an alias (smollm2) or a path", kind=str))
+    model: str = setting("smollm2", dict(check=lambda v: bool(v) and len(v) <= PATH_CHARS and "\0" not in v,
+                                         allowed="an alias (smollm2) or a path", kind=str))
     device: str = setting("auto", _choice("auto", "cpu", "cuda"))
     dtype: str = setting("auto", _choice("auto", "float32", "bfloat16", "float16"))
     max_context: int = setting(8192, _int(16, 1 << 20))
@@ -143,19 +181,22 @@ class EngineConfig(_Validated):
                               "collectives); use cpu_kernel: auto or off")
 
 
+SEED_MAX = 2**63 - 1  # (the draws key on a signed 64-bit seed)
+
+
 @dataclass(frozen=True)
 class SamplingConfig(_Validated):
     temperature: float = setting(0.7, _float(0.0, 100.0))
-    top_k: int = setting(40, _int(0, allowed="0 (off) or a positive integer"))
+    top_k: int = setting(40, _int(0, 1 << 24, "0 (off) or a positive integer up to 16777216"))
     top_p: float = setting(0.95, _float(0.0, 1.0, lo_open=True))
     min_p: float = setting(0.05, _float(0.0, 1.0))
     repetition_penalty: float = setting(1.0, _float(0.0, 100.0, lo_open=True))
     frequency_penalty: float = setting(0.0, _float(-2.0, 2.0))
     presence_penalty: float = setting(0.0, _float(-2.0, 2.0))
-    penalty_last_n: int = setting(64, _int(-1, allowed="-1 (whole context), 0 (off) or a positive integer"))
-    seed: int = setting(-1, _int(-1, 2**63 - 1, "-1 (random) or an integer >= 0"))
+    penalty_last_n: int = setting(64, _int(-1, 1 << 20, "-1 (whole context), 0 (off) or a count up to 1048576"))
+    seed: int = setting(-1, _int(-1, SEED_MAX, f"-1 (random) or an integer in [0, {SEED_MAX}]"))
     max_new_tokens: int = setting(1024, _int(1, 1 << 20))
-    stop: list = field(default_factory=list, metadata=_str_list())
+    stop: list = field(default_factory=list, metadata=_str_list(64, 1024))
 
     @property
     def greedy(self) -> bool:
@@ -175,6 +216,7 @@ def build(cls, values: dict[str, Any], section: str):
     known = field_names(cls)
     for key in values:
         if key not in known:
-            raise ConfigError(f"{section}.{key}: unknown setting; known keys: {', '.join(known)}")
+            raise ConfigError(f"{section}.{key_text(key)}: unknown setting; known keys: {', '.join(known)}",
+                              key if isinstance(key, str) else None)
     return cls(**{k: coerce(cls, k, v) for k, v in values.items()})
 
