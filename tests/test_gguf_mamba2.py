@@ -21,24 +21,29 @@ def as_released(path: str, kind: str) -> None:
     layer-type names, which this converter does not read): "mamba" / "attention"."""
     p = os.path.join(path, "config.json")
     c = json.load(open(p))
-    if kind == "granitemoehybrid":
+    if kind.startswith("granitemoehybrid"):
         c["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in c["layer_types"]]
     json.dump(c, open(p, "w"))
 
 
-CASES = {  # GGUF architecture: (kind, HF config overrides)
-    "nemotron_h": ("nemotron_h", {}),
-    "granitehybrid": ("granitemoehybrid", {"position_embedding_type": "nope"}),
+CASES = {  # case: (kind, HF config overrides, config.json's layer types as released or as transformers 5 saves them)
+    "nemotron_h": ("nemotron_h", {}, True),
+    "granitehybrid": ("granitemoehybrid", {"position_embedding_type": "nope"}, True),
+    "granitehybrid_e5": ("granitemoehybrid_e5", {}, True),
+    # the converter reads only "attention" as an attention layer: transformers 5's "full_attention"
+    # layer gets head_count_kv 0 and its q/k rows unpermuted, its KV heads known by attn_k's shape
+    "granitehybrid_e5_hf5": ("granitemoehybrid_e5", {}, False),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     from tiny import hf_model, write_checkpoint
-    kind, over = CASES[request.param]
+    kind, over, released = CASES[request.param]
     hf = hf_model(kind, seed=2, **over)
     d = write_checkpoint(kind, str(tmp_path_factory.mktemp(request.param)), model=hf)
-    as_released(d, kind)
+    if released:
+        as_released(d, kind)
     gguf = convert(d, str(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"), "f32", pre="gpt-2")
     return request.param, models.load(d), models.load(gguf), hf
 
@@ -49,7 +54,7 @@ def test_gguf_architecture_is_the_converter_s(pair):
     arch = gguf.GGUFReader(lm.source).fields["general.architecture"]
     # this converter names Nemotron-H `nemotron_h_moe` whenever transformers' config for it has
     # MoE keys (transformers 5 always gives them defaults), experts or not: both names load
-    expected = {"granitehybrid": ("granitehybrid",), "nemotron_h": ("nemotron_h", "nemotron_h_moe")}[name]
+    expected = ("nemotron_h", "nemotron_h_moe") if name == "nemotron_h" else ("granitehybrid",)
     assert bytes(arch.parts[arch.data[0]]).decode() in expected
 
 

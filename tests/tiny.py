@@ -90,6 +90,14 @@ def hf_config(kind: str, **over):
                                         attention_multiplier=0.2, position_embedding_type="rope",
                                         tie_word_embeddings=True, initializer_range=0.1,
                                         layer_types=["mamba", "attention", "mamba", "mamba"])
+    elif kind == "granitemoehybrid_e5":  # the shared MLP beside five routed experts; 6 query heads over 2 KV heads
+        common.update(num_hidden_layers=4, hidden_size=96, num_attention_heads=6, intermediate_size=32)
+        cfg = tf.GraniteMoeHybridConfig(**common, shared_intermediate_size=48, num_local_experts=5,
+                                        num_experts_per_tok=2, mamba_n_heads=12, mamba_d_head=16, mamba_d_state=16,
+                                        mamba_n_groups=2, mamba_chunk_size=32, embedding_multiplier=3.0,
+                                        logits_scaling=2.5, residual_multiplier=0.5, attention_multiplier=0.2,
+                                        position_embedding_type="nope", tie_word_embeddings=True,
+                                        initializer_range=0.1, layer_types=["mamba", "attention", "mamba", "mamba"])
     elif kind == "qwen3_5_moe":  # every layer routes; no dense MLP size
         common["num_hidden_layers"] = 4
         del common["intermediate_size"]
@@ -120,6 +128,7 @@ def hf_model(kind: str, seed: int = 0, **over):
            "qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM,
            "lfm2": tf.Lfm2ForCausalLM, "olmo_hybrid": tf.OlmoHybridForCausalLM,
            "nemotron_h": tf.NemotronHForCausalLM, "granitemoehybrid": tf.GraniteMoeHybridForCausalLM,
+           "granitemoehybrid_e5": tf.GraniteMoeHybridForCausalLM,
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases/norms too, so a missed bias or norm shows up in parity

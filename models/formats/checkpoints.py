@@ -412,7 +412,8 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
             raw = data[offset:offset + n].view(dtype).reshape(shape)
             unpermute = None
             model_type = index["config"]["model_type"]
-            if model_type in _GGUF_PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
+            if (model_type in _GGUF_PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight"))
+                    and int(name.split(".")[1]) not in index["config"].get("qk_rows_as_hf", ())):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
             if keep_quantized and quant.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
@@ -546,10 +547,17 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
     n_layers = a("block_count")
     kinds = ["mamba" if f"blk.{i}.ssm_in.weight" in names else "attention" if f"blk.{i}.attn_q.weight" in names
              else "mlp" for i in range(n_layers)]
-    kv = a("attention.head_count_kv", 0)
-    kv = max(kv) if isinstance(kv, list) else kv
+    kv_layers = a("attention.head_count_kv", 0)
+    kv_layers = kv_layers if isinstance(kv_layers, list) else [kv_layers] * n_layers
     heads, inner, n_heads = a("attention.head_count"), a("ssm.inner_size"), a("ssm.time_step_rank")
-    mamba = {"mamba2": True, "num_key_value_heads": kv or heads, "num_hidden_layers": n_layers,
+    # The converter permutes q/k rows, and counts KV heads, only in the layers its config's layer
+    # types call attention: one it missed (Granite's as transformers 5 names it, "full_attention")
+    # has head_count_kv 0 and HF's rows, and its KV heads are attn_k's rows over the head width
+    attn = [i for i in range(n_layers) if kinds[i] == "attention"]
+    as_hf = [i for i in attn if not kv_layers[i]]
+    kv = max(kv_layers) or (shapes[f"blk.{attn[0]}.attn_k.weight"][1] * heads
+                            // shapes[f"blk.{attn[0]}.attn_q.weight"][1] if attn else heads)
+    mamba = {"mamba2": True, "num_key_value_heads": kv, "qk_rows_as_hf": as_hf, "num_hidden_layers": n_layers,
              "rms_norm_eps": a("attention.layer_norm_rms_epsilon", a("attention.layer_norm_epsilon", 1e-5)),
              "time_step_limit": [0.0, float("inf")]}
     first_ssm = kinds.index("mamba") if "mamba" in kinds else None
@@ -574,7 +582,7 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
             "residual_multiplier": a("residual_scale", 1.0), "logits_scaling": a("logit_scale", 1.0)}
 
 
-INDEX_VERSION = 3
+INDEX_VERSION = 4
 
 
 def _index_path(path: str) -> str | None:
