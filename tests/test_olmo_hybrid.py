@@ -1,5 +1,6 @@
-"""OLMo-Hybrid's variants as config data: NoPE attention (no rope_theta) and beta = sigmoid(b)
-(linear_allow_neg_eigval off), each against transformers. transformers 5 saves the published
+"""OLMo-Hybrid's variants as config data: NoPE attention (no rope_theta), beta = sigmoid(b)
+(linear_allow_neg_eigval off) and more value heads than key heads (grouped), each against
+transformers. transformers 5 saves the published
 layout (per-part q/k/v convs, attention_layer_norm), so every test loads that layout.
 
 The default variant's parity, splits, resets and checkpoints are in test_hybrid.py (KINDS),
@@ -28,7 +29,8 @@ def parity(hf, path, n=70):
 
 
 @pytest.mark.parametrize("over", [dict(rope_parameters={"rope_type": "default"}),
-                                  dict(linear_allow_neg_eigval=False)], ids=["nope", "beta-sigmoid"])
+                                  dict(linear_allow_neg_eigval=False),
+                                  dict(linear_num_value_heads=4)], ids=["nope", "beta-sigmoid", "grouped-value-heads"])
 def test_variant_matches_transformers(tmp_path, over):
     from tiny import hf_model, write_checkpoint
     hf = hf_model("olmo_hybrid", **over)
@@ -37,11 +39,11 @@ def test_variant_matches_transformers(tmp_path, over):
     assert parity(hf, write_checkpoint("olmo_hybrid", str(tmp_path), model=hf)) <= 1e-4
 
 
-def test_unpaired_linear_heads_are_refused():
+def test_value_heads_not_a_multiple_of_key_heads_are_refused():
     from models.architectures.olmo_hybrid import config_from_hf
     c = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-             linear_num_key_heads=2, linear_num_value_heads=4)
-    with pytest.raises(ValueError, match="linear_num_value_heads"):
+             linear_num_key_heads=2, linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="linear_num_value_heads 3"):
         config_from_hf(c)
 
 

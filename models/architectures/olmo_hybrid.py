@@ -1,12 +1,13 @@
 """OLMo-Hybrid: Gated DeltaNet layers (pre-norm) interleaved with OLMo-3 attention layers (post-norm).
 
 The DeltaNet layers are qwen3_5.py's GatedDeltaNet with OLMo's two differences as data
-(beta = 2 sigmoid(b), which allows negative eigenvalues; the gated norm's own epsilon); their conv
-and recurrent state is declared as qwen3_5's is and owned by the engine's StateManager. OLMo's
-separate q/k/v, g (the output gate), a, b projections are joined into that layout once, in
-`checkpoint_names`. Attention layers normalise q and k over all heads at once (not per head),
-apply RoPE (or none: NoPE, when the config gives no rope_theta) and add their output and their
-MLP's to the residual stream after a norm each, with no norm in front.
+(beta = 2 sigmoid(b), which allows negative eigenvalues; the gated norm's own epsilon), value heads
+grouped over key heads as there; their conv and recurrent state is declared as qwen3_5's is and
+owned by the engine's StateManager. OLMo's separate q/k/v, g (the output gate), a, b projections
+are joined into that layout once, in `checkpoint_names`. Attention layers normalise q and k over
+all heads at once (not per head), apply RoPE (or none: NoPE, when the config gives no rope_theta)
+and add their output and their MLP's to the residual stream after a norm each, with no norm in
+front.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def config_from_hf(c: dict) -> tuple[HybridConfig, bool]:
         types = list(types[:-1]) + ["full_attention"]
     nk = c.get("linear_num_key_heads") or heads
     nv = c.get("linear_num_value_heads") or heads
-    if nk != nv:
-        raise ValueError(f"linear_num_value_heads {nv} != linear_num_key_heads {nk} (OLMo-Hybrid pairs them)")
+    if nv % nk:  # each key head serves nv / nk consecutive value heads, as in Qwen3.5's DeltaNet
+        raise ValueError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
     dk = c.get("linear_key_head_dim") or int(0.75 * c["hidden_size"] / nk)
     rope = c.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
