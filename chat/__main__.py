@@ -131,6 +131,7 @@ def settings_for(args, transcript=None, sections=("engine",)):
     given = overrides(args)
     if transcript is not None:
         recorded = dict(transcript.engine)
+        recorded.pop("cpu_isa", None)  # (the recording CPU's vector level, for replay's note: not the setting)
         if transcript.model.get("fingerprint") and "quantized" not in recorded:
             recorded["quantized"] = "off"  # recorded before the setting existed: weights were dequantized
         if transcript.model.get("fingerprint") and "cpu_kernel" not in recorded:

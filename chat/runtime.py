@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import models
+from engine.config import ConfigError
 from engine.device import configure_threads, resolve_device, resolve_dtype
 from engine.session import DecodeSession, open_session
 
@@ -80,6 +81,11 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
         report(f"starting {eng.tensor_parallel - 1} tensor-parallel workers")
         group = tensor_parallel.start(eng, device.type, dtype)
         shard = Shard(0, eng.tensor_parallel)
+    if device.type == "cpu":
+        try:
+            models.select_cpu_isa(eng.cpu_isa)
+        except models.CpuStepUnavailable as e:
+            raise ConfigError(str(e), "cpu_isa") from None
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
     # auto: blocks on the CPU; on CUDA a GGUF is dequantized unless quantized: on asks for the
     # Triton block kernels (on the H200 they decode slower than bf16: bench/RESULTS.md, set I)

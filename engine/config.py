@@ -163,6 +163,9 @@ class EngineConfig(_Validated):
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
     # a GGUF's block products on the CPU (decode) on int8 inputs, as llama.cpp's (models/kernels/cpu/blocks_int8.h)
     cpu_int8: str = setting("off", _choice("off", "on"))
+    # what the C++ CPU library is built for: every instruction this CPU has, or the AVX2 level
+    # (x86-64-v3, as llama.cpp's AVX2 build), or AVX-512 where the CPU has it (models/kernels/cpu/step.py)
+    cpu_isa: str = setting("native", _choice("native", "avx2", "avx512"))
     # a GGUF's blocks: kept on the CPU by auto; on CUDA by on (the Triton block kernels)
     quantized: str = setting("auto", _choice("auto", "on", "off"))
     # turn-boundary checkpoints of hybrid state: on the device, then spilled to (pinned) host memory

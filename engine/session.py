@@ -40,6 +40,12 @@ PAD_PREFILL = os.environ.get("CHAT_PAD_PREFILL", "1").lower() not in ("0", "fals
 PREFILL_GRAPHS = os.environ.get("CHAT_PREFILL_GRAPHS", "1").lower() not in ("0", "false", "off", "no")
 
 
+
+def _cpu_isa_label() -> str:
+    """What the C++ CPU library is built for, in words (models.cpu_isa_label; asked only by /show)."""
+    from models import cpu_isa_label
+    return cpu_isa_label()
+
 class ContextOverflow(ValueError):
     """The prompt does not leave room for a single new token."""
 
@@ -240,14 +246,15 @@ class DecodeSession:
         if self.graph is not None:
             return "CUDA graph of the eager step" + (" (Triton kernels)" if self._attends_live else "")
         if self._step_fn is self.model:
-            blocks = " with GGUF blocks through the C++ per-linear kernels" \
+            blocks = f" with GGUF blocks through the C++ per-linear kernels (built for {_cpu_isa_label()})" \
                 if getattr(self.model, "cpu_block_kernels", False) else ""
             int8 = " on int8 inputs (cpu_int8)" if blocks and getattr(self.model, "cpu_int8", False) else ""
             return "torch (eager)" + blocks + int8 + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
         if self._compiled:
             return "torch.compile"
         return "C++ step (cpu_kernel)" + (", its GGUF blocks on int8 inputs (cpu_int8)"
-                                          if getattr(self.model, "cpu_int8", False) else "")
+                                          if getattr(self.model, "cpu_int8", False) else "") \
+            + f"; built for {_cpu_isa_label()}"
 
     @property
     def prefill_path(self) -> str:

@@ -3,7 +3,8 @@
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
 the registry and aliases, `use_int8_inputs` (the `cpu_int8` setting on a loaded model),
 `cpu_step_pending` (whether a model's C++ decode step still has
-to be compiled, for a start-up notice), and the tensor-parallel plan of a checkpoint or a config
+to be compiled, for a start-up notice), `select_cpu_isa` (the `cpu_isa` setting: what the C++
+library is built for), and the tensor-parallel plan of a checkpoint or a config
 (`sharding_plan`, `config_plan`, `local_model`: models/sharding.py)."""
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, buil
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
 from .formats.quant import use_int8_inputs
-from .kernels import cpu_step_built
+from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
-           "sharding_plan", "config_plan", "local_model", "use_int8_inputs"]
+           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "select_cpu_isa", "cpu_isa_label",
+           "CpuStepUnavailable"]
 
 
 def cpu_step_pending(model, dtype) -> bool:

@@ -7,6 +7,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
 
+if os.environ.get("CHAT_CPU_ISA"):  # the C++ library's tests on another instruction set (test_cpu_isa.py)
+    from models.kernels.cpu import step as _step
+    _step.select_isa(os.environ["CHAT_CPU_ISA"])
+
 if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process under Triton's interpreter
     try:
         import triton  # noqa: F401

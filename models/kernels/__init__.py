@@ -19,6 +19,22 @@ def cpu_step_serves(model, dtype: torch.dtype) -> bool:
     return step.serves(model, dtype)
 
 
+def select_cpu_isa(isa: str) -> None:
+    """The instruction set the C++ library is built for in this process (the `cpu_isa` setting:
+    native, avx2, avx512). Raises CpuStepUnavailable where this CPU lacks it."""
+    from .cpu import step
+    try:
+        step.select_isa(isa)
+    except step.Unavailable as e:
+        raise CpuStepUnavailable(str(e)) from None
+
+
+def cpu_isa_label() -> str:
+    """What the C++ library's vector code is built for, in words (/show)."""
+    from .cpu import step
+    return step.isa_label()
+
+
 def cpu_step_built() -> bool:
     """Whether the C++ step's library is already compiled for this machine (cached)."""
     from .cpu import step

@@ -16,7 +16,7 @@ LFM2's torch step spends ~40 small ops a layer around its block products (bench/
 The library is compiled with the system's C++ compiler on first use (~10-20 s, once) into
 $XDG_CACHE_HOME/chat (default ~/.cache/chat), named by a hash of the source, torch's and Python's
 versions, the compiler flags and the CPU's instruction-set flags (it is built for this CPU:
--march=native), written atomically; later processes load it in milliseconds. `make chat` and
+-march=native, or for the AVX2 level with `cpu_isa: avx2`: `select_isa`), written atomically; later processes load it in milliseconds. `make chat` and
 `make test` build it during set-up. `CHAT_CPU_KERNEL=0` turns it off (the torch step runs).
 """
 from __future__ import annotations
@@ -43,6 +43,47 @@ class Unavailable(RuntimeError):
     """The C++ step could not be built or loaded here (the message names the cause)."""
 
 
+# The instruction sets the library is built for (the `cpu_isa` setting): native takes every
+# instruction this CPU has (-march=native); avx2 the AVX2 + FMA + F16C level (x86-64-v3, as
+# llama.cpp's GGML_AVX2 build), so its AVX2 forms run, and are tested, on an AVX-512 machine too;
+# avx512 is native on a CPU that has AVX-512F, refused elsewhere. One per process: the library's
+# ops register once.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"],
+             "avx512": ["-march=native"]}
+ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl")}
+_isa = "native"
+
+
+def _cpu_flags() -> set[str]:
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+
+
+def select_isa(isa: str) -> None:
+    """The instruction set this process's library is built for. Raises Unavailable where the CPU
+    lacks it, or where the library is already loaded for another (a process holds one)."""
+    global _isa
+    if isa not in ISA_FLAGS:
+        raise Unavailable(f"cpu_isa {isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    missing = [f for f in ISA_NEEDS[isa] if f not in _cpu_flags()]
+    if missing:
+        raise Unavailable(f"cpu_isa {isa} needs {', '.join(missing).upper()}, which this CPU lacks; "
+                          "use cpu_isa: native")
+    if _loaded is not None and isa != _isa:
+        raise Unavailable(f"the library is already loaded for cpu_isa {_isa} in this process")
+    _isa = isa
+
+
+def isa_label() -> str:
+    """What the library's vector code is built for, in words (/show): e.g. "native: AVX-512 VNNI"."""
+    flags = _cpu_flags()
+    if _isa == "avx2":
+        return "avx2: AVX2 + FMA + F16C"
+    if "avx512f" in flags:
+        return f"{_isa}: AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
+    return f"{_isa}: " + ("AVX2" if "avx2" in flags else "no AVX2 (portable loops)")
+
+
 def _flags() -> list[str]:
     # ATen's and torch/library.h's headers are all under torch/include (torch.utils.cpp_extension
     # would say the same, but importing it costs ~0.1 s of every chat start)
@@ -52,7 +93,7 @@ def _flags() -> list[str]:
     # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers; without it every parallel_for
     # here ran on one thread. -L torch/lib first: the link takes torch's own libgomp, the runtime
     # (and thread pool) torch.set_num_threads already drives.
-    return (["-O3", "-std=c++20", "-shared", "-fPIC", "-march=native", "-fopenmp", "-w",
+    return (["-O3", "-std=c++20", "-shared", "-fPIC", *ISA_FLAGS[_isa], "-fopenmp", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(root, 'include')}", f"-L{lib}", "-lc10",
              "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
