@@ -12,6 +12,7 @@ process loses at most the reply in progress; `chat --resume` continues it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ import sys
 from prompt_toolkit import PromptSession
 from prompt_toolkit.application import get_app_or_none
 from prompt_toolkit.completion import Completer, Completion
-from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.history import FileHistory
 from prompt_toolkit.key_binding import KeyBindings
 
 from engine.config import ConfigError
@@ -65,6 +66,52 @@ def history_path(configured: str) -> str:
         return os.path.expanduser(configured)
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "chat", "history")
+
+
+class SafeFileHistory(FileHistory):
+    """prompt-toolkit's FileHistory, except that a history file that cannot be read or written (a
+    full or read-only disk) does not break the prompt, where the plain one raised on every Enter:
+    the history goes on in memory, and `take_notice` gives one line saying so, once."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.failed = False
+        self._notice: str | None = None
+
+    def fail(self, error: OSError, doing: str) -> None:
+        if not self.failed:
+            self.failed = True
+            self._notice = (f"cannot {doing} the history file {self.filename}: {error.strerror or error}; "
+                            "this session's history stays in memory (history_file moves it)")
+
+    def take_notice(self) -> str | None:
+        notice, self._notice = self._notice, None
+        return notice
+
+    def load_history_strings(self):
+        try:
+            return list(super().load_history_strings())
+        except OSError as e:
+            self.fail(e, "read")
+            return []
+
+    def store_string(self, string: str) -> None:
+        if self.failed:
+            return
+        entry = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
+        data = entry.encode("utf-8", errors="replace")
+        try:
+            with open(self.filename, "ab", buffering=0) as f:
+                start = os.fstat(f.fileno()).st_size
+                try:
+                    done = 0
+                    while done < len(data):
+                        done += f.write(data[done:]) or 0
+                except OSError:
+                    os.ftruncate(f.fileno(), start)  # no torn entry for the next load to misread
+                    raise
+        except OSError as e:
+            self.fail(e, "write")
 
 
 def key_bindings() -> KeyBindings:
@@ -271,6 +318,10 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
                 line = session.prompt(pre_run=app.answer_late_interrupt)
             except EOFError:
                 return 0
+            finally:  # (said here, not while the prompt holds the terminal)
+                notice = getattr(session.history, "take_notice", lambda: None)()
+                if notice:
+                    app.renderer.notice(notice)
             app.late_interrupt = False  # (one from here on was meant for this line's reply)
             app.handle(line)
         except ExitRepl:
@@ -292,11 +343,11 @@ def _terminal_fd(session: PromptSession) -> int:
 
 def make_prompt_session(settings: Settings, input=None, output=None) -> PromptSession:
     path = history_path(settings.ui.history_file)
+    history = SafeFileHistory(path)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        history = FileHistory(path)
-    except OSError:
-        history = InMemoryHistory()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError as e:
+        history.fail(e, "create the directory of")
     return PromptSession(message=">>> ", history=history, completer=SlashCompleter(),
                          complete_while_typing=True, key_bindings=key_bindings(), multiline=True,
                          prompt_continuation="... ", enable_history_search=False,

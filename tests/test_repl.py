@@ -260,3 +260,56 @@ def test_resume_without_saved_conversations_is_one_line(tmp_path):
                           env=dict(os.environ, CHAT_CONVERSATIONS_DIR=str(tmp_path / "none")),
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no saved conversation" in proc.stderr
+
+
+# --- bad input and failing disks: one line, and the REPL goes on (issue 69) ----------------------
+
+def _failing_appends(monkeypatch, path, err):
+    """Appends to `path` fail with `err` (a full or read-only disk); reads and other files work."""
+    import builtins
+    import errno
+    real_open = builtins.open
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(err, os.strerror(err))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if os.fspath(file) == str(path) and "a" in mode:
+            return Failing(f)
+        return f
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert errno.errorcode[err]
+
+
+@pytest.mark.parametrize("err", [28, 30])  # ENOSPC, EROFS
+def test_history_on_a_full_disk_goes_to_memory_with_one_notice(app_factory, tmp_path, monkeypatch, capsys, err):
+    app, out, settings = app_factory(max_new_tokens="2")
+    path = tmp_path / "h"
+    path.write_text("\n# then\n+an older line\n", encoding="utf-8")
+    _failing_appends(monkeypatch, path, err)
+    with create_pipe_input() as inp:
+        inp.send_text("first\rsecond\r/exit\r")
+        inp.close()  # (EOF after the keys: a prompt left waiting ends the loop)
+        session = make_prompt_session(settings, input=inp, output=DummyOutput())
+        assert run_loop(app, session) == 0
+    assert [t.user for t in app.controller.turns] == ["first", "second"]
+    assert session.history.get_strings() == ["an older line", "first", "second", "/exit"]
+    assert path.read_text(encoding="utf-8") == "\n# then\n+an older line\n"  # nothing torn
+    err_text = capsys.readouterr().err
+    notices = [ln for ln in err_text.splitlines() if "history" in ln.replace(str(tmp_path), "")]
+    assert len(notices) == 1 and "stays in memory" in notices[0] and str(path) in notices[0], err_text
+    assert "Traceback" not in err_text and "Unhandled exception" not in err_text
