@@ -208,14 +208,34 @@ class Q8Linear(nn.Module):
 
     def __init__(self, qt: QuantTensor):
         super().__init__()
-        hi, lo = self.planes(qt)
-        self.hi, self.lo = Int4Linear.from_quant(hi), Int4Linear.from_quant(lo)
-        self.in_features, self.out_features = self.hi.in_features, self.hi.out_features
+        self.out_features, self.in_features = qt.codes.shape
         # the blocks as stored, for the C++ step's fp32 form (models.kernels.cpu: q8_linear); a
         # head tied to a Q8Embedding shares its arrays (from_numpy over .numpy() copies nothing)
         self.register_buffer("codes", torch.from_numpy(qt.codes), persistent=False)
         self.register_buffer("scale", torch.from_numpy(np.ascontiguousarray(qt.scale, dtype=np.float32)),
                              persistent=False)
+        # The two int4 planes are built at the first product that needs them (no fp32 kernel):
+        # where the C++ step serves the head they never are, which spares their copy and the
+        # load's transient of several vocabulary-sized arrays (bench/load_rss.py). Kept out of the
+        # module tree (a plain attribute): they are a cache of `codes`, not weights of their own.
+        self.__dict__["_qt"], self.__dict__["_planes"] = qt, None
+
+    @property
+    def hi(self) -> "Int4Linear":
+        return self._built_planes()[0]
+
+    @property
+    def lo(self) -> "Int4Linear":
+        return self._built_planes()[1]
+
+    def _built_planes(self) -> tuple["Int4Linear", "Int4Linear"]:
+        if self._planes is None:
+            hi, lo = self.planes(self._qt)
+            self.__dict__["_planes"] = (Int4Linear.from_quant(hi), Int4Linear.from_quant(lo))
+        return self._planes
+
+    def planes_built(self) -> bool:
+        return self._planes is not None
 
     @staticmethod
     def planes(qt: QuantTensor) -> tuple[QuantTensor, QuantTensor]:
@@ -733,7 +753,8 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         elif isinstance(m, Q8Embedding):
             add("Q8_0", [m.codes, m.scale])
         elif isinstance(m, Q8Linear):
-            add("Q8_0", [m.codes, m.scale, m.hi.packed, m.hi.scale_zero, m.lo.packed, m.lo.scale_zero])
+            add("Q8_0", [m.codes, m.scale] + ([m.hi.packed, m.hi.scale_zero, m.lo.packed, m.lo.scale_zero]
+                                              if m.planes_built() else []))
             continue
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
             if t.is_floating_point():
