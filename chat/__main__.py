@@ -224,10 +224,17 @@ def resume(args) -> int:
     path = args.resume
     if not path:
         ui = load_settings(args.config, overrides=overrides(args)).ui
-        path = ConversationStore(default_directory(ui.conversations_dir), ui.keep_conversations).latest()
+        directory = default_directory(ui.conversations_dir)
+        path, skipped = ConversationStore(directory, ui.keep_conversations).latest_readable()
+        if path is None and skipped:
+            return fail(f"no saved conversation in {directory} reads ({'; '.join(skipped)}); "
+                        "start a new one with `chat`")
         if path is None:
-            return fail(f"no saved conversation in {default_directory(ui.conversations_dir)}; "
+            return fail(f"no saved conversation in {directory}; "
                         "start one with `chat` (the REPL saves each turn)")
+        if skipped:
+            print(f"chat: note: skipped {len(skipped)} newer saved conversation{'s' * (len(skipped) > 1)} "
+                  f"that do{'es' * (len(skipped) == 1)} not read: {'; '.join(skipped)}", file=sys.stderr)
     rec = tr.load(path)
     if not rec.is_recording:
         return fail(f"{path}: not a recording (no turn has results); run a script with `chat run`")

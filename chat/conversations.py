@@ -112,6 +112,22 @@ class ConversationStore:
         files = self._files()
         return files[0][1] if files else None
 
+    def latest_readable(self) -> tuple[str | None, list[str]]:
+        """The newest conversation that reads as a recording (`chat --resume`), and why each newer
+        file was skipped: one torn or foreign file must not hide the conversations before it."""
+        skipped = []
+        for _, path in self._files():
+            try:
+                t = tr.load(path)
+            except tr.TranscriptError as e:
+                skipped.append(str(e))
+                continue
+            if not t.is_recording:
+                skipped.append(f"{path}: not a recording")
+                continue
+            return path, skipped
+        return None, skipped
+
     def entries(self) -> list[Entry]:
         out = []
         for mtime, path in self._files():

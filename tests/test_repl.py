@@ -313,3 +313,32 @@ def test_history_on_a_full_disk_goes_to_memory_with_one_notice(app_factory, tmp_
     notices = [ln for ln in err_text.splitlines() if "history" in ln.replace(str(tmp_path), "")]
     assert len(notices) == 1 and "stays in memory" in notices[0] and str(path) in notices[0], err_text
     assert "Traceback" not in err_text and "Unhandled exception" not in err_text
+
+
+def test_resume_skips_newer_conversations_that_do_not_read(app_factory, tmp_path, monkeypatch, capsys):
+    import io
+    from chat import transcript as tr
+    from chat.__main__ import main
+    convs = tmp_path / "convs"
+    convs.mkdir()
+    app, _, _ = app_factory(max_new_tokens="3")
+    app.handle("hello")
+    good = convs / "2020-01-01T00-00-00-1.yaml"
+    tr.save_controller(app.controller, str(good))
+    torn = convs / "2020-01-02T00-00-00-1.yaml"
+    torn.write_text(good.read_text(encoding="utf-8")[:150], encoding="utf-8")
+    binary = convs / "2020-01-03T00-00-00-1.yaml"
+    binary.write_bytes(b"\xff\xfe" * 40)
+    for i, p in enumerate((good, torn, binary)):
+        os.utime(p, (1_600_000_000 + i, 1_600_000_000 + i))
+    monkeypatch.setenv("CHAT_CONVERSATIONS_DIR", str(convs))
+    monkeypatch.setenv("CHAT_HISTORY_FILE", os.devnull)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+    assert main(["--resume"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "skipped" in err[0] and str(torn) in err[0] and str(binary) in err[0], err
+    assert f"resumed 1 turns from {good}" in err[1]
+    # a given file that does not read stays a one-line error
+    assert main(["--resume", str(torn)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"chat: error: {torn}"), err
