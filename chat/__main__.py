@@ -149,12 +149,18 @@ def settings_for(args, transcript=None, sections=("engine",)):
 
 
 def cmd_run(argv: list[str]) -> int:
+    import os
+
     from . import transcript as tr
+    from .commands import write_problem
     from .controller import ChatController
     from .replay import play
     from .runtime import open_runtime
 
     args = build_run_parser().parse_args(argv)
+    problem = args.output is not None and write_problem(args.output)
+    if problem:  # before the run, not after it
+        return fail(f"-o {args.output}: {problem}")
     script = tr.load(args.script)
     settings = settings_for(args, script)
     controller = ChatController(open_runtime(settings), settings)
@@ -169,7 +175,10 @@ def cmd_run(argv: list[str]) -> int:
         rec.sampling = dict(script.sampling)
         rec.system_prompt = script.system_prompt
         rec.format = script.format
-        tr.write_atomic(args.output, tr.to_yaml(rec))
+        try:
+            tr.write_atomic(os.path.realpath(args.output), tr.to_yaml(rec))
+        except OSError as e:
+            return fail(f"-o {args.output}: cannot write: {e.strerror or e}; name another path")
         print(f"recorded {sum(e.result is not None for e in events)} turns to {args.output}", file=sys.stderr)
     return 0
 
@@ -185,14 +194,21 @@ def cmd_replay(argv: list[str]) -> int:
         return fail("--runs must be 0 or more")
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         return fail(f"--tolerance {args.tolerance:g}: the margin must be a finite log-probability difference >= 0")
-    if args.junit and not os.path.isdir(os.path.dirname(os.path.abspath(args.junit))):
-        return fail(f"--junit {args.junit}: no such directory")
+    if args.junit:
+        from .commands import write_problem
+        problem = write_problem(args.junit)
+        if problem:
+            return fail(f"--junit {args.junit}: {problem}")
     single = len(args.recordings) == 1 and not os.path.isdir(args.recordings[0])  # reported as before suites
     result = run_suite(args.recordings, lambda rec: settings_for(args, rec), args.runs, args.tolerance,
                        args.allow_model_change, on_outcome=None if single else show_problem)
     if args.junit:
         from .junit import write_junit
-        write_junit(args.junit, result)
+        try:
+            write_junit(os.path.realpath(args.junit), result)
+        except OSError as e:
+            print_report(result, single, args.runs)
+            return fail(f"--junit {args.junit}: cannot write: {e.strerror or e}; name another path")
     return print_report(result, single, args.runs)
 
 

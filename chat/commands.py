@@ -119,14 +119,41 @@ def _retry(app, arg):
     return user
 
 
+def write_problem(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None; asked before writing. The atomic write
+    renames a temporary file over the target: it would replace a device or a fifo, and its own
+    error names the temporary file, not the target."""
+    if not path.strip():
+        return "needs a file name"
+    target = os.path.realpath(path)
+    if os.path.isdir(target):
+        return "is a directory; name a file in it"
+    if os.path.lexists(target) and not os.path.isfile(target):
+        return "is not a regular file; name a file to write"
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        shown = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(parent):
+            return f"{shown} is not a directory; name another path"
+        return f"no such directory {shown}; create it first or name another path"
+    return None
+
+
 def _save(app, arg):
     if not arg:
         raise CommandError("usage: /save FILE")
+    if not app.controller.turns:  # (a recording without a turn would not load again)
+        raise CommandError(f"/save {arg}: nothing to save yet; send a message first")
+    problem = write_problem(arg)
+    if problem:
+        raise CommandError(f"/save {arg}: {problem}")
     from .transcript import TranscriptError, save_controller
     try:
-        save_controller(app.controller, arg)
-    except (TranscriptError, OSError) as e:
-        raise CommandError(str(e)) from None
+        save_controller(app.controller, os.path.realpath(arg))  # (through a link, not over it)
+    except OSError as e:
+        raise CommandError(f"/save {arg}: cannot write: {e.strerror or e}; name another path") from None
+    except TranscriptError as e:
+        raise CommandError(f"/save {arg}: {e}") from None
     app.renderer.info(f"saved {len(app.controller.turns)} turns to {arg}")
 
 

@@ -342,3 +342,31 @@ def test_resume_skips_newer_conversations_that_do_not_read(app_factory, tmp_path
     assert main(["--resume", str(torn)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"chat: error: {torn}"), err
+
+
+def test_save_errors_name_the_target_and_nothing_but_files_is_replaced(app_factory, tmp_path, capsys):
+    app, out, settings = app_factory(max_new_tokens="3")
+    missing = tmp_path / "no" / "such" / "conv.yaml"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    drive(app, settings, f"/save {tmp_path / 'early.yaml'}\rhello\r/save {missing}\r/save {tmp_path}\r/save {fifo}\r"
+                         "again\r/exit\r")
+    assert [t.user for t in app.controller.turns] == ["hello", "again"]  # the REPL answered after each
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("error: /save ") for line in err), err
+    assert "nothing to save" in err[0] and not (tmp_path / "early.yaml").exists()
+    assert f"no such directory {missing.parent}" in err[1] and "create it" in err[1] and ".tmp" not in err[1]
+    assert "is a directory" in err[2] and "is not a regular file" in err[3]
+    assert os.path.isdir(tmp_path) and not os.path.isfile(fifo) and os.path.exists(fifo)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "h"]  # no temporary file left behind
+
+
+def test_run_output_into_a_missing_directory_fails_before_the_run(tiny_dirs, tmp_path):
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nevents:\n  - user: hi\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "chat", "run", str(script), "-o", str(tmp_path / "no" / "r.yaml"),
+                           "--model", tiny_dirs["llama"][0], "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"no such directory {tmp_path / 'no'}" in lines[0], proc.stderr
