@@ -2,8 +2,9 @@
 
 Every setting is a flag (`--max-context 4096`, `--temperature 0`), generated from the settings
 dataclasses so flags, config.yaml keys and CHAT_* variables stay one to one. Expected failures
-(bad config, missing or corrupt model, context overflow) print one line and exit 2; Ctrl-C
-exits 130; no traceback reaches the user.
+(bad config, missing or corrupt model, context overflow) print one line and exit 2; a reply that
+max_new_tokens or the context cut off before its output format was complete exits 3 (--prompt,
+piped input) with a one-line notice; Ctrl-C exits 130; no traceback reaches the user.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .errors import user_errors
 from .settings import SECTIONS
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # (3, a constrained reply cut off: chat/turn.py's EXIT_CUT_OFF)
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,7 +109,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
 
 
 def one_shot(rt, text: str, fmt=None, where: str = "") -> int:
-    from .turn import TurnResult, run_turn
+    from .turn import EXIT_CUT_OFF, TurnResult, cut_off_notice, run_turn
 
     s = rt.session
     constraint = None if fmt is None else fmt.compile(rt.loaded.tokenizer, s.eos_ids, s.vocab_size, where).constraint()
@@ -120,6 +121,11 @@ def one_shot(rt, text: str, fmt=None, where: str = "") -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if result.cut_off:  # printed as far as it got, but never passed off as whole
+        sys.stdout.flush()
+        print(f"chat: note: {cut_off_notice(result, rt.settings.sampling, s.max_context, '--max-new-tokens')}",
+              file=sys.stderr)
+        return EXIT_CUT_OFF
     return 0
 
 

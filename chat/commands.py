@@ -101,8 +101,7 @@ def _stats(app, arg):
         app.renderer.info("no turn yet")
         return
     from .render import format_stats
-    app.renderer.info(format_stats(c.last.stats, c.context_used, c.session.max_context)
-                      + f" · finish: {c.last.finish_reason}")
+    app.renderer.info(format_stats(c.last.stats, c.context_used, c.session.max_context, finish=True))
 
 
 def _undo(app, arg):

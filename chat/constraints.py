@@ -5,7 +5,8 @@ carry it. `Format.compile(tokenizer, eos_ids, vocab)` checks it with llguidance 
 `Compiled` whose `constraint()` is a fresh engine/constraint.py `TokenConstraint` per reply.
 llguidance reads our `tokenizers` tokenizer (GGUF-built or an HF tokenizer.json alike); control
 tokens never match text, and once the grammar is complete only the end-of-turn ids are allowed,
-so a reply ends with the model's end of turn and is never cut mid-value by the constraint.
+so a reply ends with the model's end of turn and is never cut mid-value by the constraint
+(max_new_tokens or the context still can: chat/turn.py marks such a reply `cut_off`).
 A bad format is a `ConstraintError`: one line naming the place (line and column, or the schema's
 JSON pointer).
 """

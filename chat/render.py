@@ -43,11 +43,14 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return body[:end], body[end + len("</think>"):].lstrip("\n")
 
 
-def format_stats(stats: GenerationStats, used: int, max_context: int) -> str:
+def format_stats(stats: GenerationStats, used: int, max_context: int, finish: bool = False) -> str:
+    """The stats line; it names the finish reason where the reply did not end by itself (or with
+    `finish`, always)."""
     ttft = stats.prefill_seconds
+    end = f" · finish: {stats.finish_reason}" if finish or stats.finish_reason not in ("stop", "") else ""
     return (f"{ttft:.2f}s to first token · {stats.decode_tps:.1f} tok/s · {stats.generated_tokens} tokens · "
             f"prompt {stats.prompt_tokens} (reused {stats.reused_tokens}, new {stats.prefilled_tokens}) · "
-            f"context {used}/{max_context}")
+            f"context {used}/{max_context}{end}")
 
 
 class Renderer:

@@ -37,7 +37,7 @@ from .runtime import open_runtime
 from .settings import Settings
 from .template import TemplateError
 from .transcript import TranscriptError, load_into_controller
-from .turn import TurnResult
+from .turn import EXIT_CUT_OFF, TurnResult, cut_off_notice
 from .typeahead import take_pending
 
 BLOCK = '"""'
@@ -162,6 +162,7 @@ class ReplApp:
         self.own_sigint = False  # run_repl on a terminal: SIGINT interrupts replies only
         self.late_interrupt = False
         self.terminal = None  # (on a terminal: its fd and the prompt's input, for typeahead.take_pending)
+        self.cut_off = 0  # constrained replies cut off before their format was complete
 
     def note_interrupt(self, signum, frame) -> None:
         """SIGINT outside a reply: answered with the hint at the next prompt. One that lands as a
@@ -280,6 +281,10 @@ class ReplApp:
             self.renderer.notice("(interrupted: the reply was discarded)")
             return
         self.renderer.stats(result.stats, c.context_used, c.session.max_context)
+        if result.cut_off:
+            self.cut_off += 1
+            self.renderer.notice("note: " + cut_off_notice(result, c.settings.sampling, c.session.max_context,
+                                                           "max_new_tokens (/set max_new_tokens N)"))
 
 
 def _read_piped(stream, notice=lambda text: None):
@@ -309,7 +314,7 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
                 app.handle(line)
         except ExitRepl:
             pass
-        return 0
+        return EXIT_CUT_OFF if app.cut_off else 0  # (a script reading stdout must know)
     if app.own_sigint and app.terminal is None:
         app.terminal = (_terminal_fd(session), session.input)
     while True:

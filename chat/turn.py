@@ -24,6 +24,22 @@ class TurnResult:
     text: str = ""
     finish_reason: str = "interrupted"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    cut_off: bool = False  # an output format was in force and the reply ended before completing it
+
+
+EXIT_CUT_OFF = 3  # one-shot and piped runs: a constrained reply was cut off (chat/__main__.py, repl.py)
+
+
+def cut_off_notice(result: TurnResult, sampling: SamplingConfig, max_context: int, raise_hint: str) -> str:
+    """One line for a reply that ended before its output format was complete; `raise_hint` says
+    how to raise max_new_tokens here (a flag, or /set)."""
+    why = {"length": f"stopped at max_new_tokens ({sampling.max_new_tokens})",
+           "context": f"filled the context ({max_context} tokens)",
+           "stop": "was ended by a stop string"}.get(result.finish_reason, f"ended ({result.finish_reason})")
+    todo = {"length": f"raise {raise_hint} or ask for less",
+            "context": "raise max_context or start a new conversation",
+            "stop": "remove the stop string"}.get(result.finish_reason, "try again")
+    return f"the reply {why} before its output format was complete: it is cut off, not valid; {todo}"
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -35,6 +51,18 @@ def _held_back(text: str, stops: list[str]) -> int:
                 hold = max(hold, k)
                 break
     return hold
+
+
+def _completes(constraint, ids: list[int], eos_ids) -> bool:
+    """Whether a constrained reply completed its format: it ended with the end-of-turn id (allowed
+    only once the grammar is complete), or its last token, which a reply stopped by max_new_tokens
+    or the context never fed to the constraint, completed it."""
+    if ids and ids[-1] in eos_ids:
+        return True
+    try:
+        return bool(ids) and constraint.consume(ids[-1]) and bool(getattr(constraint, "accepting", False))
+    except Exception:  # (a matcher already in error: not complete)
+        return False
 
 
 def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling: SamplingConfig,
@@ -61,6 +89,7 @@ def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling:
                     result.text = text[:hit]
                     yield text[emitted:hit]
                     result.finish_reason = "stop"
+                    result.cut_off = constraint is not None  # (the grammar needs its end of turn)
                     return
                 safe = len(text) - _held_back(text, stops)
             else:
@@ -73,6 +102,7 @@ def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling:
         if len(result.text) > emitted:
             yield result.text[emitted:]
         result.finish_reason = session.last_stats.finish_reason
+        result.cut_off = constraint is not None and not _completes(constraint, result.ids, session.eos_ids)
     finally:
         tokens.close()
         if result.finish_reason == "interrupted":

@@ -329,3 +329,45 @@ def test_repl_starts_with_the_flag_format(tiny_dirs, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     code, out = run_main(capsys, "--model", tiny_dirs["llama"][0], "--regex", "(?<=a)b")
     assert code == 2 and "--regex (?<=a)b: invalid regex" in out.err
+
+
+# --- a reply cut off before its format was complete (issue 69) ----------------------------------
+
+PERSON = ('{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},'
+          '"required":["name","age"]}')
+
+
+def test_cut_off_reply_is_never_passed_off_as_whole(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """--prompt and piped input: the text as far as it got, a one-line notice, exit 3; in the
+    REPL the notice, the stats line's finish reason, and `length` in the recording."""
+    import io
+    model = ["--model", tiny_dirs["llama"][0], "--temperature", "0", "--json-schema", PERSON]
+    code, out = run_main(capsys, *model, "--max-new-tokens", "5", "--prompt", "hi")
+    lines = out.err.strip().splitlines()
+    assert code == 3 and out.out.startswith("{") and len(lines) == 1, (code, out)
+    assert "max_new_tokens (5)" in lines[0] and "cut off" in lines[0] and "--max-new-tokens" in lines[0]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, out = run_main(capsys, *model, "--max-new-tokens", "5")
+    assert code == 3 and "max_new_tokens (5)" in out.err and out.out.startswith("{"), (code, out)
+    # a reply that completes its format ends as before, also where its last token was the last allowed
+    code, out = run_main(capsys, "--model", tiny_dirs["llama"][0], "--regex", "[xyz]{3}", "--temperature", "0",
+                         "--max-new-tokens", "3", "--prompt", "hi")
+    assert code == 0 and out.err == "" and re.fullmatch("[xyz]{3}\n", out.out), out
+
+    from chat import transcript as tr
+    from chat.controller import ChatController
+    from chat.render import Renderer
+    from chat.repl import ReplApp
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+    from test_repl import Out, drive
+    settings = load_settings(None, env={}, overrides={"model": tiny_dirs["llama"][0], "temperature": "0",
+                                                     "max_new_tokens": "5", "history_file": str(tmp_path / "h")})
+    shown = Out()
+    app = ReplApp(ChatController(open_runtime(settings), settings),
+                  Renderer(out=shown, color="always", force_terminal=True))
+    rec = tmp_path / "r.yaml"
+    assert drive(app, settings, f"/format schema {PERSON}\rhi\r/stats\r/save {rec}\r/exit\r") == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown.text)
+    assert text.count("finish: length") == 2 and "max_new_tokens (5)" in text and "/set max_new_tokens" in text
+    assert [e.result["finish_reason"] for e in tr.load(str(rec)).events] == ["length"]
