@@ -8,7 +8,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import models
@@ -33,12 +33,14 @@ def tiny_session(tiny_dirs):
 PROMPT = [1, 90, 100, 110, 120, 2, 1, 70, 80]
 
 
-def reply(tiny_dirs, fmt: Format, seed: int, temperature=1.0, **over):
+def reply(tiny_dirs, fmt: Format, seed: int, temperature=1.0, context_full_ok=False, **over):
     lm, s = tiny_session(tiny_dirs)
     compiled = fmt.compile(lm.tokenizer, s.eos_ids, s.vocab_size)
     cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=over.pop("max_new_tokens", 600),
                          top_k=0, top_p=1.0, min_p=0.0, **over)
     ids = list(s.generate(PROMPT, cfg, constraint=compiled.constraint()))
+    if context_full_ok and s.last_stats.finish_reason == "context":
+        return None
     assert s.last_stats.finish_reason == "stop", (s.last_stats.finish_reason, lm.tokenizer.decode(ids))
     assert ids[-1] in s.eos_ids and not set(ids[:-1]) & {0, 1, 2}  # no control token but the final end of turn
     return ids, lm.tokenizer.decode(ids[:-1], skip_special_tokens=False)
@@ -82,8 +84,12 @@ SCHEMAS = st.recursive(_leaf(), lambda inner: st.one_of(_object(inner), _array(i
                                                                   HealthCheck.too_slow])
 @given(schema=SCHEMAS, seed=st.integers(0, 2**32), penalty=st.sampled_from([0.0, 0.5]))
 def test_sampled_replies_validate_under_generated_schemas(tiny_dirs, schema, seed, penalty):
-    _, text = reply(tiny_dirs, Format("json_schema", json.dumps(schema)), seed, presence_penalty=penalty)
-    jsonschema.validate(json.loads(text), schema)
+    out = reply(tiny_dirs, Format("json_schema", json.dumps(schema)), seed, presence_penalty=penalty,
+                context_full_ok=True)
+    # random weights can fill the tiny model's context with the whitespace a large schema allows
+    # between its tokens: such a reply says nothing about the constraint
+    assume(out is not None)
+    jsonschema.validate(json.loads(out[1]), schema)
 
 
 def test_format_json_is_any_object(tiny_dirs):
