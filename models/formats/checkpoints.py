@@ -7,13 +7,20 @@ Two sources:
   form where it knows the type, else the `gguf` package; ggml order
   reversed, llama.cpp's Q/K row permutation undone, its converter's value changes on the hybrid
   and MoE architectures undone), the tokenizer rebuilt from its arrays.
-Weights are never unpickled. Every failure raises `CheckpointError` with a one-line message.
+Weights are never unpickled. Every failure raises `CheckpointError` with a one-line message:
+only regular files are read (a FIFO or a device would block or never end), JSON must decode as
+UTF-8 objects, config values are type- and range-checked (`check_config`) before anything is
+built from them, and a GGUF header is walked with bounds checks before gguf's reader parses it.
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
+import stat
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,14 +50,185 @@ END_OF_TURN_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text
                      "<|end|>", "<|eom_id|>", "<reponame>")
 
 
-def _read_json(path: str) -> dict:
+# --- files and JSON -----------------------------------------------------------------------------
+
+_SPECIAL_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                  (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode that is not a regular file's is, in words."""
+    return next((name for test, name in _SPECIAL_FILES if test(mode)), "not a regular file")
+
+
+def os_problem(path: str, e: OSError) -> str:
+    """An OSError on `path` in a few words (a link loop or a dangling link said as such)."""
+    if e.errno == errno.ELOOP:
+        return "a symbolic link loop"
+    if e.errno in (errno.ENOENT, errno.ENOTDIR) and os.path.islink(path):
+        try:
+            return f"a broken symbolic link (to {_clip(os.readlink(path))})"
+        except OSError:
+            return "a broken symbolic link"
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        return "no such file or directory"
+    return (e.strerror or type(e).__name__).lower()
+
+
+def _clip(value, limit: int = 80, as_json: bool = False) -> str:
+    """repr(value) (or its JSON), at most about `limit` characters: messages quote bad values,
+    never whole files."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        text = json.dumps(value, ensure_ascii=False) if as_json else repr(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def regular_file(path: str, required: bool = True) -> bool:
+    """Whether `path` is a regular file (links followed); False where nothing is there and it is
+    not required. Anything else there is a CheckpointError: a FIFO or a device would block a
+    read forever or never end."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if not required and e.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.islink(path):
+            return False
+        raise CheckpointError(f"{path}: {os_problem(path, e)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: {file_kind(st.st_mode)}, not a regular file")
+    return True
+
+
+def read_bytes(path: str, limit: int = -1) -> bytes:
+    """A regular file's bytes (the first `limit`). Opened without blocking and checked again on
+    the open descriptor, so a FIFO put there after the check cannot hang the read either."""
+    regular_file(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {os_problem(path, e)}") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: {file_kind(mode)}, not a regular file")
+        try:
+            return f.read(limit)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read: {os_problem(path, e)}") from None
+
+
+def read_text(path: str) -> str:
+    data = read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+
+
+def _read_json(path: str) -> dict:
+    """A JSON file that must hold an object (every JSON file of a checkpoint does)."""
+    text = read_text(path)
+    try:
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+        raise CheckpointError(f"{path}: invalid JSON ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object {{...}}, found {_json_kind(value)}")
+    return value
+
+
+# --- config values ----------------------------------------------------------------------------
+
+# Sizes the architectures build tensors and loops from: integers (never bool, float or string)
+# from a lower bound to SIZE_LIMIT, so that no absurd value reaches torch or a Python loop.
+SIZE_LIMIT = 1 << 24
+_POSITIVE_SIZES = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+    "attention_head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+    "n_groups", "conv_kernel", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
+    "conv_L_cache", "decoder_sparse_step", "full_attention_interval", "block_multiple_of")
+# 0 means none (no experts, no shared expert, head_dim derived from the hidden size)
+_ZERO_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "shared_intermediate_size", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+               "block_ff_dim", "mamba_expand")
+_NUMBERS = ("rms_norm_eps", "norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor", "time_step_min",
+            "mamba_dt_min", "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+            "block_ffn_dim_multiplier")
+_BOOLS = ("tie_word_embeddings", "tie_embedding", "attention_bias", "mlp_bias", "norm_topk_prob", "use_conv_bias",
+          "use_bias", "mamba_conv_bias", "mamba_proj_bias", "conv_bias", "block_auto_adjust_ff_dim",
+          "linear_allow_neg_eigval")
+_OBJECTS = ("text_config", "rope_parameters", "rope_scaling", "quantization_config")
+_LISTS = ("layer_types", "layers_block_type", "mlp_only_layers", "full_attn_idxs", "time_step_limit")
+_STRINGS = ("model_type", "hybrid_override_pattern", "position_embedding_type")
+
+
+def check_config(config: dict, source: str) -> dict:
+    """`config` (an HF-style config, or one made from GGUF metadata) with every value the
+    architectures read checked for its type and range, the text model's nested config too;
+    `source` names the file in the message. Absent and null values are the architecture's to
+    default or report."""
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: the config must be an object, found {_json_kind(config)}")
+    _check_values(config, source, "")
+    if "text_config" in config:
+        _check_values(config["text_config"], source, "text_config.")
+    return config
+
+
+def _check_values(c: dict, source: str, where: str) -> None:
+    def bad(key, what):
+        raise CheckpointError(f"{source}: {where}{key} must be {what}, not {_clip(c[key], as_json=True)}")
+
+    for key in _OBJECTS:  # (a null text_config would silently make the top level the text model's)
+        if (c.get(key) is not None or key == "text_config" and key in c) and not isinstance(c[key], dict):
+            bad(key, "an object {...}")
+    for key in _LISTS:
+        if c.get(key) is not None and not isinstance(c[key], list):
+            bad(key, "a list")
+    for key in _STRINGS:
+        if c.get(key) is not None and not isinstance(c[key], str):
+            bad(key, "a string")
+    for key in _BOOLS:
+        if c.get(key) is not None and not isinstance(c[key], bool):
+            bad(key, "true or false")
+    for key in _NUMBERS:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            bad(key, "a finite number")
+    for keys, low in ((_POSITIVE_SIZES, 1), (_ZERO_SIZES, 0)):
+        for key in keys:
+            v = c.get(key)
+            if key == "mamba_d_head" and v == "auto":
+                continue
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not low <= v < SIZE_LIMIT):
+                bad(key, f"an integer from {low} to {SIZE_LIMIT - 1}")
+    v = c.get("max_position_embeddings")  # a context length, not a size: nothing is allocated from it
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 40):
+        bad("max_position_embeddings", "a positive integer")
+    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise CheckpointError(f"{source}: {where}num_attention_heads ({heads}) is not a multiple of "
+                              f"num_key_value_heads ({kv})")
+    experts, used = c.get("num_experts") or c.get("num_local_experts"), c.get("num_experts_per_tok")
+    if isinstance(experts, int) and isinstance(used, int) and experts and used > experts:
+        raise CheckpointError(f"{source}: {where}num_experts_per_tok ({used}) exceeds the {experts} experts")
+    qc = c.get("quantization_config")
+    if qc is not None:
+        for key in ("bits", "w_bit", "group_size", "q_group_size"):
+            v = qc.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < SIZE_LIMIT):
+                raise CheckpointError(f"{source}: {where}quantization_config.{key} must be an integer, "
+                                      f"not {_clip(v, as_json=True)}")
 
 
 def _token_text(value) -> str | None:
@@ -63,42 +241,54 @@ def load_hf_dir(path: str, lazy: bool = False) -> Checkpoint:
     """lazy: the tensors are LazyTensor (read when and as far as indexed: a tensor-parallel rank
     reads only its slices)."""
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not regular_file(cfg_path, required=False):
         raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory or a .gguf file)")
-    config = _read_json(cfg_path)
+    config = check_config(_read_json(cfg_path), cfg_path)
     tensors, files = (_open_safetensors if lazy else _read_safetensors)(path)
     tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_path):
+    if not regular_file(tok_path, required=False):
         raise CheckpointError(f"{path}: no tokenizer.json")
     try:
         tokenizer = Tokenizer.from_file(tok_path)
     except Exception as e:  # tokenizers raises plain Exception subclasses with long messages
         raise CheckpointError(f"{tok_path}: not a valid tokenizer file ({str(e).splitlines()[0]})") from None
     tok_cfg_path = os.path.join(path, "tokenizer_config.json")
-    tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+    tok_cfg = _read_json(tok_cfg_path) if regular_file(tok_cfg_path, required=False) else {}
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{tok_cfg_path}: chat_template must be a string, not {_clip(template, as_json=True)}")
     jinja_path = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            template = f.read()
+    if regular_file(jinja_path, required=False):
+        template = read_text(jinja_path)
     gen_path = os.path.join(path, "generation_config.json")
-    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    gen = _read_json(gen_path) if regular_file(gen_path, required=False) else {}
     eos_token = _token_text(tok_cfg.get("eos_token"))
+    bos_token = _token_text(tok_cfg.get("bos_token"))
+    for key, value in (("eos_token", eos_token), ("bos_token", bos_token)):
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{tok_cfg_path}: {key} must be a string, not {_clip(value, as_json=True)}")
     eos = gen.get("eos_token_id", config.get("eos_token_id"))
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else [] if eos is None else None
+    if eos_ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
+        raise CheckpointError(f"{gen_path if 'eos_token_id' in gen else cfg_path}: eos_token_id must be a token id "
+                              f"or a list of them, not {_clip(eos, as_json=True)}")
     if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
         eos_ids.append(tokenizer.token_to_id(eos_token))
     files = [cfg_path, tok_path] + files
-    return Checkpoint(config, tensors, tokenizer, template, _token_text(tok_cfg.get("bos_token")), eos_token,
+    return Checkpoint(config, tensors, tokenizer, template, bos_token, eos_token,
                       tuple(dict.fromkeys(eos_ids)), files)
 
 
 def _shard_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    if regular_file(index, required=False):
+        weight_map = _read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must be an object of tensor name → file name")
+        shards = sorted(set(weight_map.values()))
         if not shards:
             raise CheckpointError(f"{index}: the weight_map is empty")
     else:
@@ -109,7 +299,7 @@ def _shard_files(path: str) -> list[str]:
     files = []
     for shard in shards:
         file = os.path.join(path, shard)
-        if not os.path.isfile(file):
+        if not regular_file(file, required=False):
             raise CheckpointError(f"{file}: shard listed in the index is missing")
         files.append(file)
     return files
@@ -376,13 +566,143 @@ def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
-    if len(f.types) == 1 and f.types[0].name == "STRING":
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    if f.types[0].name == "ARRAY":
-        if f.types[-1].name == "STRING":
-            return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-        return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
+    try:
+        if len(f.types) == 1 and f.types[0].name == "STRING":
+            return bytes(f.parts[f.data[0]]).decode("utf-8")
+        if f.types[0].name == "ARRAY":
+            if f.types[-1].name == "STRING":
+                return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+            return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
+    except UnicodeDecodeError:
+        raise CheckpointError(f"GGUF key {_clip(key)} holds text that is not UTF-8") from None
     return f.parts[f.data[0]].tolist()[0]
+
+
+# --- GGUF layout ------------------------------------------------------------------------------
+
+# bytes of each GGUF metadata value type that has a fixed size (the others: 8 string, 9 array)
+_GGUF_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_IMPLAUSIBLE = 1 << 50  # a length past this is damage, not a file cut short
+
+
+class _GgufCursor:
+    """Reads a GGUF header front to back, every read checked against the end of the file."""
+
+    def __init__(self, path: str, buf, order: str, pos: int):
+        self.path, self.buf, self.size, self.order, self.pos = path, buf, len(buf), order, pos
+
+    def past_end(self, need: int, what: str) -> CheckpointError:
+        if need >= _IMPLAUSIBLE:
+            return CheckpointError(f"{self.path}: damaged GGUF header: {what}, from byte {self.pos}, "
+                                   f"claims {need - self.pos} bytes")
+        return CheckpointError(f"{self.path}: truncated at byte {self.size} of at least {need} "
+                               f"({what}, from byte {self.pos}, runs past the end)")
+
+    def skip(self, n: int, what: str) -> int:
+        if self.pos + n > self.size:
+            raise self.past_end(self.pos + n, what)
+        self.pos += n
+        return self.pos - n
+
+    def uint(self, fmt: str, what: str) -> int:
+        start = self.skip(struct.calcsize(fmt), what)
+        return struct.unpack_from(self.order + fmt, self.buf, start)[0]
+
+    def text(self, what: str) -> str:
+        n = self.uint("Q", what)
+        start = self.skip(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: damaged GGUF header: {what}, at byte {start}, is not UTF-8") \
+                from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> None:
+        if vtype in _GGUF_VALUE_BYTES:
+            self.skip(_GGUF_VALUE_BYTES[vtype], what)
+        elif vtype == _GGUF_STRING:
+            self.skip(self.uint("Q", what), what)
+        elif vtype == _GGUF_ARRAY and depth < 2:
+            itype, count = self.uint("I", what), self.uint("Q", what)
+            if itype in _GGUF_VALUE_BYTES:
+                self.skip(count * _GGUF_VALUE_BYTES[itype], what)
+                return
+            # each string or nested array takes at least 8 bytes: a count the file cannot hold
+            # fails here, not after a loop over it
+            if self.pos + 8 * count > self.size:
+                raise self.past_end(self.pos + 8 * count, what)
+            for _ in range(count):
+                self.value(itype, what, depth + 1)
+        else:
+            raise CheckpointError(f"{self.path}: damaged GGUF header: {what} has the unknown value type {vtype}")
+
+
+def check_gguf_layout(path: str) -> None:
+    """Walk a GGUF file's header with every read bounds-checked, and check that the tensor data it
+    describes lies inside the file. gguf's reader, given a truncated file, indexes past its end
+    (IndexError, reshape errors) and, given a garbled array count, loops without end; this names
+    the byte where the file ends and the size its header implies."""
+    import mmap
+
+    from gguf.constants import GGML_QUANT_SIZES
+
+    regular_file(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:  # magic, version and the two counts
+            raise CheckpointError(f"{path}: truncated at byte {size} of at least 24 (the GGUF header)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                raise CheckpointError(f"{path}: not a GGUF file (no GGUF magic)")
+            order = "<"
+            version = struct.unpack_from("<I", buf, 4)[0]
+            if version & 0xFFFF == 0:  # written on a big-endian machine
+                order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+            if version not in (2, 3):
+                raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+            r = _GgufCursor(path, buf, order, 8)
+            n_tensors, n_kv = r.uint("Q", "the tensor count"), r.uint("Q", "the key count")
+            if 13 * n_kv + 32 * n_tensors > size:  # the fewest bytes a key and a tensor's info take
+                raise r.past_end(r.pos + 13 * n_kv + 32 * n_tensors, f"the metadata of {n_kv} keys and {n_tensors} "
+                                 "tensors")
+            alignment = 32
+            for i in range(n_kv):
+                key = r.text(f"metadata key {i}'s name")
+                what = f"key {_clip(key)}"
+                vtype = r.uint("I", what)
+                if key == "general.alignment" and vtype == _GGUF_UINT32:
+                    alignment = struct.unpack_from(order + "I", buf, r.pos)[0] if r.pos + 4 <= size else 32
+                    if alignment == 0 or alignment & (alignment - 1):
+                        raise CheckpointError(f"{path}: damaged GGUF header: general.alignment {alignment} "
+                                              "is not a power of two")
+                r.value(vtype, what)
+            ends = []
+            for i in range(n_tensors):
+                name = r.text(f"tensor {i}'s name")
+                what = f"the info of tensor {_clip(name)}"
+                n_dims = r.uint("I", what)
+                if not 1 <= n_dims <= 4:
+                    raise CheckpointError(f"{path}: damaged GGUF header: tensor {_clip(name)} has {n_dims} dims")
+                dims = [r.uint("Q", what) for _ in range(n_dims)]
+                ttype, offset = r.uint("I", what), r.uint("Q", what)
+                if ttype not in GGML_QUANT_SIZES:
+                    raise CheckpointError(f"{path}: tensor {_clip(name)} has the unknown GGML type {ttype}")
+                block, type_bytes = GGML_QUANT_SIZES[ttype]
+                if dims[0] % block or offset % alignment:
+                    raise CheckpointError(f"{path}: damaged GGUF header: tensor {_clip(name)} of shape {dims} "
+                                          f"at data offset {offset} (type {ttype}: {block}-weight blocks, "
+                                          f"alignment {alignment})")
+                ends.append((offset + math.prod(dims) // block * type_bytes, name))
+            start = -(-r.pos // alignment) * alignment
+            end, _ = max(ends, default=(0, ""))
+            if ends and start + end > size:  # (a vocabulary-only file ends with its header, unpadded)
+                first = min(e for e in ends if start + e[0] > size)[1]
+                if start + end >= _IMPLAUSIBLE:
+                    raise CheckpointError(f"{path}: damaged GGUF header: the data of tensor {_clip(first)} would "
+                                          f"end at byte {start + end}")
+                raise CheckpointError(f"{path}: truncated at byte {size} of {start + end} "
+                                      f"(the data of tensor {_clip(first)} runs past the end)")
 
 
 def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
@@ -400,6 +720,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     if index is None:
         index = _read_gguf_index(path)
         _store_index(path, index)
+    check_config(index["config"], path)  # here, not in the index: a cached index is checked too
     tensors = {}
     widened: dict[str, int] = {}
     try:
@@ -407,8 +728,9 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
         data = np.memmap(path, dtype=np.uint8, mode="c")
         for name, ttype, shape, dtype, offset in index["tensors"]:
             n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            if offset + n > data.shape[0]:
-                raise CheckpointError(f"{path}: truncated: tensor {name!r} ends past the end of the file")
+            if offset + n > data.shape[0]:  # (check_gguf_layout found it whole when the index was made)
+                raise CheckpointError(f"{path}: truncated at byte {data.shape[0]} of {offset + n} "
+                                      f"(tensor {name!r}'s data runs past the end)")
             raw = data[offset:offset + n].view(dtype).reshape(shape)
             unpermute = None
             model_type = index["config"]["model_type"]
@@ -457,17 +779,39 @@ def gguf_type(value: int):
 def _read_gguf_index(path: str) -> dict:
     import gguf
 
-    from .gguf_tokenizer import TokenizerError, build
-
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct errors/IndexError on damage
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})".splitlines()[0]) from None
+    try:
+        return _gguf_index(path, reader)
+    except CheckpointError as e:
+        raise CheckpointError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError) as e:  # a value of the wrong type
+        detail = (str(e).splitlines() or [""])[0][:80]
+        raise CheckpointError(f"{path}: bad GGUF metadata ({type(e).__name__}: {detail})") from None
+
+
+def _gguf_index(path: str, reader) -> dict:
+    from .gguf_tokenizer import TokenizerError, build
+
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
+    if not isinstance(arch, str) or arch not in _GGUF_ARCHS:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
                               f"(supported: {', '.join(_GGUF_ARCHS)})")
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    for key in ("block_count", "attention.head_count", "embedding_length"):  # the sizes computed with below
+        v = a(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < SIZE_LIMIT):
+            raise CheckpointError(f"{path}: GGUF key {arch}.{key} must be an integer from 1 to {SIZE_LIMIT - 1}, "
+                                  f"not {_clip(v)}")
+    held = max((int(m.group(1)) + 1 for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))),
+               default=0)
+    # refused before any loop over the blocks (a vocabulary-only file has the metadata, no tensors)
+    blocks = a("block_count")
+    if reader.tensors and blocks is not None and blocks > held:
+        raise CheckpointError(f"{path}: {arch}.block_count is {blocks}, the file's tensors hold {held} blocks")
     # multi-token-prediction blocks (llama.cpp's nextn layers) come after the model's own: skipped
     n_layers = a("block_count") - a("nextn_predict_layers", 0)
     own = [t for t in reader.tensors
@@ -523,11 +867,20 @@ def _read_gguf_index(path: str) -> dict:
         _hf_name(t.name, config["model_type"])  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    for key, i in (("bos", bos), ("eos", eos), ("eot", eot)):
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{key}_token_id must be a token id, not {_clip(i)}")
+    # an id past the vocabulary is no special token: llama.cpp warns and keeps its default
+    bos, eos, eot = [i if i is not None and 0 <= i < len(tokens) else None for i in (bos, eos, eot)]
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{path}: tokenizer.chat_template must be a string, not {_clip(template)}")
+    eos_ids = [i for i in (eos, eot) if i is not None]
     # llama.cpp also ends generation on its end-of-turn control tokens (and the FIM repo-name token)
     eos_ids += [i for i, tt in enumerate(types) if tt == 3 and tokens[i] in END_OF_TURN_TEXTS]
     return {
-        "config": config, "tokenizer": tokenizer.to_str(), "chat_template": _field(reader, "tokenizer.chat_template"),
+        "config": config, "tokenizer": tokenizer.to_str(), "chat_template": template,
         "bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
         "eos_ids": list(dict.fromkeys(eos_ids)),
         "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))

@@ -50,10 +50,21 @@ def build(tokens: list[str], token_types: list[int], merges: list[str], pre: str
         raise TokenizerError(f"tokenizer model {model_kind!r} is not supported (supported: gpt2 byte-level BPE)")
     if pre not in _PRE_REGEXES:
         raise TokenizerError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_REGEXES))})")
+    # the arrays as a damaged file may hold them: each a one-line error, never an IndexError
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError("tokenizer.ggml.tokens is not a list of strings")
+    if not isinstance(token_types, list) or len(token_types) != len(tokens):
+        raise TokenizerError(f"tokenizer.ggml.token_type does not hold one type for each of the {len(tokens)} tokens")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise TokenizerError("tokenizer.ggml.merges is not a list of space-separated token pairs")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre in _IGNORE_MERGES))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in _IGNORE_MERGES))
+    except Exception as e:  # e.g. a merge of tokens not in the vocabulary
+        raise TokenizerError(f"the GGUF vocabulary does not make a BPE tokenizer ({str(e).splitlines()[0][:80]})") \
+            from None
     splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _PRE_REGEXES[pre]]
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                     use_regex=False)])

