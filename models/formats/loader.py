@@ -263,8 +263,11 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
+                if device.type == "cuda" or isinstance(replacement, _COPIES):
+                    quant.release_pages(t.raw)  # (copied: only BlockLinear on the CPU reads the file's pages)
                 continue
-            t = t.dequantize()
+            raw, t = t.raw, t.dequantize()
+            quant.release_pages(raw)
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
             t.to(device=device, dtype=dtype), requires_grad=False)
     tensors.clear()  # the model holds the only references now: fusion below frees what it replaces
@@ -287,6 +290,10 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
         repack_for_cuda(model)
     model.eval()
     _release_freed_memory()
+
+
+# the CPU modules that hold a copy of their GGUF tensor (the int4 kernel's layout, a Q8_0 table)
+_COPIES = (quant.Int4Linear, quant.Q8Embedding, quant.Q8Linear)
 
 
 def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False,

@@ -31,6 +31,9 @@ shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +116,36 @@ class GgufTensor:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return gguf_blocks.dequantize(self.blocks(), self.ggml_type).to(dtype)
+
+
+_MADV_PAGEOUT = 21  # (Linux 5.4+: reclaim these pages now; a private page written to goes to swap, never lost)
+
+
+def release_pages(raw: np.ndarray) -> None:
+    """The mapped file pages under `raw` handed back to the kernel, where the load has copied
+    them into a module of its own (the int4 kernel's layout, a Q8_0 table's codes) and nothing
+    reads them again: they count in the process's resident set until then, so the load's peak
+    would hold the file's pages and their copies at once (bench/load_rss.py). A no-op for arrays
+    that are not over a file mapping, and where the kernel or libc does not know the advice."""
+    base = raw
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or not raw.flags.c_contiguous or raw.nbytes == 0:
+        return
+    start = -(-raw.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE  # (whole pages inside the array only)
+    end = (raw.ctypes.data + raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and _libc() is not None:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def decode(raw: np.ndarray, ggml_type: int) -> QuantTensor:
