@@ -162,6 +162,7 @@ def cmd_run(argv: list[str]) -> int:
     from .controller import ChatController
     from .replay import play
     from .runtime import open_runtime
+    from .turn import EXIT_CUT_OFF
 
     args = build_run_parser().parse_args(argv)
     problem = args.output is not None and write_problem(args.output)
@@ -175,7 +176,8 @@ def cmd_run(argv: list[str]) -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
-    events = play(controller, script, show)
+    cut_off: list[str] = []
+    events = play(controller, script, show, cut_off=cut_off)
     if args.output:
         rec = tr.recording_from(controller, events)
         rec.sampling = dict(script.sampling)
@@ -186,7 +188,9 @@ def cmd_run(argv: list[str]) -> int:
         except OSError as e:
             return fail(f"-o {args.output}: cannot write: {e.strerror or e}; name another path")
         print(f"recorded {sum(e.result is not None for e in events)} turns to {args.output}", file=sys.stderr)
-    return 0
+    for line in cut_off:  # (recorded as they ran, finish_reason length; never passed off as whole)
+        print(f"chat: note: {line}", file=sys.stderr)
+    return EXIT_CUT_OFF if cut_off else 0
 
 
 def cmd_replay(argv: list[str]) -> int:

@@ -24,7 +24,7 @@ from engine.config import ConfigError, SamplingConfig, build
 from .commands import SETTABLE
 from .transcript import (UNSET, Event, Transcript, TranscriptError, check_vocabulary, cpu_isa, result_dict,
                          stated_format)
-from .turn import TurnResult
+from .turn import TurnResult, cut_off_notice
 
 
 @dataclass
@@ -135,9 +135,11 @@ def _forced_departures(controller, run: str, turn: int, ev: Event, result: TurnR
 
 
 def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False, run: str = "run",
-         tolerance: float | None = None, near_ties: list[NearTie] | None = None) -> list[Event]:
+         tolerance: float | None = None, near_ties: list[NearTie] | None = None,
+         cut_off: list[str] | None = None) -> list[Event]:
     """Execute the events; returns them with results. `expect`: compare with the recorded results;
-    with `tolerance` too, teacher-forced, the near ties appended to `near_ties`."""
+    with `tolerance` too, teacher-forced, the near ties appended to `near_ties`. `cut_off`: a line
+    appended for each reply that ended before its output format was complete."""
     path = transcript.path or "<transcript>"
     controller.sampler_version = transcript.sampler_to_replay if expect else transcript.sampler_to_run
     forcing = expect and tolerance is not None
@@ -195,6 +197,9 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
                 on_chunk(chunk)
         if on_chunk:
             on_chunk("\n")
+        if cut_off is not None and result.cut_off:
+            cut_off.append(f"{where}: turn {turn}: " + cut_off_notice(
+                result, controller.settings.sampling, controller.session.max_context, "max_new_tokens"))
         if expect:
             rec = ev.result
             i = _first_difference(rec["prompt_ids"], result.prompt_ids)

@@ -377,3 +377,24 @@ def test_cut_off_reply_is_never_passed_off_as_whole(tiny_dirs, tmp_path, monkeyp
     text = re.sub(r"\x1b\[[0-9;]*m", "", shown.text)
     assert text.count("finish: length") == 2 and "max_new_tokens (5)" in text and "/set max_new_tokens" in text
     assert [e.result["finish_reason"] for e in tr.load(str(rec)).events] == ["length"]
+
+
+def test_chat_run_reports_a_cut_off_reply_after_recording_it(tiny_dirs, tmp_path, capsys):
+    """`chat run`: each cut-off turn is a notice naming its line, the recording is written with
+    `length`, and the exit status is 3; a script whose replies complete exits 0."""
+    import json
+
+    from chat import transcript as tr
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 5}\n"
+                      f"output_format: {{json_schema: {json.dumps(PERSON)}}}\nevents:\n- user: hi\n- user: again\n")
+    rec = tmp_path / "r.yaml"
+    code, out = run_main(capsys, "run", str(script), "-o", str(rec), "--model", tiny_dirs["llama"][0])
+    notes = [line for line in out.err.splitlines() if line.startswith("chat: note:")]
+    assert code == 3 and len(notes) == 2, (code, out.err)
+    assert f"{script}:6: turn 1:" in notes[0] and "max_new_tokens (5)" in notes[0] and "cut off" in notes[0]
+    assert [e.result["finish_reason"] for e in tr.load(str(rec)).events] == ["length", "length"]
+    script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 3}\n"
+                      "output_format: {regex: '[xyz]{3}'}\nevents:\n- user: hi\n")
+    code, out = run_main(capsys, "run", str(script), "--model", tiny_dirs["llama"][0])
+    assert code == 0 and "chat: note:" not in out.err, (code, out.err)
