@@ -88,7 +88,7 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
             raise ConfigError(str(e), "cpu_isa") from None
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
     # auto: blocks on the CPU; on CUDA a GGUF is dequantized unless quantized: on asks for the
-    # Triton block kernels (on the H200 they decode slower than bf16: bench/RESULTS.md, set I)
+    # Triton block kernels (on the H200 they decode slower than bf16: bench/quant_bench.py)
     keep = eng.quantized == "on" or (eng.quantized == "auto" and device.type == "cpu")
     loaded = models.load(eng.model, device, dtype, quantized=keep, shard=shard)
     if eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):

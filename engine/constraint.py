@@ -99,8 +99,8 @@ class ConstraintMask:
     without a sync, to be applied there (DeviceMasks); on the CPU the forward has used every core
     by then.
     `overlap: True` computes them on a worker thread instead, from `advance` on: on the CPU that
-    takes a core from the forward, and on an H200 the thread's hand-offs were not hidden by a
-    0.42 ms step (bench/constrained_bench.py --overlap measures both; bench/RESULTS.md)."""
+    takes a core from the forward, and on CUDA a decode step is too short to hide the thread's
+    hand-offs (bench/constrained_bench.py --overlap measures both)."""
     overlap: bool | None = None  # None: inline
 
     def __init__(self, constraint: TokenConstraint, vocab_size: int, device: torch.device,
@@ -182,7 +182,7 @@ class ConstraintMask:
             event.record()
             return out
         # numpy, one thread: torch's masked_fill wakes its thread pool for a vocabulary row, which
-        # on a loaded machine waited up to a scheduler slice (p90 32 ms against 0.04 ms)
+        # on a loaded machine waited up to a scheduler slice (bench/constrained_bench.py's mask time)
         x = logits.detach().reshape(-1).numpy().copy()
         np.putmask(x, self._blocked[self._slot].numpy()[: self.vocab], -np.inf)
         return torch.from_numpy(x).view(logits.shape)

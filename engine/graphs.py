@@ -18,12 +18,13 @@ Prefills (PaddedPrefill): where the model allows it (CausalLM.pads_prefill: atte
 kernels that read the start from the positions), a prompt chunk of up to PREFILL_BUCKETS[-1]
 tokens runs as the smallest bucket's length that holds it, pad tokens after it, and the logits
 of its last real row come back; the pads' keys and values land in slots past the prompt, which
-the state does not count as written. A 2k-token prefill of a 30B-A3B-like MoE queues ~640
-launches, 24-48 ms of the host's time against ~30 ms of GPU work (bench/RESULTS.md, set X), so
-each bucket's forward is captured once, after its first eager run, and replayed after that: one
-launch. Eager or replayed, a bucket runs the same kernels on the same shapes, so graphs on and
-off give the same bits. The graphs share one memory pool (one runs at a time) and the logits
-are copied out of it, so no graph's replay overwrites what another returned.
+the state does not count as written. A 2k-token prefill of a 30B-A3B-like MoE queues hundreds
+of launches, and the host takes about as long to queue them as the GPU to run them
+(bench/decode_bench.py's prefill_queued_ms against prefill_ms), so each bucket's forward is
+captured once, after its first eager run, and replayed after that: one launch. Eager or replayed, a
+bucket runs the same kernels on the same shapes, so graphs on and off give the same bits. The
+graphs share one memory pool (one runs at a time) and the logits are copied out of it, so no
+graph's replay overwrites what another returned.
 """
 from __future__ import annotations
 

@@ -159,8 +159,8 @@ def _sorted_top(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def _prefixes(x: torch.Tensor):
     """Growing prefixes of the draw's order (64, 512, ... entries, then all): sorting only what a
-    draw needs (a 150k-entry float64 sort costs ~15 ms); a prefix's running sums are the full
-    sort's."""
+    draw needs (a whole vocabulary's float64 sort is slow: bench/sampling_bench.py); a prefix's
+    running sums are the full sort's."""
     m = min(64, x.numel())
     while True:
         order = _sorted_top(x, m)
@@ -182,7 +182,7 @@ def _pool(x: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor | None, to
     """After top-k: (the ids in play, ascending, or None for all; their x; exp(x - max); the
     pool's mass, summed in id order), on the host. Top-k selects on x's device (comparisons are
     exact, so the set is the same everywhere): only the pool crosses to the host, not the
-    vocabulary (a GPU's logits: ~0.1 ms instead of milliseconds of float64 work per draw)."""
+    vocabulary (far less work per draw than the whole row in float64: bench/sampling_bench.py)."""
     pool = _top_positions(x, cfg.top_k).cpu() if 0 < cfg.top_k < x.numel() else None
     x = x.cpu() if pool is None else x[pool.to(x.device)].cpu()
     e = torch.exp(x - x.max())

@@ -32,7 +32,8 @@ class SamplerV1:
 
     def _counts(self) -> torch.Tensor | None:
         """The window's counts as the dense fp32 tensor this version's penalties read (small
-        integers: exact in fp32, so the same values the running tensor held before 2026-11-30)."""
+        integers: exact in fp32, so the same values as the running tensor this version kept before
+        the shared window)."""
         return self.window.dense(self.vocab_size, self.device) if self.window.active else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

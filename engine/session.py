@@ -174,8 +174,7 @@ class DecodeSession:
         elif compile == "on":
             # The CPU step attends over the live slots, one more each step: dynamic shapes, one
             # compile. The C++ wrapper calls the generated kernels without Python between them,
-            # faster than the Python wrapper (bench/RESULTS.md, "Measurements behind the kernels'
-            # design").
+            # faster than the Python wrapper (bench/cpu_bench.py --compile on).
             compiled = torch.compile(model, dynamic=True, fullgraph=False, options={"cpp_wrapper": True})
 
             def step_fn(*args, **kwargs):

@@ -198,8 +198,8 @@ class StateManager:
 
     def _host_slot_storage(self) -> _Slot:
         """A host slot's tensors: on CUDA pinned. Pinned on first use: the turn that first spills
-        into a slot pays for page-locking it (bench/RESULTS.md, "Later turns": pinning a slot
-        ahead on a background thread did not hide it, 545 vs 523 ms)."""
+        into a slot pays for page-locking it (pinning a slot ahead on a background thread did not
+        hide it: bench/turns_bench.py --budgets 256)."""
         if self.device.type != "cuda":
             return self._new_slot(torch.device("cpu"))
         return self._new_pinned_slot()
