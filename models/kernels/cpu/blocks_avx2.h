@@ -9,9 +9,9 @@
 // Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x). tests/test_block_quant.py bounds it
 // against the fp64 product as it bounds the AVX-512 form.
 //
-// Why: the portable loop (gemv_rows) dequantizes a block into a buffer and reads it back; on a
-// 2-core AVX2 machine it ran at 1.7-3.3 GB/s of blocks (bench/RESULTS.md), several times slower
-// than llama.cpp's decode of the same file.
+// Why: the portable loop (gemv_rows) dequantizes a block into a buffer and reads it back; on an
+// AVX2 machine it ran several times slower than llama.cpp's decode of the same file
+// (bench/cpu_block_bench.py, bench/cpu_bench.py).
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CHAT_SIMD_BLOCKS)
 #define CHAT_SIMD_BLOCKS 1

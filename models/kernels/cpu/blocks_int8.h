@@ -21,7 +21,7 @@
 // Why: the fp32 product turns every code into a float (about a dozen vector instructions per 32
 // weights); an int8 dot product takes 32 codes in one, so decode of a K-quant file runs at
 // llama.cpp's speed, with llama.cpp's rounding of the inputs, and prefill's rows, eight at a time,
-// share each decoded block in place of a dequantized fp32 GEMM (bench/RESULTS.md). Off by
+// share each decoded block in place of a dequantized fp32 GEMM (bench/cpu_block_bench.py). Off by
 // default: the fp32 path gives the dequantized model's own replies.
 
 constexpr bool k_type(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }

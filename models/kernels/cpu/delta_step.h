@@ -14,8 +14,8 @@
 //   - the gated norm: rms_norm(out, norm_w, eps) * SiLU(z) per head.
 // tests/test_delta_cpu.py compares it with the torch form over several steps from a non-zero state.
 //
-// Why: the torch form is ~40 small ops a layer (~0.4 ms a layer on the 2-core development
-// machine, 18 layers a token on a Qwen3.5-0.8B-like model); here one call, the heads in parallel.
+// Why: the torch form is dozens of small ops a layer, every delta layer of every token (a
+// Qwen3.5-0.8B-like file: bench/hybrid_gguf.py); here one call, the heads in parallel.
 
 inline float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
 

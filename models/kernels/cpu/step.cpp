@@ -2,12 +2,13 @@
 // short-convolution layers between GQA ones), for one token, every layer in one call: the contract
 // is in cpu_step.py, which builds and loads this file.
 //
-// Why C++: on a small model the eager torch step is bound by per-op overhead (~400 small ops a
-// step on SmolLM2, 21-25 ms against 8 ms of matmul). Here the matmuls stay torch's kernels (the
-// int4 GEMM of quant.Int4Linear, or at::linear for fp32 weights); the norms, RoPE, KV write,
-// SwiGLU and residual adds are plain loops over the token's vectors (the reductions with
-// independent accumulators, so the compiler vectorises them), and so is the attention (over an
-// fp32 cache past 256 slots: torch's two batched GEMMs); every sum in a fixed order.
+// Why C++: on a small model the eager torch step is bound by per-op overhead (hundreds of small
+// ops a step on SmolLM2, most of its time outside the matmuls: bench/cpu_bench.py --cpu-kernel
+// off). Here the matmuls stay torch's kernels (the int4 GEMM of quant.Int4Linear, or at::linear
+// for fp32 weights); the norms, RoPE, KV write, SwiGLU and residual adds are plain loops over the
+// token's vectors (the reductions with independent accumulators, so the compiler vectorises them),
+// and so is the attention (over an fp32 cache past 256 slots: torch's two batched GEMMs); every
+// sum in a fixed order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,7 +46,7 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, double eps) {
 }
 
 // rms_norm over the last dimension of x (any leading shape), fp32: a decode step's norms as one
-// call each (F.rms_norm on the CPU is about seven dispatched ops: ~35 us for one row)
+// call each (F.rms_norm on the CPU is about seven dispatched ops, each paying its overhead)
 Tensor rms_norm_rows(const Tensor& x, const Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 1 &&
               x.size(-1) == w.size(0), "rms_norm_rows: fp32 x [..., n] and weight [n]");
@@ -253,7 +254,8 @@ inline __m256i bit_bytes(const uint8_t* p) {
 // The same product with AVX-512, from the blocks directly: per 32 (Q6_K: 16) weights the integer
 // codes widened to fp32 and multiplied with x, the block's scale applied to that partial sum, and
 // the minimum terms of Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x): the dequantized
-// product up to fp32 rounding order (not bit for bit; tests bound it). About 10x the loop above.
+// product up to fp32 rounding order (not bit for bit; tests bound it). Many times faster than the
+// loop above (bench/cpu_block_bench.py).
 inline __m512 i8_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 inline __m128i lo_nib(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
 inline __m128i hi_nib(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
@@ -420,7 +422,7 @@ void gemv_rows_simd(const float* x, const float* xs, int64_t Tn_, int64_t K, con
       const uint8_t* b1 = b0 + row_bytes;
       // the rows kAheadRows on towards the caches while this pair computes (the weights come
       // from DRAM): with the super-blocks of K-quants a unit's share of those rows at each unit,
-      // else all at once (measured: bench/RESULTS.md)
+      // else all at once (bench/block_gemv.py measures it)
       const char* ahead = reinterpret_cast<const char*>(b0 + kAheadRows * row_bytes);
       const bool prefetch = n + kAheadRows + 2 <= n1;
       if (!kq && prefetch)
@@ -515,8 +517,8 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
 
 // Whether a prefill of Tn rows on int8 inputs takes x~ times the dequantized weights by the fp32
 // GEMM rather than the int8 tiles: the 32-weight types from 256 rows (a float scale a 32 codes
-// and row keeps their tiles at 0.65-0.77x of the fp32 GEMM at 512 rows, the GEMM on x~ at
-// 0.85-0.97x; at 128 rows the tiles are as fast: bench/cpu_block_bench.py, bench/RESULTS.md)
+// and row keeps their tiles slower than the GEMM on x~ at 512 rows; at 128 rows the tiles are as
+// fast: bench/cpu_block_bench.py --rows)
 bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256; }
 
 // y = x W^T for x [T, K] fp32 and W in GGUF blocks [N, row bytes]: T <= 8 (decode's rows) on x
@@ -651,7 +653,7 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
 // Over an fp32 cache: up to this many live slots the attention runs as per-head loops, above it as
 // torch's batched GEMMs, which read a long cache faster. An fp16 cache (head sizes a multiple of
 // kFlashLanes, up to 256; AVX-512, or AVX2 with FMA and F16C) takes attend_long at any length, as
-// fast as the loops on short ones (bench/RESULTS.md, "Measurements behind the kernels' design").
+// fast as the loops on short ones (bench/cpu_bench.py --context measures both).
 constexpr int64_t kLoopSlots = 256;
 
 // Rows of the cache to and from fp32 (vectorised fp16 conversions where AVX-512 or F16C exists; the
@@ -761,8 +763,8 @@ inline __mmask16 lanes_left(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<_
 // result on any thread count. One parallel region a layer and no scores through memory; the cache
 // comes from DRAM each step (the weights stream through the caches in between), so the rows are
 // prefetched: the keys kAhead rows ahead, the block's values while its scores are computed (the
-// prefetches and the single region each cut the step's attention time: bench/RESULTS.md,
-// "Measurements behind the kernels' design").
+// prefetches and the single region each cut the step's attention time at long contexts:
+// bench/cpu_bench.py --context).
 constexpr int64_t kSlotBlock = 256;
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kAhead = 16;
@@ -1129,8 +1131,8 @@ inline __m256 i8x8_ps(const int8_t* p) {  // 8 int8 -> 8 fp32
 // then scaled and added, in a fixed order per output (the same bits on any thread count). int8
 // (`cpu_int8: on`): x~ W^T, x rounded as blocks_int8.h rounds it for Q8_0 blocks.
 // The head's rows come from DRAM (a vocabulary's worth each token): the row kHeadAhead on is
-// prefetched towards the caches while this one computes (4 or 8: 2.04-2.12 ms against 2.25 without,
-// SmolLM2's head with int8 inputs on 2 AVX2 threads)
+// prefetched towards the caches while this one computes (4 or 8 on alike, both faster than none:
+// SmolLM2's head with int8 inputs on AVX2, bench/cpu_bench.py --cpu-int8 on)
 constexpr int64_t kHeadAhead = 4;
 inline void prefetch_row(const int8_t* row, int64_t K) {
   for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(row + o, 0, 3);  // (_MM_HINT_T0's)

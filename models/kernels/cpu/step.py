@@ -9,9 +9,10 @@ the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms) 
 short-convolution layers update their conv window in the state in place, as the torch step
 does); `supports(model)` says.
 
-Why: the embedded SmolLM2's eager torch step is bound by the overhead of ~400 small ops (21-25 ms
-a step on 2 cores, of which the int4 matmuls are ~8 ms); this step runs them as loops in one call.
-LFM2's torch step spends ~40 small ops a layer around its block products (bench/RESULTS.md).
+Why: the embedded SmolLM2's eager torch step is bound by the overhead of hundreds of small ops,
+not by its int4 matmuls (bench/cpu_bench.py --cpu-kernel off); this step runs them as loops in one
+call. LFM2's torch step spends dozens of small ops a layer around its block products
+(bench/hybrid_gguf.py --shape lfm2-1.2b).
 
 The library is compiled with the system's C++ compiler on first use (~10-20 s, once) into
 $XDG_CACHE_HOME/chat (default ~/.cache/chat), named by a hash of the source, torch's and Python's
