@@ -3,8 +3,8 @@ last K-1 inputs (the conv state of LFM2's short convolutions, Mamba2's and Gated
 the engine's StateManager owns the window). `conv_prefill` takes T inputs, `conv_step` one; both
 leave the window as the next call expects it (oldest input first). On CUDA conv_prefill hands the
 inputs to kernels/cuda/conv.py's kernel (the layers' decode steps run step kernels of their own).
-A step is the window times the weights, summed: mkldnn's depthwise conv1d took ~250 us for one
-position of 6,144 channels on the 2-core CPU (bench/RESULTS.md, CPU hybrid GGUFs).
+A step is the window times the weights, summed: mkldnn's depthwise conv1d is slow for one position
+on the CPU (a hybrid GGUF's decode: bench/hybrid_gguf.py).
 
 Contract: weight [C, K] (Conv1d's [C, 1, K] squeezed), state [C, K-1] updated in place, x [T, C];
 the result [T, C] in weight's dtype: sum_j weight[c, j] * window[c, t + j] (+ bias).
@@ -24,7 +24,7 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
         return cuda_conv.causal_conv(x, state, weight, bias)
     # K shifted rows of the window times a column of weights each, summed in fp32 (the bias
     # first) and rounded once: bit for bit conv1d's depthwise form on the CPU (measured, fp32 and
-    # bf16, with and without a bias), at a third of its time (622 x 6,144, K = 4: 7.0 against 22.2 ms)
+    # bf16, with and without a bias), and faster (a hybrid GGUF's prompt: bench/hybrid_gguf.py)
     T, K = x.shape[0], weight.shape[1]
     window = torch.cat((state.t(), x.to(state.dtype)), dim=0)  # [K-1+T, C]
     state.copy_(window[-state.shape[1]:].t())

@@ -352,7 +352,8 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     see padded_prefill_serves): the Triton kernel reads its start there, not from kv_len."""
     T = q.shape[1]
     if T > 1 and _triton_prefill_takes(q, k_cache, v_cache):
-        # from position 0 or over a cached prefix alike: one kernel, no mask (bench/RESULTS.md, set U)
+        # from position 0 or over a cached prefix alike: one kernel, no mask
+        # (bench/prefill_attention_sweep.py)
         return cuda_prefill_attention.causal(q, k_cache, v_cache, kv_len - T if positions is None else positions)
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     if keys.dtype != q.dtype:  # caches kept narrower than the activations (fp16 on the CPU)
@@ -361,15 +362,15 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return decode_attention(q, keys, values, mask)
     if kv_len == T and _flash_takes(q) and keys.stride(-1) == 1 and values.stride(-1) == 1:
         # a prefill from position 0: plain causal attention by flash, the KV heads read grouped
-        # (faster than expanding them: bench/RESULTS.md, "Measurements behind the kernels' design").
-        # Its kernel called as SDPA calls it, without SDPA's backend selection and the sdpa_kernel
-        # context (~20 us of the host's time a layer, bench/RESULTS.md set T)
+        # (faster than expanding them: bench/profile_step.py --prefill 2048). Its kernel called as
+        # SDPA calls it, without SDPA's backend selection and the sdpa_kernel context (host time a
+        # layer: bench/profile_step.py --prefill 2048 --host)
         return _flash_lse(q[None], keys[None], values[None], causal=True)[0][0].transpose(0, 1).reshape(T, -1)
     gqa = keys.shape[0] != q.shape[0]
     with sdpa_kernel(_PREFILL_BACKENDS):
         if kv_len == T:
             # a prefill from position 0: plain causal attention, the KV heads read grouped by
-            # flash (faster than expanding them: bench/RESULTS.md, "Measurements behind the kernels' design")
+            # flash (faster than expanding them: bench/profile_step.py --prefill 2048)
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, enable_gqa=gqa)[0]
         elif _split_prefix_serves(q, kv_len - T):
             out = prefix_and_causal_attention(q, keys, values, kv_len - T)
@@ -388,7 +389,8 @@ def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
     two partial outputs are rounded to the half dtype before their merge (twice the masked form's
     error against fp32), and on an H200 that flipped a greedy token of a reused prefix against
     the cold prefill (tests/test_gpu.py::test_graphs_on_off_identical), which the masked form
-    keeps equal there. It saves ~25 ms of a 27B-like turn at 16k tokens (bench/RESULTS.md)."""
+    keeps equal there. It shortens a 27B-like later turn at 16k tokens (bench/turns_bench.py
+    --profile)."""
     return start > 0 and _SPLIT_PREFIX and _flash_takes(q)
 
 
@@ -453,7 +455,7 @@ def prefix_and_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: tor
     own block (square causal) are two flash calls over the KV heads as stored (grouped queries
     read them in the kernel), merged by their log-sum-exps in fp32. The masked form expands the
     KV heads and runs the memory-efficient kernel over a [T, start+T] mask: at a 16k-token
-    conversation most of a 27B-like turn's growth over a fresh one (bench/RESULTS.md).
+    conversation most of a 27B-like turn's growth over a fresh one (bench/turns_bench.py --profile).
     q: [H, T, D]; keys, values: [KVH, start+T, D]. Returns [1, H, T, D] as SDPA would."""
     T = q.shape[1]
     qb = q[None]

@@ -30,7 +30,7 @@ from .layers import FusedLinear, Linear, SwiGLU
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
 # CHAT_TRITON_GROUPED=0: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of
-# the rows, not grouped.py's GEMMs (bench/RESULTS.md, set U)
+# the rows, not grouped.py's GEMMs (slower: bench/moe_prefill_sweep.py, bench/ab_prefill.py)
 TRITON_GROUPED = os.environ.get("CHAT_TRITON_GROUPED", "1").lower() not in ("0", "false", "off", "no")
 
 
@@ -296,8 +296,8 @@ class SparseMoe(nn.Module):
                 and self.gate.weight.is_cuda and self.shared_expert_gate.weight.dtype == self.gate.weight.dtype:
             w = self.gate.weight
             # zero rows up to a multiple of 8: the prefill GEMM's output rows then lie 16-byte
-            # aligned (at E + 1 = 257 cuBLAS took an sm_75 kernel, 46 us a layer against 13 us
-            # for the two GEMMs it replaced: bench/RESULTS.md set T)
+            # aligned (at E + 1 = 257 rows cuBLAS took an sm_75 kernel, slower than the two GEMMs
+            # it replaced: bench/profile_step.py --prefill 2048)
             pad = w.new_zeros(-(w.shape[0] + 1) % 8, w.shape[1])
             self.register_buffer("router_rows", torch.cat([w, self.shared_expert_gate.weight, pad]), persistent=False)
 

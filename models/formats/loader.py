@@ -110,8 +110,8 @@ def native_dtype(path: str) -> tuple[str | None, str]:
     """The dtype a checkpoint computes in as its makers meant, and what says so, without reading
     weights: an HF directory's config (`torch_dtype`, or `dtype` since transformers 5); for a GGUF
     file float16: its blocks are fp16-scaled and llama.cpp computes in fp16, and on the embedded
-    model it kept the fp32 reference's greedy replies where bf16 did not (bench/numerics.py,
-    bench/RESULTS.md). A session checks that fp16 stays finite on the model (chat/runtime.py)."""
+    model it kept the fp32 reference's greedy replies where bf16 did not (bench/numerics.py). A
+    session checks that fp16 stays finite on the model (chat/runtime.py)."""
     if os.path.isdir(path):
         try:
             cfg_path = os.path.join(path, "config.json")
@@ -342,36 +342,34 @@ def _release_freed_memory() -> None:
 # GGUF matrices of at most this many weights keep their blocks on CUDA: qlinear.py's GEMV reads such
 # a matrix (rows of up to 4,096 or 2,048 weights: qlinear.whole_step) in one step before its PDL
 # wait, on the 16-bit input (no int8 input launch), where a small model's step is bound by
-# launches. bench/ab_decode.py --format Q4_K, tiny variants (bench/RESULTS.md set R, against every
-# matrix repacked): 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step, the 0.8B-like 1,447.9
-# against 1,266.5 tok/s, SmolLM2-135M-like 1,997.3 against 1,909.0, 0.5B-like equal; 8 Mi was
-# slower on the 30B-A3B-like (463.0 against 484.3) and the 0.8B-like (1,327.3).
+# launches. 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step beat every matrix repacked on the
+# 0.8B-like and SmolLM2-135M-like shapes (the 0.5B-like equal); 8 Mi was slower on the
+# 30B-A3B-like and 0.8B-like (bench/ab_decode.py --format Q4_K, its tiny variants).
 PLANAR_MIN_WEIGHTS = 4 << 20
 
 
 # 4-bit linears in 32-weight runs for models/kernels/cuda/qruns.py (Q4_K repacked as Q4KR, AWQ/GPTQ
-# groups of a multiple of 32 as stored); False: in qplanar.py's layouts (Q4KP, INT4P), the A/B of
-# bench/ab_decode.py's planar4 variant (bench/RESULTS.md set AF)
+# groups of a multiple of 32 as stored); False: in qplanar.py's layouts (Q4KP, INT4P), which decode
+# slower (bench/ab_decode.py's planar4 variant)
 RUNS = True
 # With RUNS, GGUF Q5_0 / Q5_1 linears (a K-quant mix's fallback for rows that are not whole 256-weight
 # super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R); False: in their blocks
-# (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant. The 0.5B-like Q4_K decode 1,863.1 tok/s
-# against 1,664.1 (its [9728, 896] gate/up pair 3.5 us against 6.5); SmolLM2-135M-like even, its
-# matrices then under the bound of 4 Mi weights (2,040.6 against 2,041.9 tok/s; bench/RESULTS.md set AK).
+# (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant: slower on the 0.5B-like Q4_K decode
+# (its [9728, 896] gate/up pair most), even on SmolLM2-135M-like (its matrices then under the bound
+# of 4 Mi weights; bench/quant_bench.py --sweep-runs times the pair).
 FIVE_BIT_RUNS = True
 # A tied LM head of a runs type repacked too (its embedding then reads its runs: one copy still); False:
-# both keep the blocks. The head's float path in runs measured even on the 0.5B-like shape (1,867.4
-# against 1,863.1 tok/s) and 1.2% slower on SmolLM2-135M-like (2,015.7 against 2,040.6: its 576-wide
-# head, 24.4 us in runs at best): bench/ab_decode.py's tiedruns variant, set AK.
+# both keep the blocks. The head's float path in runs measured even on the 0.5B-like shape and
+# slower on SmolLM2-135M-like (its 576-wide head): bench/ab_decode.py's tiedruns variant.
 TIED_RUNS = False
 
 
 # GGUF linears of a runs type (Q4_K, and Q5_0 / Q5_1 with FIVE_BIT_RUNS) are repacked above this many
 # weights (PLANAR_MIN_WEIGHTS for the planar types): every one by default, the small ones too (each
-# after its int8 launch, as the large ones). Q4_K decode against PLANAR_MIN_WEIGHTS's 4 Mi (set AL,
-# bench/ab_decode.py's `before`): Qwen2.5-0.5B-like 1,933.4 tok/s against 1,861.8, LFM2-1.2B-like
-# 1,999.5 against 1,897.8, SmolLM2-135M-like even (2,049.6 against 2,045.0). Where it is larger, the
-# smaller ones stay in their blocks (qlinear.py's GEMV on the row as given).
+# after its int8 launch, as the large ones): Q4_K decode faster than at PLANAR_MIN_WEIGHTS's 4 Mi
+# on the Qwen2.5-0.5B-like and LFM2-1.2B-like shapes, even on SmolLM2-135M-like
+# (bench/ab_decode.py's `before`). Where it is larger, the smaller ones stay in their blocks
+# (qlinear.py's GEMV on the row as given).
 RUNS_MIN_WEIGHTS = 0
 
 

@@ -95,8 +95,8 @@ def _high_bits(pw, g: int, hb: int) -> torch.Tensor:
 def one_storage(pw):
     """pw with its data, scales and zeros as views of one uint8 buffer (each part starting at a
     multiple of ALIGN bytes): one allocation a linear, not three. A caching allocator rounds each
-    allocation up, and thousands of small scale tensors held ~1% more than their bytes (18.02 GB
-    for 17.84 on the 27B-like shape in AWQ, bench/RESULTS.md set L)."""
+    allocation up, and thousands of small scale tensors held more than their bytes (the 27B-like
+    shape in AWQ: bench/quant_bench.py's held GB)."""
     parts = [t.contiguous() for t in (pw.data, pw.scales, pw.zeros) if t is not None]
     starts, size = [], 0
     for t in parts:

@@ -7,7 +7,7 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   (Q4_1) or 0 (Q4_0). `Int4Linear` runs `_weight_int4pack_mm_for_cpu`, which takes bf16
   activations and a bf16 scale/zero and returns bf16; that rounding is the only numeric change
   from the dequantized path, and tests/test_quant.py bounds it (the tolerance is documented
-  there and in bench/RESULTS.md: tighter than llama.cpp's own distance from the fp32 path).
+  there: tighter than llama.cpp's own distance from the fp32 path, bench/numerics.py).
 - A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
   planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
   same rounding as above. The embedding lookup dequantizes only the rows it reads, exactly.
