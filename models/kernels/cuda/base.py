@@ -37,7 +37,8 @@ HALF = (torch.bfloat16, torch.float16)
 
 def cdiv(a: int, b: int) -> int:
     """triton.cdiv for the host's launch arithmetic: Triton 3.6 wraps its own as a constexpr
-    function, ~2.5 us a call in Python (a 2k-token MoE prefill made ~670 such calls)."""
+    function, slow a call in Python, and a MoE prefill makes hundreds of such calls
+    (bench/profile_step.py --prefill 2048 --host)."""
     return -(-a // b)
 
 
@@ -279,8 +280,8 @@ def qk_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows [gate | up] of gu [M, 2N] (rows contiguous): [M, N] in gu's dtype,
     in fp32 and rounded once (the torch form, F.silu(gate) * up, is two kernels that round
-    twice and read the gate twice: 96 of the 144 elementwise launches, ~8% of the 30B-A3B-like
-    model's 2k-token prefill, bench/RESULTS.md set M)."""
+    twice and read the gate twice: most of the elementwise launches of the 30B-A3B-like model's
+    2k-token prefill, bench/profile_step.py --prefill 2048)."""
     M, N = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, N, dtype=gu.dtype, device=gu.device)
     block = min(1024, next_pow2(N))

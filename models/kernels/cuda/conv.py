@@ -11,9 +11,9 @@ x's dtype,
 
 accumulated in fp32 and rounded once, and leaves the last K-1 inputs in state (a copy after the
 launch: the launch reads the old state). The torch form concatenates state and x (a copy of every
-channel of the prompt), then cuDNN's depthwise conv and SiLU: ~0.3 ms a layer for the cat and
-the conv at C = 8192 and 2k tokens on an H200 (the SiLU aside), ~9% of the 35B-A3B-like model's
-2k-token prefill (bench/RESULTS.md, set M).
+channel of the prompt), then cuDNN's depthwise conv and SiLU: the cat and the conv took a
+sizeable share of the 35B-A3B-like model's 2k-token prefill on an H200 (bench/profile_step.py
+--prefill 2048).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ if triton is not None:
     # they read weights: no kernel of a step writes a layer's conv or recurrent state but that
     # layer's own step kernels, and every step starts with torch ops (the embedding), launched
     # without PDL, which wait until every earlier kernel has ended. Reading it after the wait was
-    # slower on both hybrid shapes (bench/RESULTS.md, "Measurements behind the kernels' design").
+    # slower on both hybrid shapes (bench/ab_decode.py).
 
     @triton.jit
     def _conv_step_kernel(x, state, weight, bias, out, C, KM1: tl.constexpr, KP: tl.constexpr,
@@ -131,8 +131,9 @@ if triton is not None:
 
 # The delta step's value columns a program and its warps, (BV, num_warps); BV >= DV: one program
 # a head. Split, a head's programs meet through counters the caller keeps
-# (decode's `sync`). 32 columns on 4 warps: 27B-like FP8 decode 1.009x and 1.012x one program a
-# head, the 0.8B-like bf16 1.046x; 16 or 64 columns, 2 or 4 warps were slower (bench/RESULTS.md set AE).
+# (decode's `sync`). 32 columns on 4 warps: faster than one program a head in 27B-like FP8 and
+# 0.8B-like bf16 decode; 16 or 64 columns, 2 or 4 warps were slower (bench/ab_decode.py's
+# deltaone and delta{16,32,64}w* variants).
 SPLIT_CONFIG = (32, 4)
 
 

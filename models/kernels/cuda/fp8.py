@@ -15,9 +15,9 @@ before it waits on the previous kernel). Two forms (`takes16` picks; `form` forc
   sum |x w| (5e-3 with the prologue) and by 2e-3 of the output's rms.
 
 Why its own kernel (qlinear.py's generic one decoded FP8 as [rows, 32-weight runs] tiles with a
-sum per run: 2.0-2.25 TB/s on the 27B-like matrices, bench/RESULTS.md I4b). The fp32 form is
-linear.py's dense GEMV with e4m3 loads. A program owns BLOCK_N rows and walks K in steps of NB
-128-weight blocks; a thread sums each 16-weight run of a row inside its registers (a conversion
+sum per run, well short of the memory bandwidth on the 27B-like matrices: bench/quant_bench.py
+--sweep). The fp32 form is linear.py's dense GEMV with e4m3 loads. A program owns BLOCK_N rows
+and walks K in steps of NB 128-weight blocks; a thread sums each 16-weight run of a row inside its registers (a conversion
 and an FMA a weight), and the run's block scale multiplies that sum, into an fp32 partial per
 run (summed once at the end, no reduction per step). The scales are one row per program where its
 rows share one 128-row block of scales (`GROUP` 128, BLOCK_N dividing it), else per row
@@ -51,9 +51,9 @@ FORM = os.environ.get("CHAT_FP8_GEMV", "f16").lower()
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, NB: 128-weight blocks a step, num_warps): two rows a program, eight blocks a
-    step; 4 warps, 1 from 32k rows. Of 54 configs on the 27B-like shape's matrices (bench/quant_bench.py
-    --sweep-fp8, bench/RESULTS.md set L): within 5% of the best on each; 10-20% faster than 4 x 4 x 4.
-    A small matrix is read in one step."""
+    step; 4 warps, 1 from 32k rows: near the best of the sweep on each of the 27B-like shape's
+    matrices, and faster than 4 x 4 x 4 (bench/quant_bench.py --sweep-fp8). A small matrix is read
+    in one step."""
     blocks = k // 128
     if n * k <= WHOLE_STEP_BYTES and blocks <= 32:
         return 4, next_pow2(blocks), 4
@@ -66,14 +66,12 @@ DEEP_ROWS = 5
 
 def pick_config16(n: int, k: int, swiglu: bool = False) -> tuple[int, int, int]:
     """The fp16-product form's (BLOCK_N rows a program, R 16-weight runs a step, num_warps = R / 32:
-    a run a thread), for n outputs (a SwiGLU pair's: 2 BLOCK_N rows a program). Measured on the
-    27B-like shape's matrices (bench/quant_bench.py --sweep-fp8, bench/RESULTS.md set AD, 12
-    configs each): few rows (N up to 8,192) on 128 runs and 4 warps, 4 rows a program (2 where K
-    passes 8,192: [5120, 17408] 23.8-24.1 us against 31.0 at 4 x 64 x 2); more rows on 64 runs and
-    2 warps, 2 rows up to 12,288 rows and for a SwiGLU pair (the [34816, 5120] gate/up: 42.5 us
-    against 45.6 at 4 rows, whose 8 rows a thread take 110 registers), else 4. Where K passes 8,192,
-    5 rows (1,024 programs for 5,120 rows: [5120, 17408] 22.8 us against 24.2 at 2 rows, 25.3 at 3,
-    26.4 at 4 and 23.3 at 6, bench/quant_bench.py --sweep-fp8-rows, bench/RESULTS.md set AE)."""
+    a run a thread), for n outputs (a SwiGLU pair's: 2 BLOCK_N rows a program). The fastest on the
+    27B-like shape's matrices (bench/quant_bench.py --sweep-fp8): few rows (N up to 8,192) on 128
+    runs and 4 warps, 4 rows a program; more rows on 64 runs and 2 warps, 2 rows up to 12,288 rows
+    and for a SwiGLU pair (at 4 rows its 8 rows a thread take too many registers), else 4. Where K
+    passes 8,192, 5 rows (1,024 programs for 5,120 rows: faster than 2, 3, 4 or 6 rows,
+    bench/quant_bench.py --sweep-fp8-rows)."""
     if n <= 8192:
         return (4 if k <= 8192 else DEEP_ROWS), 128, 4
     return (2 if n <= 12288 or swiglu else 4), 64, 2

@@ -12,18 +12,16 @@ Contract:
 - `matmul(x, qw)` equals, for the weights W = code * block scale (hf_quant.Fp8Linear's
   dequantization), y[r, n] = sum_g s[g, r] ws[n // group, g] (q[r, g] . code[n, g]) over the
   128-wide groups g of K, rounded once to the output dtype; cuBLAS sums each group's FP8
-  products in the tensor cores (fewer bits than fp32 keep: set AC of bench/RESULTS.md measured
-  its rms distance to `oracle`, the same sum in fp32, at ~3e-3 of the output's rms) and scales
-  and adds the groups in fp32.
+  products in the tensor cores (fewer bits than fp32 keep: tests/test_fp8_gemm.py bounds their
+  rms distance to `oracle`, the same sum in fp32) and scales and adds the groups in fp32.
 - What departs from the dequantize-then-bf16-GEMM form is the input's rounding to e4m3 (3
   mantissa bits: ~2.6% rms on a Gaussian row, against bf16's ~0.2%), as in those reference
   implementations; the decode GEMV (fp8.py) keeps the bf16 input, since one token reads the
   weights whatever its type. tests/test_fp8_gemm.py bounds both against the fp32 product.
-- Why: a 2k-token prefill of the 27B-like shape in FP8 ran at 0.90x of bf16 when each matrix was
-  dequantized to bf16 and multiplied by cuBLAS in bf16 (bench/RESULTS.md set Q): the
+- Why: a 2k-token prefill of the 27B-like shape in FP8 ran slower than bf16 when each matrix was
+  dequantized to bf16 and multiplied by cuBLAS in bf16 (bench/quant_bench.py): the
   dequantization writes twice the FP8 bytes, and the bf16 GEMM runs at half the FP8 tensor
-  cores' rate (set AC: [34816, 5120] x 2,048 rows, 571 us against 804 for bf16 and 960 for
-  dequantize + bf16).
+  cores' rate (bench/quant_bench.py --sweep-fp8-prefill times the three forms).
 
 `serves` says where it runs (Hopper, whole scale blocks or a scale per row).
 `CHAT_FP8_PREFILL=dequant` keeps the dequantize-then-GEMM form everywhere.

@@ -113,15 +113,16 @@ if triton is not None:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of each launch, from bench/moe_prefill_sweep.py
-# on an H200 (bench/RESULTS.md, sets U and X: down at the 30B-A3B-like 2k prefill 146.3 us a layer
-# against 168.7 for 128 x 128 x 64 x 8 x 3; its K, 768, is 12 steps of 64, and four stages of
-# 128 x 64 + 64 x 256 bf16 are 192 KB of the 227 KB of shared memory)
+# on an H200 (down at the 30B-A3B-like 2k prefill faster than 128 x 128 x 64 x 8 x 3; its K, 768,
+# is 12 steps of 64, and four stages of 128 x 64 + 64 x 256 bf16 are 192 KB of the 227 KB of
+# shared memory)
 GATE_UP_CONFIG = (128, 128, 64, 8, 4)
 DOWN_CONFIG = (128, 256, 64, 8, 4)
 # A tile holding at most BLOCK_M / 2 rows (an expert's last rows) multiplies them as a tile of
 # BLOCK_M / 2: at ~BLOCK_M rows an expert (the 30B-A3B-like 2k prefill: 128 on average) about half
 # the experts spill a few rows into a second tile, which otherwise costs a whole tile's products
-# (bench/RESULTS.md, set V). HALF_TILES = False: every tile whole (the A/B of bench/ab_prefill.py).
+# (bench/moe_prefill_sweep.py times both). HALF_TILES = False: every tile whole (the A/B of
+# bench/ab_prefill.py).
 # (Only where BLOCK_M >= 32: the tensor cores' products take at least 16 rows.)
 HALF_TILES = True
 

@@ -14,11 +14,11 @@ dict a launch), the launch metadata it builds for launch hooks, the calls of its
 in the C launcher, and its Python launcher's scratch allocation (kernels that need global or
 profile scratch always take Triton's call). A prefill launches hundreds of these kernels, each a
 few microseconds of GPU time, so the host's cost a launch is what bounds it on slower hosts
-(bench/RESULTS.md, set T). Where a launch hook is installed (a profiler such as proton), launches
-take Triton's call, which runs it. Kernels that are not JITFunctions (Triton's interpreter) take
-Triton's call too. Not seen after a key's first launch (the engine changes none of them): Triton's
-debug and instrumentation knobs, and the module globals a kernel reads (Triton's call recompiles
-or raises where they change).
+(bench/profile_step.py --prefill 2048 --host; bench/ab_prefill.py's bf16-tritonlaunch). Where a
+launch hook is installed (a profiler such as proton), launches take Triton's call, which runs it.
+Kernels that are not JITFunctions (Triton's interpreter) take Triton's call too. Not seen after a
+key's first launch (the engine changes none of them): Triton's debug and instrumentation knobs,
+and the module globals a kernel reads (Triton's call recompiles or raises where they change).
 """
 from __future__ import annotations
 

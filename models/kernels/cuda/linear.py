@@ -9,8 +9,8 @@ not rounded to the input dtype, 1/rms scales the fp32 sums at the end. Each prog
 BLOCK_N output rows and walks K in BLOCK_K steps: no split-K, so no atomics and the same bits
 every run. With PDL, a program loads its first weight tile (all of it, for the small weights
 read in one K step) before it waits on the previous kernel. Why not cuBLAS: on the one-row
-shapes of the benchmark models its kernels reached 0.2-1.1 TB/s below 10 MB of weights and
-1.9-4.2 TB/s above, ours 0.27-1.3 and 2.2-4.5 (bench/gemv_sweep.py, bench/RESULTS.md).
+shapes of the benchmark models ours reads the weights faster, small matrices and large
+(bench/gemv_sweep.py).
 """
 from __future__ import annotations
 
@@ -121,34 +121,34 @@ WHOLE_K_MAX_BYTES = 32 << 20
 
 def pick_config(K: int, N: int, pair: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight (pair: a SwiGLU pair's N gate rows, and
-    as many up rows), from bench/gemv_sweep.py on an H200 (bench/RESULTS.md): few rows per program
+    as many up rows), from bench/gemv_sweep.py on an H200: few rows per program
     below 4k rows (more programs in flight), more above; an LM head's ~50-250k rows take short K
     steps."""
     whole = next_pow2(K)
     if N * K * 2 * (2 if pair else 1) <= WHOLE_K_MAX_BYTES and whole <= 4096:
         return (4 if N < 4096 else 8), whole, 8
-    if N >= 40000:  # K = 2048 (the MoE shapes' heads): 140 us against 149 at (8, 64, 4), 2026-12-01
+    if N >= 40000:  # K = 2048 (the MoE shapes' heads): faster than (8, 64, 4)
         return (8, 512, 4) if K >= 2048 else (8, 64, 4)
-    if N >= 9000:  # K = 2048: 13.8 and 11.6 us against 14.9 and 12.9 at (16, 128, 8), 2026-12-01
+    if N >= 9000:  # K = 2048: faster than (16, 128, 8)
         return (8, 256, 4) if K <= 2048 else (16, 128, 8)
     if N >= 4096:
         return 8, 128, 8
     # Rows too long to read whole, few of them: long K steps (16-byte loads a thread, where steps of
     # 128 gave each thread 4 bytes a load), fewer rows a program below 2,048 rows (more programs).
-    # 2026-12-03: LFM2-1.2B's down [2048, 8192] 8.6 us (3.9 TB/s) against 12.6 at (4, 128, 8);
-    # Qwen2.5-0.5B's [896, 4864] 3.3 us against 5.4 at (4, 2048, 8) (bench/RESULTS.md set AI).
+    # LFM2-1.2B's down [2048, 8192] faster than at (4, 128, 8), Qwen2.5-0.5B's [896, 4864] than at
+    # (4, 2048, 8) (bench/gemv_sweep.py --wide).
     return (4, 2048, 8) if N >= 2048 else (2, 4096, 4)
 
 
 # Weights above this size take their norm from a separate add_rms_norm launch: every program of
 # a fused prologue re-reads the input row, which pays only while launches, not bytes, dominate
-# (the prologue in every GEMV slowed both hybrid shapes: bench/RESULTS.md, "Measurements behind the kernels' design").
+# (the prologue in every GEMV slowed both hybrid shapes: bench/ab_decode.py's prologueall variant).
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
 # When the GEMV after a materialized norm may launch (add_rms_norm's `early`): once the GEMV before
 # the norm has ended ("wait": its first weights load while the norm runs), not when the norm ends
-# ("end"): 27B-like FP8 decode 1.009x and 1.010x, the same tokens (bench/RESULTS.md set AE).
+# ("end"): faster in 27B-like FP8 decode, the same tokens (bench/ab_decode.py's normwait / normend).
 MATERIALIZE_LAUNCH = "wait"
 
 
@@ -189,7 +189,7 @@ class NormedRow:
         if self._h is None:
             # The next GEMV must not launch as this launch starts (PDL): its programs would launch
             # while the previous GEMV still runs and hold SM slots it needs; a copy of the stream
-            # after this launch was one launch more for the same effect (bench/RESULTS.md, "Measurements behind the kernels' design").
+            # after this launch was one launch more for the same effect (bench/ab_decode.py).
             y = self.res if self.res is not None else torch.zeros_like(self.x)
             _, self._h = cuda_base.add_rms_norm(self.x, y, self.weight, self.eps, early=MATERIALIZE_LAUNCH,
                                                  sum_out=self.stream if self.res is not None else None,

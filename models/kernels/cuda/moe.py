@@ -89,7 +89,7 @@ if triton is not None:
 
     # t0, the first token (not views of inv, weights, ... at its rows): a view's 16-byte alignment,
     # on which Triton specializes, would follow the prompt's length where k is not a multiple of 4,
-    # and compile a variant in the middle of a conversation (bench/RESULTS.md, set X, X9)
+    # and compile a variant in the middle of a conversation
     @triton.jit(do_not_specialize=["t0"])
     def _combine_kernel(ys, inv, weights, shared, gate, out, H, stride_gate, t0, TOP_K: tl.constexpr,
                         BLOCK: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
@@ -381,14 +381,14 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
 
 # Pairs (token, slot) a program of sort_pairs' count and place launches takes: a pair's rank among
 # its sub-block's pairs of the same expert is a [SORT_SUB, SORT_SUB] comparison, done once a program
-# (the 30B-A3B-like 2k prefill: 128 pairs and a program per 128 columns, 16 comparisons a pair, gave
-# 49.6 us a layer, slower than torch's gather of the rows alone, 21 us)
+# (128 pairs and a program per 128 columns, 16 comparisons a pair, was slower than torch's gather of
+# the rows alone in the 30B-A3B-like 2k prefill: bench/profile_step.py --prefill 2048)
 SORT_SUB = 64
 # sort_pairs' row copy: columns a step (8 warps; ptxas for sm_90: 186 registers, where 256 columns on
 # 4 warps spilled 644 bytes, each element's 64-bit address held)
 SORT_COLUMNS = 128
-# Experts a program of sort_pairs' scan takes (one program for all of them took 12.6 us of a 2k
-# prefill's layer at E = 128: bench/RESULTS.md, set V)
+# Experts a program of sort_pairs' scan takes (one program for all of them was slower in a 2k
+# prefill at E = 128: bench/profile_step.py --prefill 2048)
 SCAN_EXPERTS = 32
 
 
@@ -425,15 +425,14 @@ def sort_pairs(x: torch.Tensor, idx: torch.Tensor, E: int, copy: bool = True):
 
 def pick_config(H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
     """((rows a program, K a step, num_warps, unroll) of gate/up, the same of down plus whether it
-    takes the wide form) for experts of hidden size H and intermediate I. Measured on an H200
-    (bench/moe_sweep.py, 2026-12-01; a call's us): gate/up 2 rows x 1024 x 2 warps, the loop
-    unrolled (`--all-unrolled`: 13.1 at the 30B-A3B shape against 13.7 for 4 x 128 x 8 unrolled,
-    9.7 at the 35B-A3B shape against 10.7 for 4 x 512 x 8). Down in the wide form
-    (_down_wide_kernel): 4 rows x 128 x 2 warps where I <= 512 (6.4 against 8.2 for the best
-    expert-by-expert loop), else 8 rows x 128 x 4 warps (7.5 against 10.5). The wide form unrolls
-    its whole loop over I (I / 128 steps, each for every expert): above WIDE_MAX_I, where it was not
-    timed and its code would grow with I, down takes the expert-by-expert loop's 4 rows x 128 x 8
-    warps (10.4 at I = 768 before the wide form)."""
+    takes the wide form) for experts of hidden size H and intermediate I. The fastest on an H200
+    (bench/moe_sweep.py): gate/up 2 rows x 1024 x 2 warps, the loop unrolled (`--all-unrolled`:
+    ahead of 4 x 128 x 8 at the 30B-A3B shape and 4 x 512 x 8 at the 35B-A3B shape). Down in the
+    wide form (_down_wide_kernel): 4 rows x 128 x 2 warps where I <= 512, else 8 rows x 128 x 4
+    warps (both faster than the best expert-by-expert loop). The wide form unrolls its whole loop
+    over I (I / 128 steps, each for every expert): above WIDE_MAX_I, where it was not timed and its
+    code would grow with I, down takes the expert-by-expert loop's 4 rows x 128 x 8 warps (its
+    best before the wide form)."""
     gate_up = (2, 1024, 2, -(-H // 1024))
     if I <= 512:
         return gate_up, (4, 128, 2, 1, True)

@@ -12,10 +12,10 @@ have the most keys to walk). Scores and the softmax in fp32 (exp2 of scores scal
 log2(e) / sqrt(D)); the probabilities meet the values in the input dtype on the tensor cores, as
 flash attention's do.
 
-Why our own (bench/RESULTS.md, set U): torch's flash kernel runs a 2k-token causal prefill at
-~210 TFLOP/s on an H200, and a continued prefill (a later turn over its cached prefix) took the
-memory-efficient kernel over a mask with the KV heads expanded; cuDNN's kernel is faster but
-plans each new length for tens of milliseconds.
+Why our own (bench/prefill_attention_sweep.py times it against both torch forms): torch's flash
+kernel is slower on a 2k-token causal prefill on an H200, and a continued prefill (a later turn
+over its cached prefix) took the memory-efficient kernel over a mask with the KV heads expanded;
+cuDNN's kernel is faster but plans each new length for tens of milliseconds.
 
 Bits: a query's output depends only on its own row, its position and the keys and values up to
 it. The keys are walked in blocks of BLOCK_N from slot 0 whatever the query block, the unmasked
@@ -126,7 +126,7 @@ def _padded(head_dim: int) -> int:
 
 def launch_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by the padded head size, from
-    bench/prefill_attention_sweep.py on an H200 (bench/RESULTS.md, set U)."""
+    bench/prefill_attention_sweep.py on an H200."""
     dp = _padded(head_dim)
     if dp <= 64:
         return 64, 64, 4, 4

@@ -49,9 +49,9 @@ WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
 # Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row): rows of up
 # to 4,096 weights in one step for WHOLE_WIDE's formats (no SwiGLU pair), up to 2,048 for the others
 # (whole_step), so that the small K-quant matrices the loader leaves in their blocks
-# (loader.PLANAR_MIN_WEIGHTS) are read in one step (bench/ab_decode.py, set R: the 0.8B-like Q4_K
-# 1,447.9 tok/s against 1,417.3 at 2,048); several steps were 2-3 times slower (the variants
-# qw2x2s1024 and others, set R). Longer rows: steps of STEP_WEIGHTS, as before set R.
+# (loader.PLANAR_MIN_WEIGHTS) are read in one step (the 0.8B-like Q4_K decode faster than at 2,048:
+# bench/ab_decode.py's w2k); several steps were much slower (its qw* variants, qw2x2s1024 and
+# others). Longer rows: steps of STEP_WEIGHTS.
 WHOLE_CONFIG = (2, 2, 4096, True)
 # The formats whose 4,096-weight step compiles without spilling registers (ptxas for sm_90, 2 rows x
 # 2 warps: Q4_K 229 registers, Q8_0 240; Q5_0, Q5_1, Q5_K and Q6_K spill 44-272 bytes, and every
@@ -107,15 +107,15 @@ def whole_step(fmt: str, k: int, swiglu: bool = False) -> int:
 
 def pick_config(qw: QWeight, swiglu: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, most weights a step) of gemv on qw (its gate and up halves where
-    swiglu). Measured on an H200 (bench/quant_bench.py --sweep-small, bench/RESULTS.md set O), us a call:
+    swiglu). Measured on an H200 (bench/quant_bench.py --sweep-small):
     - an LM head's rows (n >= 16384): one warp a program, 256 weights a step; 16 rows for the
-      32-weight-block formats (the 0.5B-like shape's Q5_0 head [151936, 896]: 79.0 against 464.1
-      for the 8 x 8 x 1024 taken before), 8 for the K-quants (the 27B-like Q6_K head [248320,
-      5120]: 1,228 against 1,475);
-    - a matrix of at most WHOLE_STEP_BYTES: WHOLE_CONFIG's 2 rows and 2 warps (the 0.5B-like Q5_0
-      matrices: 1.8, 1.7 and 6.5 against 1.9, 1.8 and 7.9 for 4 x 4; in the decode step, set R,
-      1 x 1, 2 x 1, 4 x 2, 4 x 4 and 8 x 4 were 3-15% slower on the SmolLM2-135M-like Q4_K), and
-      whole_step's weights a step (such a head's rows keep their 1 warp and 8 or 16 rows);
+      32-weight-block formats (the 0.5B-like shape's Q5_0 head [151936, 896]: several times
+      faster than the 8 x 8 x 1024 taken before), 8 for the K-quants (the 27B-like Q6_K head
+      [248320, 5120]);
+    - a matrix of at most WHOLE_STEP_BYTES: WHOLE_CONFIG's 2 rows and 2 warps (faster than 4 x 4
+      on the 0.5B-like Q5_0 matrices; in the decode step 1 x 1, 2 x 1, 4 x 2, 4 x 4 and 8 x 4 were
+      slower on the SmolLM2-135M-like Q4_K: bench/ab_decode.py's wholeRxW), and whole_step's
+      weights a step (such a head's rows keep their 1 warp and 8 or 16 rows);
     - else 4 rows and 4 warps (not measured against others)."""
     n = qw.n // 2 if swiglu else qw.n
     whole = qw.nbytes() <= WHOLE_STEP_BYTES

@@ -49,9 +49,9 @@ __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input"
 FMTS = {"INT4P": 0, "Q4KP": 1, "Q6KP": 2, "Q5KP": 3}  # the kernels' FMT constant
 
 # Per layout: whether the GEMV's loop reads a step's words before it sums the step before (two
-# steps' loads in flight a program). On an H200 (bench/ab_decode.py --format, bench/RESULTS.md set Q,
-# the 27B-like shape, tok/s without -> with): Q4KP 138.5 -> 152.0, INT4P 157.5 -> 153.3, Q5KP
-# 106.6 -> 93.9, Q6KP (the Q4_K head) even.
+# steps' loads in flight a program). On an H200 the read ahead sped up Q4KP, slowed INT4P and Q5KP
+# and left Q6KP (the Q4_K head) even (the 27B-like shape: bench/ab_decode.py --format's noprefetch /
+# prefetch).
 PREFETCH = {"INT4P": False, "Q4KP": True, "Q6KP": False, "Q5KP": False}
 # False: a NormedRow's int8 input made by add_rms_norm then quantize_input, two launches (the A/B
 # of bench/ab_decode.py's variant twolaunch)
@@ -63,14 +63,14 @@ NORM_QUANTIZE_PROGRAMS = 8
 PROGRAMS = 8192
 # pick_config's form for small matrices (bench/ab_decode.py's nosmall variant: without), up to
 # this many weights, where the general form leaves K unsplit or gives fewer programs than
-# SMALL_GRID (ab_decode --format Q4_K, bench/RESULTS.md set R: 1,024 against no bound, the
-# 30B-A3B-like 483.1 against 471.6 tok/s, LFM2-1.2B-like 1,494.1 against 1,448.6, 35B-A3B-like
-# 414.9 against 406.1; the 0.5B- and 0.8B-like shapes' configs unchanged)
+# SMALL_GRID (ab_decode --format Q4_K's grid1024 against setq: the bound of 1,024 beat none on the
+# 30B-A3B-like, LFM2-1.2B-like and 35B-A3B-like shapes; the 0.5B- and 0.8B-like shapes' configs
+# unchanged)
 SMALL = True
 SMALL_WEIGHTS = 16 << 20
 SMALL_GRID = 1024
-# Outputs a program of the split-K reduce launch: 256 (1 warp) against 1024 (4 warps), bench/ab_decode.py
-# --format, set O: the 27B-like AWQ 155.3 -> 158.3 tok/s, Q4_K 128.4 -> 130.2 (128: 158.7 in AWQ)
+# Outputs a program of the split-K reduce launch: 256 (1 warp), faster than 1024 (4 warps) in the
+# 27B-like AWQ and Q4_K decode, 128 about as fast (bench/ab_decode.py --format's reduce256 / reduce128)
 REDUCE_BLOCK = 256
 
 
@@ -108,7 +108,7 @@ if triton is not None:
         dmin) of the super-block and (sc, m) of the sub-block (Q5KP's alike); Q6KP's from d of the
         super-block and the int8 sc of the group (s = d sc, offset 32 s: exact, an fp16 times at
         most 128 x 48). Converted where loaded: a read ahead that carried the loads unconverted to
-        the step's sums (b13d6a4) ran slower, 27B-like Q4_K 135.5 against 148.9 tok/s (set P)."""
+        the step's sums (b13d6a4) ran slower in 27B-like Q4_K decode (bench/ab_decode.py)."""
         if FMT == 0:
             s = tl.load(aux + rb * stride_a + grp * 4 + ri).to(tl.float32)
             s16 = 16.0 * s
@@ -304,8 +304,8 @@ if triton is not None:
         """One row: cuda_base's _add_rms_norm_kernel (the same operations: the same bits; the sum
         written where HAS_RES), then the normed row, re-read once stored, quantized as
         _quantize_kernel does, into qout (its layout: PAIRS). Each program sums the whole row's squares and
-        writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row
-        took ~3.5 us: its stores, loads and rounding done by 4 warps, one after the other)."""
+        writes groups NGB pid.. of the sum, the normed row and qout (a program of the whole row was
+        slower: its stores, loads and rounding done by 4 warps, one after the other; ab_decode's nqp1)."""
         SL: tl.constexpr = NGB * G  # a program's elements
         mine = tl.program_id(0) * SL + tl.arange(0, SL)
         ok = mine < N
@@ -521,10 +521,9 @@ if triton is not None:
 
 
 # (rows a program, weights a program at most, num_warps, flat store): the tile of the dequantize
-# launch. bench/quant_bench.py --sweep-dequant on an H200 (bench/RESULTS.md set Q), us for the
-# 27B-like [34816, 5120] into bf16, INT4P / Q4KP / Q5KP / Q6KP: 125 / 126 / 132 / 141 against
-# 129 / 408 / 409 / 919 for the 4-D store of 16 x 128 x 4 (8-byte stores where a group's words
-# are few: beside the 816 us GEMM of a 2k-token prefill it fed)
+# launch. bench/quant_bench.py --sweep-dequant on an H200, the 27B-like [34816, 5120] into bf16:
+# the 4-D store of 16 x 128 x 4 (8-byte stores where a group's words are few) was several times
+# slower for Q4KP, Q5KP and Q6KP, a large cost beside the GEMM of the 2k-token prefill it fed
 DEQUANT_TILE = (16, 1024, 8, True)
 
 
@@ -548,8 +547,8 @@ def dequantize_rows(pw: QWeight, start: int, stop: int, dtype: torch.dtype,
 
 
 # An LM head's rows (n >= HEAD_ROWS) on the float path (its fp32 normed row): 16 rows and 2 warps a
-# program (quant_bench.py --sweep-head, bench/RESULTS.md set AG: the 27B-like Q6KP head 396 us
-# against 481 for the general form's 8 x 2, 36 configs; on int8 inputs the general form holds)
+# program (the best of quant_bench.py --sweep-head on the 27B-like Q6KP head, faster than the
+# general form's 8 x 2: ab_decode's head8x2; on int8 inputs the general form holds)
 HEAD_ROWS = 16384
 HEAD_FLOAT_TILE = (16, 2)
 
@@ -563,17 +562,15 @@ def pick_config(n: int, k: int, group: int, rows: int | None = None, warps: int 
     those parts). A small matrix (SMALL: at most SMALL_WEIGHTS weights, where that general form
     leaves K unsplit or has fewer than SMALL_GRID programs; `small`), rows of at most 4,096 in
     whole 64-word steps (the 0.8B-like shape's): 8 rows, 4 warps, 64 words a step, K unsplit
-    (`--sweep-grid`, bench/RESULTS.md set Q: the 0.8B-like gate/up [7168, 1024] 4.2 against
-    5.4 us, its down [1024, 3584] 4.0 against 4.4 with a reduce launch); other small matrices
-    with fewer than SMALL_GRID programs (the 0.5B-like down [896, 4864]: 608 words) on 4 rows,
-    1 warp, 8 words a step, K in up to 4 parts (5.8 against 7.2 us for 8 x 2 x 32 x 1). Measured on an H200 (bench/quant_bench.py --sweep, 2026-12-01): one program's
-    loads leave the memory idle, so parallel parts raised INT4P on [5120, 17408] from 0.84 TB/s to
-    1.31, and 32 words a step beat 64 on every 27B-like shape (1.48 -> 1.64 TB/s on [10240, 5120]).
-    2 warps over the 8 rows (`--sweep-planar`, 2026-12-01) beat 4 on all six 27B-like matrices
-    but one (INT4P [10240, 5120] on int8 inputs: 1.99 against 2.18 TB/s); on int8 inputs
-    1.99-2.80 TB/s for INT4P and 2.32-2.71 for Q4KP, against 2.07-2.60 and 1.81-2.10 at 4 warps.
-    int8 False (float inputs) on an LM head's rows (n >= HEAD_ROWS): HEAD_FLOAT_TILE's rows and
-    warps, unless given."""
+    (`--sweep-grid`: faster on the 0.8B-like gate/up [7168, 1024] and down [1024, 3584] than the
+    general form with a reduce launch); other small matrices with fewer than SMALL_GRID programs
+    (the 0.5B-like down [896, 4864]: 608 words) on 4 rows, 1 warp, 8 words a step, K in up to 4
+    parts (faster than 8 x 2 x 32 x 1). Measured on an H200 (bench/quant_bench.py --sweep): one
+    program's loads leave the memory idle, so parallel parts sped up INT4P on [5120, 17408] most,
+    and 32 words a step beat 64 on every 27B-like shape. 2 warps over the 8 rows (`--sweep-planar`)
+    beat 4 on all six 27B-like matrices but one (INT4P [10240, 5120] on int8 inputs). int8 False
+    (float inputs) on an LM head's rows (n >= HEAD_ROWS): HEAD_FLOAT_TILE's rows and warps, unless
+    given."""
     gw, words = group // 8, k // 8
     if rows is None or warps is None:
         rows, warps = HEAD_FLOAT_TILE if not int8 and n >= HEAD_ROWS else (8, 2)
@@ -624,8 +621,8 @@ def row_input(x: "torch.Tensor | NormedRow", int8: bool | None) -> tuple["torch.
 def pairs_for(fmt: "str | int") -> bool:
     """Whether GEMVs of this layout read their int8 input with a word position's four values side
     by side ([K/8, 4], two 8-byte loads a word) rather than in four planes ([4, K/8], four 4-byte
-    loads): INT4P only. On an H200 (bench/RESULTS.md set AA, ab_decode base, the 27B-like shape)
-    side by side took AWQ from 158.6 to 166.4 tok/s and Q4_K from 151.7 down to 128.5."""
+    loads): INT4P only. On an H200 (bench/ab_decode.py --format, the 27B-like shape) side by side
+    sped up AWQ and slowed Q4_K."""
     return fmt in ("INT4P", 0)
 
 

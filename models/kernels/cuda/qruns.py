@@ -7,18 +7,18 @@ Contract: `gemv(x, pw)` equals x @ W^T for the weights W = scale code - offset t
 models, as llama.cpp's CUDA GEMVs take theirs) against x~ = quantize_input's q dx instead of x
 (qplanar.quantized_reference(x, 32)).
 
-Why runs (against qplanar.py's planar layouts, whose words interleave four rows and spread a
-word's codes over its group): there a thread's 16-byte load held 32 weights of four rows and its
-inputs came in four more loads of 4 bytes, so the loads of inputs and scales matched the loads of
-weights, and the L1 ran at 82-86% of its throughput while the DRAM ran at 57% (Nsight Compute,
-bench/RESULTS.md set AA). Here a thread owns one run of the step (32 inputs: two 16-byte loads of
+Why runs (against qplanar.py's planar layouts, whose words interleave four rows and spread a word's
+codes over its group): there a thread's 16-byte load held 32 weights of four rows and its inputs
+came in four more loads of 4 bytes, so the loads of inputs and scales matched the loads of weights,
+and the L1 ran near its peak throughput while the DRAM ran well below its own (Nsight Compute on
+bench/gemv_counters.py). Here a thread owns one run of the step (32 inputs: two 16-byte loads of
 int8 and one 8-byte load of (dx, dx sum q)) for every row of its program, and reads per row a
 16-byte load of the run's codes and its scales: per row, one load of weights and one or two of
-scales; the input's three loads serve all BN rows. The codes' low nibbles (w & 0x0F0F0F0F) meet
-the run's first 16 inputs and the high ones the next 16, in order: two DP4As a word, the run's
-sum scaled once: sum (scale q - offset) q~ dx = scale dx sum q q~ - offset dx sum q~. The 5-bit
-layouts add a word a run of fifth bits, spread into bit 4 of the code bytes ((b * 0x00204081) &
-0x01010101 puts bit i of a nibble b in byte i) before the DP4As.
+scales; the input's three loads serve all BN rows. The codes' low nibbles (w & 0x0F0F0F0F) meet the
+run's first 16 inputs and the high ones the next 16, in order: two DP4As a word, the run's sum
+scaled once: sum (scale q - offset) q~ dx = scale dx sum q q~ - offset dx sum q~. The 5-bit layouts
+add a word a run of fifth bits, spread into bit 4 of the code bytes ((b * 0x00204081) & 0x01010101
+puts bit i of a nibble b in byte i) before the DP4As.
 
 A program owns BN rows (a SwiGLU pair's: BN gate rows and the BN up rows N below) and walks K in
 steps of C runs (32 num_warps: a run a thread), the next step's words read before the step's are
@@ -428,21 +428,19 @@ def normed_input(row: NormedRow) -> torch.Tensor:
 
 
 # An LM head's rows (a vocabulary) on the float path (its fp32 normed row): 16 rows, 1 warp, read ahead
-# (bench/quant_bench.py --sweep-runs, set AK: the Qwen2.5-0.5B-like tied Q50R head [151936, 896] 72.6
-# us against 86.0 on 8 rows; 16 x 1 was the best of 24 configs)
+# (the best of bench/quant_bench.py --sweep-runs on the Qwen2.5-0.5B-like tied Q50R head
+# [151936, 896], faster than 8 rows; bench/ab_decode.py's head8x1)
 HEAD_FLOAT = (16, 1, True)
 
 
 def pick_config(n: int, k: int, swiglu: bool = False, int8: bool = True) -> tuple[int, int, bool]:
     """(BN rows a program, num_warps, PREFETCH: the next step read ahead) for n outputs (a SwiGLU
-    pair's: 2 BN rows a program) of K = k. From bench/quant_bench.py --sweep-runs on an H200
-    (bench/RESULTS.md set AF, the 27B-like matrices, 18 configs each, Q4KR and INT4): a SwiGLU
-    pair on 4 rows and 1 warp ([34816, 5120]: 27.4 and 25.2 us against the best 26.8 and 25.2); up
-    to 8,192 rows, 4 rows and 2 warps ([5120, 17408] 13.6 and 11.5 us, the best of both; [5120,
-    6144] 5.2 and 4.7 against 4.7); more rows, 8 rows and 1 warp ([10240, 5120] 6.8 and 6.4, the
-    best of both). Fewer than 4,096 rows (a small model's down): 2 rows a program (more programs)
-    on 4 warps (set AJ: LFM2-1.2B's [2048, 8192] 3.6 us against 4.2 on 2 warps, Qwen2.5-0.5B's
-    [896, 4864] 3.4 against 3.4 on 2 warps: equal, its Q4_K decode 1.020x); no more warps than the
+    pair's: 2 BN rows a program) of K = k. From bench/quant_bench.py --sweep-runs on an H200 (the
+    27B-like matrices, Q4KR and INT4; at or near the best of the sweep on each): a SwiGLU pair on
+    4 rows and 1 warp; up to 8,192 rows, 4 rows and 2 warps; more rows, 8 rows and 1 warp. Fewer
+    than 4,096 rows (a small model's down): 2 rows a program (more programs) on 4 warps (faster
+    than 2 warps on LFM2-1.2B's [2048, 8192], equal on Qwen2.5-0.5B's [896, 4864], whose Q4_K
+    decode it sped up: `--runs-shapes`, bench/ab_decode.py's runsbefore); no more warps than the
     row has runs for. An LM head's rows on the float path (not int8): HEAD_FLOAT."""
     if not int8 and n >= 16384 and not swiglu:
         return HEAD_FLOAT
@@ -510,10 +508,9 @@ def counters(device: torch.device) -> torch.Tensor:
 # The launches that make the int8 input of the runs GEMV after them, in place of a quantize_input
 # launch of its own: "pair" (a SwiGLU pair's runs GEMV, for the down), "merge" (the attention merge,
 # for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all,
-# or a comma list of them; "merge,delta" by default: Q4_K decode with both against none, 1.054x on
-# the SmolLM2-135M-like shape, 1.033x Qwen2.5-0.5B-like, 1.014x Qwen3.5-27B-like; the pair's
-# counted epilogue cost more than the launch it saved, 0.983x and 0.988x (bench/ab_decode.py's
-# int8apart / pairapart; bench/RESULTS.md set AM).
+# or a comma list of them; "merge,delta" by default: Q4_K decode with both is faster than with none
+# on the SmolLM2-135M-like, Qwen2.5-0.5B-like and Qwen3.5-27B-like shapes; the pair's counted
+# epilogue cost more than the launch it saved (bench/ab_decode.py's int8apart / pairon).
 PRODUCERS = ("pair", "merge", "delta")
 _FUSED = os.environ.get("CHAT_FUSED_INT8", "merge,delta").lower()
 _NAMES = PRODUCERS if _FUSED in ("1", "all") else [p.strip() for p in _FUSED.split(",") if p.strip() not in ("", "0")]

@@ -16,7 +16,8 @@ owns one head and a block of value columns (the columns of S evolve independentl
 (each fp32 operand split into a TF32 head and tail: fp32-level accuracy), so it agrees with the
 torch loop to ~1e-7 (tests/test_gpu.py compares them). The torch loop launches ~9 kernels per
 chunk: 32 chunks x 18 layers made a 2k-token prefill of the 0.8B-like model launch-bound (and
-fp32 CUDA-core products made this kernel's first form 7 ms a layer); this is one kernel a layer.
+fp32 CUDA-core products made this kernel's first form slower than that loop: bench/scan_sweep.py);
+this is one kernel a layer.
 """
 from __future__ import annotations
 
@@ -290,8 +291,8 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
-# The fastest of a sweep on an H200 (bench/scan_sweep.py; bench/RESULTS.md, "Measurements behind the kernels' design"). tf32x3 (three TF32
-# products, the rounding of each corrected) matched the torch loop to 2.4e-7 and beat the
+# The fastest of a sweep on an H200 (bench/scan_sweep.py). tf32x3 (three TF32 products, the
+# rounding of each corrected) matched the torch loop at fp32-level accuracy and beat the
 # fp32-exact "ieee" dots; plain TF32 and more stages overflow shared memory; 8 warps at BV 16
 # faulted (a Triton miscompile).
 CONFIG = {"BV": 32, "num_warps": 4, "num_stages": 1, "precision": "tf32x3"}

@@ -146,6 +146,6 @@ def chunk_scan(out: torch.Tensor, c_dec: torch.Tensor, chunk_states: torch.Tenso
            num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
 
 
-# As cuda_scan's gated delta scan (bench/RESULTS.md): tf32x3 products (fp32-level accuracy on
+# As cuda_scan's gated delta scan (bench/scan_sweep.py): tf32x3 products (fp32-level accuracy on
 # tensor cores), one stage; not swept for this kernel on an H200 yet.
 CONFIG = {"BP": 32, "num_warps": 4, "num_stages": 1, "precision": "tf32x3"}
