@@ -368,7 +368,7 @@ TIED_RUNS = False
 # weights (PLANAR_MIN_WEIGHTS for the planar types): every one by default, the small ones too (each
 # after its int8 launch, as the large ones): Q4_K decode faster than at PLANAR_MIN_WEIGHTS's 4 Mi
 # on the Qwen2.5-0.5B-like and LFM2-1.2B-like shapes, even on SmolLM2-135M-like
-# (bench/ab_decode.py's `before`). Where it is larger, the smaller ones stay in their blocks
+# (bench/ab_decode.py's rmin4 variant). Where it is larger, the smaller ones stay in their blocks
 # (qlinear.py's GEMV on the row as given).
 RUNS_MIN_WEIGHTS = 0
 
