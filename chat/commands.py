@@ -55,7 +55,10 @@ def _system(app, arg):
         current = app.controller.settings.ui.system_prompt
         app.renderer.info(f"system prompt: {current!r}" if current else "system prompt: (the template's default)")
         return
-    app.controller.set("system_prompt", arg)
+    try:
+        app.controller.set("system_prompt", arg)
+    except ConfigError as e:
+        raise CommandError(str(e)) from None
     app.renderer.info("system prompt set")
 
 
@@ -217,6 +220,9 @@ def _model(app, arg):
         rt = app.controller.rt
         app.renderer.info(f"model: {rt.settings.engine.model} ({rt.loaded.source}); /model PATH|ALIAS switches")
         return
+    if app.controller.settings.engine.tensor_parallel > 1:  # (its workers hold the model's shards)
+        raise CommandError("/model does not switch a tensor-parallel model; restart chat with --model "
+                           f"{arg} --tensor-parallel {app.controller.settings.engine.tensor_parallel}")
     app.switch_model(arg)
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import llguidance as llg
 
+from .input_files import InputFileError, read_text
+
 KINDS = ("json", "json_schema", "regex", "grammar")
 ANY_OBJECT = {"type": "object"}  # `/format json`: any JSON object
 # Whitespace between JSON tokens: at most 16 characters a gap (pretty-printing to depth 7), so
@@ -64,7 +66,10 @@ class Format:
         where = where or {"json": "json", "json_schema": "json schema", "regex": "regex",
                           "grammar": "grammar"}[self.kind]
         llt = ll_tokenizer(tokenizer, eos_ids, vocab_size)
-        grammar = self.grammar()
+        try:
+            grammar = self.grammar()
+        except ValueError as e:  # (llguidance's own refusal of a schema, regex or grammar)
+            raise ConstraintError(f"{where}: {condense(str(e), self)}") from None
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, llt)
         if failed:
             raise ConstraintError(f"{where}: {condense(messages[0], self)}")
@@ -93,19 +98,44 @@ def from_yaml(value, where: str) -> Format | None:
             if isinstance(body, str):
                 return schema_format(body, where)
             if isinstance(body, (dict, bool)):
-                return Format("json_schema", json.dumps(body, ensure_ascii=False))
+                return Format("json_schema", _schema_json(body, where))
         elif kind in ("regex", "grammar") and isinstance(body, str) and body:
             return Format(kind, body)
     raise ConstraintError(f"{where}: format must be json, off, or one of {{json_schema: SCHEMA}}, "
                           "{regex: RE}, {grammar: LARK}")
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:40]} is out of range for a JSON number")
+    return value
+
+
+def _schema_json(body, where: str) -> str:
+    """A schema written as YAML (a transcript's mapping) as JSON text; only JSON's values."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:  # (a YAML date or binary, .nan, .inf)
+        raise ConstraintError(f"{where}: the schema holds a value JSON cannot: {str(e)[:80]}") from None
+    except RecursionError:
+        raise ConstraintError(f"{where}: the schema is nested too deeply") from None
+
+
 def schema_format(text: str, where: str) -> Format:
     """JSON text of a schema → a Format (its canonical JSON), or a one-line error naming the place."""
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except json.JSONDecodeError as e:
         raise ConstraintError(f"{where}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except ValueError as e:  # (NaN, Infinity, 1e999: Python reads them, JSON and llguidance do not)
+        raise ConstraintError(f"{where}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConstraintError(f"{where}: nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"{where}: a JSON Schema is an object (or true/false)")
     return Format("json_schema", json.dumps(schema, ensure_ascii=False))
@@ -113,13 +143,12 @@ def schema_format(text: str, where: str) -> Format:
 
 def read_source(arg: str, what: str) -> tuple[str, str]:
     """A FILE argument's text and the name errors use."""
+    if not arg.strip():
+        raise ConstraintError(f"{what}: needs a file (the value is empty)")
     try:
-        with open(arg, encoding="utf-8") as f:
-            return f.read(), arg
-    except OSError as e:
-        raise ConstraintError(f"{what} {arg}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConstraintError(f"{what} {arg}: not UTF-8 text") from None
+        return read_text(arg), arg
+    except InputFileError as e:
+        raise ConstraintError(f"{what} {e}") from None
 
 
 def parse_arg(kind: str, arg: str, flag: str) -> Format:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from .template import ChatTemplate
+from .template import ChatTemplate, TemplateError
 
 _THINK = re.compile(r"<think>.*?(</think>\s*|$)", re.S)
 
@@ -41,7 +41,10 @@ class Conversation:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def prompt_ids(self, user_text: str) -> list[int]:
-        return self.encode(self.template.render(self.full_messages(user_text), add_generation_prompt=True))
+        ids = self.encode(self.template.render(self.full_messages(user_text), add_generation_prompt=True))
+        if not ids:
+            raise TemplateError("the chat template rendered nothing for this conversation")
+        return ids
 
     def add_exchange(self, user_text: str, reply: str) -> None:
         self.messages.append({"role": "user", "content": user_text})

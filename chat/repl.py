@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import signal
+import stat
 import sys
 
 from prompt_toolkit import PromptSession
@@ -77,6 +78,12 @@ class SafeFileHistory(FileHistory):
         super().__init__(path)
         self.failed = False
         self._notice: str | None = None
+        try:  # a FIFO or a device would block the load or never end it: only a regular file is history
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = None  # (created at the first store, or a notice then)
+        if mode is not None and not stat.S_ISREG(mode):
+            self.fail(OSError(0, "not a regular file"), "use")
 
     def fail(self, error: OSError, doing: str) -> None:
         if not self.failed:
@@ -89,6 +96,8 @@ class SafeFileHistory(FileHistory):
         return notice
 
     def load_history_strings(self):
+        if self.failed:
+            return []
         try:
             return list(super().load_history_strings())
         except OSError as e:
@@ -255,7 +264,7 @@ class ReplApp:
         if not text.strip():
             return
         try:
-            if text.startswith("/"):
+            if text.startswith("/") and text == line:  # (a """ block is one message, even one that starts with /)
                 message = run_command(self, text.strip())
                 if message is None:
                     return
@@ -295,7 +304,7 @@ def _read_piped(stream, notice=lambda text: None):
         line = raw.rstrip("\n")
         if block is not None:
             if line.strip() == BLOCK:
-                yield "\n".join(block)
+                yield _as_block(block)
                 block = None
             else:
                 block.append(line)
@@ -304,7 +313,13 @@ def _read_piped(stream, notice=lambda text: None):
         else:
             yield line
     if block:
-        yield "\n".join(block)
+        yield _as_block(block)
+
+
+def _as_block(lines: list[str]) -> str:
+    """A piped block handed on as the REPL's own BLOCK-delimited block: one message, even where it
+    starts with /."""
+    return f"{BLOCK}\n" + "\n".join(lines) + f"\n{BLOCK}"
 
 
 def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:

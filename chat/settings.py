@@ -18,6 +18,7 @@ from engine.config import (ConfigError, EngineConfig, SamplingConfig, _Validated
                            build, key_text, setting)
 
 from . import yaml_lines
+from .input_files import InputFileError, read_text
 from .yaml_lines import YamlShapeError
 
 
@@ -93,10 +94,9 @@ def yaml_error_message(path: str, e: BaseException) -> str:
 
 def read_yaml(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml_lines.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+        data = yaml_lines.load(read_text(path))
+    except InputFileError as e:
+        raise ConfigError(f"config {e}") from None
     except YAML_ERRORS as e:
         raise ConfigError(yaml_error_message(path, e)) from None
     if data is None:

@@ -54,3 +54,6 @@ class ChatTemplate:
             raise TemplateError(f"the chat template tried an unsafe operation: {e}") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"the chat template failed: {e}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError, MemoryError) as e:
+            # (the template is the checkpoint's code: 1/0, a sandbox range limit, runaway recursion)
+            raise TemplateError(f"the chat template failed: {type(e).__name__}: {str(e)[:120]}") from None

@@ -37,6 +37,7 @@ from engine.config import SEED_MAX, ConfigError, quote
 from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
 from . import yaml_lines
+from .input_files import InputFileError, read_text
 from .constraints import ConstraintError, Format, from_yaml
 from .settings import YAML_ERRORS, check_settable, yaml_error_message
 
@@ -269,12 +270,9 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
 
 def load(path: str) -> Transcript:
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise TranscriptError(f"{path}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise TranscriptError(f"{path}: not UTF-8 text") from None
+        text = read_text(path)
+    except InputFileError as e:
+        raise TranscriptError(str(e)) from None
     return parse(text, path)
 
 

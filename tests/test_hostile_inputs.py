@@ -1,0 +1,101 @@
+"""Hostile inputs beyond settings and recordings: files that are not files, schemas JSON cannot
+hold, chat templates that fail in Python, blocks that look like commands. Each ends in one line
+(exit 2), or the REPL says so and answers the next message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "golden", "tiny-llama")
+
+
+def chat(*args, stdin: str | None = None, tmp_path=None, timeout=60):
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout, env=env,
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
+
+
+def one_line(p, *needles, status=2):
+    assert p.returncode == status and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("chat: error:"), p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    ["--config", "{f}", "--prompt", "hi"], ["run", "{f}"], ["replay", "{f}"], ["--resume", "{f}"],
+    ["--prompt", "hi", "--json-schema", "{f}"], ["--prompt", "hi", "--grammar", "{f}"],
+])
+def test_a_fifo_never_blocks(tmp_path, fifo, args):
+    """(these hung, blocked in open or read, before input_files.read_text)"""
+    p = chat(*[a.format(f=fifo) for a in args], "--model", TINY, tmp_path=tmp_path) if args[0] not in ("run", "replay") \
+        else chat(*[a.format(f=fifo) for a in args], tmp_path=tmp_path)
+    one_line(p, str(fifo), "named pipe")
+
+
+def test_a_device_is_not_read_whole(tmp_path):
+    one_line(chat("--model", TINY, "--prompt", "hi", "--grammar", "/dev/zero", tmp_path=tmp_path),
+             "/dev/zero", "character device")
+
+
+@pytest.mark.parametrize("schema,needle", [('{"const": 1e999}', "out of range"), ('{"maximum": NaN}', "NaN"),
+                                           ('{"minimum": -Infinity}', "-Infinity")])
+def test_schemas_hold_only_json_numbers(tmp_path, schema, needle):
+    one_line(chat("--model", TINY, "--prompt", "hi", "--json-schema", schema, tmp_path=tmp_path), needle)
+
+
+def test_a_script_schema_with_yaml_only_values(tmp_path):
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nevents:\n"
+                      "- {user: hi, output_format: {json_schema: {const: 2020-01-01}}}\n")
+    one_line(chat("run", script, "--model", TINY, tmp_path=tmp_path), "a value JSON cannot")
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 1/0 }}", "ZeroDivisionError"), ("{{ messages + 1 }}", "TypeError"),
+    ("{% for x in range(10**9) %}{% endfor %}", "OverflowError"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{% for m in messages %}{% endfor %}", "rendered nothing"),
+])
+def test_templates_that_fail_in_python(tmp_path, template, needle):
+    model = shutil.copytree(TINY, tmp_path / "m")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    one_line(chat("--model", model, "--prompt", "hi", "--max-new-tokens", "2", tmp_path=tmp_path),
+             "chat template", needle)
+    p = chat("--model", model, "--max-new-tokens", "2", stdin="hi\n/exit\n", tmp_path=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and needle in p.stderr, p.stderr
+
+
+def test_repl_goes_on_after_bad_system_and_schema_and_a_block_is_a_message(tmp_path):
+    script = '/system a\x00b\n/format schema {"maximum": NaN}\nhi\n"""\n/undo\n"""\n/exit\n'
+    p = chat("--model", TINY, "--max-new-tokens", "3", "--temperature", "0", stdin=script, tmp_path=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "system_prompt: 'a\\x00b' is not valid" in p.stderr and "NaN is not a JSON number" in p.stderr
+    assert "nothing to undo" not in p.stderr  # (the block was sent as a message, not run as /undo)
+    assert len([line for line in p.stdout.splitlines() if line.strip()]) >= 1
+
+
+def test_history_file_on_a_fifo_is_not_read(tmp_path, fifo):
+    from chat.repl import SafeFileHistory
+    h = SafeFileHistory(str(fifo))
+    assert list(h.load_history_strings()) == [] and h.failed
+    assert "not a regular file" in h.take_notice()
+    h.store_string("hello")  # (in memory only: nothing blocks)
