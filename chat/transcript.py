@@ -44,6 +44,7 @@ from .settings import YAML_ERRORS, check_settable, yaml_error_message
 FORMAT, VERSION = "chat-transcript", 1
 SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set")
 RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
+FINISH_REASONS = ("stop", "length", "context", "interrupted", "forced")  # (engine/session.py's)
 TOKEN_ID_MAX = 2**31 - 1  # (no vocabulary is larger; `check_vocabulary` then checks the model's own)
 
 
@@ -163,8 +164,7 @@ def _check_event(path: str, raw, index: int) -> Event:
                    "reused must be a count >= 0, at most the prompt's length"),
                   (_count(r["seed"]) and r["seed"] <= SEED_MAX, f"seed must be an integer in [0, {SEED_MAX}]"),
                   (isinstance(r["text"], str), "text must be a string"),
-                  (isinstance(r["finish_reason"], str) and len(r["finish_reason"]) <= 32,
-                   "finish_reason must be a short string"),
+                  (r["finish_reason"] in FINISH_REASONS, f"finish_reason must be one of {', '.join(FINISH_REASONS)}"),
                   (isinstance(r["sampling"], dict), "sampling must be a mapping")]
         for ok, message in checks:
             if not ok:
@@ -237,7 +237,7 @@ def parse(text: str, path: str = "<transcript>") -> Transcript:
     line = getattr(data, "line", 1)
     if data.get("format") != FORMAT:
         raise _err(path, line, f"not a transcript: 'format' must be {FORMAT!r}")
-    if data.get("version") != VERSION:
+    if type(data.get("version")) is not int or data.get("version") != VERSION:  # (YAML's true == 1 in Python)
         raise _err(path, line, f"transcript version {quote(data.get('version'))} is not supported (supported: {VERSION})")
     known = {"format", "version", "sampler", "model", "engine", "sampling", "system_prompt", "output_format",
              "events"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ def setting(default: Any, rule: dict) -> Any:
     return field(default=default, metadata=rule)
 
 
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.I)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -118,8 +121,12 @@ def coerce(cls, key: str, raw: Any) -> Any:
                 return False
             raise ValueError
         if kind is int:
+            if not _INT_TEXT.fullmatch(text):  # (int() also takes 1_000 and other scripts' digits)
+                raise ValueError
             return int(text)
         if kind is float:
+            if not _FLOAT_TEXT.fullmatch(text):
+                raise ValueError
             return float(text)
         if kind is list:
             return [s for s in text.split(",") if s] if text else []

@@ -224,3 +224,25 @@ def test_load_of_a_bad_recording_keeps_the_repl(tmp_path):
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "/retry with no exchange before it" in p.stderr
     assert p.stdout.strip(), "the message after the bad /load was not answered"
+
+
+@pytest.mark.parametrize("value", ["1_000", "\u0663", "0x10", " 1e3x"])
+def test_numbers_are_ascii_decimal_text(chat_here, value):
+    """(int() takes 1_000 and an Arabic-Indic 3; a setting's text takes neither)"""
+    one_line_error(*chat_here("--prompt", "hi", "--max-new-tokens", value)[::2], "max_new_tokens")
+
+
+@pytest.mark.parametrize("field,value,needle", [("version", True, "transcript version True"),
+                                                ("version", 1.0, "transcript version 1.0")])
+def test_header_values_of_the_wrong_type(tmp_path, field, value, needle):
+    doc = _kv()
+    doc[field] = value
+    with pytest.raises(tr.TranscriptError, match=needle):
+        tr.load(_write(tmp_path, doc))
+
+
+def test_finish_reason_is_one_the_engine_gives(tmp_path):
+    doc = _kv()
+    doc["events"][0]["finish_reason"] = "banana"
+    with pytest.raises(tr.TranscriptError, match="finish_reason must be one of stop, length"):
+        tr.load(_write(tmp_path, doc))
