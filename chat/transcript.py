@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from engine.config import SEED_MAX, ConfigError, quote
+from engine.config import SEED_MAX, ConfigError, SamplingConfig, build, quote
 from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
 from . import yaml_lines
@@ -184,7 +184,6 @@ def _settings(path: str, line: int, values: dict, what: str) -> None:
 
 def _recorded_sampling(path: str, line: int, values: dict, what: str) -> None:
     """A recorded turn's sampling settings: the SamplingConfig it ran with, whole."""
-    from engine.config import SamplingConfig, build
     try:
         build(SamplingConfig, dict(values), "sampling")
     except ConfigError as e:

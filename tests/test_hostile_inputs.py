@@ -44,9 +44,8 @@ def fifo(tmp_path):
 ])
 def test_a_fifo_never_blocks(tmp_path, fifo, args):
     """(these hung, blocked in open or read, before input_files.read_text)"""
-    p = chat(*[a.format(f=fifo) for a in args], "--model", TINY, tmp_path=tmp_path) if args[0] not in ("run", "replay") \
-        else chat(*[a.format(f=fifo) for a in args], tmp_path=tmp_path)
-    one_line(p, str(fifo), "named pipe")
+    model = [] if args[0] in ("run", "replay") else ["--model", TINY]  # (subcommands take the model from the file)
+    one_line(chat(*[a.format(f=fifo) for a in args], *model, tmp_path=tmp_path), str(fifo), "named pipe")
 
 
 def test_a_device_is_not_read_whole(tmp_path):
