@@ -24,18 +24,18 @@ tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 
 nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid1024 / grid512
 (that form only below that many programs, qplanar.SMALL_GRID), qw* (qlinear.WHOLE_CONFIG: the
 configs of matrices read in one step), tiny* (GGUF matrices up to 1 / 4 Mi weights left in their
-blocks: loader.PLANAR_MIN_WEIGHTS; a model built per value, the same random weights), w2k (one
+blocks: KernelConfig.planar_min_weights; a model built per value, the same random weights), w2k (one
 step up to 2,048 weights), wholeRxW (the one-step matrices on R rows and W warps a program,
 the defaults' steps), tiny0 (every K-quant matrix repacked, one step up to 1,024 weights:
 the defaults before R5), setq (tiny0, and the small-matrix forms without their bound on the
 grid: every default as set Q left it). With --format FP8: fp8f32 (every FP8 GEMV in fp8.py's
 fp32-product form: CHAT_FP8_GEMV=f32), fp8rows2 / fp8rows4 / fp8rows8 (its fp16-product form on
 that many rows a program), fp8deep2..6 (that many rows a program where K passes 8,192:
-fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: loader.RUNS
+fp8.DEEP_ROWS). planar4: Q4_K and AWQ linears in qplanar.py's layouts (Q4KP, INT4P: KernelConfig.runs
 False), not qruns.py's runs; blocks5: GGUF Q5_0 / Q5_1 linears and a tied head of them in their
-blocks (qlinear.py's GEMV: loader.FIVE_BIT_RUNS False), not as Q50R / Q51R runs; tiedruns /
+blocks (qlinear.py's GEMV: KernelConfig.five_bit_runs False), not as Q50R / Q51R runs; tiedruns /
 tiedblocks: a tied head of a runs type repacked with its embedding reading it, or in its blocks
-(loader.TIED_RUNS True / False, the default); head8x1: a runs head's float path on 8 rows and 1
+(KernelConfig.tied_runs True / False, the default); head8x1: a runs head's float path on 8 rows and 1
 warp (qruns.HEAD_FLOAT's 16 rows before); runsBNxW / pairBNxW (qruns.py's single matrices / SwiGLU pairs on
 BN rows and W warps a program), runsnp (qruns.py's picks without the read ahead), runsbefore
 (its matrices of under 4,096 rows, no pair, on 2 rows and 2 warps as before 2026-12-03); rnqp1..32
@@ -55,7 +55,7 @@ skipnorm (no add_rms_norm launch), skipquant / skipnq / skipint8 (no qruns.quant
 / no qruns.normed_input launch / neither: the runs GEMVs read a stale int8 buffer), skipconv /
 skipdeltastep / skipdelta (the Gated DeltaNet conv step, delta step, both). deltaone / delta{16,32,64}w{1,2,4,8}: the delta step in one program a head / split into
 programs of that many value columns on that many warps (delta.SPLIT_CONFIG). r0: every Q4_K /
-Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0, the default since
+Q5_0 / Q5_1 matrix in runs, whatever its size (KernelConfig.runs_min_weights 0, the default since
 2026-12-03); rmin4: the runs types' matrices of up to 4 Mi weights in their blocks.
 (The fp8prefetch variant, of branch next-fp8-prefetch, the normcopy and late variants, the forms
 before commits a509cd5 and c6bd2d3, and the selfN variants of the self-quantizing runs GEMV,
@@ -76,25 +76,26 @@ import torch  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
-from models.formats import loader  # noqa: E402
+from models import plan as kernel_plan  # noqa: E402
 from models.kernels.cuda import (base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear,  # noqa: E402
                                  qlinear, qplanar, qruns)
 from shapes import random_model, random_quantized_model  # noqa: E402
 
+KERNELS = kernel_plan.DEFAULT
 DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
                 prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
                 small=qplanar.SMALL, small_grid=qplanar.SMALL_GRID,
-                whole=qlinear.WHOLE_CONFIG, planar_min=loader.PLANAR_MIN_WEIGHTS, five=loader.FIVE_BIT_RUNS,
-                tied=loader.TIED_RUNS, fusedscale=layers.FUSED_SCALE,
+                whole=qlinear.WHOLE_CONFIG, planar_min=KERNELS.planar_min_weights, five=KERNELS.five_bit_runs,
+                tied=KERNELS.tied_runs, fusedscale=layers.FUSED_SCALE,
                 sharedexperts=granitemoehybrid.SHARED_AS_EXPERTS, defernorm=granitemoehybrid.DEFER_MLP_NORM,
                 fp8form=fp8.FORM, fp8rows=None, fp8deep=fp8.DEEP_ROWS,
-                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=loader.RUNS, runspick=None,
+                normlaunch=cuda_linear.MATERIALIZE_LAUNCH, skip=(), runs=KERNELS.runs, runspick=None,
                 deltasplit=cuda_delta.SPLIT_CONFIG, headtile=qplanar.HEAD_FLOAT_TILE,
                 runsnqp=qruns.NORM_QUANTIZE_PROGRAMS, runsq=qruns.QUANTIZE_RUNS, gemvpick=None,
-                runs_min=loader.RUNS_MIN_WEIGHTS, fusedint8=qruns.FUSED_INT8)
+                runs_min=KERNELS.runs_min_weights, fusedint8=qruns.FUSED_INT8)
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
@@ -149,11 +150,11 @@ VARIANTS = {
     **{f"fp8deep{b}": dict(fp8deep=b) for b in (2, 3, 4, 5, 6)},  # b rows where K passes 8,192 (fp8.DEEP_ROWS)
     "planar4": dict(runs=False),  # Q4_K and AWQ in qplanar.py's layouts (Q4KP, INT4P), not qruns.py's runs
     # GGUF Q5_0 / Q5_1 linears (and a tied head with its embedding) in their blocks, qlinear.py's
-    # GEMV, as before 2026-12-03 (loader.FIVE_BIT_RUNS False)
+    # GEMV, as before 2026-12-03 (KernelConfig.five_bit_runs False)
     "blocks5": dict(five=False),
-    "r0": dict(runs_min=0),  # every Q4_K / Q5_0 / Q5_1 matrix in runs, whatever its size (loader.RUNS_MIN_WEIGHTS 0)
+    "r0": dict(runs_min=0),  # every Q4_K / Q5_0 / Q5_1 matrix in runs, whatever its size (KernelConfig.runs_min_weights 0)
     "rmin4": dict(runs_min=4 << 20),  # the runs types' matrices of up to 4 Mi weights in their blocks
-    "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (loader.TIED_RUNS)
+    "tiedruns": dict(tied=True),  # a tied LM head of a runs type repacked, its embedding reading it (KernelConfig.tied_runs)
     "tiedblocks": dict(tied=False),  # (the default since 2026-12-03: both in their blocks)
     "head8x1": dict(runspick=("head", 8, 1, True)),  # a runs head's float path on 8 rows, 1 warp (before HEAD_FLOAT)
     # qruns.py's GEMVs other than SwiGLU pairs on BN rows and W warps (runsBNxW), the pairs alone
@@ -245,10 +246,19 @@ def _runs_pick(which: str, bn: int, warps: int, ahead: bool):
     return pick
 
 
+def kernel_config(changes: dict) -> "kernel_plan.KernelConfig":
+    """The KernelConfig of a variant: its load-time layout fields (planar_min, runs, five, tied,
+    runs_min) over the defaults; a planar_min alone moves runs_min with it (the tiny* and
+    repackall variants: the runs types too)."""
+    v = {**DEFAULTS, **changes}
+    if "planar_min" in changes and "runs_min" not in changes:
+        v["runs_min"] = v["planar_min"]
+    return KERNELS.but(planar_min_weights=v["planar_min"], runs=v["runs"], five_bit_runs=v["five"],
+                       tied_runs=v["tied"], runs_min_weights=v["runs_min"])
+
+
 def apply(variant: str) -> None:
     v = {**DEFAULTS, **VARIANTS[variant]}
-    if "planar_min" in VARIANTS[variant] and "runs_min" not in VARIANTS[variant]:
-        v["runs_min"] = v["planar_min"]  # (the tiny* and repackall variants: the runs types too, as before)
     cuda_linear.MATERIALIZE_LAUNCH, cuda_delta.SPLIT_CONFIG = v["normlaunch"], v["deltasplit"]
     cuda_base.add_rms_norm = _unnormed if "norm" in v["skip"] else _ADD_RMS_NORM
     skipped = {k for p, k in (("conv", cuda_delta._conv_step_kernel), ("step", cuda_delta._delta_step_kernel))
@@ -274,9 +284,6 @@ def apply(variant: str) -> None:
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     qruns.pick_config = _RUNS_PICK if v["runspick"] is None else _runs_pick(*v["runspick"])
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
-    # (read when a model is built: one model a value)
-    loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS = v["planar_min"], v["runs"], v["five"]
-    loader.TIED_RUNS, loader.RUNS_MIN_WEIGHTS = v["tied"], v["runs_min"]
     if v["a16"]:
         os.environ["CHAT_PLANAR_A16"] = "1"
     elif _A16_GIVEN is None:
@@ -302,15 +309,14 @@ def main() -> None:
 
         def build(v: str):
             apply(v)
-            key = (loader.PLANAR_MIN_WEIGHTS, loader.RUNS, loader.FIVE_BIT_RUNS, loader.TIED_RUNS,
-                   loader.RUNS_MIN_WEIGHTS) \
-                if a.format != "bf16" else 0  # (bf16: one model)
+            kernels = kernel_config(VARIANTS.get(v, {}))  # (the plan is bound when a model is built: one a config)
+            key = kernels if a.format != "bf16" else 0  # (bf16: one model)
             if key not in built:
                 if a.format == "bf16":
                     built[key] = random_model(name, dev, torch.bfloat16)
                 else:
                     built[key] = random_quantized_model(name, a.format, dev, torch.bfloat16)
-                    loader.repack_for_cuda(built[key])
+                    kernel_plan.bind(built[key], dev, torch.bfloat16, kernels)
             return built[key]
 
         model = build("base")

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    from models.formats.loader import repack_for_cuda
+    from models import plan as kernel_plan
     dev = torch.device("cuda")
     variants = a.variants.split(",")
     for name in a.names:
@@ -85,7 +85,7 @@ def main() -> None:
         models = {"bf16": random_model(name, dev, torch.bfloat16) if "bf16" in kinds else None}
         if "quantized" in kinds:
             models["quantized"] = random_quantized_model(name, a.format, dev, torch.bfloat16)
-            repack_for_cuda(models["quantized"])
+            kernel_plan.bind(models["quantized"], dev, torch.bfloat16)
         vocab = next(m for m in models.values() if m is not None).config.vocab_size
         ids = torch.randint(0, vocab, (a.prefill,), generator=torch.Generator().manual_seed(1)).tolist()
         times = {v: [] for v in variants}

@@ -58,13 +58,13 @@ def sequence(prof, per: int, n: int) -> None:
 
 def build(name: str, fmt: str, dev):
     """The shape's random model in `fmt`: bf16, or quant_bench's formats as the loader leaves them
-    on CUDA (Q4_K and AWQ repacked for qplanar.py)."""
+    on CUDA (the kernel plan bound: models/plan)."""
     if fmt == "bf16":
         return random_model(name, dev, torch.bfloat16)
-    from models.formats.loader import repack_for_cuda
+    from models import plan as kernel_plan
     from shapes import random_quantized_model
     model = random_quantized_model(name, fmt, dev, torch.bfloat16)
-    repack_for_cuda(model)
+    kernel_plan.bind(model, dev, torch.bfloat16)
     return model
 
 

@@ -54,11 +54,11 @@ def run(name: str, fmt: str, args, device) -> dict:
     dtype = torch.bfloat16
     if fmt == "bf16":
         model = random_model(name, device, dtype)
-    else:  # as the loader leaves them on CUDA (Q4_K as Q4KR, AWQ as stored: qruns.py); "-stored": without repack_for_cuda
+    else:  # as the kernel plan leaves them on CUDA (Q4_K as Q4KR, AWQ as stored: qruns.py); "-stored": unbound
         model = random_quantized_model(name, fmt.removesuffix("-stored"), device, dtype)
         if not fmt.endswith("-stored"):
-            from models.formats.loader import repack_for_cuda
-            repack_for_cuda(model)
+            from models import plan as kernel_plan
+            kernel_plan.bind(model, device, dtype)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
     formats = weight_formats(model)

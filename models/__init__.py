@@ -2,23 +2,40 @@
 (models/formats), device kernels (models/kernels). This package's names are the API that the
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
 the registry and aliases, `use_int8_inputs` (the `cpu_int8` setting on a loaded model),
-`cpu_step_pending` (whether a model's C++ decode step still has
+the kernel plan (`KernelConfig`, `Plan`: models/plan), `cpu_step_pending` (whether a model's C++ decode step still has
 to be compiled, for a start-up notice), `select_cpu_isa` (the `cpu_isa` setting: what the C++
 library is built for), and the tensor-parallel plan of a checkpoint or a config
 (`sharding_plan`, `config_plan`, `local_model`: models/sharding.py)."""
 from __future__ import annotations
 
 from .formats.checkpoints import CheckpointError
-from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse, load,
+from .formats import loader as _loader
+from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
 from .formats.quant import use_int8_inputs
 from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
+from .plan import KernelConfig, Plan
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
            "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "select_cpu_isa", "cpu_isa_label",
-           "CpuStepUnavailable"]
+           "CpuStepUnavailable", "KernelConfig", "Plan"]
+
+
+def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, shard=None,
+         kernels: KernelConfig | None = None) -> LoadedModel:
+    """formats.loader.load (see there: `quantized`, `shard`), then the kernel plan bound to the
+    model (models/plan: the weights its rules read in another layout repacked, once): the
+    LoadedModel's `plan`. `kernels`: the KernelConfig the plan follows (its defaults where None)."""
+    import torch
+
+    from . import plan as kernel_plan
+    dtype = torch.float32 if dtype is None else dtype
+    loaded = _loader.load(path_or_alias, device, dtype, quantized=quantized, shard=shard)
+    loaded.plan = kernel_plan.bind(loaded.model, device, dtype, kernels or kernel_plan.DEFAULT)
+    _loader.release_freed_memory()  # (what a repack replaced)
+    return loaded
 
 
 def cpu_step_pending(model, dtype) -> bool:

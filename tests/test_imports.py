@@ -8,7 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("chat", "engine", "models")
 # (importer prefix, imported prefix): edges that must not exist
 FORBIDDEN = [("engine", "chat"), ("models", "chat"), ("models", "engine"),
-             ("models.kernels", "models.architectures"), ("models.formats", "models.kernels")]
+             ("models.kernels", "models.architectures"), ("models.formats", "models.kernels"),
+             ("models.formats", "models.plan"), ("models.kernels", "models.plan")]
 
 
 def modules() -> dict[str, str]:

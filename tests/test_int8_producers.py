@@ -158,15 +158,18 @@ def test_a_made_row_is_its_row_to_every_gemv_and_its_words_to_the_runs_gemv():
 
 
 def _load(tmp_path, case):
-    """A tiny bf16 model on CUDA whose linears are all runs (loader.RUNS_MIN_WEIGHTS 0 applies)."""
+    """A tiny bf16 model on CUDA whose linears are all runs (KernelConfig.runs_min_weights 0)."""
     import models
+    from models.plan import KernelConfig
     if case[0] == "gguf":
         from test_block_quant import tiny_gguf
         path = tiny_gguf(tmp_path, case[1], case[2])
-        return models.load(path, torch.device("cuda"), torch.bfloat16, quantized=True)
+        return models.load(path, torch.device("cuda"), torch.bfloat16, quantized=True,
+                           kernels=KernelConfig(runs_min_weights=0))
     from tiny_hf_quant import write_quantized
     qdir, _ = write_quantized(case[1], str(tmp_path), case[2])
-    return models.load(qdir, torch.device("cuda"), torch.bfloat16, quantized=True)
+    return models.load(qdir, torch.device("cuda"), torch.bfloat16, quantized=True,
+                       kernels=KernelConfig(runs_min_weights=0))
 
 
 @pytest.mark.gpu
@@ -182,9 +185,7 @@ def test_a_model_computes_the_same_bits_with_the_int8_made_by_its_producers(tmp_
     from gguf import GGMLQuantizationType as Q
 
     from engine.session import DecodeSession
-    from models.formats import loader
     from models.kernels.cuda import attention as cuda_attention, base as cuda_base, delta as cuda_delta, qruns
-    monkeypatch.setattr(loader, "RUNS_MIN_WEIGHTS", 0)
     kind, fmt = case.split("-", 1)
     lm = _load(tmp_path, ("gguf", kind, getattr(Q, fmt)) if fmt.startswith("Q") else ("hf", kind, fmt))
     prompt, steps = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]

@@ -236,11 +236,11 @@ def test_linears_take_the_runs_on_cuda():
 
 
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
-def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt, monkeypatch):
+def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt):
     """to_planar on a Q5_0 / Q5_1 linear (the loader's step on CUDA): Q50R / Q51R in the blocks'
     bytes, the same outputs; a tied head's embedding then reads the head's runs (share_layout):
     the same rows, the blocks freed, the table counted once. Without five_bit, the blocks stay."""
-    from models.formats import gguf_blocks, loader, quant
+    from models.formats import gguf_blocks, quant
     from models.kernels.cuda import qlinear, qruns
     qw, _ = gguf_weight(fmt, 40, 96, 7, "cpu")
     emb = quant.BlockEmbedding(qw.data, ggml_type=gguf_blocks.TYPES[fmt])
@@ -249,9 +249,10 @@ def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt, monkeypatch):
     ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
     rows, ref = emb(ids), head(x)
     assert not head.to_planar(five_bit=False) and not emb.share_layout(head)
-    assert loader._runs_type(head.ggml_type) and not loader._runs_type(gguf_blocks.TYPES["Q6_K"])  # (Q6KP: planar)
-    monkeypatch.setattr(loader, "FIVE_BIT_RUNS", False)
-    assert not loader._runs_type(head.ggml_type) and loader._runs_type(gguf_blocks.TYPES["Q4_K"])
+    layout = quant.BlockLinear.repack_for
+    assert layout(head.ggml_type)[1] == {"Q5_0": "Q50R", "Q5_1": "Q51R"}[fmt]
+    assert layout(gguf_blocks.TYPES["Q6_K"])[1] == "Q6KP"  # (planar, not runs)
+    assert layout(head.ggml_type, five_bit=False) is None and layout(gguf_blocks.TYPES["Q4_K"])[1] == "Q4KR"
     assert head.to_planar() and head.qweight().fmt == {"Q5_0": "Q50R", "Q5_1": "Q51R"}[fmt]
     assert qlinear.fits(head.qweight().fmt, 96) and qruns.takes(head.qweight())
     assert torch.allclose(head(x), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))

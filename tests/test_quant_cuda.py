@@ -21,6 +21,7 @@ from engine.config import SamplingConfig
 from engine.reference import full_logits
 from engine.session import DecodeSession
 from models.formats import gguf_blocks, quant
+from models.plan import KernelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -63,9 +64,18 @@ def close(a, b, rel):
     return float((a - b).abs().max()) <= rel * float(b.abs().max())
 
 
-def check_against_dequantized(path, quantized_types, ref_path=None):
+def kernel_config(planar_min, tied=True):
+    """The plan's config for a planar_min case: None, the defaults; else every matrix of more than
+    planar_min weights repacked (runs types too), and with 0 a tied head in runs (not the default,
+    kept working)."""
+    if planar_min is None:
+        return KernelConfig()
+    return KernelConfig(planar_min_weights=planar_min, runs_min_weights=planar_min, tied_runs=tied and planar_min == 0)
+
+
+def check_against_dequantized(path, quantized_types, ref_path=None, kernels=None):
     ref = models.load(ref_path or path, CUDA, torch.float32)
-    q32 = models.load(path, CUDA, torch.float32, quantized=True)
+    q32 = models.load(path, CUDA, torch.float32, quantized=True, kernels=kernels)
     kinds = {name for name in q32.weight_bytes if name.isupper()}
     assert kinds >= set(quantized_types), (kinds, quantized_types)
     prompt, steps = list(range(3, 60)), [5, 9, 200, 7, 7, 31, 4, 100]
@@ -75,7 +85,7 @@ def check_against_dequantized(path, quantized_types, ref_path=None):
                  step_logits(ref, torch.float32, "off", prompt, steps), 1e-4)
     assert greedy(q32, torch.float32, "on", prompt) == greedy(ref, torch.float32, "off", prompt)
     del q32
-    q16 = models.load(path, CUDA, torch.bfloat16, quantized=True)
+    q16 = models.load(path, CUDA, torch.bfloat16, quantized=True, kernels=kernels)
     assert close(step_logits(q16, torch.bfloat16, "on", prompt, steps),
                  step_logits(ref, torch.float32, "off", prompt, steps), 5e-2)
     assert greedy(q16, torch.bfloat16, "on", prompt) == greedy(q16, torch.bfloat16, "off", prompt)
@@ -83,22 +93,18 @@ def check_against_dequantized(path, quantized_types, ref_path=None):
 
 
 @pytest.mark.parametrize("kind,linear,types,embed,planar_min", GGUF_RUNS, ids=IDS)
-def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, kind, linear, types, embed,
+def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, kind, linear, types, embed,
                                                           planar_min):
-    from models.formats import loader
-    if planar_min is not None:
-        monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
-        monkeypatch.setattr(loader, "RUNS_MIN_WEIGHTS", planar_min)
-    if planar_min == 0:  # (a tied head in runs too, with its embedding: not the default, kept working)
-        monkeypatch.setattr(loader, "TIED_RUNS", True)
+    kernels = kernel_config(planar_min)
     path = tiny_gguf(tmp_path, kind, linear, types, embed)
     names = {linear.name, embed.name} | {t.name for t in (types or {}).values()}
-    q16 = check_against_dequantized(path, names)
+    q16 = check_against_dequantized(path, names, kernels=kernels)
     layer = q16.model.model.layers[0]
     mlp = layer.mlp
     gate_up = mlp.gate_up_proj  # fused; as stored, or repacked as Q4KR, Q50R, Q51R (runs.py), Q5KP or Q6KP (planar.py)
     assert isinstance(gate_up, quant.BlockLinear) and all(t.is_cuda for t in gate_up.stored())
-    least = loader.RUNS_MIN_WEIGHTS if loader._runs_type(linear) else loader.PLANAR_MIN_WEIGHTS
+    runs_type = linear in (Q.Q4_K,) + FIVE_BIT
+    least = kernels.runs_min_weights if runs_type else kernels.planar_min_weights
     assert gate_up.planar == ((linear in KQUANTS and gate_up.in_features % 256 == 0 or linear in FIVE_BIT)
                               and gate_up.in_features * gate_up.out_features > least)
     embed_tokens, head = q16.model.model.embed_tokens, q16.model.lm_head
@@ -112,15 +118,12 @@ def test_gguf_blocks_on_cuda_match_the_dequantized_model(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("planar_min", [0, None], ids=["planar", "default"])
-def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
+def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, planar_min):
     """GPU memory of a Q4_K_M-like tiny GGUF on CUDA: its blocks' bytes, not bf16's: every K-quant
     matrix repacked, as a large model's are (planar_min 0), or (the default on a tiny model) every
     one kept in its blocks, the file's bytes exactly."""
     import gguf
-    from models.formats import loader
-    if planar_min is not None:
-        monkeypatch.setattr(loader, "PLANAR_MIN_WEIGHTS", planar_min)
-        monkeypatch.setattr(loader, "RUNS_MIN_WEIGHTS", planar_min)
+    kernels = kernel_config(planar_min, tied=False)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     reader = gguf.GGUFReader(path)
     file_bytes = {}
@@ -129,7 +132,7 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
         file_bytes[name] = file_bytes.get(name, 0) + int(t.n_bytes)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    lm = models.load(path, CUDA, torch.bfloat16, quantized=True)
+    lm = models.load(path, CUDA, torch.bfloat16, quantized=True, kernels=kernels)
     torch.cuda.synchronize()
     used = torch.cuda.memory_allocated() - before
     got = lm.weight_bytes
@@ -145,7 +148,7 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, monkeypatch, planar_min):
     assert all(m.planar_fmt in ("", "Q4KR") for m in q4k)
     if planar_min is None:  # (a tiny model's matrices: Q6_K in its blocks; Q4_K in runs where RUNS_MIN_WEIGHTS is 0)
         assert q6kp == 0 and got["Q6_K"] == file_bytes["Q6_K"], got
-        assert (q4kr > 0) == (loader.RUNS_MIN_WEIGHTS == 0), q4kr
+        assert (q4kr > 0) == (kernels.runs_min_weights == 0), q4kr
     else:
         assert q4kr == (file_bytes["Q4_K"] - embed_q4k) // 144
     assert got["Q4_K"] == file_bytes["Q4_K"] + 4 * q4kr, (got["Q4_K"], file_bytes["Q4_K"], q4kr)

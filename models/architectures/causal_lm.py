@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import kernels
+from ..kernels import cpu_block_kernels, cpu_blocks_served, cpu_decode_step, cpu_kernels_off
+from ..kernels import cpu_step_serves as step_serves
 from ..kernels.cuda import base as cuda_base
 from .layers import Linear, Residual, Rope, add_norm, causal_mask, head_logits
 from .state_spec import StateView
@@ -50,19 +51,19 @@ class CausalLM(nn.Module):
         its GGUF blocks on the CPU then take the library's per-linear kernels, attached here
         (`cpu_block_kernels` says whether). Raises kernels.CpuStepUnavailable where either would
         serve but the library cannot be built or loaded here."""
-        step = kernels.cpu_decode_step(self, dtype) if self.offers_cpu_step() else None
+        step = cpu_decode_step(self, dtype) if self.offers_cpu_step() else None
         if step is not None:
             return step
-        self.cpu_block_kernels = kernels.cpu_block_kernels(self, dtype)
+        self.cpu_block_kernels = cpu_block_kernels(self, dtype)
         return None
 
     def cpu_step_serves(self, dtype) -> bool:
         """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""
-        return (self.offers_cpu_step() and kernels.cpu_step_serves(self, dtype)) or kernels.cpu_blocks_served(self, dtype)
+        return (self.offers_cpu_step() and step_serves(self, dtype)) or cpu_blocks_served(self, dtype)
 
     def cpu_kernels_off(self) -> None:
         """The per-linear kernels detached (a session with cpu_kernel off)."""
-        kernels.cpu_kernels_off(self)
+        cpu_kernels_off(self)
         self.cpu_block_kernels = False
 
     def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:

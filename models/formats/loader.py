@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
-from . import checkpoints, gguf_blocks, hf_quant, quant, runs
+from . import checkpoints, gguf_blocks, hf_quant, quant
 from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -55,6 +55,7 @@ class LoadedModel:
     model_type: str
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # one line each: what the load changed (types widened)
+    plan: object = None  # the kernel plan models.load bound (models/plan)
 
     @property
     def n_params(self) -> int:
@@ -285,11 +286,9 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftover:
         raise CheckpointError(f"weight {leftover[0]!r} was not filled by the checkpoint")
-    fuse(model)
-    if device.type == "cuda":
-        repack_for_cuda(model)
+    fuse(model)  # (then models.plan.bind repacks what the kernel plan reads in another layout)
     model.eval()
-    _release_freed_memory()
+    release_freed_memory()
 
 
 # the CPU modules that hold a copy of their GGUF tensor (the int4 kernel's layout, a Q8_0 table)
@@ -329,7 +328,7 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
     return None
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Loading frees as much as the model keeps (checkpoint arrays replaced by fused copies);
     glibc keeps such freed heap memory mapped unless asked to give it back."""
     try:
@@ -337,74 +336,6 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to do
-
-
-# GGUF matrices of at most this many weights keep their blocks on CUDA: qlinear.py's GEMV reads such
-# a matrix (rows of up to 4,096 or 2,048 weights: qlinear.whole_step) in one step before its PDL
-# wait, on the 16-bit input (no int8 input launch), where a small model's step is bound by
-# launches. 4 Mi with qlinear.WHOLE_CONFIG's 4,096-weight step beat every matrix repacked on the
-# 0.8B-like and SmolLM2-135M-like shapes (the 0.5B-like equal); 8 Mi was slower on the
-# 30B-A3B-like and 0.8B-like (bench/ab_decode.py --format Q4_K, its tiny variants).
-PLANAR_MIN_WEIGHTS = 4 << 20
-
-
-# 4-bit linears in 32-weight runs for models/kernels/cuda/qruns.py (Q4_K repacked as Q4KR, AWQ/GPTQ
-# groups of a multiple of 32 as stored); False: in qplanar.py's layouts (Q4KP, INT4P), which decode
-# slower (bench/ab_decode.py's planar4 variant)
-RUNS = True
-# With RUNS, GGUF Q5_0 / Q5_1 linears (a K-quant mix's fallback for rows that are not whole 256-weight
-# super-blocks: Qwen2.5-0.5B's 896, SmolLM2's 576) also in runs (Q50R / Q51R); False: in their blocks
-# (qlinear.py's GEMV), bench/ab_decode.py's blocks5 variant: slower on the 0.5B-like Q4_K decode
-# (its [9728, 896] gate/up pair most), even on SmolLM2-135M-like (its matrices then under the bound
-# of 4 Mi weights; bench/quant_bench.py --sweep-runs times the pair).
-FIVE_BIT_RUNS = True
-# A tied LM head of a runs type repacked too (its embedding then reads its runs: one copy still); False:
-# both keep the blocks. The head's float path in runs measured even on the 0.5B-like shape and
-# slower on SmolLM2-135M-like (its 576-wide head): bench/ab_decode.py's tiedruns variant.
-TIED_RUNS = False
-
-
-# GGUF linears of a runs type (Q4_K, and Q5_0 / Q5_1 with FIVE_BIT_RUNS) are repacked above this many
-# weights (PLANAR_MIN_WEIGHTS for the planar types): every one by default, the small ones too (each
-# after its int8 launch, as the large ones): Q4_K decode faster than at PLANAR_MIN_WEIGHTS's 4 Mi
-# on the Qwen2.5-0.5B-like and LFM2-1.2B-like shapes, even on SmolLM2-135M-like
-# (bench/ab_decode.py's rmin4 variant). Where it is larger, the smaller ones stay in their blocks
-# (qlinear.py's GEMV on the row as given).
-RUNS_MIN_WEIGHTS = 0
-
-
-def _runs_type(ggml_type: int) -> bool:
-    """Whether BlockLinear.to_planar repacks this type in row-major runs (formats/runs.py), which a
-    tied embedding can read too (BlockEmbedding.share_layout)."""
-    repack = quant.BlockLinear.repack_for(ggml_type, RUNS, FIVE_BIT_RUNS)
-    return repack is not None and repack[1] in runs.REPACKED
-
-
-def repack_for_cuda(model: torch.nn.Module) -> None:
-    """After fusion, on CUDA, where the Triton kernels are in use: 4-bit AWQ/GPTQ linears kept as
-    stored where their groups are whole 32-weight runs (formats/runs.py: qruns.py's GEMV reads
-    them), else into INT4P; GGUF linears of more than RUNS_MIN_WEIGHTS weights: Q4_K into Q4KR
-    and Q5_0 / Q5_1 into Q50R / Q51R (runs; FIVE_BIT_RUNS); of more than PLANAR_MIN_WEIGHTS: Q5_K
-    and Q6_K into Q5KP and Q6KP (formats/planar.py: qplanar.py's GEMV). RUNS False: Q4KP and
-    INT4P, the 5-bit blocks kept. A head that shares its blocks with the embedding keeps them; with
-    TIED_RUNS it is repacked into runs (never another layout), which the embedding then reads (one
-    copy of the table)."""
-    if quant.QuantLinear.kernels is None or not quant.QuantLinear.kernels.cuda_base.ENABLED:
-        return
-    tables = {m.blocks.untyped_storage().data_ptr(): m for m in model.modules()
-              if isinstance(m, quant.BlockEmbedding) and not m.planar}
-    for m in model.modules():
-        if isinstance(m, hf_quant.GroupInt4Linear):
-            m.to_planar(RUNS)
-        elif isinstance(m, quant.BlockLinear) and not m.planar and m.blocks.is_cuda \
-                and m.in_features * m.out_features > (RUNS_MIN_WEIGHTS if _runs_type(m.ggml_type)
-                                                      else PLANAR_MIN_WEIGHTS):
-            table = tables.get(m.blocks.untyped_storage().data_ptr())
-            if table is None:
-                m.to_planar(RUNS, FIVE_BIT_RUNS)
-            elif TIED_RUNS and (table.blocks.data_ptr(), table.blocks.shape) == (m.blocks.data_ptr(), m.blocks.shape) \
-                    and _runs_type(m.ggml_type) and m.to_planar(RUNS, FIVE_BIT_RUNS):
-                table.share_layout(m)
 
 
 def fuse(model: torch.nn.Module) -> None:

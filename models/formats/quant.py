@@ -22,9 +22,9 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   or Q6KP matrix, `PlanarExperts`; another type is dequantized at load for the MoE kernels).
 Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
 in its blocks as BlockLinear / BlockEmbedding, but for the linears repacked after fusion
-(`BlockLinear.to_planar`): Q4_K, Q5_0 and Q5_1 of more than loader.RUNS_MIN_WEIGHTS weights (0:
-all) in runs.py's layouts, Q5_K and Q6_K of more than loader.PLANAR_MIN_WEIGHTS in planar.py's
-(a head tied to its embedding keeps its blocks: loader.TIED_RUNS). One-token products run the Triton
+(`BlockLinear.to_planar`, where the kernel plan's rules say so: models/plan/table.py): Q4_K,
+Q5_0 and Q5_1 in runs.py's layouts, the larger Q5_K and Q6_K in planar.py's (a head tied to its
+embedding keeps its blocks). One-token products run the Triton
 dequant-GEMV, longer ones dequantize a chunk of rows
 to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
 shared with the HF formats of hf_quant.py).

@@ -48,8 +48,8 @@ STEP_WEIGHTS = 1024
 WHOLE_STEP_BYTES = fp8.WHOLE_STEP_BYTES
 # Those matrices' (BLOCK_N, num_warps, most weights a step, one step for the whole row): rows of up
 # to 4,096 weights in one step for WHOLE_WIDE's formats (no SwiGLU pair), up to 2,048 for the others
-# (whole_step), so that the small K-quant matrices the loader leaves in their blocks
-# (loader.PLANAR_MIN_WEIGHTS) are read in one step (the 0.8B-like Q4_K decode faster than at 2,048:
+# (whole_step), so that the small K-quant matrices the kernel plan leaves in their blocks
+# (KernelConfig.planar_min_weights) are read in one step (the 0.8B-like Q4_K decode faster than at 2,048:
 # bench/ab_decode.py's w2k); several steps were much slower (its qw* variants, qw2x2s1024 and
 # others). Longer rows: steps of STEP_WEIGHTS.
 WHOLE_CONFIG = (2, 2, 4096, True)
