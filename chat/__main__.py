@@ -1,4 +1,4 @@
-"""`chat` entry point: the REPL by default, `--prompt` for one reply, `run`, `replay`.
+"""`chat` entry point: the REPL by default, `--prompt` for one reply, `run`, `replay`, `plan`.
 
 Every setting is a flag (`--max-context 4096`, `--temperature 0`), generated from the settings
 dataclasses so flags, config.yaml keys and CHAT_* variables stay one to one. Expected failures
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="chat", description="Chat with a local LLM in the terminal.",
         epilog="subcommands: `chat run SCRIPT.yaml [-o REC.yaml]`, `chat replay REC.yaml|DIR ... [--runs N] "
-               "[--tolerance MARGIN] [--junit FILE]` (each takes --help)")
+               "[--tolerance MARGIN] [--junit FILE]`, `chat plan [MODEL]` (each takes --help)")
     parser.add_argument("--prompt", help="answer one prompt, print the reply and exit")
     parser.add_argument("--resume", nargs="?", const="", metavar="FILE",
                         help="continue a saved conversation (default: the latest; /history lists them)")
@@ -138,6 +138,7 @@ def settings_for(args, transcript=None, sections=("engine",)):
     if transcript is not None:
         recorded = dict(transcript.engine)
         recorded.pop("cpu_isa", None)  # (the recording CPU's vector level, for replay's note: not the setting)
+        recorded.pop("kernel_plan", None)  # (the kernels that served it, for replay's note: not a setting)
         if transcript.model.get("fingerprint") and "quantized" not in recorded:
             recorded["quantized"] = "off"  # recorded before the setting existed: weights were dequantized
         if transcript.model.get("fingerprint") and "cpu_kernel" not in recorded:
@@ -267,6 +268,59 @@ def resume(args) -> int:
     return run_repl(settings_for(args, rec, sections=("engine", "sampling")), resume=path)
 
 
+def build_plan_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="chat plan",
+                    description="Print a model's kernel plan: each op's kernel on the device and why, and "
+                                "the bytes a decode step reads with the floor a memory bandwidth puts under it.")
+    parser.add_argument("model", nargs="?", help="an alias or a path (default: the model setting)")
+    parser.add_argument("--bandwidth", type=float, metavar="GB/s",
+                        help="memory bandwidth for the floor (default: the GPU's peak by its name, else measured "
+                             "by a copy; needed for --device cuda on a host without one)")
+    add_setting_flags(parser)
+    return parser
+
+
+def cmd_plan(argv: list[str]) -> int:
+    import math
+
+    import torch
+
+    import models
+    from engine.device import configure_threads, kernel_config, memory_bandwidth, resolve_dtype
+    from .plan_report import report
+    from .runtime import keeps_blocks
+    from .settings import load_settings
+
+    args = build_plan_parser().parse_args(argv)
+    if args.bandwidth is not None and not (math.isfinite(args.bandwidth) and 0 < args.bandwidth < 1e6):
+        return fail(f"--bandwidth {args.bandwidth:g}: give the memory bandwidth in GB/s, a number above 0")
+    given = overrides(args)
+    if args.model is not None:
+        given["model"] = args.model
+    eng = load_settings(args.config, overrides=given).engine
+    here = torch.cuda.is_available()
+    target = torch.device("cuda" if eng.device == "cuda" or (eng.device == "auto" and here) else "cpu")
+    load_on = target if target.type == "cpu" or here else torch.device("cpu")
+    dtype, why = resolve_dtype(eng, target, models.native_dtype(models.resolve(eng.model)))
+    configure_threads(eng)
+    kernels = kernel_config(eng)
+    loaded = models.load(eng.model, load_on, dtype, quantized=keeps_blocks(eng, target), kernels=kernels)
+    plan = loaded.plan if load_on == target else models.plan.make(loaded.model, target, dtype, kernels)
+    if load_on != target:
+        plan.notes.append("modules as this CPU's load holds them: a CUDA load keeps each GGUF matrix in the "
+                          "file's blocks, so its bytes may differ by a few percent")
+    if args.bandwidth is not None:
+        bandwidth = (args.bandwidth * 1e9, "given")
+    else:
+        bandwidth = memory_bandwidth(load_on) if load_on.type == target.type else None
+    name = str(dtype).replace("torch.", "")
+    where = f"{target.type}" + ("" if load_on.type == target.type else " (planned on this CPU: no CUDA device here)")
+    title = (f"kernel plan of {loaded.source} ({loaded.model_type}, {loaded.weight_format}) on {where}, "
+             f"{name} ({why}), quantized: {eng.quantized}")
+    print(report(plan, title, bandwidth, eng.max_context))
+    return 0
+
+
 def run_main(argv: list[str]) -> int:
     from .runtime import open_runtime
     from .settings import load_settings
@@ -275,6 +329,8 @@ def run_main(argv: list[str]) -> int:
         return cmd_run(argv[1:])
     if argv and argv[0] == "replay":
         return cmd_replay(argv[1:])
+    if argv and argv[0] == "plan":
+        return cmd_plan(argv[1:])
     args = build_parser().parse_args(argv)
     if args.version:
         return print_version(args)

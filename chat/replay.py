@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import reference
-from engine.config import ConfigError, SamplingConfig, build
+from engine.config import ConfigError, SamplingConfig, build, quote
 
 from .commands import SETTABLE
 from .transcript import (UNSET, Event, Transcript, TranscriptError, check_vocabulary, cpu_isa, result_dict,
@@ -231,6 +231,17 @@ def _other_cpu_note(controller, recording: Transcript) -> str | None:
             f"replays teacher-forced")
 
 
+def _other_plan_note(controller, recording: Transcript) -> str | None:
+    """Where the recording names the kernel plan it ran on and this one differs: a line saying
+    so (other kernels may sum in another order), both plans' summaries bounded."""
+    made = recording.engine.get("kernel_plan")
+    plan = getattr(controller.rt.loaded, "plan", None)
+    if not isinstance(made, str) or plan is None or made == plan.summary():
+        return None
+    return (f"  note: recorded on another kernel plan ({quote(made)}; here: {quote(plan.summary())}): other "
+            f"kernels may sum in another order, so a near tie may go the other way; `chat plan` lists each")
+
+
 def replay(controller, recording: Transcript, runs: int, on_chunk=None, tolerance: float | None = None) -> ReplayResult:
     """A cold run on a fresh session, then `runs` more on the same reused session; teacher-forced
     with a tolerance. Raises the first Divergence."""
@@ -247,7 +258,7 @@ def replay(controller, recording: Transcript, runs: int, on_chunk=None, toleranc
             play(controller, recording, None, expect=True, run=f"run {r + 2} (reused session)",
                  tolerance=tolerance, near_ties=near)
     except Divergence as d:
-        note = _other_cpu_note(controller, recording)
-        raise (dataclasses.replace(d, report=f"{d.report}\n{note}") if note else d) from None
+        notes = [n for n in (_other_cpu_note(controller, recording), _other_plan_note(controller, recording)) if n]
+        raise (dataclasses.replace(d, report="\n".join([d.report] + notes)) if notes else d) from None
     turns = [e.result for e in events if e.result is not None]
     return ReplayResult(len(turns), sum(len(t["generated_ids"]) for t in turns), near)

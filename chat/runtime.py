@@ -8,7 +8,7 @@ import torch
 
 import models
 from engine.config import ConfigError
-from engine.device import configure_threads, resolve_device, resolve_dtype
+from engine.device import configure_threads, kernel_config, resolve_device, resolve_dtype
 from engine.session import DecodeSession, open_session
 
 from .conversation import Conversation
@@ -87,10 +87,8 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
         except models.CpuStepUnavailable as e:
             raise ConfigError(str(e), "cpu_isa") from None
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
-    # auto: blocks on the CPU; on CUDA a GGUF is dequantized unless quantized: on asks for the
-    # Triton block kernels (on the H200 they decode slower than bf16: bench/quant_bench.py)
-    keep = eng.quantized == "on" or (eng.quantized == "auto" and device.type == "cpu")
-    loaded = models.load(eng.model, device, dtype, quantized=keep, shard=shard)
+    loaded = models.load(eng.model, device, dtype, quantized=keeps_blocks(eng, device), shard=shard,
+                         kernels=kernel_config(eng))
     if eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):
         report("cpu_int8: on changes nothing here: the model holds no GGUF blocks on the CPU "
                "(a GGUF file with quantized: auto on the CPU has them)")
@@ -106,4 +104,13 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
         session = tensor_parallel.ParallelSession(session, group.link, group)
     if session.cpu_kernel_note:
         report(session.cpu_kernel_note)
+        # (the C++ library could not be built or loaded here: the plan is the torch step's)
+        loaded.plan = models.plan.make(loaded.model, device, dtype, kernel_config(eng).but(cpu_kernel=False))
     return loaded, session
+
+
+def keeps_blocks(eng, device: torch.device) -> bool:
+    """Whether a GGUF's quantized blocks are kept (the `quantized` setting): auto keeps them on the
+    CPU; on CUDA a GGUF is dequantized unless quantized: on asks for the Triton block kernels (on
+    the H200 they decode slower than bf16: bench/quant_bench.py)."""
+    return eng.quantized == "on" or (eng.quantized == "auto" and device.type == "cpu")

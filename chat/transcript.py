@@ -370,6 +370,9 @@ def engine_info(rt) -> dict:
             "max_context": rt.session.max_context}
     if rt.device.type == "cpu":  # (not a setting: a replay elsewhere names it where tokens differ)
         info["cpu_isa"] = cpu_isa()
+    plan = getattr(rt.loaded, "plan", None)
+    if plan is not None:  # (not a setting either: which kernel served each op, for replay's note)
+        info["kernel_plan"] = plan.summary()
     return info
 
 

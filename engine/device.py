@@ -55,3 +55,57 @@ def configure_threads(cfg: EngineConfig) -> int:
     n = cfg.threads or physical_cores()
     torch.set_num_threads(n)
     return n
+
+
+def kernel_config(cfg: EngineConfig):
+    """The kernel plan's config (models/plan) for these engine settings: the C++ CPU kernels where
+    cpu_kernel is not off and nothing else takes the step (compile: on, tensor-parallel ranks),
+    their int8 inputs with cpu_int8: on."""
+    from models.plan import KernelConfig
+    return KernelConfig(cpu_kernel=cfg.cpu_kernel != "off" and cfg.compile == "off" and cfg.tensor_parallel == 1,
+                        cpu_int8=cfg.cpu_int8 == "on")
+
+
+# Peak memory bandwidth of the GPUs whose name torch reports, bytes a second (the vendors' sheets);
+# another GPU is measured (measure_bandwidth)
+GPU_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12,
+                 "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12, "A100-SXM4-40GB": 1.555e12,
+                 "A100-PCIE-40GB": 1.555e12, "L40S": 0.864e12, "L4": 0.3e12, "RTX 4090": 1.008e12}
+
+
+def memory_bandwidth(device: torch.device) -> tuple[float, str]:
+    """(bytes a second a decode step can read at best, where that figure comes from): a CUDA
+    device's peak from GPU_BANDWIDTH by its name, else measured by a copy (`measure_bandwidth`)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_BANDWIDTH.items():
+            if key in name:
+                return peak, f"{name}'s peak"
+    return measure_bandwidth(device), f"measured: a {_COPY_BYTES >> 20} MiB copy on {_where(device)}"
+
+
+_COPY_BYTES = 256 << 20
+
+
+def _where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{torch.get_num_threads()} CPU threads"
+
+
+def measure_bandwidth(device: torch.device, rounds: int = 5) -> float:
+    """Bytes a second read and written by the fastest of `rounds` copies of 256 MiB (a copy reads
+    and writes each byte once: what a decode step's streaming reads get at best, near enough)."""
+    import time
+    src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * _COPY_BYTES / best

@@ -98,7 +98,8 @@ def test_the_embedded_model_on_the_cpu(smollm2_blocks):
     smollm2 = smollm2_blocks
     plan = smollm2.plan
     assert plan is not None and plan.device == "cpu"
-    assert plan.step == "C++ decode step" and set(plan.kernels()) == {"C++ decode step", "C++ decode step (fp16 KV)"}
+    assert plan.step == "C++ decode step" and set(plan.kernels()) == {
+        "C++ step: row decode", "C++ step: flash-decoding (fp16 KV)", "C++ step: int4 GEMV", "C++ step: block GEMV"}
     ops = {c.site.op for c in plan.choices}
     assert ops == {"embedding", "attention", "linear", "lm_head"}
     torch_only = make(smollm2.model, "cpu", torch.float32, KernelConfig(cpu_kernel=False))
@@ -123,3 +124,65 @@ def test_a_tiny_hybrid_lists_its_mixers(tmp_path):
     sites = collect(lm.model)
     assert sum(s.op == "gated_delta" for s in sites) + sum(s.op == "attention" for s in sites) \
         == len(lm.model.model.layers)
+
+
+@pytest.fixture
+def chat_here(capsys):
+    """`chat ...` in this process: (exit status, stdout, stderr)."""
+    from chat.__main__ import main
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run
+
+
+def test_chat_plan_on_the_embedded_model(chat_here):
+    code, out, err = chat_here("plan", "smollm2", "--bandwidth", "50")
+    assert code == 0 and err == "", err
+    lines = out.splitlines()
+    assert lines[0].startswith("kernel plan of ") and "on cpu, float32" in lines[0] and lines[1] == "step: C++ decode step"
+    assert any(line.startswith("linear ") and "3072x576" in line and "C++ step: int4 GEMV" in line for line in lines)
+    assert any(line.startswith("attention ") and "9 heads, 3 KV, d 64" in line for line in lines)
+    assert "a decode step reads 98.2 MB of weights, plus 23.0 KB of KV cache per token of context" in out
+    assert "at most 509 tok/s at 50 GB/s (given)" in out  # 50e9 / 98.2e6
+
+
+def test_chat_plan_for_cuda_on_a_host_without_one(chat_here):
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the plan is its own")
+    code, out, _ = chat_here("plan", "--device", "cuda", "--quantized", "on", "--cpu-kernel", "off")
+    assert code == 0
+    assert "planned on this CPU: no CUDA device here" in out and "step: Triton kernels" in out
+    assert "qlinear block GEMV" in out and "Triton flash-decoding" in out
+    assert "give --bandwidth GB/s" in out
+    code, out, _ = chat_here("plan", "--device", "cuda")  # (a GGUF on CUDA is dequantized unless quantized: on)
+    assert code == 0 and "float16 (auto" in out.splitlines()[0] and "Triton GEMV" in out and "qlinear" not in out
+
+
+@pytest.mark.parametrize("args,needle", [(["--bandwidth", "0"], "--bandwidth 0"),
+                                         (["--bandwidth", "nan"], "--bandwidth nan"),
+                                         (["/no/such/model"], "/no/such/model"),
+                                         (["--device", "tpu"], "device")])
+def test_chat_plan_bad_input_is_one_line(chat_here, args, needle):
+    code, out, err = chat_here("plan", *args)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_a_recording_names_its_plan_and_replay_notes_another():
+    from types import SimpleNamespace
+
+    from chat.replay import _other_plan_note
+    from chat.transcript import Transcript
+    plan = SimpleNamespace(summary=lambda: "C++ decode step: int4 GEMV x120")
+    controller = SimpleNamespace(rt=SimpleNamespace(loaded=SimpleNamespace(plan=plan)))
+
+    def note(engine):
+        return _other_plan_note(controller, Transcript([], {}, engine, {}))
+    assert note({}) is None and note({"kernel_plan": plan.summary()}) is None
+    assert note({"kernel_plan": ["not", "text"]}) is None
+    other = note({"kernel_plan": "torch eager step: torch x121" + "x" * 500})
+    assert other.startswith("  note: recorded on another kernel plan (") and "int4 GEMV x120" in other
+    assert len(other) < 400  # (a hostile header's text bounded)

@@ -62,7 +62,9 @@ class Plan:
     def summary(self) -> str:
         """One line: the step and the kernels by how many sites each serves (for /show and a
         recording's engine header: the same model, device, dtype and config give the same line)."""
-        counts = ", ".join(f"{k} x{n}" for k, n in sorted(self.kernels().items(), key=lambda kv: (-kv[1], kv[0])))
+        def name(kernel: str) -> str:  # (the C++ step's kernels, without the step's name again)
+            return kernel.removeprefix("C++ step: ")
+        counts = ", ".join(f"{name(k)} x{n}" for k, n in sorted(self.kernels().items(), key=lambda kv: (-kv[1], kv[0])))
         return f"{self.step}: {counts}"
 
 

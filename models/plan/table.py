@@ -87,8 +87,12 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cuda", ("*",), (), "torch (cuBLAS)", "fp32 keeps torch's exact forms (no TF32 dots)"),
 
     # ---- linears on the CPU (the decode step is the C++ library's where it serves the model) ----
-    R("linear", "cpu", ("*",), (("step",),), "C++ decode step",
-      "the whole step in one call: every weight format it reads, norms, attention and sampling inputs"),
+    R("linear", "cpu", ("*",), (("step",), ("int4pack",)), "C++ step: int4 GEMV",
+      "within the C++ decode step (one call a token); rows packed at load"),
+    R("linear", "cpu", GGUF, (("step",), ("int8",)), "C++ step: block GEMV (int8 inputs)",
+      "within the C++ decode step; cpu_int8 on: input rows rounded to int8 as llama.cpp's"),
+    R("linear", "cpu", GGUF, (("step",),), "C++ step: block GEMV", "within the C++ decode step; the file's blocks"),
+    R("linear", "cpu", ("*",), (("step",),), "C++ step: fp32 GEMV", "within the C++ decode step"),
     R("linear", "cpu", ("*",), (("int4pack",),), "torch int4 mm",
       "Q4_0/Q4_1 rows packed at load for torch's int4 kernel (whole 16-row groups)"),
     R("linear", "cpu", GGUF, (("blocks",), ("int8",)), "C++ block GEMV (int8 inputs)",
@@ -112,7 +116,8 @@ RULES: tuple[Rule, ...] = (
     R("attention", "cuda", ("*",), (("triton",), ("half",), ("attention_fits",)), "Triton flash-decoding",
       "the live length read on the device: one graph for every context length"),
     R("attention", "cuda", ("*",), (), "torch SDPA", "head size or dtype the Triton kernel does not take"),
-    R("attention", "cpu", ("*",), (("step",),), "C++ decode step (fp16 KV)", "within the C++ step"),
+    R("attention", "cpu", ("*",), (("step",),), "C++ step: flash-decoding (fp16 KV)",
+      "within the C++ decode step"),
     R("attention", "cpu", ("*",), (), "torch SDPA", "no C++ step for this model"),
     R("gated_delta", "cuda", ("*",), (("triton",), ("half",), ("delta_fits",)), "Triton delta step",
       "projection, conv, recurrent update and gated norm in one launch"),
@@ -124,12 +129,12 @@ RULES: tuple[Rule, ...] = (
     R("mamba2", "cpu", ("*",), (), "torch recurrent step", "no C++ kernel for this mixer"),
     R("short_conv", "cuda", ("*",), (("triton",), ("half",)), "Triton short-conv step", "one launch a layer"),
     R("short_conv", "cuda", ("*",), (), "torch", "fp32 keeps torch's exact forms"),
-    R("short_conv", "cpu", ("*",), (("step",),), "C++ decode step", "within the C++ step"),
+    R("short_conv", "cpu", ("*",), (("step",),), "C++ step: short conv", "within the C++ decode step"),
     R("short_conv", "cpu", ("*",), (), "torch", "no C++ step for this model"),
 
     # ---- embeddings: one row a token ----
     R("embedding", "cuda", GGUF + ("Q4KR", "Q50R", "Q51R"), (), "block row decode", "the row decoded on the device"),
-    R("embedding", "cpu", ("*",), (("step",),), "C++ decode step", "within the C++ step"),
+    R("embedding", "cpu", ("*",), (("step",),), "C++ step: row decode", "within the C++ decode step"),
     R("embedding", "*", ("*",), (), "torch gather", "one row a token"),
 )
 
