@@ -53,10 +53,11 @@ RULES: tuple[Rule, ...] = (
     # else chunks of rows dequantized to the compute dtype and cuBLAS) ----
     R("linear", "cuda", ("*",), (("no_triton",),), "torch (cuBLAS; quantized: dequantized per call)",
       "the Triton kernels are off or absent on this device"),
-    R("linear", "cuda", ("Q4_K",), (("tied",), ("on", "tied_runs"), ("on", "runs"), ("k", 256)), "qruns GEMV",
+    R("linear", "cuda", ("Q4_K",), (("tied",), ("on", "tied_runs"), ("on", "runs"), ("k", 256),
+                                   ("gt", "runs_min_weights")), "qruns GEMV",
       "a tied head in runs, its embedding reading them (tied_runs on)", RUNS_LAYOUT),
     R("linear", "cuda", ("Q5_0", "Q5_1"), (("tied",), ("on", "tied_runs"), ("on", "runs"), ("on", "five_bit_runs"),
-                                         ("k", 32)), "qruns GEMV", "a tied head in runs, its embedding reading them (tied_runs on)", RUNS_LAYOUT),
+                                         ("k", 32), ("gt", "runs_min_weights")), "qruns GEMV", "a tied head in runs, its embedding reading them (tied_runs on)", RUNS_LAYOUT),
     R("linear", "cuda", GGUF, (("tied",), ("fits",)), "qlinear block GEMV",
       "tied to the embedding: one copy of the table, as stored (tied_runs off)"),
     R("linear", "cuda", ("Q4_K",), (("on", "runs"), ("k", 256), ("gt", "runs_min_weights")), "qruns GEMV",
