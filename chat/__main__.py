@@ -134,7 +134,7 @@ def settings_for(args, transcript=None, sections=("engine",)):
     section) fills what no flag set."""
     from .settings import KEY_SECTION, load_settings
 
-    given = overrides(args)
+    given, origins = overrides(args), {}
     if transcript is not None:
         recorded = dict(transcript.engine)
         recorded.pop("cpu_isa", None)  # (the recording CPU's vector level, for replay's note: not the setting)
@@ -152,7 +152,8 @@ def settings_for(args, transcript=None, sections=("engine",)):
         for key, value in recorded.items():
             if KEY_SECTION.get(key) in sections and key not in given:
                 given[key] = value
-    return load_settings(args.config, overrides=given)
+                origins[key] = f"the recording {transcript.path}" if transcript.path else "the recording"
+    return load_settings(args.config, overrides=given, origins=origins)
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -171,7 +172,8 @@ def cmd_run(argv: list[str]) -> int:
         return fail(f"-o {args.output}: {problem}")
     script = tr.load(args.script)
     settings = settings_for(args, script)
-    controller = ChatController(open_runtime(settings), settings)
+    rt = open_runtime(settings)
+    controller = ChatController(rt, rt.settings)
 
     def show(chunk):
         sys.stdout.write(chunk)

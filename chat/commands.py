@@ -78,6 +78,11 @@ def _set(app, arg):
     app.renderer.info(f"{key} = {value}")
 
 
+def _origin(where: str) -> str:
+    """How /show names where a setting's value came from: nothing for a built-in default."""
+    return "" if where == "default" else f" ({where})"
+
+
 def _show(app, arg):
     c = app.controller
     rt = c.rt
@@ -94,7 +99,7 @@ def _show(app, arg):
                 f"of weights a step (`chat plan` lists it)"] if getattr(rt.loaded, "plan", None) else []),
              f"prefill: {c.session.prefill_path}",
              f"turns: {len(c.turns)}",
-             "sampling: " + ", ".join(f"{k}={v}" for k, v in s.items()),
+             "sampling: " + ", ".join(f"{k}={v}" + _origin(c.settings.origin(k)) for k, v in s.items()),
              f"format: {c.format.describe() if c.format is not None else 'off (free text)'}",
              f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]
     app.renderer.info("\n".join(lines))

@@ -241,9 +241,10 @@ class ReplApp:
             rt = open_runtime(settings)
         except Exception as e:  # any load failure: the current model comes back
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            c.replace_runtime(open_runtime(old_settings), old_settings)
+            back = open_runtime(old_settings)
+            c.replace_runtime(back, back.settings)
             raise CommandError(f"could not load {target}: {first}; still on {old_settings.engine.model}") from None
-        c.replace_runtime(rt, settings)
+        c.replace_runtime(rt, rt.settings)  # (the old model's sampling defaults gone, the new one's taken)
         if self.store is not None:
             self.store.begin_new()  # the recording so far belongs to the old model
         lm = rt.loaded
@@ -406,7 +407,7 @@ def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> i
     else:
         rt = open_runtime(settings)
     store = ConversationStore(default_directory(settings.ui.conversations_dir), settings.ui.keep_conversations)
-    app = ReplApp(ChatController(rt, settings), renderer, store if interactive or resume else None)
+    app = ReplApp(ChatController(rt, rt.settings), renderer, store if interactive or resume else None)
     if interactive:
         app.own_sigint = True
         signal.signal(signal.SIGINT, app.note_interrupt)

@@ -32,7 +32,9 @@ class Runtime:
 
 
 def open_runtime(settings: Settings, status=None) -> Runtime:
-    """Load the model and open the session; `status(text)` reports progress (optional)."""
+    """Load the model and open the session; `status(text)` reports progress (optional). The
+    runtime's `settings` are these with the model's own sampling defaults where no one set a key
+    (a previous model's dropped): callers continue with them."""
     report = status or (lambda text: None)
     t0 = time.perf_counter()
     eng = settings.engine
@@ -51,6 +53,9 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
         report(why)
         loaded, session = _open(settings, device, dtype, report)
     template = ChatTemplate(loaded.chat_template, loaded.bos_token, loaded.eos_token)
+    # the model's own sampling defaults, under every setting a person made (chat/settings.py)
+    settings, notes = settings.with_model_defaults(loaded.sampling_defaults, loaded.sampling_source)
+    loaded.notes.extend(notes)
     return Runtime(settings, loaded, session, template, device, dtype, time.perf_counter() - t0, why)
 
 

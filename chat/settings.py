@@ -39,20 +39,55 @@ KEY_SECTION = {f.name: name for name, cls in SECTIONS.items() for f in dataclass
 SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats"]
 
 
+MODEL_ORIGIN = "the model's"  # (an origin's prefix: "the model's generation_config.json")
+
+
 @dataclass(frozen=True)
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ui: UIConfig = field(default_factory=UIConfig)
+    # key → where its value came from (a file and line, CHAT_X, --flag, /set, the model's file);
+    # a key absent here has its built-in default. Not part of equality: the values are.
+    origins: dict = field(default_factory=dict, compare=False)
 
-    def with_value(self, key: str, raw) -> "Settings":
+    def with_value(self, key: str, raw, origin: str = "/set") -> "Settings":
         """One key changed (validated), e.g. from `/set temperature 0.2`."""
         if key not in KEY_SECTION:
             raise ConfigError(f"{key_text(key)}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
         section = KEY_SECTION[key]
         current = dataclasses.asdict(getattr(self, section))
         current[key] = raw
-        return dataclasses.replace(self, **{section: build(SECTIONS[section], current, section)})
+        return dataclasses.replace(self, **{section: build(SECTIONS[section], current, section)},
+                                   origins={**self.origins, key: origin})
+
+    def origin(self, key: str) -> str:
+        return self.origins.get(key, "default")
+
+    def with_model_defaults(self, defaults: dict, source: str) -> tuple["Settings", list[str]]:
+        """The model's own sampling defaults (generation_config.json, a GGUF's general.sampling
+        keys) for each key that nothing else set (its built-in default, or a previous model's):
+        they rank under config files, variables, flags and /set. Returns (settings, notes), a
+        note for each value out of its key's domain (that key keeps its value)."""
+        out, notes = self.without_model_defaults(), []
+        for key, raw in defaults.items():
+            if KEY_SECTION.get(key) != "sampling" or key in out.origins:
+                continue
+            try:
+                out = out.with_value(key, raw, f"{MODEL_ORIGIN} {source}")
+            except ConfigError as e:
+                notes.append(f"the model's {source} gives {e}; not used")
+        return out, notes
+
+    def without_model_defaults(self) -> "Settings":
+        """These settings with every key a model set back at its built-in default."""
+        mine = [k for k, o in self.origins.items() if o.startswith(MODEL_ORIGIN)]
+        if not mine:
+            return self
+        base = dataclasses.asdict(self.sampling)
+        base.update({k: dataclasses.asdict(SamplingConfig())[k] for k in mine})
+        return dataclasses.replace(self, sampling=build(SamplingConfig, base, "sampling"),
+                                   origins={k: o for k, o in self.origins.items() if k not in mine})
 
 
 def check_settable(values: dict) -> None:
@@ -107,10 +142,10 @@ def read_yaml(path: str) -> dict:
 
 
 def load_settings(config_path: str | None = None, env: dict | None = None,
-                  overrides: dict | None = None) -> Settings:
+                  overrides: dict | None = None, origins: dict | None = None) -> Settings:
     """The settings from the defaults, the user file, CHAT_* variables and flags (`overrides`, keyed
-    by setting). A bad value is an error naming where it came from: the file and line, the
-    variable, or the flag."""
+    by setting; `origins` names where an override came from where it is not a flag: a recording).
+    A bad value is an error naming where it came from: the file and line, the variable, or the flag."""
     env = os.environ if env is None else env
     values: dict[str, dict] = {name: {} for name in SECTIONS}
     origin: dict[str, str] = {}  # key -> where its value came from
@@ -138,9 +173,9 @@ def load_settings(config_path: str | None = None, env: dict | None = None,
         if key not in KEY_SECTION:
             raise ConfigError(f"{key_text(key)}: unknown setting; known keys: {', '.join(KEY_SECTION)}")
         values[KEY_SECTION[key]][key] = raw
-        origin[key] = f"--{key.replace('_', '-')}"
+        origin[key] = (origins or {}).get(key) or f"--{key.replace('_', '-')}"
     try:
-        return Settings(**{name: build(cls, values[name], name) for name, cls in SECTIONS.items()})
+        return Settings(**{name: build(cls, values[name], name) for name, cls in SECTIONS.items()}, origins=origin)
     except ConfigError as e:
         source = origin.get(e.key) if isinstance(e.key, str) else None
         raise ConfigError(f"{source}: {e}" if source else str(e), e.key) from None

@@ -65,10 +65,13 @@ def random_k_blocks(qtype: Q, rows: int, cols: int, std: float, seed: int) -> np
 
 
 def write_gguf(kind: str, path: str, model, linear_type: Q, types: dict[str, Q] | None = None,
-               embed_type: Q = Q.Q8_0) -> str:
+               embed_type: Q = Q.Q8_0, metadata: dict | None = None) -> str:
+    """`metadata`: more keys ("general.sampling.temp": 0.6, ...), float32 or int32 as their values."""
     cfg = model.config
     arch = {"llama": "llama", "qwen2": "qwen2"}[kind]
     w = GGUFWriter(path, arch)
+    for key, value in (metadata or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_int32)(key, value)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -43,6 +43,27 @@ class Checkpoint:
     eos_ids: tuple[int, ...]
     files: list[str] = field(default_factory=list)  # what the fingerprint hashes
     notes: list[str] = field(default_factory=list)  # one line each, for the user (e.g. types dequantized)
+    # the model's own sampling defaults (SamplingConfig keys → values as the file gives them,
+    # unchecked: the front end validates them) and the file that says so
+    sampling: dict = field(default_factory=dict)
+    sampling_source: str = ""
+
+
+# generation_config.json's sampling keys (transformers' names) → SamplingConfig's
+HF_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+               "repetition_penalty": "repetition_penalty"}
+# a GGUF's general.sampling.* keys (llama.cpp's) → SamplingConfig's
+GGUF_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty", "penalty_last_n": "penalty_last_n"}
+
+
+def hf_sampling(gen: dict) -> dict:
+    """The sampling defaults a generation_config.json states: its values as given; `do_sample:
+    false` (the model decodes greedily by default) is temperature 0."""
+    out = {ours: gen[theirs] for theirs, ours in HF_SAMPLING.items() if gen.get(theirs) is not None}
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
 
 
 # Tokens that end a turn in the chat formats we know; llama.cpp treats them as end-of-generation too.
@@ -278,8 +299,10 @@ def load_hf_dir(path: str, lazy: bool = False) -> Checkpoint:
     if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
         eos_ids.append(tokenizer.token_to_id(eos_token))
     files = [cfg_path, tok_path] + files
+    sampling = hf_sampling(gen)
     return Checkpoint(config, tensors, tokenizer, template, bos_token, eos_token,
-                      tuple(dict.fromkeys(eos_ids)), files)
+                      tuple(dict.fromkeys(eos_ids)), files, sampling=sampling,
+                      sampling_source="generation_config.json" if sampling else "")
 
 
 def _shard_files(path: str) -> list[str]:
@@ -767,8 +790,10 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
              f"{', '.join(gguf_type(t).name for t in quant.kept_types())})"
              for kind, count in sorted(widened.items())]
     tokenizer = Tokenizer.from_str(index["tokenizer"])
+    sampling = index.get("sampling") if isinstance(index.get("sampling"), dict) else {}
     return Checkpoint(config, tensors, tokenizer, index["chat_template"], index["bos_token"],
-                      index["eos_token"], tuple(index["eos_ids"]), [path], notes)
+                      index["eos_token"], tuple(index["eos_ids"]), [path], notes, sampling=sampling,
+                      sampling_source="GGUF general.sampling keys" if sampling else "")
 
 
 def gguf_type(value: int):
@@ -883,6 +908,9 @@ def _gguf_index(path: str, reader) -> dict:
         "config": config, "tokenizer": tokenizer.to_str(), "chat_template": template,
         "bos_token": tokens[bos] if bos is not None else None, "eos_token": tokens[eos] if eos is not None else None,
         "eos_ids": list(dict.fromkeys(eos_ids)),
+        "sampling": {ours: float(f"{value:.7g}") if isinstance(value, float) else value  # (stored as float32)
+                     for theirs, ours in GGUF_SAMPLING.items()
+                     if (value := _field(reader, f"general.sampling.{theirs}")) is not None},
         "tensors": [(t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset))
                     for t in own],
     }
@@ -935,7 +963,7 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
             "residual_multiplier": a("residual_scale", 1.0), "logits_scaling": a("logit_scale", 1.0)}
 
 
-INDEX_VERSION = 4
+INDEX_VERSION = 5
 
 
 def _index_path(path: str) -> str | None:

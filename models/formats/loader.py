@@ -56,6 +56,8 @@ class LoadedModel:
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # one line each: what the load changed (types widened)
     plan: object = None  # the kernel plan models.load bound (models/plan)
+    sampling_defaults: dict = field(default_factory=dict)  # the checkpoint's own (Checkpoint.sampling)
+    sampling_source: str = ""
 
     @property
     def n_params(self) -> int:
@@ -366,7 +368,8 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
         model, model_type = build_model(ckpt.config)  # on the meta device: nothing allocated
         materialize(model, ckpt.tensors, device, dtype)  # every shape checked before a weight moves
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
-                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
+                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes,
+                       sampling_defaults=ckpt.sampling, sampling_source=ckpt.sampling_source)
 
 
 def sharding_plan(path_or_alias: str, world: int, config: dict | None = None):
@@ -440,5 +443,6 @@ def _load_shard(path: str, device: torch.device, dtype: torch.dtype, shard: Shar
         untie_head(model, shard)
     install_collectives(model, plan, shard)
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
-                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes)
+                       ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes,
+                       sampling_defaults=ckpt.sampling, sampling_source=ckpt.sampling_source)
 
