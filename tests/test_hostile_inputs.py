@@ -83,6 +83,52 @@ def test_templates_that_fail_in_python(tmp_path, template, needle):
     assert p.returncode == 0 and "Traceback" not in p.stderr and needle in p.stderr, p.stderr
 
 
+TEMPLATE_BOMBS = [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "loop steps"),
+    ("{{ 'a' * 10**9 }}", "would make 1,000,000,000 items"),
+    ("{{ [0] * 2**40 }}", "would make"),
+    ("{{ 2 ** 100000000 }}", "exponent of 100,000,000"),
+    ("{% set s = namespace(v='a') %}{% for i in range(60) %}{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}", "MiB"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "characters"),
+]
+
+
+@pytest.mark.parametrize("template,needle", TEMPLATE_BOMBS)
+def test_a_template_is_bounded(template, needle):
+    """(each of these hung for hours, or grew the process until the kernel killed it, before
+    chat/template.py's Limits)"""
+    import time
+
+    from chat.template import ChatTemplate, TemplateError
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match="chat template") as e:
+        ChatTemplate(template).render([{"role": "user", "content": "hi"}])
+    assert needle in str(e.value) and time.monotonic() - t0 < 30
+
+
+def test_a_slow_template_is_stopped_by_the_clock():
+    from chat.template import ChatTemplate, Limits, TemplateError
+    slow = "{% for i in range(100000) %}{% for m in messages %}{{ m.content|length }}{% endfor %}{% endfor %}"
+    with pytest.raises(TemplateError, match="ran past 0.05 s"):
+        ChatTemplate(slow, limits=Limits(seconds=0.05, text=1 << 30)).render([{"role": "user", "content": "x"}] * 50)
+
+
+def test_real_templates_keep_their_range(tmp_path):
+    from chat.template import ChatTemplate
+    src = "{{ range(5)|length }}{% for i in range(3)|reverse %}{{ i }}{% endfor %}{{ range(10)[3] }}{{ 'ab' * 2 }}"
+    assert ChatTemplate(src).render([]) == "52103abab"
+
+
+def test_a_template_bomb_leaves_the_repl_answering(tmp_path):
+    model = shutil.copytree(TINY, tmp_path / "m")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE_BOMBS[0][0]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    one_line(chat("--model", model, "--prompt", "hi", tmp_path=tmp_path), "chat template", "loop steps")
+    p = chat("--model", model, "--max-new-tokens", "2", stdin="hi\n/show\n/exit\n", tmp_path=tmp_path)
+    assert p.returncode == 0 and "loop steps" in p.stderr and "model:" in p.stdout, p.stderr
+
+
 def test_repl_goes_on_after_bad_system_and_schema_and_a_block_is_a_message(tmp_path):
     script = '/system a\x00b\n/format schema {"maximum": NaN}\nhi\n"""\n/undo\n"""\n/exit\n'
     p = chat("--model", TINY, "--max-new-tokens", "3", "--temperature", "0", stdin=script, tmp_path=tmp_path)
