@@ -111,7 +111,11 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
 def one_shot(rt, text: str, fmt=None, where: str = "") -> int:
     from .turn import EXIT_CUT_OFF, TurnResult, cut_off_notice, run_turn
 
+    from .conversation import think_note
     s = rt.session
+    note = think_note(rt.template, rt.settings.ui.think)
+    if note:
+        print(f"chat: note: {note}", file=sys.stderr)
     constraint = None if fmt is None else fmt.compile(rt.loaded.tokenizer, s.eos_ids, s.vocab_size, where).constraint()
     conv = rt.conversation()
     ids = conv.prompt_ids(text)

@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.config import ConfigError, SamplingConfig
+from engine.config import ConfigError
 
+from .conversation import think_note, think_text
+from . import settings as settings_keys
 from .settings import KEY_SECTION
 
 
@@ -23,8 +25,9 @@ class ExitRepl(Exception):
     pass
 
 
-# Keys `/set` may change while the session lives; engine keys shape the session and need a restart.
-SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats"]
+# Keys `/set` may change while the session lives (chat/settings.py's one list); engine keys shape
+# the session and need a restart.
+SETTABLE = settings_keys.SETTABLE
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,21 @@ def _set(app, arg):
     except ConfigError as e:
         raise CommandError(str(e)) from None
     app.renderer.info(f"{key} = {value}")
+    if key == "think" and think_note(app.controller.rt.template, app.controller.conv.think):
+        app.renderer.notice(think_note(app.controller.rt.template, app.controller.conv.think))
+
+
+def _think(app, arg):
+    c = app.controller
+    if arg:
+        try:
+            c.set("think", arg.strip())
+        except ConfigError as e:
+            raise CommandError(str(e)) from None
+    app.renderer.info(f"thinking: {think_text(c.rt.template, c.conv.think)}")
+    note = think_note(c.rt.template, c.conv.think) if arg else None
+    if note:
+        app.renderer.notice(note)
 
 
 def _origin(where: str) -> str:
@@ -101,6 +119,7 @@ def _show(app, arg):
              f"turns: {len(c.turns)}",
              "sampling: " + ", ".join(f"{k}={v}" + _origin(c.settings.origin(k)) for k, v in s.items()),
              f"format: {c.format.describe() if c.format is not None else 'off (free text)'}",
+             f"thinking: {think_text(rt.template, c.conv.think)}",
              f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]
     app.renderer.info("\n".join(lines))
 
@@ -242,6 +261,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("reset", "", "start a new conversation", _reset),
     Command("system", "[TEXT]", "show or set the system prompt", _system),
     Command("set", "KEY VALUE", "change a sampling setting (e.g. /set temperature 0)", _set, lambda: SETTABLE),
+    Command("think", "[on|off|auto]", "a reasoning model's thinking (enable_thinking), or show it", _think,
+            lambda: ["on", "off", "auto"]),
     Command("show", "", "settings, model facts, context used and cached tokens", _show),
     Command("stats", "", "the last turn's timing and token counts", _stats),
     Command("undo", "", "drop the last exchange", _undo),

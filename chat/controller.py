@@ -28,6 +28,7 @@ class TurnRecord:
     result: TurnResult
     settings: dict = field(default_factory=dict)
     format: Format | None = None  # the output format in force for this turn
+    think: str = "auto"  # the `think` setting the prompt was rendered with
 
 
 class ChatController:
@@ -36,6 +37,7 @@ class ChatController:
         self.settings = settings or runtime.settings
         self.conv: Conversation = runtime.conversation()
         self.conv.system_prompt = self.settings.ui.system_prompt
+        self.conv.think = self.settings.ui.think
         self.turns: list[TurnRecord] = []
         self.last: TurnResult | None = None
         self.sampler_version = SAMPLER_VERSION  # recordings carry it; replaying one sets its own
@@ -54,6 +56,8 @@ class ChatController:
         self.settings = self.settings.with_value(key, value)
         if key == "system_prompt":
             self.conv.system_prompt = self.settings.ui.system_prompt
+        if key == "think":
+            self.conv.think = self.settings.ui.think
 
     def set_format(self, fmt: Format | None, where: str = "") -> None:
         """Check the format against this model's tokenizer (a ConstraintError names the place)
@@ -91,7 +95,7 @@ class ChatController:
             if not completed:
                 self._rollback(before)
         self.conv.add_exchange(user_text, result.text)
-        self.turns.append(TurnRecord(user_text, result, self.sampling_dict(), self.format))
+        self.turns.append(TurnRecord(user_text, result, self.sampling_dict(), self.format, self.conv.think))
         self.last = result
 
     def _rollback(self, before: list[int]) -> None:
@@ -131,10 +135,10 @@ class ChatController:
     def replace_runtime(self, runtime: Runtime, settings: Settings) -> None:
         """Continue the conversation on another runtime (model): its own template renders the
         same messages, and the next turn prefills them on the new session."""
-        messages, system = self.conv.messages, self.conv.system_prompt
+        messages, system, think = self.conv.messages, self.conv.system_prompt, self.conv.think
         self.rt, self.settings = runtime, settings
         self.conv = runtime.conversation()
-        self.conv.system_prompt, self.conv.messages = system, messages
+        self.conv.system_prompt, self.conv.messages, self.conv.think = system, messages, think
         self.set_format(self.format)  # compiled again for the new tokenizer
 
     @property

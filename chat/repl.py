@@ -31,6 +31,7 @@ from engine.session import ContextOverflow, ReuseMismatch
 from .commands import COMMANDS, CommandError, ExitRepl, run_command
 from .constraints import ConstraintError
 from .controller import ChatController
+from .conversation import think_note
 from .conversations import ConversationStore, default_directory
 from .input_text import stdin_lines
 from .render import Renderer
@@ -413,6 +414,9 @@ def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> i
         signal.signal(signal.SIGINT, app.note_interrupt)
     if fmt[0] is not None:
         app.controller.set_format(*fmt)  # a bad one: exit 2 before the first prompt
+    note = think_note(rt.template, rt.settings.ui.think)
+    if note:
+        renderer.notice(note)
     if resume:
         n = load_into_controller(app.controller, resume)
         app.controller.set("system_prompt", app.controller.conv.system_prompt)

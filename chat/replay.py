@@ -145,6 +145,7 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
     forcing = expect and tolerance is not None
     near_ties = [] if near_ties is None else near_ties
     controller.conv.system_prompt = transcript.system_prompt or controller.settings.ui.system_prompt
+    controller.conv.think = controller.settings.ui.think  # (a run before this one may have switched it)
     _apply_settings(controller, transcript.sampling, f"{path}: sampling")
     controller.set_format(transcript.format, f"{path}: output_format")
     stated = transcript.format  # the format the recording's events have stated so far
@@ -167,6 +168,8 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
                 controller.reset_conversation(keep_cache=True)
             elif name == "/system":
                 controller.set("system_prompt", arg)
+            elif name == "/think":
+                controller.set("think", arg.strip())
             elif name == "/set":
                 key, _, value = arg.partition(" ")
                 _apply_settings(controller, {key: value}, where)

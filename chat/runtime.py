@@ -28,7 +28,8 @@ class Runtime:
     dtype_reason: str = ""
 
     def conversation(self) -> Conversation:
-        return Conversation(self.template, self.loaded.tokenizer, self.settings.ui.system_prompt)
+        return Conversation(self.template, self.loaded.tokenizer, self.settings.ui.system_prompt,
+                            think=self.settings.ui.think)
 
 
 def open_runtime(settings: Settings, status=None) -> Runtime:

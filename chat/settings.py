@@ -31,12 +31,15 @@ class UIConfig(_Validated):
     history_file: str = setting("", _path("a file path, or \"\" for $XDG_STATE_HOME/chat/history"))
     conversations_dir: str = setting("", _path("a directory, or \"\" for $XDG_STATE_HOME/chat/conversations"))
     keep_conversations: int = setting(100, _int(0, 1_000_000, "0 (save none) or how many to keep, up to 1000000"))
+    # a reasoning model's thinking: on / off pass enable_thinking to chat templates that read it
+    # (Qwen3, Qwen3.5, Qwen3-Next); auto leaves the template's own default
+    think: str = setting("auto", _choice("auto", "on", "off"))
 
 
 SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig, "ui": UIConfig}
 KEY_SECTION = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 # what `/set` and a transcript's `set` may change: the rest shapes the loaded model and session
-SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats"]
+SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats", "think"]
 
 
 MODEL_ORIGIN = "the model's"  # (an origin's prefix: "the model's generation_config.json")

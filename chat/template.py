@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 
@@ -143,6 +144,11 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"the chat template has a syntax error at line {e.lineno}: {e.message}") from None
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
+        self.variables = frozenset(meta.find_undeclared_variables(env.parse(self.source)))
+
+    def reads(self, name: str) -> bool:
+        """Whether the template reads this variable (enable_thinking, tools, ...)."""
+        return name in self.variables
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         self._budget = budget = _Budget(self.limits)

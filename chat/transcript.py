@@ -42,7 +42,7 @@ from .constraints import ConstraintError, Format, from_yaml
 from .settings import YAML_ERRORS, check_settable, yaml_error_message
 
 FORMAT, VERSION = "chat-transcript", 1
-SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set")
+SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set", "/think")
 RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
 FINISH_REASONS = ("stop", "length", "context", "interrupted", "forced")  # (engine/session.py's)
 TOKEN_ID_MAX = 2**31 - 1  # (no vocabulary is larger; `check_vocabulary` then checks the model's own)
@@ -140,6 +140,8 @@ def _check_event(path: str, raw, index: int) -> Event:
             _settings(path, line, {key: value.strip()}, f"event {index + 1}: /set: ")
         elif name == "/system":
             _settings(path, line, {"system_prompt": arg}, f"event {index + 1}: /system: ")
+        elif name == "/think":
+            _settings(path, line, {"think": arg.strip()}, f"event {index + 1}: /think: ")
         elif arg.strip():
             raise _err(path, line, f"event {index + 1}: {name} takes no argument")
     if "output_format" in raw:
@@ -325,10 +327,13 @@ def recording_from(controller, events: list[Event] | None = None) -> Transcript:
     """The controller's conversation as a recording (events default to its turns)."""
     rt = controller.rt
     if events is None:
-        events, state = [], None
+        events, state, think = [], None, "auto"
         for t in controller.turns:
-            events.append(Event(0, user=t.user, result=result_dict(t), format=stated_format(t.format, state)))
-            state = t.format
+            # (a turn rendered with another `think` than the one before: a `set` says so, as a script would)
+            changed = {"think": t.think} if t.think != think else {}
+            events.append(Event(0, user=t.user, result=result_dict(t), format=stated_format(t.format, state),
+                                set=changed))
+            state, think = t.format, t.think
     return Transcript(events, model_info(rt), engine_info(rt), dataclasses.asdict(controller.settings.sampling),
                       controller.conv.system_prompt, sampler=controller.sampler_version)
 
@@ -390,10 +395,11 @@ def load_into_controller(controller, path: str) -> int:
     from .turn import TurnResult
 
     turns: list = []
-    fmt = t.format
+    fmt, think = t.format, "auto"
     for e in t.events:
         if e.format is not UNSET:
             fmt = e.format
+        think = str(e.set.get("think", think))
         if e.command is not None:
             if e.command in ("/undo", "/retry") and turns:
                 user = turns.pop().user
@@ -410,11 +416,13 @@ def load_into_controller(controller, path: str) -> int:
                                 generated_tokens=len(r["generated_ids"]), finish_reason=r["finish_reason"],
                                 seed=r["seed"])
         turns.append(TurnRecord(user, TurnResult(r["prompt_ids"], r["generated_ids"], r["text"],
-                                                   r["finish_reason"], stats), r["sampling"], fmt))
+                                                   r["finish_reason"], stats), r["sampling"], fmt, think))
     controller.set_format(fmt, f"{path}: format")  # the format in force at its end
     controller.reset_conversation(keep_cache=True)
     controller.sampler_version = t.sampler_to_replay  # its turns' sampler: a later /save stays replayable
     controller.conv.system_prompt = t.system_prompt
+    if turns:
+        controller.set("think", turns[-1].think)  # (the mode its last turn was rendered in)
     for turn in turns:
         controller.conv.add_exchange(turn.user, turn.result.text)
     controller.turns = turns
