@@ -55,7 +55,7 @@ def _reset(app, arg):
 
 def _system(app, arg):
     if not arg:
-        current = app.controller.settings.ui.system_prompt
+        current = app.controller.conv.system_prompt  # (a /load'ed conversation's own, not only the setting)
         app.renderer.info(f"system prompt: {current!r}" if current else "system prompt: (the template's default)")
         return
     try:
@@ -120,7 +120,7 @@ def _show(app, arg):
              "sampling: " + ", ".join(f"{k}={v}" + _origin(c.settings.origin(k)) for k, v in s.items()),
              f"format: {c.format.describe() if c.format is not None else 'off (free text)'}",
              f"thinking: {think_text(rt.template, c.conv.think)}",
-             f"system prompt: {c.settings.ui.system_prompt or '(template default)'}"]
+             f"system prompt: {c.conv.system_prompt or '(template default)'}"]
     app.renderer.info("\n".join(lines))
 
 

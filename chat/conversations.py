@@ -25,6 +25,22 @@ def default_directory(configured: str = "") -> str:
     return os.path.join(base, "chat", "conversations")
 
 
+def directory_problem(path: str) -> str | None:
+    """Why conversations cannot be saved in `path` (it, or the nearest part of it that exists, is
+    not a writable directory), or None."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    if not os.path.isdir(probe):
+        return "is not a directory" if probe == os.path.abspath(path) else f"cannot be made: {probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "is not writable" if probe == os.path.abspath(path) else f"cannot be made: {probe} is not writable"
+    return None
+
+
 @dataclass
 class Entry:
     path: str

@@ -32,7 +32,7 @@ from .commands import COMMANDS, CommandError, ExitRepl, run_command
 from .constraints import ConstraintError
 from .controller import ChatController
 from .conversation import think_note
-from .conversations import ConversationStore, default_directory
+from .conversations import ConversationStore, default_directory, directory_problem
 from .input_text import stdin_lines
 from .render import Renderer
 from .runtime import open_runtime
@@ -216,7 +216,7 @@ class ReplApp:
 
     def autosave(self) -> None:
         """Save the conversation if it changed; a failure is reported once, the chat goes on."""
-        if self.store is None:
+        if self.store is None or self.controller.rt is None:
             return
         try:
             self.store.save(self.controller)
@@ -241,17 +241,26 @@ class ReplApp:
         try:
             rt = open_runtime(settings)
         except Exception as e:  # any load failure: the current model comes back
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            back = open_runtime(old_settings)
+            first = _first_line(e)
+            try:
+                back = open_runtime(old_settings)
+            except Exception as again:  # (its files gone or changed since): no model until /model loads one
+                self.store_after_switch()
+                raise CommandError(f"could not load {target}: {first}; {old_settings.engine.model} did not load "
+                                   f"again either ({_first_line(again)}); /model PATH loads another, /exit leaves"
+                                   ) from None
             c.replace_runtime(back, back.settings)
             raise CommandError(f"could not load {target}: {first}; still on {old_settings.engine.model}") from None
         c.replace_runtime(rt, rt.settings)  # (the old model's sampling defaults gone, the new one's taken)
-        if self.store is not None:
-            self.store.begin_new()  # the recording so far belongs to the old model
+        self.store_after_switch()
         lm = rt.loaded
         self.renderer.info(f"now on {os.path.basename(lm.source)} ({lm.model_type}, {lm.n_params / 1e6:.0f}M params, "
                            f"{str(rt.dtype).replace('torch.', '')} on {rt.device}); "
                            f"{len(c.conv.messages) // 2} exchanges kept")
+
+    def store_after_switch(self) -> None:
+        if self.store is not None:
+            self.store.begin_new()  # the recording so far belongs to the old model
 
     def handle(self, line: str) -> None:
         """One input line: a command, or a message to the model. Errors are reported, not raised;
@@ -266,6 +275,8 @@ class ReplApp:
         if not text.strip():
             return
         try:
+            if self.controller.rt is None and not (text == line and text.strip().split(" ")[0] in NO_MODEL_COMMANDS):
+                raise CommandError("no model is loaded: /model PATH loads one, /exit leaves")
             if text.startswith("/") and text == line:  # (a """ block is one message, even one that starts with /)
                 message = run_command(self, text.strip())
                 if message is None:
@@ -296,6 +307,14 @@ class ReplApp:
             self.cut_off += 1
             self.renderer.notice("note: " + cut_off_notice(result, c.settings.sampling, c.session.max_context,
                                                            "max_new_tokens (/set max_new_tokens N)"))
+
+
+# what the REPL still runs after a /model whose load failed and whose old model did not load again
+NO_MODEL_COMMANDS = ("/model", "/exit", "/quit", "/q", "/help", "/?")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _read_piped(stream, notice=lambda text: None):
@@ -394,6 +413,12 @@ def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> i
         # that to background jobs, and the setting is inherited): loading can be interrupted
         # (KeyboardInterrupt: exit 130), replies can (ReplApp.interruptible), the rest cannot.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if (interactive or resume) and settings.ui.keep_conversations > 0:  # (before a load, not at the first save)
+        directory = default_directory(settings.ui.conversations_dir)
+        problem = directory_problem(directory)
+        if problem:
+            raise ConfigError(f"conversations_dir: {directory} {problem}; name a directory (or \"\" for the "
+                              f"default) or set keep_conversations: 0", "conversations_dir")
     renderer = Renderer(color=settings.ui.color, markdown=settings.ui.markdown, show_stats=settings.ui.show_stats)
     if renderer.rich:
         with renderer.console.status(f"loading {settings.engine.model}…", spinner="dots") as status:

@@ -144,3 +144,61 @@ def test_history_file_on_a_fifo_is_not_read(tmp_path, fifo):
     assert list(h.load_history_strings()) == [] and h.failed
     assert "not a regular file" in h.take_notice()
     h.store_string("hello")  # (in memory only: nothing blocks)
+
+
+def test_a_model_whose_files_went_leaves_the_repl_without_a_model(tmp_path, capsys):
+    """/model to a bad path after the current model's files were removed: the old model cannot load
+    again; the REPL says so and goes on (only /model, /help and /exit run) until /model loads one
+    (before, the failed reload ended the session with a traceback)."""
+    import io
+
+    from chat.controller import ChatController
+    from chat.render import Renderer
+    from chat.repl import ReplApp
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+
+    model = shutil.copytree(TINY, tmp_path / "m")
+    settings = load_settings(None, env={}, overrides={"model": str(model), "temperature": "0", "max_new_tokens": "3"})
+    rt = open_runtime(settings)
+    out = io.StringIO()
+    app = ReplApp(ChatController(rt, rt.settings), Renderer(out=out, color="never"))
+
+    seen = [0]
+
+    def said() -> str:  # (what the REPL wrote since the last call)
+        text = out.getvalue()[seen[0]:]
+        seen[0] = len(out.getvalue())
+        return text + capsys.readouterr().err
+    app.handle("hi")
+    shutil.rmtree(model)
+    said()
+    app.handle("/model /no/such/model")
+    text = said()
+    assert "could not load /no/such/model" in text and "did not load again" in text and "/exit leaves" in text
+    assert app.controller.rt is None
+    for line in ("hello", "/show", "/save x.yaml"):
+        app.handle(line)
+        assert "no model is loaded: /model PATH loads one" in said()
+    app.handle(f"/model {TINY}")
+    app.handle("hi again")
+    assert app.controller.rt is not None and len(app.controller.conv.messages) == 4  # (the conversation kept)
+
+
+def test_conversations_dir_naming_a_file_fails_before_the_load(tmp_path):
+    rec = os.path.join(ROOT, "tests", "golden", "recordings", "kv-greedy.yaml")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bad, needle in ((a_file, "is not a directory"), (a_file / "sub", "cannot be made")):
+        p = chat("--resume", rec, "--conversations-dir", bad, tmp_path=tmp_path)
+        one_line(p, "conversations_dir", needle)
+
+
+def test_system_shows_a_loaded_conversations_prompt(tmp_path):
+    rec = tmp_path / "r.yaml"
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nsystem_prompt: be brief\n"
+                      "sampling: {temperature: 0, max_new_tokens: 2}\nevents:\n- user: hi\n")
+    assert chat("run", script, "--model", TINY, "-o", rec, tmp_path=tmp_path).returncode == 0
+    p = chat("--model", TINY, stdin=f"/load {rec}\n/system\n/show\n/exit\n", tmp_path=tmp_path)
+    assert "system prompt: 'be brief'" in p.stdout and "system prompt: be brief" in p.stdout, p.stdout + p.stderr
