@@ -140,6 +140,56 @@ def _undo(app, arg):
     app.renderer.info("dropped the last exchange")
 
 
+@dataclass
+class EditTurn:
+    """What /edit N TEXT asks the REPL to send: TEXT in place of message N, on a new branch."""
+    n: int
+    text: str
+
+
+def _edit(app, arg):
+    c = app.controller
+    n, _, text = arg.partition(" ")
+    if not (n.isascii() and n.isdigit() and 0 < len(n) <= 9):
+        raise CommandError("usage: /edit N [TEXT] (N: the message to edit, from 1; /branches lists them)")
+    try:
+        old = c.edit_text(int(n))
+    except ValueError as e:
+        raise CommandError(f"/edit {n}: {e}") from None
+    if text.strip():
+        return EditTurn(int(n), text)
+    if not getattr(app, "interactive", False):
+        raise CommandError(f"usage: /edit {n} TEXT (piped input and scripts give the new text; on a terminal "
+                           f"/edit {n} puts message {n} in the prompt)")
+    app.pending_edit, app.next_default = int(n), old
+    app.renderer.info(f"editing message {n}: change it and press Enter; its reply starts a new branch "
+                      f"(/branches lists them; another command drops the edit)")
+
+
+def _branches(app, arg):
+    c = app.controller
+    lines = []
+    for k, b in enumerate(c.branches):
+        mark = "*" if k == c.current else " "
+        where = "from the start" if b.parent is None else f"from branch {b.parent + 1} after exchange {b.fork}"
+        last = b.turns[-1].user if b.turns else ""
+        last = (last[:57] + "...") if len(last) > 60 else last
+        lines.append(f"{mark} {k + 1:2d}  {where}, {len(b.turns)} exchange{'s' * (len(b.turns) != 1)}"
+                     + (f": {last!r}" if last else ""))
+    app.renderer.info("\n".join(lines))
+
+
+def _branch(app, arg):
+    c = app.controller
+    if not (arg.isascii() and arg.isdigit() and 0 < len(arg) <= 9):
+        raise CommandError(f"usage: /branch K (K from 1 to {len(c.branches)}; /branches lists them)")
+    try:
+        c.switch(int(arg) - 1)
+    except ValueError as e:
+        raise CommandError(f"/branch {arg}: {e}") from None
+    app.renderer.info(f"on branch {arg}: {len(c.turns)} exchange{'s' * (len(c.turns) != 1)}")
+
+
 def _retry(app, arg):
     user = app.controller.pop_for_retry()
     if user is None:
@@ -261,6 +311,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("reset", "", "start a new conversation", _reset),
     Command("system", "[TEXT]", "show or set the system prompt", _system),
     Command("set", "KEY VALUE", "change a sampling setting (e.g. /set temperature 0)", _set, lambda: SETTABLE),
+    Command("edit", "N [TEXT]", "edit message N: its reply starts a new branch (piped: the new TEXT)", _edit),
+    Command("branches", "", "list the conversation's branches (* the current one)", _branches),
+    Command("branch", "K", "go on from branch K", _branch),
     Command("think", "[on|off|auto]", "a reasoning model's thinking (enable_thinking), or show it", _think,
             lambda: ["on", "off", "auto"]),
     Command("show", "", "settings, model facts, context used and cached tokens", _show),

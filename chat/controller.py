@@ -2,7 +2,10 @@
 
 `ChatController` owns the conversation, the live settings and the turn log, and runs turns on
 the process's one DecodeSession. The REPL, `chat run` and `chat replay` all drive it, so they
-behave identically. A turn that fails or is interrupted changes nothing: the conversation keeps
+behave identically. The conversation is a tree: `/edit N` forks a branch that shares the first
+N-1 exchanges and goes on with an edited N-th message; `turns` (and the messages the template
+renders) are those of the current branch, which /undo, /retry and new turns change;
+`switch(k)` makes another branch current, and the session reuses the prefix they share. A turn that fails or is interrupted changes nothing: the conversation keeps
 its messages and the session is rolled back to its pre-turn length (or reset where recurrent
 state cannot rewind), so the next turn works.
 """
@@ -31,6 +34,15 @@ class TurnRecord:
     think: str = "auto"  # the `think` setting the prompt was rendered with
 
 
+@dataclass
+class Branch:
+    """A line of exchanges. `parent`, `fork`: the branch it was forked from and how many of its
+    exchanges it shared then (None, 0 for the first)."""
+    turns: list = field(default_factory=list)
+    parent: int | None = None
+    fork: int = 0
+
+
 class ChatController:
     def __init__(self, runtime: Runtime, settings: Settings | None = None):
         self.rt = runtime
@@ -38,7 +50,8 @@ class ChatController:
         self.conv: Conversation = runtime.conversation()
         self.conv.system_prompt = self.settings.ui.system_prompt
         self.conv.think = self.settings.ui.think
-        self.turns: list[TurnRecord] = []
+        self.branches: list[Branch] = [Branch()]
+        self.current = 0
         self.last: TurnResult | None = None
         self.sampler_version = SAMPLER_VERSION  # recordings carry it; replaying one sets its own
         self.format: Format | None = None  # the output format (/format, --json-schema, ...)
@@ -98,6 +111,56 @@ class ChatController:
         self.turns.append(TurnRecord(user_text, result, self.sampling_dict(), self.format, self.conv.think))
         self.last = result
 
+    @property
+    def turns(self) -> list[TurnRecord]:
+        """The current branch's exchanges."""
+        return self.branches[self.current].turns
+
+    @turns.setter
+    def turns(self, value: list[TurnRecord]) -> None:
+        self.branches[self.current].turns = value
+
+    def edit_text(self, n: int) -> str:
+        """The current branch's n-th user message (1-based), to edit; ValueError where there is none."""
+        if not 1 <= n <= len(self.turns):
+            raise ValueError(f"there is no exchange {n} to edit (this branch has {len(self.turns)})")
+        return self.turns[n - 1].user
+
+    def fork(self, n: int) -> int:
+        """A new branch with the current one's first n-1 exchanges, made current; its index."""
+        self.edit_text(n)
+        self.branches.append(Branch(list(self.turns[:n - 1]), self.current, n - 1))
+        self.switch(len(self.branches) - 1)
+        return self.current
+
+    def edit(self, n: int, user_text: str, result: TurnResult, **kwargs) -> Iterator[str]:
+        """Fork at exchange n and send `user_text` there: the first turn of the new branch. A
+        reply that fails or is interrupted leaves no branch: the one before is current again."""
+        before = self.current
+        self.fork(n)
+        completed = False
+        try:
+            yield from self.send(user_text, result, **kwargs)
+            completed = True
+        finally:
+            if not completed:
+                self.branches.pop()
+                self.switch(before)
+
+    def switch(self, k: int) -> None:
+        """Make branch k (0-based) current: its messages are the conversation's."""
+        if not 0 <= k < len(self.branches):
+            raise ValueError(f"there is no branch {k + 1} (there are {len(self.branches)})")
+        self.current = k
+        self.conv.clear()
+        for t in self.turns:
+            self.conv.add_exchange(t.user, t.result.text)
+        self.last = self.turns[-1].result if self.turns else None
+
+    def tree_signature(self) -> tuple:
+        """What the tree holds, cheaply: each branch's turns and which is current."""
+        return tuple(tuple(id(t.result) for t in b.turns) for b in self.branches) + (self.current,)
+
     def _rollback(self, before: list[int]) -> None:
         """Keep only what is still exactly the pre-turn state: the prefix shared with it
         (on hybrid models through the newest checkpoint at or before it)."""
@@ -127,7 +190,7 @@ class ChatController:
         """Forget the messages. With keep_cache the session keeps its state, and the next turn
         reuses whatever prefix still matches (what replay's reused-session runs exercise)."""
         self.conv.clear()
-        self.turns = []
+        self.branches, self.current = [Branch()], 0
         self.last = None
         if not keep_cache:
             self.session.reset()

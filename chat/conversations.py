@@ -82,7 +82,7 @@ class ConversationStore:
     @staticmethod
     def _signature(controller) -> tuple:
         """What a save would write, cheaply: the turns, the system prompt and the settings."""
-        return (tuple(id(t.result) for t in controller.turns), controller.conv.system_prompt,
+        return (controller.tree_signature(), controller.conv.system_prompt,
                 tuple(sorted(controller.sampling_dict().items())), id(controller.rt))
 
     def save(self, controller) -> str | None:

@@ -28,7 +28,7 @@ from engine.config import ConfigError
 from engine.constraint import ConstraintDeadEnd
 from engine.session import ContextOverflow, ReuseMismatch
 
-from .commands import COMMANDS, CommandError, ExitRepl, run_command
+from .commands import COMMANDS, CommandError, EditTurn, ExitRepl, run_command
 from .constraints import ConstraintError
 from .controller import ChatController
 from .conversation import think_note
@@ -173,6 +173,13 @@ class ReplApp:
         self.late_interrupt = False
         self.terminal = None  # (on a terminal: its fd and the prompt's input, for typeahead.take_pending)
         self.cut_off = 0  # constrained replies cut off before their format was complete
+        self.interactive = False  # a prompt-toolkit prompt reads the lines (run_loop): /edit N can prefill it
+        self.pending_edit: int | None = None  # /edit N on a terminal: the next message replaces message N
+        self.next_default = ""  # text the next prompt starts with (the message /edit N puts there)
+
+    def take_default(self) -> str:
+        text, self.next_default = self.next_default, ""
+        return text
 
     def note_interrupt(self, signum, frame) -> None:
         """SIGINT outside a reply: answered with the hint at the next prompt. One that lands as a
@@ -277,12 +284,17 @@ class ReplApp:
         try:
             if self.controller.rt is None and not (text == line and text.strip().split(" ")[0] in NO_MODEL_COMMANDS):
                 raise CommandError("no model is loaded: /model PATH loads one, /exit leaves")
+            edit, self.pending_edit = self.pending_edit, None  # (a command instead of the edited message drops it)
             if text.startswith("/") and text == line:  # (a """ block is one message, even one that starts with /)
                 message = run_command(self, text.strip())
                 if message is None:
                     return
+                if isinstance(message, EditTurn):
+                    edit, message = message.n, message.text
+                else:
+                    edit = None
                 text = message
-            self.turn(text)
+            self.turn(text, edit)
         except (CommandError, ConstraintError) as e:
             self.renderer.error(f"{e}")
         except ConstraintDeadEnd as e:  # the reply was discarded, as an interrupted one is
@@ -293,12 +305,14 @@ class ReplApp:
             self.controller.session.reset()
             self.renderer.error(f"{e}; the cache was cleared")
 
-    def turn(self, text: str) -> None:
+    def turn(self, text: str, edit: int | None = None) -> None:
+        """One message and its reply; `edit`: the message replaces message `edit` of the current
+        branch, on a new branch (controller.edit)."""
         c = self.controller
         result = TurnResult([])
         try:
             with self.interruptible():
-                self.renderer.stream(c.send(text, result))
+                self.renderer.stream(c.send(text, result) if edit is None else c.edit(edit, text, result))
         except KeyboardInterrupt:
             self.renderer.notice("(interrupted: the reply was discarded)")
             return
@@ -344,6 +358,7 @@ def _as_block(lines: list[str]) -> str:
 
 
 def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
+    app.interactive = session is not None
     if session is None:
         try:
             for line in _read_piped(stdin or sys.stdin, app.renderer.notice):
@@ -356,7 +371,7 @@ def run_loop(app: ReplApp, session: PromptSession | None, stdin=None) -> int:
     while True:
         try:
             try:
-                line = session.prompt(pre_run=app.answer_late_interrupt)
+                line = session.prompt(pre_run=app.answer_late_interrupt, default=app.take_default())
             except EOFError:
                 return 0
             finally:  # (said here, not while the prompt holds the terminal)

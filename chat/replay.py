@@ -177,6 +177,17 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
                 user = controller.pop_for_retry()
                 if user is None:
                     raise TranscriptError(f"{where}: /retry with no exchange to retry")
+            elif name == "/edit":
+                n, user = ev.edit
+                try:
+                    controller.fork(n)
+                except ValueError as e:
+                    raise TranscriptError(f"{where}: /edit {n}: {e}") from None
+            elif name == "/branch":
+                try:
+                    controller.switch(int(arg) - 1)
+                except ValueError as e:
+                    raise TranscriptError(f"{where}: /branch {arg.strip()}: {e}") from None
             if user is None:
                 out.append(dataclasses.replace(ev, result=None))
                 continue

@@ -42,7 +42,7 @@ from .constraints import ConstraintError, Format, from_yaml
 from .settings import YAML_ERRORS, check_settable, yaml_error_message
 
 FORMAT, VERSION = "chat-transcript", 1
-SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set", "/think")
+SCRIPT_COMMANDS = ("/undo", "/retry", "/reset", "/system", "/set", "/think", "/edit", "/branch")
 RESULT_KEYS = ("seed", "sampling", "prompt_ids", "reused", "generated_ids", "text", "finish_reason")
 FINISH_REASONS = ("stop", "length", "context", "interrupted", "forced")  # (engine/session.py's)
 TOKEN_ID_MAX = 2**31 - 1  # (no vocabulary is larger; `check_vocabulary` then checks the model's own)
@@ -69,7 +69,16 @@ class Event:
 
     @property
     def makes_turn(self) -> bool:
-        return self.user is not None or (self.command or "").split(" ")[0] == "/retry"
+        return self.user is not None or (self.command or "").split(" ")[0] in ("/retry", "/edit")
+
+    @property
+    def edit(self) -> tuple[int, str] | None:
+        """(n, text) of an `/edit N TEXT` command event, else None."""
+        name, _, arg = (self.command or "").partition(" ")
+        if name != "/edit":
+            return None
+        n, _, text = arg.partition(" ")
+        return int(n), text
 
 
 @dataclass
@@ -142,6 +151,14 @@ def _check_event(path: str, raw, index: int) -> Event:
             _settings(path, line, {"system_prompt": arg}, f"event {index + 1}: /system: ")
         elif name == "/think":
             _settings(path, line, {"think": arg.strip()}, f"event {index + 1}: /think: ")
+        elif name == "/edit":
+            n, _, text = cmd.lstrip().partition(" ")[2].partition(" ")  # (the text exactly: it is the message)
+            if not _ordinal(n) or not text.strip():
+                raise _err(path, line, f"event {index + 1}: usage: /edit N TEXT (N: the exchange to edit, from 1)")
+            ev.command = f"/edit {int(n)} {text}"
+        elif name == "/branch":
+            if not _ordinal(arg.strip()):
+                raise _err(path, line, f"event {index + 1}: usage: /branch K (K: a branch, from 1)")
         elif arg.strip():
             raise _err(path, line, f"event {index + 1}: {name} takes no argument")
     if "output_format" in raw:
@@ -155,7 +172,7 @@ def _check_event(path: str, raw, index: int) -> Event:
     if present:
         if not ev.makes_turn or len(present) != len(RESULT_KEYS):
             missing = [k for k in RESULT_KEYS if k not in raw]
-            raise _err(path, line, f"event {index + 1}: a recorded turn (user or /retry) needs all of "
+            raise _err(path, line, f"event {index + 1}: a recorded turn (user, /retry or /edit) needs all of "
                                    f"{', '.join(RESULT_KEYS)}"
                        + (f" (missing {', '.join(missing)})" if missing else ""))
         r = raw
@@ -192,19 +209,37 @@ def _recorded_sampling(path: str, line: int, values: dict, what: str) -> None:
         raise _err(path, line, f"{what}{e}") from None
 
 
+def _ordinal(text: str) -> bool:
+    """Whether `text` is a number from 1 (ASCII digits, at most 9 of them)."""
+    return text.isascii() and text.isdigit() and 0 < len(text) <= 9 and int(text) > 0
+
+
 def _check_order(path: str, events: list[Event]) -> None:
-    """The events as the REPL would run them: /undo and /retry need an exchange before them."""
-    exchanges = 0
+    """The events as the REPL would run them: /undo and /retry need an exchange before them on
+    the current branch, /edit N an N-th exchange, /branch K a K-th branch."""
+    branches, cur = [0], 0  # exchanges per branch; the current one
     for i, ev in enumerate(events):
-        name = (ev.command or "").split(" ", 1)[0]
-        if name in ("/undo", "/retry") and exchanges == 0:
+        name, _, arg = (ev.command or "").partition(" ")
+        if name in ("/undo", "/retry") and branches[cur] == 0:
             raise _err(path, ev.line, f"event {i + 1}: {name} with no exchange before it")
         if ev.user is not None:
-            exchanges += 1
+            branches[cur] += 1
         elif name == "/undo":
-            exchanges -= 1
+            branches[cur] -= 1
         elif name == "/reset":
-            exchanges = 0
+            branches, cur = [0], 0
+        elif name == "/edit":
+            n = ev.edit[0]
+            if n > branches[cur]:
+                raise _err(path, ev.line, f"event {i + 1}: /edit {n}: the current branch has "
+                                          f"{branches[cur]} exchange{'s' * (branches[cur] != 1)}")
+            branches.append(n)
+            cur = len(branches) - 1
+        elif name == "/branch":
+            k = int(arg)
+            if k > len(branches):
+                raise _err(path, ev.line, f"event {i + 1}: /branch {k}: there are {len(branches)} branches")
+            cur = k - 1
 
 
 def check_vocabulary(t: Transcript, vocab_size: int) -> None:
@@ -327,15 +362,53 @@ def recording_from(controller, events: list[Event] | None = None) -> Transcript:
     """The controller's conversation as a recording (events default to its turns)."""
     rt = controller.rt
     if events is None:
-        events, state, think = [], None, "auto"
-        for t in controller.turns:
-            # (a turn rendered with another `think` than the one before: a `set` says so, as a script would)
-            changed = {"think": t.think} if t.think != think else {}
-            events.append(Event(0, user=t.user, result=result_dict(t), format=stated_format(t.format, state),
-                                set=changed))
-            state, think = t.format, t.think
+        events = tree_events(controller)
     return Transcript(events, model_info(rt), engine_info(rt), dataclasses.asdict(controller.settings.sampling),
                       controller.conv.system_prompt, sampler=controller.sampler_version)
+
+
+def tree_events(controller) -> list[Event]:
+    """The conversation tree as the events that build it: the first branch's turns, then each
+    other branch (in the order they were made) as `/branch K` to the emitted branch it shares
+    the most exchanges with, `/edit N TEXT` (its first own turn) and its further turns; at the
+    end `/branch K` back to the current one. A branch with no turn of its own is left out."""
+    events: list[Event] = []
+    state = {"format": None, "think": "auto"}
+    emitted: list[list] = []  # the emitted branches' turns, in the log's order
+    where: dict[int, int] = {}  # controller branch → its index in the log
+    log_current = 0
+
+    def turn_event(t, command: str | None = None) -> Event:
+        # (a turn rendered with another `think` than the one before: a `set` says so, as a script would)
+        changed = {"think": t.think} if t.think != state["think"] else {}
+        ev = Event(0, user=None if command else t.user, command=command, result=result_dict(t),
+                   format=stated_format(t.format, state["format"]), set=changed)
+        state["format"], state["think"] = t.format, t.think
+        return ev
+
+    for b, branch in enumerate(controller.branches):
+        if b == 0:
+            events += [turn_event(t) for t in branch.turns]
+            emitted.append(branch.turns)
+            where[0] = 0
+            continue
+        shared = [next((i for i, (x, y) in enumerate(zip(e, branch.turns)) if x is not y), min(len(e), len(branch.turns)))
+                  for e in emitted]
+        best = max(range(len(emitted)), key=lambda i: shared[i])
+        n = shared[best]
+        if n >= len(branch.turns):
+            continue  # (all of it is in an emitted branch already)
+        if best != log_current:
+            events.append(Event(0, command=f"/branch {best + 1}"))
+        events.append(turn_event(branch.turns[n], f"/edit {n + 1} {branch.turns[n].user}"))
+        events += [turn_event(t) for t in branch.turns[n + 1:]]
+        emitted.append(branch.turns)
+        log_current = where[b] = len(emitted) - 1
+    target = where.get(controller.current, max(range(len(emitted)), key=lambda i: len(emitted[i])
+                                                if emitted[i] == controller.turns[:len(emitted[i])] else -1))
+    if target != log_current:
+        events.append(Event(0, command=f"/branch {target + 1}"))
+    return events
 
 
 def stated_format(fmt: Format | None, before: Format | None):
@@ -391,21 +464,30 @@ def load_into_controller(controller, path: str) -> int:
     check_vocabulary(t, controller.session.vocab_size)
     from engine.session import GenerationStats
 
-    from .controller import TurnRecord
+    from .controller import Branch, TurnRecord
     from .turn import TurnResult
 
-    turns: list = []
+    branches, cur = [Branch()], 0
     fmt, think = t.format, "auto"
     for e in t.events:
         if e.format is not UNSET:
             fmt = e.format
         think = str(e.set.get("think", think))
+        turns = branches[cur].turns
         if e.command is not None:
-            if e.command in ("/undo", "/retry") and turns:
+            name, _, arg = e.command.partition(" ")
+            if name in ("/undo", "/retry") and turns:
                 user = turns.pop().user
-            elif e.command == "/reset":
-                turns.clear()
-            if e.command != "/retry":
+            elif name == "/reset":
+                branches, cur = [Branch()], 0
+            elif name == "/branch":
+                cur = int(arg) - 1  # (_check_order found it)
+            elif name == "/edit":
+                n, user = e.edit
+                branches.append(Branch(list(turns[:n - 1]), cur, n - 1))
+                cur = len(branches) - 1
+                turns = branches[cur].turns
+            if name not in ("/retry", "/edit"):
                 continue
         else:
             user = e.user
@@ -421,10 +503,9 @@ def load_into_controller(controller, path: str) -> int:
     controller.reset_conversation(keep_cache=True)
     controller.sampler_version = t.sampler_to_replay  # its turns' sampler: a later /save stays replayable
     controller.conv.system_prompt = t.system_prompt
+    turns = branches[cur].turns
     if turns:
         controller.set("think", turns[-1].think)  # (the mode its last turn was rendered in)
-    for turn in turns:
-        controller.conv.add_exchange(turn.user, turn.result.text)
-    controller.turns = turns
-    controller.last = turns[-1].result if turns else None
+    controller.branches = branches
+    controller.switch(cur)
     return len(turns)

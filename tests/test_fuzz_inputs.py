@@ -136,7 +136,9 @@ def _mutations():
     token = st.tuples(st.sampled_from(["token"]), st.integers(0, 3),
                       st.sampled_from(["prompt_ids", "generated_ids"]), st.integers(-5, 2**70))
     insert = st.tuples(st.sampled_from(["insert"]), st.integers(0, 4),
-                       st.sampled_from(["/retry", "/undo", "/reset", "/system hi", "/set top_k 3", "/set", "/bogus"]),
+                       st.sampled_from(["/retry", "/undo", "/reset", "/system hi", "/set top_k 3", "/set", "/bogus",
+                                        "/edit 1 hi", "/edit 9 hi", "/edit 1", "/edit x y", "/branch 1", "/branch 2",
+                                        "/branch 0", "/think off", "/think maybe"]),
                        st.none())
     header = st.tuples(st.sampled_from(["header"]), st.just(0),
                        st.sampled_from(["sampler", "version", "sampling", "system_prompt", "engine", "events"]), values)

@@ -370,3 +370,18 @@ def test_run_output_into_a_missing_directory_fails_before_the_run(tiny_dirs, tmp
     assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"no such directory {tmp_path / 'no'}" in lines[0], proc.stderr
+
+
+def test_edit_puts_the_message_in_the_prompt_and_forks(app_factory):
+    """/edit N on a terminal: message N fills the next prompt; what is sent replaces it on a new
+    branch."""
+    app, out, settings = app_factory()
+    c = app.controller
+    keys = ("first\r" "second\r"
+            "/edit 2\r" " again\r"       # the prompt holds "second": the message is "second again"
+            "/exit\r")
+    assert drive(app, settings, keys) == 0
+    assert [t.user for t in c.branches[0].turns] == ["first", "second"]
+    assert len(c.branches) == 2 and c.current == 1
+    assert [t.user for t in c.turns] == ["first", "second again"]
+    assert "editing message 2: change it and press Enter" in out.text
