@@ -3,7 +3,7 @@
 Runs ours and, when `llama_cpp` is importable (optional, never a dependency), llama.cpp on the
 same GGUF in the same run (a child process, so the two OpenMP runtimes never meet), with the same
 thread count and prompt, and prints a table with ratios.
-    python bench/cpu_bench.py [--model smollm2] [--threads N] [--decode 128] [--repeats 3]
+    python bench/cpu_bench.py [--model smollm2] [--threads 0,1] [--decode 128] [--repeats 3]
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--context 16]  # tokens in the context when decoding starts
                               [--cpu-int8 off|on|both]  # a GGUF's block products on int8 inputs
@@ -16,6 +16,10 @@ one core's work that other processes on a shared machine barely move (tok/s per 
 --model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
 --cpu-int8 both runs ours with fp32 inputs and then with int8 ones (the `cpu_int8` setting), beside
 the one llama.cpp run.
+--threads takes a list: each count in turn (0: the cores this process may run on), a table each.
+The machine's copy bandwidth is measured in the same command (engine.device.measure_bandwidth), and
+each decode figure is also given as a share of the floor it puts under a token: the weight bytes
+a decode step reads (the kernel plan's) plus the KV cache of the context, over that bandwidth.
 --rounds R runs ours and llama.cpp in turn R times (a shared machine's speed drifts by up to a
 fifth within minutes, bench/RESULTS.md): each round's figures and ratios are printed, and the table
 gives the medians over the rounds, its ratios the median of the rounds' ratios.
@@ -149,7 +153,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", default="0", help="thread counts, comma-separated (0: all this process may use)")
     ap.add_argument("--prompt-tokens", type=int, default=622)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--context", type=int, default=16,
@@ -166,18 +170,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="ours and llama.cpp in turn this many times; medians and per-round ratios")
     args = ap.parse_args()
-    clock = CLOCKS[args.clock]
-    import torch
-
     import models
     from engine.device import physical_cores
 
-    threads = args.threads or physical_cores()
-    torch.set_num_threads(threads)
     path = models.resolve(args.model)
+    try:
+        counts = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error("--threads: comma-separated thread counts, 0 for all")
+    clock = CLOCKS[args.clock]
     t0 = time.perf_counter()
     lm = models.load(path, quantized=args.quantized == "auto")
     load = time.perf_counter() - t0
+    for threads in counts:
+        run_threads(args, path, threads or physical_cores(), lm, load)
+
+
+def bandwidth_in_child(threads: int) -> float:
+    """engine.device.measure_bandwidth on `threads` threads, in a child process: its 512 MiB of
+    buffers stay out of this process's peak RSS."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(int(sys.argv[2])); "
+            "from engine.device import measure_bandwidth; print(measure_bandwidth(torch.device('cpu')))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, root, str(threads)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_threads(args, path: str, threads: int, lm, load: float) -> None:
+    import torch
+
+    import models
+    torch.set_num_threads(threads)
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
     context = prompt_ids(lm.tokenizer, args.context)
     variants = {"off": ["off"], "on": ["on"], "both": ["off", "on"]}[args.cpu_int8]
@@ -192,10 +215,15 @@ def main() -> None:
         rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rounds.append((ours, llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads,
                                                 context)))
+    bandwidth = bandwidth_in_child(threads)
+    step_bytes = lm.plan.decode_bytes() + lm.plan.kv_bytes_per_token() * len(context)
+    floor = bandwidth / step_bytes  # tok/s
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
           f"(session start {rounds[0][0][variants[0]]['session_s']:.1f} s)")
+    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s (a 256 MiB copy, {threads} threads), a decode step reads "
+          f"{step_bytes / 1e6:.1f} MB: floor {floor:.1f} tok/s")
     names = {"off": "ours", "on": "ours (cpu_int8)"}
     measured = all(ref for _, ref in rounds)
     if len(rounds) > 1:
@@ -208,14 +236,16 @@ def main() -> None:
             print(f"round {i} (prefill / decode tok/s): {line}")
         print(f"medians over {len(rounds)} rounds:")
     med = statistics.median
-    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}")
+    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}{'of floor':>10}")
     for v in variants:
+        decode = med(o[v]['decode'] for o, _ in rounds)
         print(f"{names[v]:18}{load:>10.2f}{med(o[v]['prefill'] for o, _ in rounds):>16.1f}"
-              f"{med(o[v]['decode'] for o, _ in rounds):>15.1f}")
+              f"{decode:>15.1f}{decode / floor:>10.0%}")
     if measured:
         refs = [ref for _, ref in rounds]
+        decode = med(r['decode'] for r in refs)
         print(f"{'llama.cpp':18}{med(r['load_s'] for r in refs):>10.2f}{med(r['prefill'] for r in refs):>16.1f}"
-              f"{med(r['decode'] for r in refs):>15.1f}")
+              f"{decode:>15.1f}{decode / floor:>10.0%}")
         for v in variants:
             print(f"{'ratio, ' + names[v]:18}{'':>10}{med(o[v]['prefill'] / r['prefill'] for o, r in rounds):>15.2f}x"
                   f"{med(o[v]['decode'] / r['decode'] for o, r in rounds):>14.2f}x")
