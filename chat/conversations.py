@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from . import transcript as tr
+from .state_cache import remove_beside
 
 SUFFIX = ".yaml"
 
@@ -123,6 +124,7 @@ class ConversationStore:
                 os.unlink(path)
             except OSError:
                 pass
+            remove_beside(path)  # (its saved session state, if any)
 
     def latest(self) -> str | None:
         files = self._files()

@@ -37,6 +37,8 @@ from .input_text import stdin_lines
 from .render import Renderer
 from .runtime import open_runtime
 from .settings import Settings
+from .state_cache import StateSaver
+from .state_cache import resume as resume_state
 from .template import TemplateError
 from .transcript import TranscriptError, load_into_controller
 from .turn import EXIT_CUT_OFF, TurnResult, cut_off_notice
@@ -174,6 +176,7 @@ class ReplApp:
         self.terminal = None  # (on a terminal: its fd and the prompt's input, for typeahead.take_pending)
         self.cut_off = 0  # constrained replies cut off before their format was complete
         self.interactive = False  # a prompt-toolkit prompt reads the lines (run_loop): /edit N can prefill it
+        self.state_saver: StateSaver | None = None  # the session's state beside each autosave (chat/state_cache.py)
         self.pending_edit: int | None = None  # /edit N on a terminal: the next message replaces message N
         self.next_default = ""  # text the next prompt starts with (the message /edit N puts there)
 
@@ -226,7 +229,12 @@ class ReplApp:
         if self.store is None or self.controller.rt is None:
             return
         try:
-            self.store.save(self.controller)
+            written = self.store.save(self.controller)
+            if written is not None and self.state_saver is not None:
+                self.state_saver.save(self.controller, written)  # (a thread writes it)
+                if self.state_saver.failure:
+                    self.renderer.error(self.state_saver.failure)
+                    self.state_saver.failure, self.state_saver.budget = None, 0  # (once: not again)
             self._save_failed = False
         except (OSError, TranscriptError) as e:
             if not self._save_failed:
@@ -457,10 +465,19 @@ def run_repl(settings: Settings, resume: str | None = None, fmt=(None, "")) -> i
     note = think_note(rt.template, rt.settings.ui.think)
     if note:
         renderer.notice(note)
+    if app.store is not None:
+        app.state_saver = StateSaver(settings.ui.state_cache_mib)
     if resume:
         n = load_into_controller(app.controller, resume)
         app.controller.set("system_prompt", app.controller.conv.system_prompt)
         if app.store is not None:
             app.store.continue_file(resume)
         renderer.notice(f"resumed {n} turns from {resume}")
-    return run_loop(app, make_prompt_session(settings) if interactive else None)
+        note = resume_state(app.controller, resume) if settings.ui.state_cache_mib > 0 else None
+        if note:
+            renderer.notice(note)
+    try:
+        return run_loop(app, make_prompt_session(settings) if interactive else None)
+    finally:
+        if app.state_saver is not None:
+            app.state_saver.wait()  # (a state being written is finished, never left half done)

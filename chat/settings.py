@@ -34,6 +34,9 @@ class UIConfig(_Validated):
     # a reasoning model's thinking: on / off pass enable_thinking to chat templates that read it
     # (Qwen3, Qwen3.5, Qwen3-Next); auto leaves the template's own default
     think: str = setting("auto", _choice("auto", "on", "off"))
+    # the session's state written beside each saved conversation (CPU), for `chat --resume` with
+    # no prefill: at most this many MiB a conversation; 0: never
+    state_cache_mib: int = setting(1024, _int(0, 1 << 20, "0 (never) or a size in MiB, up to 1048576"))
 
 
 SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig, "ui": UIConfig}

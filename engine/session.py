@@ -348,6 +348,18 @@ class DecodeSession:
     def rewind(self, n: int) -> None:
         self.state.rewind(n)
 
+    def export_state(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """(the cached token ids, the state at their length as host tensors): engine/state_file.py."""
+        return list(self.cached), self.state.export()
+
+    def load_state(self, ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """The state `export_state` gave, with its ids as the cache (checked: ValueError, the
+        session untouched; then it holds exactly those tokens)."""
+        if not ids or any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"its token ids are not ids of this model's {self.vocab_size}")
+        self.state.load(tensors, len(ids))
+        self._ids = list(ids)
+
     def rollback_to(self, n: int) -> int:
         """Bring the state back to at most n cached tokens, exactly (a KV rewind, or the newest
         checkpoint at or before n on recurrent state, or a reset). Returns the length reached."""

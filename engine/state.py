@@ -525,6 +525,55 @@ class StateManager:
         self.length = snap.length
 
 
+    # --- the state at a length, as named tensors (engine/state_file.py writes and reads them) -------
+    def export(self) -> dict[str, torch.Tensor]:
+        """The live state as host tensors, copies: each attention layer's K and V up to `length`
+        ("kv.L.k", "kv.L.v"), each fixed-state tensor ("fixed.L.NAME")."""
+        n, out = self.length, {}
+        for i, (kv, fixed) in enumerate(zip(self._kv, self._fixed)):
+            if kv is not None:
+                out[f"kv.{i}.k"] = kv[0][:, :n].to("cpu", copy=True).contiguous()
+                out[f"kv.{i}.v"] = kv[1][:, :n].to("cpu", copy=True).contiguous()
+            else:
+                out.update({f"fixed.{i}.{k}": t.to("cpu", copy=True) for k, t in fixed.items()})
+        return out
+
+    def layout(self, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The names, shapes and dtypes `export` gives at length n: what `load` checks a file against."""
+        out = {}
+        for i, (kv, fixed) in enumerate(zip(self._kv, self._fixed)):
+            if kv is not None:
+                heads, _, dim = kv[0].shape
+                out[f"kv.{i}.k"] = out[f"kv.{i}.v"] = ((heads, n, dim), kv[0].dtype)
+            else:
+                out.update({f"fixed.{i}.{k}": (tuple(t.shape), t.dtype) for k, t in fixed.items()})
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor], n: int) -> None:
+        """Make the state what `export` gave at length n: every name, shape and dtype checked
+        first (ValueError, the state untouched); then the state is reset, filled and live at n,
+        with no checkpoints."""
+        if not 0 < n < self.max_context:
+            raise ValueError(f"a length of {n} tokens does not fit a context of {self.max_context}")
+        want = self.layout(n)
+        if set(tensors) != set(want):
+            missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+            raise ValueError(f"its tensors are not this model's state (missing {missing[:2]}, unexpected {extra[:2]})")
+        for name, (shape, dtype) in want.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}, this state's is {shape} {dtype}")
+        self.reset()
+        for i, (kv, fixed) in enumerate(zip(self._kv, self._fixed)):
+            if kv is not None:
+                kv[0][:, :n].copy_(tensors[f"kv.{i}.k"])
+                kv[1][:, :n].copy_(tensors[f"kv.{i}.v"])
+            else:
+                for k, t in fixed.items():
+                    t.copy_(tensors[f"fixed.{i}.{k}"])
+        self.length = self.written = n
+
+
 def _copy_fixed(dst: list, src: list, non_blocking: bool = False) -> None:
     """In-place copy of per-layer fixed state (dicts of tensors; None for attention layers)."""
     for d, s in zip(dst, src):

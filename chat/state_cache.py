@@ -1,0 +1,103 @@
+"""The REPL's saved session state: after each autosave of a conversation, the session's state
+at its cached length (KV, conv and recurrent state) is written beside the recording
+(`<recording>.state`, engine/state_file.py) by a thread, so the next turn does not wait for it;
+`chat --resume` maps it back and the conversation goes on with no prefill.
+
+Bounded by `state_cache_mib` (0: never written): a state larger than that is not written, and
+an older file of that conversation is removed (it would no longer be the newest state). CPU
+sessions only: a CUDA session's state is not written yet. A file is used only where
+engine/state_file.py finds it whole and made by this model, dtype, device kind, instruction set
+and engine; otherwise the resume says why and prefills as before.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from engine import state_file
+
+SUFFIX = ".state"
+
+
+def state_path(recording: str) -> str:
+    return recording + SUFFIX
+
+
+def _fingerprint(controller) -> dict[str, str]:
+    from .transcript import cpu_isa, model_info
+    return state_file.fingerprint(model_info(controller.rt)["fingerprint"], controller.session, cpu_isa())
+
+
+def _nbytes(session) -> int:
+    layout = session.state.layout(session.state.length)
+    return sum(dtype.itemsize * _count(shape) for shape, dtype in layout.values())
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class StateSaver:
+    """One write at a time, in a thread; the first failure is kept for one notice."""
+
+    def __init__(self, budget_mib: int):
+        self.budget = budget_mib << 20
+        self._thread: threading.Thread | None = None
+        self.failure: str | None = None
+
+    def usable(self, controller) -> bool:
+        return self.budget > 0 and controller.rt is not None and controller.session.device.type == "cpu"
+
+    def save(self, controller, recording: str) -> None:
+        if not self.usable(controller):
+            return
+        path = state_path(recording)
+        self.wait()
+        if not controller.session.cached or _nbytes(controller.session) > self.budget:
+            _remove(path)  # (an older state of this conversation is not its newest)
+            return
+        ids, tensors = state_file.snapshot(controller.session)  # (copies: the session goes on)
+        fp = _fingerprint(controller)
+
+        def run():
+            try:
+                state_file.write(path, ids, tensors, fp)
+            except OSError as e:
+                self.failure = f"cannot save the session's state beside {recording}: {e.strerror or e}"
+        self._thread = threading.Thread(target=run, name="state-save")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def resume(controller, recording: str) -> str | None:
+    """Load the saved state beside `recording` into the session, where it checks: the notice to
+    show (resumed from it, or why the next turn prefills); None where there is no such file."""
+    path = state_path(recording)
+    if not os.path.lexists(path):
+        return None
+    if controller.session.device.type != "cpu":
+        return "saved state is read on the CPU only: the next turn prefills the conversation"
+    try:
+        n = state_file.read(path, controller.session, _fingerprint(controller))
+    except state_file.StateFileError as e:
+        return f"saved state not used: {e}; the next turn prefills the conversation"
+    return f"resumed from saved state: {n} tokens, no prefill"
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def remove_beside(recording: str) -> None:
+    """Remove a recording's saved state (the recording was pruned)."""
+    _remove(state_path(recording))

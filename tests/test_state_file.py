@@ -1,0 +1,137 @@
+"""The session's state on disk (engine/state_file.py, chat/state_cache.py): a conversation
+resumed from its saved state answers as the re-prefilled one does, token for token, with no
+prefill of what the state holds (a KV model and a hybrid); a file from another setting, cut
+short, damaged or of another model is refused with the reason and the conversation still
+resumes, prefilling."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+
+def controller(model: str, **over):
+    from chat.controller import ChatController
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+    rt = open_runtime(load_settings(env={}, overrides={"model": os.path.join(GOLDEN, model), "max_new_tokens": "6",
+                                                        "temperature": "0", **over}))
+    return ChatController(rt, rt.settings)
+
+
+def say(c, text):
+    from chat.turn import TurnResult
+    r = TurnResult([])
+    list(c.send(text, r))
+    return r
+
+
+def fp(c):
+    from chat.state_cache import _fingerprint
+    return _fingerprint(c)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3_5"])
+def test_a_saved_state_answers_as_a_prefill_does(tmp_path, model):
+    from engine import state_file
+    a = controller(model)
+    for m in ("hello there", "a second message", "and a third one"):
+        say(a, m)
+    path = str(tmp_path / "s.state")
+    ids, tensors = state_file.snapshot(a.session)
+    assert state_file.write(path, ids, tensors, fp(a)) > 0
+    b = controller(model)  # a fresh session: the state from the file
+    b.branches[0].turns, b.current = list(a.turns), 0
+    b.switch(0)
+    assert state_file.read(path, b.session, fp(b)) == len(ids)
+    c = controller(model)  # and one that prefills the conversation
+    c.branches[0].turns = list(a.turns)
+    c.switch(0)
+    ra, rb, rc = say(a, "what now?"), say(b, "what now?"), say(c, "what now?")
+    assert ra.ids == rb.ids == rc.ids and ra.prompt_ids == rb.prompt_ids == rc.prompt_ids
+    # the restored session reuses what the session that never stopped does; the other prefills all
+    assert rb.stats.reused_tokens == ra.stats.reused_tokens > 0 and rc.stats.reused_tokens == 0
+
+
+def test_files_that_do_not_hold_are_refused(tmp_path):
+    from engine import state_file
+    a = controller("tiny-llama")
+    say(a, "hello there")
+    path = str(tmp_path / "s.state")
+    ids, tensors = state_file.snapshot(a.session)
+    state_file.write(path, ids, tensors, fp(a))
+    data = open(path, "rb").read()
+
+    def refused(session_of, needle, content=None):
+        if content is not None:
+            open(path, "wb").write(content)
+        b = session_of()
+        before = list(b.session.cached)
+        with pytest.raises(state_file.StateFileError, match=needle):
+            state_file.read(path, b.session, fp(b))
+        assert b.session.cached == before  # (untouched)
+    refused(lambda: controller("tiny-llama", max_context="256"), "another max_context")
+    refused(lambda: controller("tiny-llama"), "does not read", data[: len(data) // 2])
+    damaged = bytearray(data)
+    damaged[-7] ^= 0xFF
+    refused(lambda: controller("tiny-llama"), "checksum", bytes(damaged))
+    refused(lambda: controller("tiny-llama"), "does not read|not a state file", b"not a state file at all")
+    open(path, "wb").write(data)
+    other = controller("tiny-qwen3_5")  # another model: another fingerprint, and another layout
+    with pytest.raises(state_file.StateFileError, match="another model"):
+        state_file.read(path, other.session, fp(other))
+    with pytest.raises(ValueError, match="not this model's state"):
+        other.session.load_state(ids, tensors)
+
+
+def chat(*args, stdin=None, tmp_path=None):
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, env=env)
+
+
+def test_resume_maps_the_saved_state_back(tmp_path):
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 5}\n"
+                      "events:\n- user: hello there\n- user: and then?\n")
+    rec = conv / "rec.yaml"
+    assert chat("run", script, "--model", os.path.join(GOLDEN, "tiny-qwen3_5"), "-o", rec,
+                tmp_path=tmp_path).returncode == 0
+    flags = ["--conversations-dir", conv, "--temperature", "0", "--max-new-tokens", "5"]
+    p = chat("--resume", rec, *flags, stdin="third\n", tmp_path=tmp_path)
+    assert p.returncode == 0 and "saved state" not in p.stderr, p.stderr
+    assert os.path.exists(str(rec) + ".state")
+    saved = (str(rec) + ".state", open(str(rec) + ".state", "rb").read())
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(rec.read_text())
+    p = chat("--resume", rec, *flags, stdin="fourth\n", tmp_path=tmp_path)
+    assert "resumed from saved state:" in p.stderr and "no prefill" in p.stderr, p.stderr
+    q = chat("--resume", plain, *flags, "--state-cache-mib", "0", stdin="fourth\n", tmp_path=tmp_path)
+    last = [yaml.safe_load(f.read_text())["events"][-1] for f in (rec, plain)]
+    assert last[0]["generated_ids"] == last[1]["generated_ids"] and last[0]["prompt_ids"] == last[1]["prompt_ids"]
+    assert last[0]["reused"] > 0 and last[1]["reused"] == 0, q.stderr
+    open(saved[0], "wb").write(saved[1][:100])  # cut short: refused, the conversation still resumes
+    p = chat("--resume", rec, *flags, stdin="fifth\n", tmp_path=tmp_path)
+    assert p.returncode == 0 and "saved state not used: it does not read" in p.stderr, p.stderr
+    p = chat("--resume", rec, *flags, "--dtype", "bfloat16", stdin="sixth\n", tmp_path=tmp_path)
+    assert "saved state not used: it was saved with another dtype" in p.stderr, p.stderr
+
+
+def test_pruning_a_conversation_removes_its_state(tmp_path):
+    from chat.conversations import ConversationStore
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    for i, name in enumerate(("a.yaml", "b.yaml")):
+        (conv / name).write_text("x")
+        (conv / (name + ".state")).write_text("x")
+        os.utime(conv / name, (i, i))
+    ConversationStore(str(conv), keep=1).prune()
+    assert sorted(os.listdir(conv)) == []
