@@ -130,6 +130,18 @@ def test_set_lines_keep_the_repl(cli, key, value):
     assert out.strip(), f"no reply after `/set {key} {value}`: {err}"
 
 
+@FUZZ
+@given(commands=st.lists(st.tuples(st.sampled_from(["/edit", "/branch", "/branches", "/think", "/undo", "/retry"]),
+                                   flag_text), min_size=1, max_size=4))
+def test_tree_commands_keep_the_repl(cli, commands):
+    """/edit, /branch and the rest with any argument, between turns: the REPL answers the message
+    after them (and says what was wrong on stderr, one line each)."""
+    lines = ["first"] + [f"{name} {' '.join(arg.split())[:200]}".rstrip() for name, arg in commands] + ["last", "/exit"]
+    code, out, err = cli([*FAST, "--temperature", "0"], stdin="\n".join(lines) + "\n")
+    assert code == 0 and "Traceback" not in err, (code, err)
+    assert len([line for line in out.splitlines() if line.strip()]) >= 2, (out, err)
+
+
 def _mutations():
     fields = ["seed", "prompt_ids", "generated_ids", "reused", "text", "finish_reason", "sampling"]
     edit = st.tuples(st.sampled_from(["event"]), st.integers(0, 3), st.sampled_from(fields), values)
