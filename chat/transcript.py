@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 import yaml
 
+from engine import files
 from engine.config import SEED_MAX, ConfigError, SamplingConfig, build, quote
 from engine.sampling import SAMPLER_VERSION, SAMPLER_VERSIONS
 
@@ -333,18 +333,10 @@ def to_yaml(t: Transcript) -> str:
 
 def write_atomic(path: str, text: str) -> None:
     """Write beside the target, fsync, then rename: a reader sees the old file or the new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".yaml", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    def fill(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    files.write_atomic(path, fill, suffix=".yaml")
 
 
 def fingerprint(files: list[str], extra: str = "") -> str:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 
 import torch
+
+from .files import write_atomic
 
 FORMAT = "chat-state"
 VERSION = "1"
@@ -58,18 +59,7 @@ def write(path: str, ids: list[int], tensors: dict[str, torch.Tensor], fp: dict[
     from safetensors.torch import save_file
     meta = {"format": FORMAT, "version": VERSION, "ids": json.dumps(ids), "sha256": _digest(tensors),
             **{f"fp.{k}": v for k, v in fp.items()}}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".state", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta), suffix=".state")
     return os.path.getsize(path)
 
 

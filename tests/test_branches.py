@@ -6,10 +6,9 @@ it (on a hybrid too, through its turn-boundary checkpoint); the tree survives /s
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from cli import run_chat as chat
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,10 +65,6 @@ def test_a_failed_edit_leaves_no_branch():
     assert len(c.branches) == 1 and c.current == 0 and len(c.turns) == 1
 
 
-def chat(*args, stdin=None, tmp_path=None):
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_the_repl_edits_lists_and_switches(tmp_path):

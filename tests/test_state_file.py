@@ -6,10 +6,9 @@ resumes, prefilling."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from cli import run_chat as chat
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,10 +89,6 @@ def test_files_that_do_not_hold_are_refused(tmp_path):
         other.session.load_state(ids, tensors)
 
 
-def chat(*args, stdin=None, tmp_path=None):
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_resume_maps_the_saved_state_back(tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from cli import run_chat as chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATE = open(os.path.join(ROOT, "tests", "data", "thinking_template.jinja"), encoding="utf-8").read()
@@ -62,10 +61,6 @@ def test_the_prompt_ids_of_a_turn(thinking_model):
     assert c.turns[-1].think == "off"
 
 
-def chat(*args, stdin=None, tmp_path=None):
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_the_repl_states_it_and_notes_a_template_without_it(thinking_model, tmp_path):
