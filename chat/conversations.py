@@ -17,6 +17,7 @@ from . import transcript as tr
 from .state_cache import remove_beside
 
 SUFFIX = ".yaml"
+STALE_SECONDS = 600  # (a temporary older than this belongs to a write that will never finish)
 
 
 def default_directory(configured: str = "") -> str:
@@ -118,6 +119,19 @@ class ConversationStore:
         return sorted(out, reverse=True)  # newest first
 
     def prune(self) -> None:
+        """Keep the newest `keep` conversations (and their saved states); remove the temporaries
+        of writes a killed process left, once they are old enough to be no one's write in flight."""
+        try:
+            names = [n for n in os.listdir(self.directory) if n.startswith(".tmp-")]
+        except OSError:
+            names = []
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                if time.time() - os.path.getmtime(path) > STALE_SECONDS:
+                    os.unlink(path)
+            except OSError:
+                pass
         files = [p for _, p in self._files() if p != self.path]
         for path in files[max(self.keep - 1, 0):]:
             try:

@@ -136,10 +136,11 @@ def test_kill_9_during_the_third_reply_then_resume_continues_at_the_second(tmp_p
         child.send(QC + "\r")
         child.expect_exact(first_words(c, 2))  # streaming
         child.kill(9)
-    saved = list((tmp_path / "conversations").iterdir())
-    assert len(saved) == 1
+    saved = sorted(p.name for p in (tmp_path / "conversations").iterdir() if not p.name.startswith(".tmp-"))
+    assert len(saved) == 2 and saved[1] == saved[0] + ".state", saved  # (the recording, its state beside it)
     with running(tmp_path, "--resume") as child:
         child.expect_exact("resumed 2 turns")
+        child.expect_exact("resumed from saved state")
         child.send("/show\r")
         child.expect_exact("turns: 2")
         ask(child, QC, c)

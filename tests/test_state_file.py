@@ -128,5 +128,8 @@ def test_pruning_a_conversation_removes_its_state(tmp_path):
         (conv / name).write_text("x")
         (conv / (name + ".state")).write_text("x")
         os.utime(conv / name, (i, i))
+    (conv / ".tmp-old.state").write_text("x")
+    os.utime(conv / ".tmp-old.state", (0, 0))
+    (conv / ".tmp-new.state").write_text("x")  # (a write in flight: kept)
     ConversationStore(str(conv), keep=1).prune()
-    assert sorted(os.listdir(conv)) == []
+    assert sorted(os.listdir(conv)) == [".tmp-new.state"]
