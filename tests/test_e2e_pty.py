@@ -165,3 +165,27 @@ def test_model_switch_to_a_tiny_checkpoint_and_back_keeps_the_messages(tmp_path,
     from chat import transcript as tr
     t = tr.load(str(saved))
     assert [e.user for e in t.events] == [QA] and t.events[0].result["text"] == a
+
+
+@pytest.mark.slow
+def test_edit_a_message_in_the_prompt_then_switch_branches(tmp_path):
+    """On a terminal: /edit 2 puts message 2 in the prompt; the edited message's reply is the one a
+    fresh session gives to the edited conversation, on branch 2; /branch 1 goes back, and the next
+    reply is the one the first conversation would have given."""
+    edited = QB.replace("Germany", "Spain")
+    a, b, c = replies([QA, QB, QC], "24")
+    with_edit = replies([QA, edited], "24")[1]
+    with running(tmp_path, "--temperature", "0", "--max-new-tokens", "24") as child:
+        child.expect_exact(PROMPT)
+        ask(child, QA, a)
+        ask(child, QB, b)
+        child.send("/edit 2\r")
+        child.expect_exact("editing message 2")
+        child.expect_exact(QB)  # (the prompt holds message 2)
+        ask(child, "\x7f" * len(QB) + edited, with_edit)  # (the old text erased, the new one typed)
+        child.send("/branches\r")
+        child.expect_exact("*  2  from branch 1 after exchange 1, 2 exchanges")
+        child.send("/branch 1\r")
+        child.expect_exact("on branch 1: 2 exchanges")
+        ask(child, QC, c)
+        leave(child)
