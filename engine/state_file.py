@@ -22,6 +22,9 @@ from .files import write_atomic
 
 FORMAT = "chat-state"
 VERSION = "1"
+# torch dtype → the name safetensors' header gives it
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class StateFileError(ValueError):
@@ -84,6 +87,17 @@ def read(path: str, session, fp: dict[str, str]) -> int:
             ids = json.loads(meta.get("ids", "null"))
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise StateFileError("its token ids are not a list of ids")
+            if not 0 < len(ids) < session.max_context:
+                raise StateFileError(f"it holds {len(ids)} tokens, not a length this context of "
+                                     f"{session.max_context} takes")
+            # every tensor's name, shape and dtype before any is read: a file cannot make this
+            # process allocate more than the state it would fill
+            want = session.state.layout(len(ids))
+            declared = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                        for name in f.keys()}
+            expected = {name: (shape, _SAFETENSORS_DTYPES.get(dtype)) for name, (shape, dtype) in want.items()}
+            if declared != expected:
+                raise StateFileError("its tensors are not this session's state (names, shapes or dtypes differ)")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except StateFileError:
         raise

@@ -91,6 +91,35 @@ def test_files_that_do_not_hold_are_refused(tmp_path):
 
 
 
+def test_a_forged_file_is_refused_before_its_tensors_are_read(tmp_path):
+    """Right fingerprint and checksum, but a tensor of another shape, or more ids than the context
+    holds: refused from the header alone."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine import state_file
+    from engine.state_file import _digest
+    a = controller("tiny-llama")
+    say(a, "hello there")
+    path = str(tmp_path / "s.state")
+    ids, tensors = state_file.snapshot(a.session)
+    state_file.write(path, ids, tensors, fp(a))
+    with safe_open(path, framework="pt") as f:
+        meta = dict(f.metadata())
+    forged = dict(tensors, **{"kv.0.k": torch.zeros(2, 4 * len(ids), 16)})
+    save_file(forged, path, metadata=dict(meta, sha256=_digest(forged)))
+    b = controller("tiny-llama")
+    with pytest.raises(state_file.StateFileError, match="names, shapes or dtypes differ"):
+        state_file.read(path, b.session, fp(b))
+    save_file(tensors, path, metadata=dict(meta, ids=json.dumps([1] * 100000)))
+    with pytest.raises(state_file.StateFileError, match="holds 100000 tokens"):
+        state_file.read(path, b.session, fp(b))
+    assert b.session.cached == []
+
+
 def test_resume_maps_the_saved_state_back(tmp_path):
     conv = tmp_path / "conv"
     conv.mkdir()
