@@ -78,7 +78,7 @@ def test_every_op_has_a_rule_that_always_serves():
             rules = table.rules_for(op, device, "any-format")
             assert rules and rules[-1].when == (), (op, device)
     known = {"gt", "le", "on", "off", "k", "not_k", "tied", "untied", "group", "not_group", "fits", "not_fits",
-             "half", "fp32", "triton", "no_triton", "step", "no_step", "blocks", "int8", "head", "int4pack",
+             "half", "fp32", "triton", "no_triton", "step", "no_step", "no_offer", "blocks", "int8", "head", "int4pack",
              "planar", "attention_fits", "delta_fits", "ssd_fits"}
     fields = set(KernelConfig.__dataclass_fields__)
     for rule in table.RULES:
@@ -118,6 +118,9 @@ def test_a_tiny_hybrid_lists_its_mixers(tmp_path):
     lm = models.load(write_checkpoint("qwen3_5", str(tmp_path)), "cpu", torch.float32)
     kinds = {c.site.op: c.kernel for c in lm.plan.choices}
     assert kinds["gated_delta"] == "torch recurrent step" and kinds["attention"] == "torch SDPA"
+    assert all("no C++ decode step for this family" in c.reason for c in lm.plan.choices if c.site.op == "linear")
+    off = make(lm.model, "cpu", torch.float32, KernelConfig(cpu_kernel=False))
+    assert all("cpu_kernel: off" in c.reason for c in off.choices if c.site.op == "linear")
     cuda = {c.site.op: c.kernel for c in make(lm.model, "cuda", torch.bfloat16, KernelConfig(triton=True)).choices}
     assert cuda["gated_delta"] == "Triton delta step" and cuda["attention"] == "Triton flash-decoding"
     assert cuda["linear"] == "Triton GEMV (prefill: cuBLAS)"

@@ -91,19 +91,21 @@ class _Context:
     config: KernelConfig
     triton: bool
     step: bool       # the C++ decode step serves this CPU model
+    offers: bool     # the model's family has a C++ decode step (served or not)
     blocks: bool     # the C++ per-linear kernels serve its GGUF blocks
     tables: set      # storages of the embeddings' blocks (a head on one of them is tied)
 
 
 def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelConfig, notes: list[str]) -> _Context:
     step = blocks = False
+    offer = getattr(model, "offers_cpu_step", None)
+    offers = bool(offer is not None and offer())
     if device == "cpu" and config.cpu_kernel:
         from ..kernels import cpu_blocks_served, cpu_step_serves
-        offers = getattr(model, "offers_cpu_step", None)
-        step = bool(offers is not None and offers() and cpu_step_serves(model, dtype))
+        step = offers and cpu_step_serves(model, dtype)
         blocks = cpu_blocks_served(model, dtype)
     tables = {_blocks_key(m) for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
-    return _Context(device, dtype, config, _triton(config, device, notes), step, blocks, tables)
+    return _Context(device, dtype, config, _triton(config, device, notes), step, offers, blocks, tables)
 
 
 def _blocks_key(m: nn.Module) -> tuple:
@@ -151,6 +153,8 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         return ctx.triton == (name == "triton")
     if name in ("step", "no_step"):
         return ctx.step == (name == "step")
+    if name == "no_offer":
+        return not ctx.offers
     if name == "blocks":
         return ctx.blocks
     if name == "head":

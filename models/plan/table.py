@@ -13,6 +13,7 @@ A rule's `when` is a tuple of conditions, each a tuple:
   ("half",) / ("fp32",)           the model computes in bf16/fp16 / in fp32
   ("triton",) / ("no_triton",)    the Triton kernels serve this CUDA device (KernelConfig.triton)
   ("step",) / ("no_step",)        the C++ decode step serves this CPU model (and cpu_kernel is on)
+  ("no_offer",)                   the model's family has no C++ decode step at all
   ("blocks",)                     the C++ library's per-linear kernels serve its GGUF blocks
   ("int8",)                       cpu_int8: those kernels round their input rows to int8 first
   ("head",)                       the op is the LM head
@@ -101,6 +102,10 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", GGUF, (("blocks",),), "C++ block GEMV", "the file's blocks as mapped, read directly"),
     R("linear", "cpu", ("Q8_0",), (("head",),), "torch int4 mm (two planes)",
       "a Q8_0 head as a high and a low 4-bit plane for torch's int4 kernel"),
+    R("linear", "cpu", ("*",), (("off", "cpu_kernel"),), "torch",
+      "cpu_kernel: off (or compile: on, or a tensor-parallel rank): torch's forms"),
+    R("linear", "cpu", ("*",), (("no_offer",),), "torch",
+      "no C++ decode step for this family (its Gated DeltaNet, Mamba2 or MoE layers run in torch)"),
     R("linear", "cpu", ("*",), (), "torch", "no C++ kernel serves this format or dtype here"),
 
     # ---- routed experts ----
