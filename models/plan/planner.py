@@ -98,7 +98,7 @@ class _Context:
 
 def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelConfig, notes: list[str]) -> _Context:
     step = blocks = False
-    offer = getattr(model, "offers_cpu_step", None)
+    offer = getattr(model, "offers_cpu_step", None) if device == "cpu" else None
     offers = bool(offer is not None and offer())
     if device == "cpu" and config.cpu_kernel:
         from ..kernels import cpu_blocks_served, cpu_step_serves
