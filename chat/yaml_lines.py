@@ -32,7 +32,9 @@ class DuplicateKey(YamlShapeError):
     pass
 
 
-class _Loader(yaml.SafeLoader):
+# libyaml's parser where PyYAML has it (a long recording parses several times faster; the
+# constructors below, Python's, are the same), else PyYAML's own
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     pass
 
 
@@ -63,4 +65,4 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 def load(text):
     """Parse one YAML document (str or a text stream) as safe_load would, with the checks above."""
-    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    return yaml.load(text, Loader=_Loader)  # a (C)SafeLoader subclass: no arbitrary objects
