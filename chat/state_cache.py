@@ -11,6 +11,7 @@ and engine; otherwise the resume says why and prefills as before.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -30,14 +31,7 @@ def _fingerprint(controller) -> dict[str, str]:
 
 def _nbytes(session) -> int:
     layout = session.state.layout(session.state.length)
-    return sum(dtype.itemsize * _count(shape) for shape, dtype in layout.values())
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout.values())
 
 
 class StateSaver:

@@ -35,6 +35,9 @@ class Limits:
     exponent: int = 4096              # |b| of an integer a ** b
 
 
+CHECK_EVERY = 0.01  # seconds between the clock and memory checks of a render
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
 
@@ -54,8 +57,8 @@ class _Budget:
         if self.steps > self.limits.loop_steps:
             raise TemplateError(f"the chat template ran past {self.limits.loop_steps:,} loop steps")
         now = time.monotonic()
-        if now >= self.next_check:  # (at most every 10 ms: the clock and getrusage cost little, not nothing)
-            self.next_check = now + 0.01
+        if now >= self.next_check:  # (getrusage is a system call: read it at most every CHECK_EVERY)
+            self.next_check = now + CHECK_EVERY
             self.check(now)
 
     def check(self, now: float | None = None) -> None:

@@ -93,8 +93,8 @@ def read(path: str, session, fp: dict[str, str]) -> int:
             # every tensor's name, shape and dtype before any is read: a file cannot make this
             # process allocate more than the state it would fill
             want = session.state.layout(len(ids))
-            declared = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
-                        for name in f.keys()}
+            declared = {name: (tuple(sl.get_shape()), sl.get_dtype())
+                        for name, sl in ((name, f.get_slice(name)) for name in f.keys())}
             expected = {name: (shape, _SAFETENSORS_DTYPES.get(dtype)) for name, (shape, dtype) in want.items()}
             if declared != expected:
                 raise StateFileError("its tensors are not this session's state (names, shapes or dtypes differ)")

@@ -7,20 +7,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from cli import run_chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "golden", "tiny-llama")
 
 
-def chat(*args, stdin: str | None = None, tmp_path=None, timeout=60):
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.run([sys.executable, "-m", "chat", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, timeout=timeout, env=env,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
+def chat(*args, stdin: str | None = None, tmp_path=None):
+    return run_chat(*args, stdin=stdin, tmp_path=tmp_path, timeout=60)
 
 
 def one_line(p, *needles, status=2):
