@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..formats import gguf_blocks, hf_quant, quant
-from .sites import Site, collect, linear_format
+from ..formats import hf_quant, quant
+from .sites import Site, collect
 from .config import DEFAULT, KernelConfig
 from .table import DENSE, Rule, rules_for
 
@@ -214,15 +214,17 @@ def bind(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DE
     return the plan of the model as it now is. The only code that repacks a loaded model."""
     plan = make(model, device, dtype, config)
     if plan.device == "cuda" and plan.step == "Triton kernels":
+        # the embeddings' tables, once (a tied head shares its blocks with one), before any repack
+        tables = {_blocks_key(e): e for e in model.modules() if isinstance(e, quant.BlockEmbedding) and not e.planar}
         changed = False
         for c in plan.choices:
-            changed |= _apply(c, plan, model)
+            changed |= _apply(c, plan, tables)
         if changed:
             plan = make(model, device, dtype, config)
     return plan
 
 
-def _apply(c: Choice, plan: Plan, model: nn.Module) -> bool:
+def _apply(c: Choice, plan: Plan, tables: dict) -> bool:
     m, cfg = c.site.module, plan.config
     if isinstance(m, hf_quant.GroupInt4Linear):
         if m.planar or not m.packed.is_cuda:
@@ -231,8 +233,7 @@ def _apply(c: Choice, plan: Plan, model: nn.Module) -> bool:
         return True
     if c.layout is None or not isinstance(m, quant.BlockLinear) or m.planar or not m.stored()[0].is_cuda:
         return False
-    table = next((e for e in model.modules() if isinstance(e, quant.BlockEmbedding) and not e.planar
-                  and _blocks_key(e) == _blocks_key(m)), None)
+    table = tables.get(_blocks_key(m))
     if not m.to_planar(cfg.runs, cfg.five_bit_runs):
         return False
     if table is not None:
@@ -241,12 +242,3 @@ def _apply(c: Choice, plan: Plan, model: nn.Module) -> bool:
         raise PlanError(f"{c.site.name}: repacked as {m.planar_fmt}, the plan said {c.layout}")
     return True
 
-
-def describe_format(m: nn.Module) -> str:
-    """A module's weight format in words, as a plan lists it."""
-    described = linear_format(m)
-    if described is not None:
-        return described[0]
-    if isinstance(m, quant.BlockEmbedding):
-        return gguf_blocks.type_name(m.ggml_type)
-    return "-"
