@@ -113,6 +113,7 @@ def _show(app, arg):
              f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
              f"checkpoints: {c.session.state.describe()}",
              f"decode step: {c.session.decode_path}",
+             f"speculative: {c.session.speculation_text}" + _origin(c.settings.origin("speculative")),
              *([f"kernel plan: {rt.loaded.plan.summary()}; {rt.loaded.plan.decode_bytes() / 1e6:,.1f} MB "
                 f"of weights a step (`chat plan` lists it)"] if getattr(rt.loaded, "plan", None) else []),
              f"prefill: {c.session.prefill_path}",

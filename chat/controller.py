@@ -66,7 +66,10 @@ class ChatController:
         return self.rt.loaded.tokenizer
 
     def set(self, key: str, value) -> None:
-        self.settings = self.settings.with_value(key, value)
+        settings = self.settings.with_value(key, value)
+        if key == "speculative":  # the live session's (a ConfigError where unavailable: nothing changes)
+            self.session.set_speculative(settings.engine.speculative)
+        self.settings = settings
         if key == "system_prompt":
             self.conv.system_prompt = self.settings.ui.system_prompt
         if key == "think":

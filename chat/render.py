@@ -48,8 +48,10 @@ def format_stats(stats: GenerationStats, used: int, max_context: int, finish: bo
     `finish`, always)."""
     ttft = stats.prefill_seconds
     end = f" · finish: {stats.finish_reason}" if finish or stats.finish_reason not in ("stop", "") else ""
+    spec = (f"drafts {stats.accepted}/{stats.drafted} kept ({stats.acceptance:.0%}) in {stats.verifies} "
+            f"verifies · ") if stats.drafted else ""
     return (f"{ttft:.2f}s to first token · {stats.decode_tps:.1f} tok/s · {stats.generated_tokens} tokens · "
-            f"prompt {stats.prompt_tokens} (reused {stats.reused_tokens}, new {stats.prefilled_tokens}) · "
+            f"{spec}prompt {stats.prompt_tokens} (reused {stats.reused_tokens}, new {stats.prefilled_tokens}) · "
             f"context {used}/{max_context}{end}")
 
 

@@ -42,7 +42,8 @@ class UIConfig(_Validated):
 SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig, "ui": UIConfig}
 KEY_SECTION = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 # what `/set` and a transcript's `set` may change: the rest shapes the loaded model and session
-SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats", "think"]
+SETTABLE = [f.name for f in dataclasses.fields(SamplingConfig)] + ["system_prompt", "markdown", "show_stats", "think",
+                                                                   "speculative"]
 
 
 MODEL_ORIGIN = "the model's"  # (an origin's prefix: "the model's generation_config.json")

@@ -31,6 +31,7 @@ from .constraint import ConstraintMask, TokenConstraint
 from .graphs import PREFILL_BUCKETS, GraphedDecodeStep, PaddedPrefill, decode_kv_len, kv_buckets, prefill_bucket
 from .link import Interrupted
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
+from .speculative import Depth, PromptLookup
 from .state import BASE, PROMPT, StateManager
 
 
@@ -76,6 +77,13 @@ class GenerationStats:
     finish_reason: str = ""  # stop | length | context | interrupted | forced (the forced ids ran out)
     seed: int = 0
     departures: list[Departure] = field(default_factory=list)
+    drafted: int = 0  # speculative decoding: draft tokens verified,
+    accepted: int = 0  # of which kept,
+    verifies: int = 0  # in this many forwards
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -115,8 +123,9 @@ class DecodeSession:
     def __init__(self, model, *, max_context: int, device: torch.device, dtype: torch.dtype,
                  eos_ids: tuple[int, ...] = (), cuda_graph: str = "auto", compile: str = "off",
                  cpu_kernel: str = "auto", checkpoint_mib: int | str = "auto", checkpoint_host_mib: int | str = "auto",
-                 verify_reuse: bool = False, link=None):
-        """link: this rank's side of a tensor-parallel group (engine/tensor_parallel.py), or None."""
+                 verify_reuse: bool = False, link=None, speculative: str = "off"):
+        """link: this rank's side of a tensor-parallel group (engine/tensor_parallel.py), or None.
+        speculative: auto | off | lookup (`set_speculative`)."""
         self.model = model
         self.link = link
         self.device, self.dtype = device, dtype
@@ -191,6 +200,11 @@ class DecodeSession:
             self._precompile()
         if cuda_graph in ("on", "auto") and cuda:
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
+        self.speculative = "off"
+        self.speculative_note = ""  # why speculation does not run, where it was asked for
+        self._spec_checked: bool | None = None  # the verify's self-check: passed, failed, not yet run
+        self._drafter, self._depth = PromptLookup, Depth()  # (a drafter for a prompt; the depth rule)
+        self.set_speculative(speculative)
 
     def _throwaway_forwards(self, steps: int) -> None:
         """A 2-token prefill (any length > 1 runs the kernels every prompt runs: none specializes
@@ -239,6 +253,70 @@ class DecodeSession:
             return self.model
         return step
 
+    # --- speculative decoding -------------------------------------------------------------------
+    def speculation_unavailable(self) -> str:
+        """Why this session cannot verify drafts exactly ("" where it can)."""
+        if getattr(self._step_fn, "verify", None) is None:
+            return ("no exact multi-token verify for this decode path (the C++ CPU step of the dense "
+                    "GQA models has one)")
+        if self.state.has_fixed_state:
+            return "this model's recurrent state has no rollback of rejected drafts yet"
+        if self.link is not None:
+            return "a tensor-parallel rank decodes step by step"
+        if self._spec_checked is False:
+            return "the verify's rows differ from single steps on this machine (self-check)"
+        return ""
+
+    def set_speculative(self, mode: str) -> None:
+        """auto: prompt-lookup drafts where the verify is exact (else off, `speculative_note` says
+        why); lookup: the same, required (ConfigError where unavailable); off. The first time
+        drafts could run, a self-check compares a verify's rows with single steps bit for bit
+        (`_self_check`)."""
+        if mode not in ("auto", "off", "lookup"):
+            raise ConfigError(f"speculative: {mode!r} is not valid; allowed: auto | off | lookup")
+        why = "" if mode == "off" else self.speculation_unavailable()
+        if not why and mode != "off" and self._spec_checked is None:
+            self._spec_checked = self._self_check()
+            why = self.speculation_unavailable() if self._spec_checked is not None else \
+                "no room in the context for the verify's self-check"
+        if why and mode == "lookup":
+            raise ConfigError(f"speculative: lookup is unavailable here ({why}); use auto or off")
+        self.speculative = mode
+        self.speculative_note = why if mode == "auto" else ""
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative != "off" and not self.speculative_note
+
+    @property
+    def speculation_text(self) -> str:
+        """The speculative setting and what it does here, in words (/show)."""
+        if self.speculative == "off":
+            return "off"
+        if self.speculative_note:
+            return f"{self.speculative}: off here ({self.speculative_note})"
+        d = self._depth
+        return (f"{self.speculative}: prompt-lookup drafts, up to {d.max_depth} a verify, depth from the "
+                f"measured acceptance ({d.acceptance:.0%}) and verify cost")
+
+    def _self_check(self, rows: int = 4) -> bool | None:
+        """Whether a verify of `rows` tokens gives, bit for bit, the logits `rows` steps give after
+        the cached tokens (the step's contract, checked on this machine's kernels), or None where
+        the context has no room. Pure-KV state: both are unfed after, the state as it was (the
+        slots above it no longer count as written)."""
+        n0 = self.state.length
+        if n0 + rows > self.max_context:
+            return None
+        ids = [(7 * i + 3) % self.vocab_size for i in range(rows)]
+        try:
+            steps = torch.stack([self.step(t)[-1] for t in ids])
+            self.state.unfeed(self.state.length - n0)
+            verified = self._forward(ids, verify=True)
+            return bool(torch.equal(steps, verified))
+        finally:
+            self.state.unfeed(self.state.length - n0)
+            del self._ids[n0:]
+
     @property
     def decode_path(self) -> str:
         """What runs a decode step, in words (the REPL's /show)."""
@@ -278,11 +356,12 @@ class DecodeSession:
 
     # --- forwards ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], all_logits: bool = False, verify: bool = False) -> torch.Tensor:
+        """Feed ids; verify: through the step's `verify` (logits of every row, each a step's)."""
         start = self.state.length
-        one = len(ids) == 1
+        one = len(ids) == 1 and not verify
         decode = one and self._bucketed_decode
-        padded = self._padded is not None and not one and not all_logits
+        padded = self._padded is not None and not one and not all_logits and not verify
         bucket = prefill_bucket(len(ids), self.max_context - start) if padded else None
         # (a padded chunk's queries are the bucket's: its key slots run to start + bucket, as the
         # torch attention's form takes them; the CUDA kernels read the positions instead)
@@ -297,8 +376,11 @@ class DecodeSession:
             else:
                 tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
                 positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
-                fn = self._step_fn if one else self.model
-                logits = fn(tokens, positions, self.state, all_logits=all_logits)
+                if verify:
+                    logits = self._step_fn.verify(tokens, positions, self.state)
+                else:
+                    fn = self._step_fn if one else self.model
+                    logits = fn(tokens, positions, self.state, all_logits=all_logits)
         except BaseException:
             self.state.invalidate()
             raise
@@ -429,6 +511,9 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
+        if self.speculating and forced is None and mask is None:
+            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation)
+            return
         if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
                 and forced is None and mask is None and not self.state.has_fixed_state
                 and getattr(sampler, "argmax_only", False)):
@@ -543,6 +628,86 @@ class DecodeSession:
             if t1 is not None:
                 stats.decode_seconds = time.perf_counter() - t1
 
+    def _speculative(self, prompt: list[int], logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats,
+                     stops, sampler, t0: float, generation: int) -> Iterator[int]:
+        """The decode loop of `_generate` with prompt-lookup drafts verified (engine/speculative.py).
+        Every token is the sampler's draw from a row whose logits a plain step gives bit for bit,
+        drawn in the plain loop's order, and the stop rules are the plain loop's; rows fed past
+        what the plain loop would have fed at a point (`excess`: the drafts after a token being
+        yielded) are unfed before the next forward, at a stop, or where the reader stops reading
+        (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
+        drafter, depth = self._drafter(prompt), self._depth
+        excess, fed_to, t1 = 0, None, None
+
+        def unfeed_excess() -> None:
+            nonlocal excess
+            if excess and self.state.length == fed_to and self._generation == generation:
+                self.state.unfeed(excess)
+                del self._ids[self.state.length:]
+            excess = 0
+
+        try:
+            token = self._choose(sampler, logits, None, 0, stats)
+            t1 = time.perf_counter()
+            stats.prefill_seconds = t1 - t0
+            while True:
+                stats.generated_tokens += 1
+                stats.decode_seconds = time.perf_counter() - t1
+                yield token
+                if token in stops:
+                    stats.finish_reason = "stop"
+                    break
+                if stats.generated_tokens >= cfg.max_new_tokens:
+                    stats.finish_reason = "length"
+                    break
+                if self.state.length >= self.max_context:
+                    stats.finish_reason = "context"
+                    break
+                sampler.accept(token)
+                drafter.extend((token,))
+                room = min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)
+                drafts = drafter.propose(depth.choose(room))
+                started = time.perf_counter()
+                if not drafts:
+                    row = self.step(token)[-1]
+                    depth.observe_cost(1, time.perf_counter() - started)
+                    token = self._choose(sampler, row, None, stats.generated_tokens, stats)
+                    continue
+                rows = self._forward([token] + drafts, verify=True)
+                depth.observe_cost(len(drafts) + 1, time.perf_counter() - started)
+                fed_to, k = self.state.length, len(drafts)
+                stats.verifies += 1
+                stats.drafted += k
+                j = kept = 0
+                while True:  # row j: the logits after the token and drafts[:j]
+                    token = self._choose(sampler, rows[j], None, stats.generated_tokens, stats)
+                    if j == k or token != drafts[j]:
+                        excess = k - j  # the drafts from j on were fed; the plain loop has not fed them
+                        unfeed_excess()
+                        break
+                    excess = k - j  # drafts[j] is fed; the plain loop feeds it after yielding it
+                    kept += 1
+                    stats.accepted += 1
+                    stats.generated_tokens += 1
+                    stats.decode_seconds = time.perf_counter() - t1
+                    yield token
+                    if token in stops or stats.generated_tokens >= cfg.max_new_tokens or \
+                            self.state.length - excess >= self.max_context:
+                        break
+                    sampler.accept(token)
+                    drafter.extend((token,))
+                    j += 1
+                depth.observe(kept, k)
+                if excess:  # the inner loop ended the reply at an accepted draft
+                    unfeed_excess()
+                    stats.finish_reason = ("stop" if token in stops else
+                                           "length" if stats.generated_tokens >= cfg.max_new_tokens else "context")
+                    break
+        finally:
+            unfeed_excess()
+            if t1 is not None:
+                stats.decode_seconds = time.perf_counter() - t1
+
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,
                 stats: GenerationStats, mask: ConstraintMask | None = None) -> int | None:
@@ -579,4 +744,4 @@ def open_session(model, eng, device: torch.device, dtype: torch.dtype, eos_ids, 
                          cuda_graph=eng.cuda_graph, compile=eng.compile,
                          cpu_kernel="off" if link is not None else eng.cpu_kernel,
                          checkpoint_mib=eng.checkpoint_mib, checkpoint_host_mib=eng.checkpoint_host_mib,
-                         verify_reuse=eng.verify_reuse, link=link)
+                         verify_reuse=eng.verify_reuse, link=link, speculative=eng.speculative)

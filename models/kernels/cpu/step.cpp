@@ -60,15 +60,15 @@ Tensor rms_norm_rows(const Tensor& x, const Tensor& w, double eps) {
 
 #include "delta_step.h"
 
-// torch's int4 kernel on one fp32 row: it takes and returns bf16; the casts are loops here (the
+// torch's int4 kernel on fp32 rows: it takes and returns bf16; the casts are loops here (the
 // same round-to-nearest-even as Tensor.to), not two dispatched ops per matmul.
 Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
   const Tensor xc = x.contiguous();
-  const int64_t K = xc.size(-1);
-  Tensor xb = at::empty({1, K}, xc.options().dtype(at::kBFloat16));
+  const int64_t K = xc.size(-1), Tn = xc.numel() / K;
+  Tensor xb = at::empty({Tn, K}, xc.options().dtype(at::kBFloat16));
   const float* xp = xc.data_ptr<float>();
   at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < K; ++i) xbp[i] = at::BFloat16(xp[i]);
+  for (int64_t i = 0; i < Tn * K; ++i) xbp[i] = at::BFloat16(xp[i]);
   Tensor yb = at::_weight_int4pack_mm_for_cpu(xb, packed, 32, sz);
   Tensor y = at::empty(yb.sizes(), xc.options());
   const at::BFloat16* ybp = yb.data_ptr<at::BFloat16>();
@@ -612,6 +612,73 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   return y;
 }
 
+// y = x W^T for x [T, K] whose rows a speculative verify feeds together, each row's sums exactly
+// those of a one-row call (the decode step's): per 16 rows of W (a few KB, in the caches while the
+// T rows pass over them) the one-row kernel for each row of x. The decode's bits, the weights read
+// from memory once rather than T times.
+constexpr int64_t kVerifyChunk = 16;
+
+template <typename F>
+void rows_by_chunk(int64_t N, int64_t Tn, F&& f) {  // f(t, c0, c1) for each row t of x and chunk of W
+  at::parallel_for(0, N, kVerifyChunk, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += kVerifyChunk)
+      for (int64_t t = 0; t < Tn; ++t) f(t, c0, std::min(n1, c0 + kVerifyChunk));
+  });
+}
+
+// block_product's one-row form over W's rows [c0, c1) for every row of x (fp32 inputs)
+void block_product_rows(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N,
+                        int64_t type, float* yp) {
+#if defined(CHAT_SIMD_BLOCKS)
+  std::vector<float> xs(Tn * (K / 32));  // (block_product's sums, row by row)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t i = 0; i < K / 32; ++i) {
+      float acc = 0.f;
+      for (int j = 0; j < 32; ++j) acc += xp[t * K + 32 * i + j];
+      xs[t * (K / 32) + i] = acc;
+    }
+  by_type(type, [&](auto tc) {
+    constexpr int64_t T = decltype(tc)::value;
+    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) {
+      gemv_rows_simd<T, 1, SimdAcc<1>>(xp + t * K, xs.data() + t * (K / 32), 1, K, wp, rb, N, c0, c1, yp + t * N);
+    });
+  });
+#else
+  by_type(type, [&](auto tc) {
+    constexpr int64_t T = decltype(tc)::value;
+    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) {
+      gemv_rows<T>(xp + t * K, 1, K, wp, rb, N, c0, c1, yp + t * N);
+    });
+  });
+#endif
+}
+
+Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear_rows: x must be [T, K] fp32");
+  if (x.size(0) == 1) return block_linear(x, w, type, int8);
+  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "block_linear_rows: x has ", x.size(1), " columns, the blocks ", K);
+  Tensor y = at::empty({Tn, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (!int8) {
+    block_product_rows(xp, Tn, K, wp, rb, N, type, yp);
+    return y;
+  }
+  const Int8Rows rows = quantize_rows(xp, Tn, K, type);
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+  by_type(type, [&](auto tc) {
+    constexpr int64_t T = decltype(tc)::value;
+    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) { gemv_rows_i8<T, 1>(rows, t, 1, wp, rb, N, c0, c1, yp); });
+  });
+#else
+  const std::vector<float> xt = dequantized_rows(rows, Tn);
+  block_product_rows(xt.data(), Tn, K, wp, rb, N, type, yp);
+#endif
+  return y;
+}
+
 // A BlockLinear's type as the step's params carry it: the GGUF type, plus kInt8Inputs where the
 // module takes int8 inputs (quant.BlockLinear.int8_inputs)
 constexpr int64_t kInt8Inputs = 256;
@@ -626,9 +693,20 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   at_ += 3;
   const bool blocks = sz.has_value() && sz->scalar_type() == at::kLong;  // GGUF blocks: sz holds the type
   const int64_t code = blocks ? sz->data_ptr<int64_t>()[0] : 0;
-  Tensor y = blocks ? block_linear(x.contiguous(), w, code % kInt8Inputs, code >= kInt8Inputs)
-             : sz.has_value() ? int4_mm(x, w, *sz)
-                              : at::linear(x, w);
+  // Several rows (a speculative verify): each row's bits are the one-row step's (block_linear_rows;
+  // torch's int4 kernel sums each row alike; an fp32 weight row by row: its GEMM's are not)
+  Tensor y;
+  if (blocks)
+    y = block_linear_rows(x.contiguous(), w, code % kInt8Inputs, code >= kInt8Inputs);
+  else if (sz.has_value())
+    y = int4_mm(x, w, *sz);
+  else if (x.size(0) == 1)
+    y = at::linear(x, w);
+  else {
+    std::vector<Tensor> rows;
+    for (int64_t t = 0; t < x.size(0); ++t) rows.push_back(at::linear(x.narrow(0, t, 1), w));
+    y = at::cat(rows, 0);
+  }
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -1041,33 +1119,42 @@ void short_conv(const float* bcx, float* st, const float* w, const float* bias, 
   }
 }
 
-// x: [1, hidden] fp32 (the embedded token); cos, sin: [1, rotary] fp32 (Rope.cos_sin);
+// x: [T, hidden] fp32 (the embedded tokens at positions pos..pos+T-1: one for a decode step, more
+// for a speculative verify); cos, sin: [T, rotary] fp32 (Rope.cos_sin of each position);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
 // the per-head q and k norm weights, o_proj (a conv layer: in_proj, conv weight [C, K], conv bias
 // or None, out_proj), post norm weight, gate/up linears, down_proj; caches: per attention layer
 // k, v [KVH, S, D] fp32 or fp16, per conv layer its window [C, K-1] fp32; meta: H, KVH, D, rotary,
 // qk_norm (0/1), then per layer (qkv parts, 0 for a conv layer; gate/up parts). Returns the
 // residual stream after the last layer, its last branch added.
+// Every row is computed as a one-token step at its position computes it, bit for bit: the norms,
+// RoPE, attention (over slots 0..its position) and SwiGLU row by row, the linears through
+// `linear`'s row-exact forms, a conv window shifted once per row in order. So T rows equal T
+// steps, with the weights read once (tests/test_speculative.py compares them).
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps) {
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
   const bool qk_norm = meta[4] != 0;
   const int64_t layers = (static_cast<int64_t>(meta.size()) - 5) / 2;
-  const int64_t hidden = x_in.size(1);
+  const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0, "cpu_step: head size ", D, " / rotary ", R, " not supported");
+  TORCH_CHECK(Tn >= 1 && cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
+              "cpu_step: x, cos and sin need one row per position");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t cs = cos_t.size(1);
   const float* cos = cos_t.data_ptr<float>();
   const float* sin = sin_t.data_ptr<float>();
 
   Tensor x = x_in.contiguous().clone();
   Tensor h = at::empty_like(x);
-  Tensor attn = at::empty({1, H * D}, x.options());
+  Tensor attn = at::empty({Tn, H * D}, x.options());
   float* xs = x.data_ptr<float>();
   float* hs = h.data_ptr<float>();
   int64_t at_ = 0, ci = 0;  // the next param, the next cache
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t qkv_parts = meta[5 + 2 * l], gu_parts = meta[6 + 2 * l];
-    rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
+    const float* in_norm = params.get(at_++).value().data_ptr<float>();
+    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, in_norm, hs + t * hidden, hidden, eps);
     if (qkv_parts == 0) {  // a short-convolution layer (LFM2): in_proj, conv weight [C, K], bias, out_proj
       Tensor bcx = linear(h, params, at_).contiguous();
       const Tensor w = params.get(at_++).value();
@@ -1077,43 +1164,57 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
       TORCH_CHECK(bcx.size(1) == 3 * C && st.is_contiguous() && st.scalar_type() == at::kFloat &&
                       st.size(0) == C && st.size(1) == K - 1 && K >= 2,
                   "cpu_step: a conv layer's in_proj, weight and window disagree");
-      Tensor y = at::empty({1, C}, x.options());
-      short_conv(bcx.data_ptr<float>(), st.data_ptr<float>(), w.data_ptr<float>(),
-                 bias.has_value() ? bias->data_ptr<float>() : nullptr, C, K, y.data_ptr<float>());
+      Tensor y = at::empty({Tn, C}, x.options());
+      for (int64_t t = 0; t < Tn; ++t)
+        short_conv(bcx.data_ptr<float>() + t * 3 * C, st.data_ptr<float>(), w.data_ptr<float>(),
+                   bias.has_value() ? bias->data_ptr<float>() : nullptr, C, K, y.data_ptr<float>() + t * C);
       Tensor o = linear(y, params, at_);
       const float* op = o.data_ptr<float>();
-      for (int64_t i = 0; i < hidden; ++i) xs[i] += op[i];
+      for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += op[i];
     } else {
       Tensor qkv = linears(h, params, at_, qkv_parts).contiguous();
-      float* q = qkv.data_ptr<float>();
-      float* k = q + H * D;
-      const float* v = k + KVH * D;
-      if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
-        const float* qw = params.get(at_++).value().data_ptr<float>();
-        const float* kw = params.get(at_++).value().data_ptr<float>();
-        for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
-        for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
-      }
-      for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos, sin, R);
-      for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos, sin, R);
+      const int64_t width = qkv.size(1);
+      const float* qw = qk_norm ? params.get(at_++).value().data_ptr<float>() : nullptr;
+      const float* kw = qk_norm ? params.get(at_++).value().data_ptr<float>() : nullptr;
       const Tensor& kc = caches[ci++];
       const Tensor& vc = caches[ci++];
-      if (kc.scalar_type() == at::kHalf)
-        attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
-      else
-        attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+      for (int64_t t = 0; t < Tn; ++t) {
+        float* q = qkv.data_ptr<float>() + t * width;
+        float* k = q + H * D;
+        const float* v = k + KVH * D;
+        if (qk_norm) {  // Qwen3: RMSNorm over each query and key head before RoPE
+          for (int64_t i = 0; i < H; ++i) rms_norm(q + i * D, qw, q + i * D, D, eps);
+          for (int64_t i = 0; i < KVH; ++i) rms_norm(k + i * D, kw, k + i * D, D, eps);
+        }
+        for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos + t * cs, sin + t * cs, R);
+        for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos + t * cs, sin + t * cs, R);
+        Tensor row = attn.narrow(0, t, 1);
+        if (kc.scalar_type() == at::kHalf)
+          attention<at::Half>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, row);
+        else
+          attention<float>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, row);
+      }
       Tensor a = linear(attn, params, at_);
       const float* ap = a.data_ptr<float>();
-      for (int64_t i = 0; i < hidden; ++i) xs[i] += ap[i];
+      for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += ap[i];
     }
-    rms_norm(xs, params.get(at_++).value().data_ptr<float>(), hs, hidden, eps);
+    const float* post_norm = params.get(at_++).value().data_ptr<float>();
+    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
     Tensor gu = linears(h, params, at_, gu_parts).contiguous();
     const int64_t ffn = gu.size(1) / 2;
-    Tensor act = at::silu(gu.narrow(1, 0, ffn));
-    act.mul_(gu.narrow(1, ffn, ffn));
+    Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, x.options());
+    for (int64_t t = 0; t < Tn; ++t) {  // (row by row: one row's elementwise loops, as the step's)
+      const Tensor g = gu.narrow(0, t, 1);
+      Tensor a = at::silu(g.narrow(1, 0, ffn));
+      a.mul_(g.narrow(1, ffn, ffn));
+      if (Tn == 1)
+        act = a;
+      else
+        act.narrow(0, t, 1).copy_(a);
+    }
     Tensor m = linear(act, params, at_);
     const float* mp = m.data_ptr<float>();
-    for (int64_t i = 0; i < hidden; ++i) xs[i] += mp[i];
+    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
   }
   return x;
 }
@@ -1231,6 +1332,7 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
 TORCH_LIBRARY(chat_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scale, bool int8=False) -> Tensor", &q8_linear);
   m.def("block_linear(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear);
+  m.def("block_linear_rows(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear_rows);
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);
   m.def("delta_decode(Tensor mixed, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight, "

@@ -31,6 +31,7 @@ import tempfile
 
 import torch
 
+from ...architectures.layers import add_norm, head_logits
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
@@ -362,17 +363,49 @@ class CpuStep:
         self.kv_dtype = torch.float16 if quantized else torch.float32
         self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
 
+    def _state_tensors(self, state) -> list[torch.Tensor]:
+        if self._caches[0] is not state:  # the state's buffers never move: list them once
+            self._caches = (state, [t for i, layer in enumerate(self.model.model.layers)
+                                    for t in ((state.fixed(i)["conv"],) if _short_conv(layer) else state.kv(i))])
+        return self._caches[1]
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, state, all_logits: bool = False) -> torch.Tensor:
         if tokens.shape[0] != 1:
             raise ValueError("CpuStep decodes one token; prefill runs the model itself")
         model = self.model
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
-        if self._caches[0] is not state:  # the state's buffers never move: list them once
-            self._caches = (state, [t for i, layer in enumerate(model.model.layers)
-                                    for t in ((state.fixed(i)["conv"],) if _short_conv(layer) else state.kv(i))])
-        x = self.op(x, cos, sin, self.params, self._caches[1], self.meta, state.length, self.eps)
+        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps)
         return model.logits(x)
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
+        """Logits [T, vocab] for T tokens fed at once at positions state.length.. (a speculative
+        verify), each row bit for bit what `__call__` gives for that token after the ones before
+        it, the state written as T calls write it; the weights are read once. The embeddings, RoPE
+        tables and final norms are taken a row at a time, as the one-token step takes them; the
+        head's rows through the library's row-exact forms (llama_step's contract)."""
+        model = self.model
+        n = tokens.shape[0]
+        x = torch.cat([model.model.embed_tokens(tokens[t:t + 1]) for t in range(n)])
+        tables = [model.rope.cos_sin(positions[t:t + 1], x.dtype) for t in range(n)]
+        cos = torch.cat([c for c, _ in tables])
+        sin = torch.cat([s for _, s in tables])
+        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps)
+        return self._head_rows(x)
+
+    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        head = model.lm_head
+        if isinstance(head, BlockLinear) and head.fp32_kernel is not None:  # (BlockLinear.forward's, by rows)
+            normed = torch.cat([add_norm(x[t:t + 1], model.model.norm, defer=True, out_dtype=torch.float32)[1]
+                                for t in range(x.shape[0])])
+            y = torch.ops.chat_cpu.block_linear_rows(normed.contiguous(), head.blocks, head.ggml_type, head.int8_inputs)
+            return (y if head.bias is None else y + head.bias).float()
+        if _q8_head(model) is not None or isinstance(head, Int4Linear):  # their kernels sum each row alike
+            normed = torch.cat([add_norm(x[t:t + 1], model.model.norm, defer=True, out_dtype=torch.float32)[1]
+                                for t in range(x.shape[0])])
+            return head_logits(head, normed)
+        return torch.cat([model.logits(x[t:t + 1]) for t in range(x.shape[0])])  # (an fp32 GEMM's rows are not)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,254 @@
+"""Speculative decoding (engine/speculative.py, DecodeSession._speculative) against plain decoding.
+
+The C++ step's verify feeds several tokens in one call with each row's logits bit for bit a
+one-token step's (the row-exact linears, block_linear_rows); on that, a reply with drafts equals
+the reply without, token for token, and leaves the same state: greedy and seeded sampled, with
+drafts all right, all wrong, or right at random, a stop id or the token limit among accepted
+drafts, the context's end, and a reader that stops reading (Ctrl-C).
+"""
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from engine.config import ConfigError, SamplingConfig
+from engine.session import DecodeSession
+from engine.speculative import Depth, PromptLookup
+from models.kernels.cpu import step as cpu_step
+from test_block_quant import Q4_K_M, tiny_gguf
+from test_gguf_blocks import QUANTIZED, random_blocks
+
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=48)
+SAMPLED = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, min_p=0.0, seed=11, max_new_tokens=48,
+                         repetition_penalty=1.1)
+PROMPT = [5, 9, 200, 7, 7, 31, 4, 100, 12, 40, 41, 42, 43, 12, 40, 41]
+
+# (kind, linear type, per-tensor types, embedding/head type, cpu_int8): 4-bit repacked to torch's
+# int4 kernel, GGUF blocks read as stored (32-weight and K-quant types, a K-quant head), int8 inputs
+GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0, False),
+         ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, False), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0, False),
+         ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True)]
+IDS = [f"{k}-{q.name}-head_{e.name}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
+
+
+@pytest.fixture(scope="module", params=GGUFS, ids=IDS)
+def gguf_lm(request, tmp_path_factory):
+    kind, linear, types, embed, int8 = request.param
+    lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
+    if int8:
+        models.use_int8_inputs(lm.model, True)
+    return lm
+
+
+def session(lm, speculative="lookup", max_context=256):
+    s = DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32,
+                      cpu_kernel="on", speculative=speculative)
+    assert isinstance(s._step_fn, cpu_step.CpuStep)
+    return s
+
+
+def kv_live(s):
+    n = s.state.length
+    return [t[:, :n].clone() for i in range(len(s.state._kv)) if s.state._kv[i] is not None for t in s.state.kv(i)]
+
+
+class Fixed:
+    """A drafter that proposes what `guess(context, k)` says (the tests' drafts)."""
+
+    def __init__(self, guess):
+        self.guess, self.tokens = guess, []
+
+    def __call__(self, context):
+        self.tokens = list(context)
+        return self
+
+    def extend(self, ids):
+        self.tokens += list(ids)
+
+    def propose(self, k):
+        return self.guess(self.tokens, k)
+
+
+class Always(Depth):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def choose(self, room):
+        return min(self.k, room)
+
+
+def run(s, cfg, prompt=PROMPT, stop_ids=None, close_after=None):
+    out = []
+    gen = s.generate(prompt, cfg, stop_ids=stop_ids)
+    for t in gen:
+        out.append(t)
+        if close_after is not None and len(out) == close_after:
+            gen.close()
+            break
+    return out, list(s.cached), s.state.length, s.state.written, kv_live(s)
+
+
+def same(a, b):
+    assert a[:4] == b[:4]
+    assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+
+
+def test_verify_rows_are_steps_bit_for_bit(gguf_lm):
+    """The step's verify of 6 tokens against 6 steps after the same prefix: equal logits, and the
+    KV slots they wrote equal."""
+    s = session(gguf_lm, "off")
+    toks = [3, 77, 5, 120, 9, 9]
+    s.prefill(PROMPT)
+    steps = torch.stack([s.step(t)[-1] for t in toks])
+    kv_steps = kv_live(s)
+    s.state.unfeed(len(toks))
+    rows = s._forward(toks, verify=True)
+    assert torch.equal(rows, steps)
+    assert all(torch.equal(a, b) for a, b in zip(kv_live(s), kv_steps))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("int8", [False, True])
+def test_block_linear_rows_are_one_row_products(qtype, int8):
+    """block_linear_rows: each row of a 7-row product is the one-row product's bits (the decode
+    kernel's), for every block type, on fp32 and on int8 inputs; the prefill's product of the
+    same rows is not bound to them (it sums in another order)."""
+    cpu_step.load()
+    ops = torch.ops.chat_cpu
+    raw = torch.from_numpy(random_blocks(qtype, rows=53, blocks_per_row=8 if qtype < Q.Q4_K else 2, seed=4))
+    x = torch.randn(7, ops.block_dequant(raw, int(qtype)).shape[1], generator=torch.Generator().manual_seed(1))
+    rows = ops.block_linear_rows(x, raw, int(qtype), int8)
+    one = torch.cat([ops.block_linear(x[t:t + 1].contiguous(), raw, int(qtype), int8) for t in range(7)])
+    assert torch.equal(rows, one)
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafts", ["right", "wrong", "random"])
+def test_replies_and_state_equal_plain_decoding(gguf_lm, cfg, drafts):
+    """Drafts from the plain reply itself (all right), from nowhere (all wrong), or right at random
+    positions: the same tokens, cached ids, lengths and KV as plain decoding, at depths 1 to 7."""
+    plain = run(session(gguf_lm, "off"), cfg)
+    reply, rng = plain[0], random.Random(5)
+
+    def guess(ctx, k):
+        at = len(ctx) - len(PROMPT)  # the reply's tokens so far
+        right = reply[at:at + k]
+        if drafts == "wrong":
+            return [(t + 1) % gguf_lm.model.config.vocab_size for t in right] or [1] * k
+        if drafts == "random":
+            return [t if rng.random() < 0.6 else (t + 3) % 256 for t in right] or [2] * k
+        return right
+    for depth in (1, 3, 7):
+        s = session(gguf_lm)
+        s._drafter, s._depth = Fixed(guess), Always(depth)
+        got = run(s, cfg)
+        same(got, plain)
+        assert s.last_stats.drafted > 0
+        if drafts == "right":
+            assert s.last_stats.accepted == s.last_stats.drafted > 0
+        if drafts == "wrong":
+            assert s.last_stats.accepted == 0
+
+
+@pytest.mark.parametrize("end", ["stop", "length", "context", "closed"])
+def test_a_reply_ending_among_accepted_drafts(gguf_lm, end):
+    """The reply ends at a token that was an accepted draft with more drafts fed after it: a stop
+    id, the token limit, the context's end, the reader closing the generator. The rows fed past
+    it are unfed: the state is plain decoding's."""
+    base = run(session(gguf_lm, "off"), SAMPLED)[0]  # (sampled: a varied reply, a stop id to pick)
+    cut = next(i for i in range(9, len(base)) if base[i] not in base[:i])
+    stop_ids = (base[cut],) if end == "stop" else None
+    cfg = SAMPLED.replace(max_new_tokens=cut + 1) if end == "length" else SAMPLED
+    max_context = len(PROMPT) + cut if end == "context" else 256
+    close_after = cut + 1 if end == "closed" else None
+    kw = dict(stop_ids=stop_ids, close_after=close_after)
+    plain = run(session(gguf_lm, "off", max_context), cfg, **kw)
+    s = session(gguf_lm, "lookup", max_context)
+    s._drafter, s._depth = Fixed(lambda ctx, k: (base + [1] * 8)[len(ctx) - len(PROMPT):][:k]), Always(7)
+    got = run(s, cfg, **kw)
+    same(got, plain)
+    assert len(got[0]) == cut + 1 and s.last_stats.accepted > 0
+
+
+def test_prompt_lookup_on_a_copy_task(gguf_lm):
+    """The n-gram drafter on a reply that repeats its prompt (forced by a prompt that is a
+    repeated pattern): drafts are proposed and kept, the reply is plain decoding's."""
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17] * 6
+    plain = run(session(gguf_lm, "off"), GREEDY, prompt=prompt)
+    s = session(gguf_lm, "lookup")
+    got = run(s, GREEDY, prompt=prompt)
+    same(got, plain)
+    assert s.last_stats.drafted > 0
+
+
+def test_the_embedded_model_speculates_exactly(smollm2_q4):
+    """The embedded model's 4-bit linears and Q8 head: the self-check passes, a copy-with-edit
+    prompt's greedy and sampled replies equal plain decoding's, and drafts are kept."""
+    tok = smollm2_q4.tokenizer
+    text = ("<|im_start|>user\nRepeat exactly: The keeper, a quiet man named Tobias, climbed the spiral stairs "
+            "each evening at dusk.<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tok.encode(text, add_special_tokens=False).ids
+    eos = tuple(t for t in (tok.token_to_id("<|im_end|>"),) if t is not None)
+    for cfg in (GREEDY, SAMPLED):
+        plain = run(session(smollm2_q4, "off", 512), cfg, prompt=prompt, stop_ids=eos)
+        s = session(smollm2_q4, "lookup", 512)
+        assert s.speculating and s._spec_checked is True
+        got = run(s, cfg, prompt=prompt, stop_ids=eos)
+        same(got, plain)
+    assert s.last_stats.accepted > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4():
+    return models.load("smollm2", quantized=True)
+
+
+def test_a_failed_self_check_turns_speculation_off(gguf_lm, monkeypatch):
+    """A verify whose rows differ from steps (a kernel summing rows otherwise): auto decodes
+    without drafts and says why; lookup is refused with the reason."""
+    real = cpu_step.CpuStep.verify
+    monkeypatch.setattr(cpu_step.CpuStep, "verify", lambda self, *a: real(self, *a) * (1 + 1e-7))
+    s = session(gguf_lm, "auto")
+    assert not s.speculating and "self-check" in s.speculation_text
+    with pytest.raises(ConfigError, match="speculative: lookup is unavailable here"):
+        session(gguf_lm, "lookup")
+
+
+def test_unavailable_paths_say_why(tiny_dirs):
+    """The torch step (no verify) and speculative: lookup: a ConfigError naming the cause; auto:
+    off with the reason in /show's words."""
+    lm = models.load(tiny_dirs["llama"][0])
+    kw = dict(max_context=64, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="off")
+    with pytest.raises(ConfigError, match="no exact multi-token verify"):
+        DecodeSession(lm.model, speculative="lookup", **kw)
+    s = DecodeSession(lm.model, speculative="auto", **kw)
+    assert not s.speculating and s.speculation_text.startswith("auto: off here (no exact multi-token verify")
+    with pytest.raises(ConfigError):
+        s.set_speculative("sometimes")
+
+
+def test_prompt_lookup_drafter():
+    d = PromptLookup([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert d.propose(3) == [4, 5, 9]  # the longest suffix seen before (1 2 3), what followed it
+    d.extend([7])
+    assert d.propose(2) == []  # "3 7" never occurred before
+    d = PromptLookup([4, 4, 4, 4])
+    assert d.propose(2) == [4]  # the latest earlier occurrence ends one before the end
+    assert PromptLookup([1]).propose(4) == [] and PromptLookup([1, 2, 1, 2]).propose(0) == []
+
+
+def test_depth_follows_acceptance_and_cost():
+    d = Depth()
+    d.observe_cost(1, 1.0)
+    for r in range(2, 9):
+        d.observe_cost(r, 1.0 + 0.25 * (r - 1))
+    for _ in range(30):
+        d.observe(7, 7)
+    assert d.choose(7) == 7 and d.choose(2) == 2 and d.choose(0) == 0
+    for _ in range(60):
+        d.observe(0, 3)
+    picks = [d.choose(7) for _ in range(32)]
+    assert picks.count(0) >= 30 and 1 in picks  # plain steps, with one draft tried now and then
