@@ -3,11 +3,17 @@ one session: a copy-with-edit conversation (the user gives a paragraph and asks 
 word changed), greedy, the embedded model by default, on the CPU by default.
 
     python bench/spec_bench.py [--model smollm2] [--device cpu] [--rounds 3] [--temperature 0]
+                               [--acceptance 0,0.5,0.75,1]
 
 Each round runs the turn with `speculative: off` and then `lookup` (`/set speculative`, the live
 session's switch), from the same cached prefix (the turn is undone between them), and checks the
 two replies equal token for token. Prints each round's decode tok/s, the drafts kept, the medians
 and their ratio. With --temperature above 0, a fixed seed: the sampled replies must match too.
+
+--acceptance: forced drafts instead of prompt lookup, for each rate A: the plain reply's own
+tokens, each replaced by a wrong one with probability 1 - A (seeded), so that the depth rule and
+the verify's cost are measured at a known acceptance (0: every draft wrong, where speculation
+must cost next to nothing).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--max-new", default="200")
+    ap.add_argument("--acceptance", default="", help="forced drafts at these rates, comma-separated")
     args = ap.parse_args()
     from chat.controller import ChatController
     from chat.runtime import open_runtime
@@ -54,6 +61,9 @@ def main() -> None:
         c.undo()
         return result
 
+    if args.acceptance:
+        forced_drafts(c, turn, [float(a) for a in args.acceptance.split(",")], args.rounds)
+        return
     rates = {"off": [], "lookup": []}
     for r in range(args.rounds):
         plain, spec = turn("off"), turn("lookup")
@@ -66,6 +76,42 @@ def main() -> None:
               "replies identical")
     off, on = statistics.median(rates["off"]), statistics.median(rates["lookup"])
     print(f"median decode: off {off:.1f} tok/s, lookup {on:.1f} tok/s: {on / off:.2f}x")
+
+
+def forced_drafts(c, turn, rates: list[float], rounds: int) -> None:
+    """Per acceptance rate: drafts from the plain reply, each wrong with probability 1 - rate."""
+    import random
+
+    from engine.speculative import Depth, PromptLookup
+    session = c.session
+    reply = turn("off").ids
+    vocab = session.vocab_size
+
+    class Forced(PromptLookup):
+        def __init__(self, context, expected=None, rate=1.0, rng=None):
+            super().__init__(context)
+            self.start, self.rate, self.rng = len(context), rate, rng
+
+        def propose(self, k):
+            at = len(self.tokens) - self.start
+            return [t if self.rng.random() < self.rate else (t + 1 + self.rng.randrange(vocab - 1)) % vocab
+                    for t in reply[at:at + k]]
+
+    for rate in rates:
+        off, on, kept = [], [], []
+        for r in range(rounds):
+            rng = random.Random(r)
+            session._depth = Depth()  # (each rate from the same start: no acceptance carried over)
+            session._drafter = lambda ctx, exp=None: Forced(ctx, rate=rate, rng=rng)
+            plain, spec = turn("off"), turn("lookup")
+            assert plain.ids == spec.ids == reply, f"acceptance {rate}: the replies differ"
+            off.append(plain.stats.decode_tps)
+            on.append(spec.stats.decode_tps)
+            kept.append(f"{spec.stats.accepted}/{spec.stats.drafted}")
+        session._drafter = PromptLookup
+        a, b = statistics.median(off), statistics.median(on)
+        print(f"acceptance {rate:.2f}: off {a:.1f} tok/s, forced drafts {b:.1f} tok/s: {b / a:.2f}x "
+              f"(kept {', '.join(kept)}; replies identical)")
 
 
 if __name__ == "__main__":

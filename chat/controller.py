@@ -88,10 +88,11 @@ class ChatController:
         return self.conv.prompt_ids(user_text)
 
     def send(self, user_text: str, result: TurnResult, seed: int | None = None,
-             forced: list[int] | None = None) -> Iterator[str]:
+             forced: list[int] | None = None, expected: list[int] | None = None) -> Iterator[str]:
         """Stream one reply. The exchange joins the conversation only when the reply completes.
         The draws are keyed by the number of exchanges before this one (engine/sampling.py);
-        `forced`: a teacher-forced replay's recorded ids (chat/replay.py)."""
+        `forced`: a teacher-forced replay's recorded ids (chat/replay.py); `expected`: an exact
+        replay's, drafted first (they change no token)."""
         ids = self.prompt_ids(user_text)
         result.prompt_ids = ids
         sampling = self.settings.sampling
@@ -103,7 +104,7 @@ class ChatController:
             constraint = None if self._compiled is None else self._compiled.constraint()
             yield from run_turn(self.session, self.tokenizer, ids, sampling, seed, result,
                                 turn=len(self.turns), sampler=self.sampler_version, forced=forced,
-                                constraint=constraint)
+                                constraint=constraint, expected=expected)
             completed = True
         except ReuseMismatch as e:
             raise ReuseMismatch(f"turn {len(self.turns) + 1}: {e}") from None

@@ -206,7 +206,8 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
             seed = ev.result["seed"]
         result = TurnResult([])
         forced = ev.result["generated_ids"] if forcing else None
-        for chunk in controller.send(user, result, seed=seed, forced=forced):
+        expected = ev.result["generated_ids"] if expect and not forcing else None  # (drafts: engine/speculative.py)
+        for chunk in controller.send(user, result, seed=seed, forced=forced, expected=expected):
             if on_chunk:
                 on_chunk(chunk)
         if on_chunk:

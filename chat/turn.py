@@ -67,12 +67,12 @@ def _completes(constraint, ids: list[int], eos_ids) -> bool:
 
 def run_turn(session: DecodeSession, tokenizer, prompt_ids: list[int], sampling: SamplingConfig,
              seed: int | None, result: TurnResult, *, turn: int = 0, sampler: int = SAMPLER_VERSION,
-             forced: list[int] | None = None, constraint=None) -> Iterator[str]:
+             forced: list[int] | None = None, constraint=None, expected: list[int] | None = None) -> Iterator[str]:
     """Yields text chunks; fills `result` as it goes (also when interrupted). `turn`, `sampler`,
-    `forced` and `constraint` (the output format's mask) go to `DecodeSession.generate`."""
+    `forced`, `constraint` (the output format's mask) and `expected` go to `DecodeSession.generate`."""
     # raises before touching state
     tokens = session.generate(prompt_ids, sampling, seed=seed, turn=turn, sampler=sampler, forced=forced,
-                              constraint=constraint)
+                              constraint=constraint, expected=expected)
     decoder = IncrementalDecoder(tokenizer)
     stops = list(sampling.stop)
     emitted = 0

@@ -259,7 +259,7 @@ class DecodeSession:
         if getattr(self._step_fn, "verify", None) is None:
             return ("no exact multi-token verify for this decode path (the C++ CPU step of the dense "
                     "GQA models has one)")
-        if self.state.has_fixed_state:
+        if self.state.has_fixed_state and getattr(self._step_fn, "fixed_after", None) is None:
             return "this model's recurrent state has no rollback of rejected drafts yet"
         if self.link is not None:
             return "a tensor-parallel rank decodes step by step"
@@ -302,19 +302,22 @@ class DecodeSession:
     def _self_check(self, rows: int = 4) -> bool | None:
         """Whether a verify of `rows` tokens gives, bit for bit, the logits `rows` steps give after
         the cached tokens (the step's contract, checked on this machine's kernels), or None where
-        the context has no room. Pure-KV state: both are unfed after, the state as it was (the
-        slots above it no longer count as written)."""
+        the context has no room. Both are unfed after (fixed state: its copy from before put
+        back), the state as it was; the slots above it no longer count as written."""
         n0 = self.state.length
         if n0 + rows > self.max_context:
             return None
         ids = [(7 * i + 3) % self.vocab_size for i in range(rows)]
+        before = self.state.snapshot().fixed
         try:
             steps = torch.stack([self.step(t)[-1] for t in ids])
-            self.state.unfeed(self.state.length - n0)
+            fixed = [t.clone() for t in self.state.fixed_tensors()]
+            self.state.unfeed(self.state.length - n0, before)
             verified = self._forward(ids, verify=True)
-            return bool(torch.equal(steps, verified))
+            return bool(torch.equal(steps, verified)) and all(
+                torch.equal(a, b) for a, b in zip(fixed, self.state.fixed_tensors()))
         finally:
-            self.state.unfeed(self.state.length - n0)
+            self.state.unfeed(self.state.length - n0, before)
             del self._ids[n0:]
 
     @property
@@ -477,13 +480,16 @@ class DecodeSession:
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, seed: int | None = None,
                  stop_ids: tuple[int, ...] | None = None, *, turn: int = 0, sampler: int = SAMPLER_VERSION,
-                 forced: list[int] | None = None, constraint: TokenConstraint | None = None) -> Iterator[int]:
+                 forced: list[int] | None = None, constraint: TokenConstraint | None = None,
+                 expected: list[int] | None = None) -> Iterator[int]:
         """Validate now (raising before any state changes), then return the token iterator.
 
         `turn` and `sampler` (the version) key the draws (engine/sampling.py). `forced`: feed and
         yield these ids instead of the sampler's choices; the stop rules still apply to them.
         `constraint` (engine/constraint.py, fresh for this generation): each draw is masked to the
-        tokens it allows; a forced token it rejects is a departure, after which it is dropped."""
+        tokens it allows; a forced token it rejects is a departure, after which it is dropped.
+        `expected`: the reply a replay expects, drafted first where the session speculates (it
+        changes no token: engine/speculative.py)."""
         self.check_fits(prompt_ids)
         self._generation += 1  # (an older generator, closed late, must not touch this one's state)
         seed = resolve_seed(sampling.seed if seed is None else seed)
@@ -492,10 +498,11 @@ class DecodeSession:
         mask = None if constraint is None else ConstraintMask(constraint, self.vocab_size, self.device,
                                                                  self._device_masks)
         return self._generate(list(prompt_ids), sampling, seed, stops, draw,
-                              None if forced is None else list(forced), mask, self._generation)
+                              None if forced is None else list(forced), mask, self._generation, expected)
 
     def _generate(self, prompt: list[int], cfg: SamplingConfig, seed: int, stops, sampler,
-                  forced: list[int] | None, mask: ConstraintMask | None, generation: int) -> Iterator[int]:
+                  forced: list[int] | None, mask: ConstraintMask | None, generation: int,
+                  expected: list[int] | None = None) -> Iterator[int]:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt), seed=seed)
         stats.finish_reason = "interrupted"
         t0 = time.perf_counter()
@@ -512,7 +519,7 @@ class DecodeSession:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
         if self.speculating and forced is None and mask is None:
-            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation)
+            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation, expected)
             return
         if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
                 and forced is None and mask is None and not self.state.has_fixed_state
@@ -629,20 +636,22 @@ class DecodeSession:
                 stats.decode_seconds = time.perf_counter() - t1
 
     def _speculative(self, prompt: list[int], logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats,
-                     stops, sampler, t0: float, generation: int) -> Iterator[int]:
+                     stops, sampler, t0: float, generation: int, expected: list[int] | None = None) -> Iterator[int]:
         """The decode loop of `_generate` with prompt-lookup drafts verified (engine/speculative.py).
         Every token is the sampler's draw from a row whose logits a plain step gives bit for bit,
         drawn in the plain loop's order, and the stop rules are the plain loop's; rows fed past
         what the plain loop would have fed at a point (`excess`: the drafts after a token being
         yielded) are unfed before the next forward, at a stop, or where the reader stops reading
         (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
-        drafter, depth = self._drafter(prompt), self._depth
-        excess, fed_to, t1 = 0, None, None
+        drafter, depth = self._drafter(prompt, expected), self._depth
+        excess, fed_to, t1, k = 0, None, None, 0
 
         def unfeed_excess() -> None:
             nonlocal excess
             if excess and self.state.length == fed_to and self._generation == generation:
-                self.state.unfeed(excess)
+                # fixed state (conv windows): as the verify's step kept it after the last row kept
+                fixed = self._step_fn.fixed_after(k + 1 - excess) if self.state.has_fixed_state else None
+                self.state.unfeed(excess, fixed)
                 del self._ids[self.state.length:]
             excess = 0
 

@@ -10,7 +10,9 @@ tokens one forward yields.
 - `PromptLookup`: the n-gram drafter (prompt lookup decoding, Saxena 2023): the longest suffix of
   the context (up to MAX_NGRAM tokens, at least MIN_NGRAM) that occurred before, and the tokens
   that followed its latest occurrence. No weights; it pays where a reply quotes, edits or
-  repeats its input. An index of each n-gram's latest position, kept as tokens arrive.
+  repeats its input. An index of each n-gram's latest position, kept as tokens arrive. In a
+  replay (`chat replay`), the recorded reply is drafted first: a replay that reproduces its
+  recording verifies it several tokens a forward.
 - `Depth`: how many drafts to verify, from the measured acceptance (each draft's chance to be
   kept given the ones before it were) and the measured cost of a verify of each size against
   a one-token step: the depth that maximises expected tokens per second, 0 (a plain step)
@@ -22,23 +24,31 @@ from __future__ import annotations
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DEPTH = 7  # drafts a verify: 8 rows (the C++ step's row-exact linears take any count; beyond
 # this the copy task's gain flattens while a wrong guess costs more: bench/spec_bench.py)
-EXPLORE_EVERY = 16  # plain steps between tries of one draft where depth 0 is chosen
+EXPLORE_EVERY = 32  # plain steps between tries of one draft where depth 0 is chosen
 DECAY = 0.9  # the acceptance's memory, per verify
 COST_WEIGHT = 0.25  # a new timing's weight in a size's running cost
+MARGIN = 0.05  # a verify must promise this much over a plain step (timings are noisy: bench/spec_bench.py
+# --acceptance 0 measures what a wrong choice costs)
 
 
 class PromptLookup:
     """Drafts from the context's own n-grams. `extend` every token that enters the context (the
-    prompt at the start, then each token of the reply), `propose(k)` up to k draft ids."""
+    prompt at the start, then each token of the reply), `propose(k)` up to k draft ids.
+    `expected`: the reply a recording holds (a replay): drafted first, while the reply follows it."""
 
-    def __init__(self, context: list[int]):
+    def __init__(self, context: list[int], expected: list[int] | None = None):
         self.tokens: list[int] = []
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram → where its latest occurrence ends
         self.extend(context)
+        self.expected = list(expected or [])
+        self.reply = 0  # the reply's tokens so far, while they equal the expected ones (else -1)
 
     def extend(self, ids) -> None:
         for t in ids:
             self.tokens.append(int(t))
+            if getattr(self, "expected", None) is not None and self.reply >= 0:
+                on_track = self.reply < len(self.expected) and self.expected[self.reply] == int(t)
+                self.reply = self.reply + 1 if on_track else -1
             end = len(self.tokens)
             # each n-gram ending here, indexed after the lookups that precede it: propose() looks
             # for an earlier occurrence of the current suffix, never the suffix itself
@@ -50,6 +60,8 @@ class PromptLookup:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         suffix (the context's last token's own n-grams are not yet indexed: see extend)."""
         toks = self.tokens
+        if k > 0 and self.reply >= 0 and self.reply < len(self.expected):
+            return self.expected[self.reply:self.reply + k]
         if k <= 0 or len(toks) < MIN_NGRAM:
             return []
         for n in range(min(MAX_NGRAM, len(toks)), MIN_NGRAM - 1, -1):
@@ -66,7 +78,7 @@ class Depth:
     def __init__(self, max_depth: int = MAX_DEPTH):
         self.max_depth = max_depth
         self.costs: dict[int, float] = {}
-        self.kept, self.tried = 1.0, 2.0  # acceptance prior 1/2, as one kept of two tried
+        self.kept, self.tried = 0.5, 1.0  # acceptance prior 1/2, the weight of one trial
         self._plain_run = 0
 
     @property
@@ -86,9 +98,9 @@ class Depth:
     def cost(self, rows: int) -> float:
         """The measured cost of `rows` rows, or where unmeasured a line through the measured sizes
         (a plain step's cost and the nearest measured verify), at least a step's."""
-        if rows in self.costs:
-            return self.costs[rows]
         one = self.costs.get(1)
+        if rows in self.costs:  # (no cheaper than fewer rows: a lower timing is noise)
+            return max([self.costs[rows]] + [c for r, c in self.costs.items() if r < rows])
         if one is None:
             return float(rows)
         known = sorted(r for r in self.costs if r > 1)
@@ -109,7 +121,7 @@ class Depth:
         for k in range(1, room + 1):
             expected += a ** k  # tokens a verify of k drafts yields: 1 + a + ... + a^k
             rate = expected / self.cost(k + 1)
-            if rate > best_rate:
+            if rate > best_rate * (1 + MARGIN if best == 0 else 1):
                 best, best_rate = k, rate
         if best == 0:
             self._plain_run += 1

@@ -302,14 +302,18 @@ class StateManager:
                               "without a checkpoint; reset and re-prefill instead")
         self.length = n
 
-    def unfeed(self, n: int) -> None:
+    def unfeed(self, n: int, fixed: list | None = None) -> None:
         """Forget the last n tokens as if no forward had fed them: length and written both fall
-        by n (their KV slots count as unwritten, so no later prefix match reuses them). Pure-KV
-        state only: the pipelined decode's step ahead, fed a token that turned out to end the
-        reply (engine/session.py)."""
-        if self.has_fixed_state or not 0 <= n <= self.length:
+        by n (their KV slots count as unwritten, so no later prefix match reuses them). Fixed
+        state cannot be unfed by a length: `fixed` is that state at the new length (per layer as
+        `fixed(i)` holds it, None for an attention layer), copied in. The pipelined decode's step
+        ahead, fed a token that turned out to end the reply; a speculative verify's rejected
+        drafts, with the per-row conv windows its step kept (engine/session.py)."""
+        if not 0 <= n <= self.length or (self.has_fixed_state and n and fixed is None):
             raise RewindError(f"cannot unfeed {n} of {self.length} tokens" +
-                              (" of recurrent state" if self.has_fixed_state else ""))
+                              (" of recurrent state without that state" if self.has_fixed_state else ""))
+        if n and self.has_fixed_state:
+            _copy_fixed(self._fixed, fixed)
         self.length -= n
         self.written = self.length
         self._drop(lambda c: c.length > self.length)

@@ -2,7 +2,8 @@
 
 The C++ step's verify feeds several tokens in one call with each row's logits bit for bit a
 one-token step's (the row-exact linears, block_linear_rows); on that, a reply with drafts equals
-the reply without, token for token, and leaves the same state: greedy and seeded sampled, with
+the reply without, token for token, and leaves the same state (KV, and LFM2's conv windows
+restored from the verify's rows): greedy and seeded sampled, with
 drafts all right, all wrong, or right at random, a stop id or the token limit among accepted
 drafts, the context's end, and a reader that stops reading (Ctrl-C).
 """
@@ -18,6 +19,7 @@ from engine.session import DecodeSession
 from engine.speculative import Depth, PromptLookup
 from models.kernels.cpu import step as cpu_step
 from test_block_quant import Q4_K_M, tiny_gguf
+from test_cpu_step import lfm2_in_blocks
 from test_gguf_blocks import QUANTIZED, random_blocks
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=48)
@@ -29,14 +31,18 @@ PROMPT = [5, 9, 200, 7, 7, 31, 4, 100, 12, 40, 41, 42, 43, 12, 40, 41]
 # int4 kernel, GGUF blocks read as stored (32-weight and K-quant types, a K-quant head), int8 inputs
 GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0, False),
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, False), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0, False),
-         ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True)]
-IDS = [f"{k}-{q.name}-head_{e.name}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
+         ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True),
+         ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True)]
+IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
 
 @pytest.fixture(scope="module", params=GGUFS, ids=IDS)
 def gguf_lm(request, tmp_path_factory):
     kind, linear, types, embed, int8 = request.param
-    lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
+    if kind == "lfm2":  # (short-conv layers: their windows rolled back from the verify's rows)
+        lm = lfm2_in_blocks(tmp_path_factory.mktemp("spec"), linear)
+    else:
+        lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
     if int8:
         models.use_int8_inputs(lm.model, True)
     return lm
@@ -50,8 +56,10 @@ def session(lm, speculative="lookup", max_context=256):
 
 
 def kv_live(s):
+    """The live state's values: each KV cache up to the length, each fixed tensor (conv windows)."""
     n = s.state.length
-    return [t[:, :n].clone() for i in range(len(s.state._kv)) if s.state._kv[i] is not None for t in s.state.kv(i)]
+    kv = [t[:, :n].clone() for i in range(len(s.state._kv)) if s.state._kv[i] is not None for t in s.state.kv(i)]
+    return kv + [t.clone() for t in s.state.fixed_tensors()]
 
 
 class Fixed:
@@ -60,7 +68,7 @@ class Fixed:
     def __init__(self, guess):
         self.guess, self.tokens = guess, []
 
-    def __call__(self, context):
+    def __call__(self, context, expected=None):
         self.tokens = list(context)
         return self
 
@@ -102,9 +110,10 @@ def test_verify_rows_are_steps_bit_for_bit(gguf_lm):
     s = session(gguf_lm, "off")
     toks = [3, 77, 5, 120, 9, 9]
     s.prefill(PROMPT)
+    before = s.state.snapshot().fixed
     steps = torch.stack([s.step(t)[-1] for t in toks])
     kv_steps = kv_live(s)
-    s.state.unfeed(len(toks))
+    s.state.unfeed(len(toks), before)
     rows = s._forward(toks, verify=True)
     assert torch.equal(rows, steps)
     assert all(torch.equal(a, b) for a, b in zip(kv_live(s), kv_steps))
@@ -181,7 +190,23 @@ def test_prompt_lookup_on_a_copy_task(gguf_lm):
     s = session(gguf_lm, "lookup")
     got = run(s, GREEDY, prompt=prompt)
     same(got, plain)
-    assert s.last_stats.drafted > 0
+    ctx = prompt + plain[0]  # drafts wherever the last two tokens occurred before (within the reply)
+    repeats = any(tuple(ctx[e - 2:e]) in {tuple(ctx[i:i + 2]) for i in range(e - 2)}
+                  for e in range(len(prompt) + 1, len(ctx)))
+    assert s.last_stats.drafted > 0 or not repeats
+
+
+def test_an_expected_reply_is_verified_in_few_forwards(gguf_lm):
+    """generate(expected=...) (a replay's recorded reply) drafts it: every draft kept, the reply
+    and state plain decoding's, in fewer forwards than tokens; a wrong expectation changes nothing."""
+    plain = run(session(gguf_lm, "off"), SAMPLED)
+    for expected, all_kept in ((plain[0], True), ([t ^ 1 for t in plain[0]], False)):
+        s = session(gguf_lm)
+        out = list(s.generate(PROMPT, SAMPLED, expected=expected))
+        same((out, list(s.cached), s.state.length, s.state.written, kv_live(s)), plain)
+        st = s.last_stats
+        if all_kept:
+            assert st.accepted == st.drafted > 0 and st.verifies < len(out) // 2
 
 
 def test_the_embedded_model_speculates_exactly(smollm2_q4):
@@ -198,7 +223,7 @@ def test_the_embedded_model_speculates_exactly(smollm2_q4):
         assert s.speculating and s._spec_checked is True
         got = run(s, cfg, prompt=prompt, stop_ids=eos)
         same(got, plain)
-    assert s.last_stats.accepted > 0
+        assert s.last_stats.accepted > 0 or cfg is SAMPLED  # (the greedy reply copies; a sampled one may not)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +265,18 @@ def test_prompt_lookup_drafter():
     assert PromptLookup([1]).propose(4) == [] and PromptLookup([1, 2, 1, 2]).propose(0) == []
 
 
+def test_expected_reply_is_drafted_first():
+    """A replay's recorded reply: drafted while the reply follows it, then the n-gram lookup."""
+    d = PromptLookup([1, 2, 3, 1, 2], expected=[9, 8, 7, 6])
+    assert d.propose(3) == [9, 8, 7]
+    d.extend([9, 8])
+    assert d.propose(5) == [7, 6]
+    d.extend([5])  # the reply left the recording: lookup from here ("8 5" never occurred)
+    assert d.propose(3) == []
+    d.extend([1, 2])
+    assert d.propose(2) == [9, 8]  # (1 2 followed by 9 at its latest occurrence)
+
+
 def test_depth_follows_acceptance_and_cost():
     d = Depth()
     d.observe_cost(1, 1.0)
@@ -250,5 +287,50 @@ def test_depth_follows_acceptance_and_cost():
     assert d.choose(7) == 7 and d.choose(2) == 2 and d.choose(0) == 0
     for _ in range(60):
         d.observe(0, 3)
-    picks = [d.choose(7) for _ in range(32)]
-    assert picks.count(0) >= 30 and 1 in picks  # plain steps, with one draft tried now and then
+    picks = [d.choose(7) for _ in range(64)]
+    assert picks.count(0) >= 62 and 1 in picks  # plain steps, with one draft tried now and then
+
+
+COPY = "Repeat exactly: The keeper, a quiet man named Tobias, climbed the spiral stairs each evening at dusk."
+
+
+def test_the_repl_shows_sets_and_reports_it(tmp_path):
+    """The embedded model in the REPL: /show names the mode and where it came from, /stats the
+    drafts kept, /set switches the live session (a bad value is one line; the REPL goes on), and
+    the reply with it off is the reply with it on."""
+    from cli import run_chat
+    p = run_chat("--temperature", "0", "--max-new-tokens", "40", tmp_path=tmp_path,
+                 stdin=f"/show\n{COPY}\n/stats\n/set speculative maybe\n/set speculative off\n/show\n/retry\n/stats\n/exit\n")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "speculative: auto: prompt-lookup drafts, up to 7 a verify" in p.stdout
+    assert "speculative: off (/set)" in p.stdout
+    assert "speculative: 'maybe' is not valid; allowed: auto | off | lookup" in p.stdout + p.stderr
+    assert "kept (" in p.stdout and " verifies · " in p.stdout
+    lines = p.stdout.splitlines()
+    stats = [i for i, line in enumerate(lines) if " tok/s · " in line]
+    assert len(stats) == 2 and "drafts " in lines[stats[0]] and "drafts " not in lines[stats[1]]
+    assert lines[stats[0] - 1] == lines[stats[1] - 1]  # the reply (speculative on), the /retry's (off)
+
+
+def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
+    from cli import run_chat
+    p = run_chat("--cpu-kernel", "off", "--speculative", "lookup", "--prompt", "hi", tmp_path=tmp_path)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].endswith(
+        "speculative: lookup is unavailable here (no exact multi-token verify for this decode path (the C++ "
+        "CPU step of the dense GQA models has one)); use auto or off")
+
+
+def test_a_recording_replays_with_it_on_and_off(tmp_path):
+    """A script recorded with speculation on (a /set turning it off midway) replays exactly with
+    it off and on; the replay drafts the recorded reply (engine/speculative.py)."""
+    from cli import run_chat
+    script = tmp_path / "s.yaml"
+    script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 30}\n"
+                      f"events:\n- user: '{COPY}'\n- command: /set speculative off\n- user: And once more.\n")
+    rec = tmp_path / "r.yaml"
+    p = run_chat("run", script, "-o", rec, tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr
+    for flag in ("off", "auto"):
+        p = run_chat("replay", rec, "--runs", "1", "--speculative", flag, tmp_path=tmp_path)
+        assert p.returncode == 0, p.stdout + p.stderr

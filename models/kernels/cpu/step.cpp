@@ -1126,17 +1126,20 @@ void short_conv(const float* bcx, float* st, const float* w, const float* bias, 
 // or None, out_proj), post norm weight, gate/up linears, down_proj; caches: per attention layer
 // k, v [KVH, S, D] fp32 or fp16, per conv layer its window [C, K-1] fp32; meta: H, KVH, D, rotary,
 // qk_norm (0/1), then per layer (qkv parts, 0 for a conv layer; gate/up parts). Returns the
-// residual stream after the last layer, its last branch added.
+// residual stream after the last layer, its last branch added. row_windows: empty, or per conv
+// layer a [T, C, K-1] fp32 tensor that receives its window after each row.
 // Every row is computed as a one-token step at its position computes it, bit for bit: the norms,
 // RoPE, attention (over slots 0..its position) and SwiGLU row by row, the linears through
 // `linear`'s row-exact forms, a conv window shifted once per row in order. So T rows equal T
 // steps, with the weights read once (tests/test_speculative.py compares them).
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
-                  const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps) {
+                  const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps,
+                  const std::vector<Tensor>& row_windows) {
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
   const bool qk_norm = meta[4] != 0;
   const int64_t layers = (static_cast<int64_t>(meta.size()) - 5) / 2;
   const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
+  int64_t wi = 0;  // the next conv layer's row_windows entry
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0, "cpu_step: head size ", D, " / rotary ", R, " not supported");
   TORCH_CHECK(Tn >= 1 && cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
               "cpu_step: x, cos and sin need one row per position");
@@ -1165,9 +1168,15 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
                       st.size(0) == C && st.size(1) == K - 1 && K >= 2,
                   "cpu_step: a conv layer's in_proj, weight and window disagree");
       Tensor y = at::empty({Tn, C}, x.options());
-      for (int64_t t = 0; t < Tn; ++t)
+      const Tensor* keep = row_windows.empty() ? nullptr : &row_windows[wi++];
+      TORCH_CHECK(!keep || (keep->is_contiguous() && keep->scalar_type() == at::kFloat && keep->numel() == Tn * st.numel()),
+                  "cpu_step: row_windows needs [T, C, K-1] fp32 per conv layer");
+      for (int64_t t = 0; t < Tn; ++t) {
         short_conv(bcx.data_ptr<float>() + t * 3 * C, st.data_ptr<float>(), w.data_ptr<float>(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, C, K, y.data_ptr<float>() + t * C);
+        if (keep)  // the window after this row: a verify's rollback to it (cpu_step.CpuStep.fixed_after)
+          std::copy(st.data_ptr<float>(), st.data_ptr<float>() + st.numel(), keep->data_ptr<float>() + t * st.numel());
+      }
       Tensor o = linear(y, params, at_);
       const float* op = o.data_ptr<float>();
       for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += op[i];
@@ -1239,6 +1248,62 @@ inline void prefetch_row(const int8_t* row, int64_t K) {
   for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(row + o, 0, 3);  // (_MM_HINT_T0's)
 }
 
+#if defined(__AVX512F__) || defined(CHAT_FLASH_DECODE)
+// One row of the Q8_0 head (codes c, scales s) against TN rows of x (row stride K), into y[t N]:
+// the row's codes widened once for all TN rows (a compile-time count: the sums stay in
+// registers), each row's sums in the one-row order, so that a verify's rows are a step's bits.
+template <int TN>
+inline void q8_tile(const int8_t* c, const float* s, const float* x, int64_t K, int64_t nb, int64_t N, float* y) {
+#if defined(__AVX512F__)
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t o = b * 32;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o + 16))));
+    const __m512 sb = _mm512_set1_ps(s[b]);
+    for (int t = 0; t < TN; ++t) {
+      const float* xr = x + t * K;
+      const __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + o + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xr + o)));
+      acc[t] = _mm512_fmadd_ps(p, sb, acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t) y[t * N] = _mm512_reduce_add_ps(acc[t]);
+#else  // (AVX2, FMA, F16C)
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* cb = c + b * 32;
+    const __m256 w0 = i8x8_ps(cb), w1 = i8x8_ps(cb + 8), w2 = i8x8_ps(cb + 16), w3 = i8x8_ps(cb + 24);
+    const __m256 sb = _mm256_set1_ps(s[b]);
+    for (int t = 0; t < TN; ++t) {
+      const float* xb = x + t * K + b * 32;
+      __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+      p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), p);
+      p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), p);
+      p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), p);
+      acc[t] = _mm256_fmadd_ps(p, sb, acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t) y[t * N] = hsum(acc[t]);
+#endif
+}
+
+inline void q8_tile_rows(int64_t tn, const int8_t* c, const float* s, const float* x, int64_t K, int64_t nb,
+                         int64_t N, float* y) {
+  switch (tn) {
+    case 1: return q8_tile<1>(c, s, x, K, nb, N, y);
+    case 2: return q8_tile<2>(c, s, x, K, nb, N, y);
+    case 3: return q8_tile<3>(c, s, x, K, nb, N, y);
+    case 4: return q8_tile<4>(c, s, x, K, nb, N, y);
+    case 5: return q8_tile<5>(c, s, x, K, nb, N, y);
+    case 6: return q8_tile<6>(c, s, x, K, nb, N, y);
+    case 7: return q8_tile<7>(c, s, x, K, nb, N, y);
+    default: return q8_tile<8>(c, s, x, K, nb, N, y);
+  }
+}
+#endif
+
 Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [T, K] fp32");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes [N, K] int8");
@@ -1286,31 +1351,15 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
       const int8_t* c = cp + n * K;
       const float* s = sp + n * nb;
       if (n + kHeadAhead < n1) prefetch_row(c + kHeadAhead * K, K);
+#if defined(__AVX512F__) || defined(CHAT_FLASH_DECODE)
+      if (T == 1)
+        q8_tile<1>(c, s, xp, K, nb, N, yp + n);
+      else
+        for (int64_t t0 = 0; t0 < T; t0 += kMaxRows)
+          q8_tile_rows(std::min(kMaxRows, T - t0), c, s, xp + t0 * K, K, nb, N, yp + t0 * N + n);
+#else
       for (int64_t t = 0; t < T; ++t) {
         const float* xr = xp + t * K;
-#if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t o = b * 32;
-          __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o))));
-          __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + o + 16))));
-          __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + o + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xr + o)));
-          acc = _mm512_fmadd_ps(p, _mm512_set1_ps(s[b]), acc);
-        }
-        yp[t * N + n] = _mm512_reduce_add_ps(acc);
-#elif defined(CHAT_FLASH_DECODE)  // (AVX2, FMA, F16C)
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const int8_t* cb = c + b * 32;
-          const float* xb = xr + b * 32;
-          __m256 p = _mm256_mul_ps(i8x8_ps(cb), _mm256_loadu_ps(xb));
-          p = _mm256_fmadd_ps(i8x8_ps(cb + 8), _mm256_loadu_ps(xb + 8), p);
-          p = _mm256_fmadd_ps(i8x8_ps(cb + 16), _mm256_loadu_ps(xb + 16), p);
-          p = _mm256_fmadd_ps(i8x8_ps(cb + 24), _mm256_loadu_ps(xb + 24), p);
-          acc = _mm256_fmadd_ps(p, _mm256_set1_ps(s[b]), acc);
-        }
-        yp[t * N + n] = hsum(acc);
-#else
         float acc[kLanes] = {0};
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t o = b * 32;
@@ -1320,8 +1369,8 @@ Tensor q8_linear(const Tensor& x, const Tensor& codes, const Tensor& scale, bool
         float total = 0.f;
         for (int j = 0; j < kLanes; ++j) total += acc[j];
         yp[t * N + n] = total;
-#endif
       }
+#endif
     }
   });
   return y;
@@ -1339,7 +1388,7 @@ TORCH_LIBRARY(chat_cpu, m) {
         "Tensor(b!) recurrent, Tensor neg_A, Tensor dt_bias, Tensor q_norm_w, Tensor k_norm_w, Tensor norm_w, "
         "float norm_eps, int nk, int nv, int dk, int dv, float beta_scale) -> Tensor", &delta_decode);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
-        "float eps) -> Tensor", &llama_step);
+        "float eps, Tensor[] row_windows) -> Tensor", &llama_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",
         &decode_attention);
 }

@@ -31,7 +31,6 @@ import tempfile
 
 import torch
 
-from ...architectures.layers import add_norm, head_logits
 from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
@@ -362,6 +361,8 @@ class CpuStep:
         quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
         self.kv_dtype = torch.float16 if quantized else torch.float32
         self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
+        self._conv_layers = [i for i, layer in enumerate(model.model.layers) if _short_conv(layer)]
+        self._row_windows: list[torch.Tensor] = []  # the last verify's conv windows after each row
 
     def _state_tensors(self, state) -> list[torch.Tensor]:
         if self._caches[0] is not state:  # the state's buffers never move: list them once
@@ -375,7 +376,7 @@ class CpuStep:
         model = self.model
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
-        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps)
+        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps, [])
         return model.logits(x)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
@@ -390,23 +391,34 @@ class CpuStep:
         tables = [model.rope.cos_sin(positions[t:t + 1], x.dtype) for t in range(n)]
         cos = torch.cat([c for c, _ in tables])
         sin = torch.cat([s for _, s in tables])
-        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps)
+        windows = [torch.empty((n, *state.fixed(i)["conv"].shape)) for i in self._conv_layers]
+        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps, windows)
+        self._row_windows = windows
         return self._head_rows(x)
 
+    def fixed_after(self, rows: int) -> list[dict[str, torch.Tensor] | None]:
+        """The fixed state after the first `rows` rows of the last verify, per layer as the state
+        holds it (None for an attention layer): the conv windows it kept row by row. What
+        StateManager.unfeed copies in when rejected drafts are unfed."""
+        out: list[dict[str, torch.Tensor] | None] = [None] * len(self.model.model.layers)
+        for i, w in zip(self._conv_layers, self._row_windows):
+            out[i] = {"conv": w[rows - 1]}
+        return out
+
     def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """model.logits of each row (the final norm, then the head, as layers.head_logits takes a
+        CPU head: its module's own product in fp32), the head's rows in one call where its kernel
+        sums each row as a one-row call does."""
         model = self.model
-        head = model.lm_head
+        head, norm = model.lm_head, model.model.norm
+        rows = range(x.shape[0])
         if isinstance(head, BlockLinear) and head.fp32_kernel is not None:  # (BlockLinear.forward's, by rows)
-            normed = torch.cat([add_norm(x[t:t + 1], model.model.norm, defer=True, out_dtype=torch.float32)[1]
-                                for t in range(x.shape[0])])
-            y = torch.ops.chat_cpu.block_linear_rows(normed.contiguous(), head.blocks, head.ggml_type, head.int8_inputs)
+            normed = torch.cat([norm(x[t:t + 1], torch.float32) for t in rows]).contiguous()
+            y = torch.ops.chat_cpu.block_linear_rows(normed, head.blocks, head.ggml_type, head.int8_inputs)
             return (y if head.bias is None else y + head.bias).float()
         if _q8_head(model) is not None or isinstance(head, Int4Linear):  # their kernels sum each row alike
-            normed = torch.cat([add_norm(x[t:t + 1], model.model.norm, defer=True, out_dtype=torch.float32)[1]
-                                for t in range(x.shape[0])])
-            return head_logits(head, normed)
-        return torch.cat([model.logits(x[t:t + 1]) for t in range(x.shape[0])])  # (an fp32 GEMM's rows are not)
-
+            return head(torch.cat([norm(x[t:t + 1], torch.float32) for t in rows])).float()
+        return torch.cat([model.logits(x[t:t + 1]) for t in rows])  # (an fp32 GEMM's rows are not)
 
 if __name__ == "__main__":
     sys.exit(main())
