@@ -10,6 +10,10 @@ session's switch), from the same cached prefix (the turn is undone between them)
 two replies equal token for token. Prints each round's decode tok/s, the drafts kept, the medians
 and their ratio. With --temperature above 0, a fixed seed: the sampled replies must match too.
 
+--replay: `chat replay`'s work instead: a recording of a few turns (free answers, the copy, a
+summary) replayed, checked token for token, with speculative off and auto, alternating; the
+replay drafts the recorded reply. Prints each replay's seconds, the medians and their ratio.
+
 --acceptance: forced drafts instead of prompt lookup, for each rate A: the plain reply's own
 tokens, each replaced by a wrong one with probability 1 - A (seeded), so that the depth rule and
 the verify's cost are measured at a known acceptance (0: every draft wrong, where speculation
@@ -40,6 +44,7 @@ def main() -> None:
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--max-new", default="200")
     ap.add_argument("--acceptance", default="", help="forced drafts at these rates, comma-separated")
+    ap.add_argument("--replay", action="store_true", help="time chat replay of a recording, off and auto")
     args = ap.parse_args()
     from chat.controller import ChatController
     from chat.runtime import open_runtime
@@ -61,6 +66,9 @@ def main() -> None:
         c.undo()
         return result
 
+    if args.replay:
+        replays(c, args.rounds)
+        return
     if args.acceptance:
         forced_drafts(c, turn, [float(a) for a in args.acceptance.split(",")], args.rounds)
         return
@@ -76,6 +84,34 @@ def main() -> None:
               "replies identical")
     off, on = statistics.median(rates["off"]), statistics.median(rates["lookup"])
     print(f"median decode: off {off:.1f} tok/s, lookup {on:.1f} tok/s: {on / off:.2f}x")
+
+
+def replays(c, rounds: int) -> None:
+    """chat replay of a recorded conversation with speculative off and auto, alternating."""
+    import time
+
+    from chat.replay import replay
+    from chat.transcript import recording_from
+    from chat.turn import TurnResult
+    c.set("speculative", "off")
+    for text in ("Tell me about lighthouses and why ships need them.", ASK + PARAGRAPH,
+                 "Summarise the story of Tobias in two sentences."):
+        for _ in c.send(text, TurnResult([])):
+            pass
+    rec = recording_from(c)
+    tokens = sum(len(t.result.ids) for t in c.turns)
+    times = {"off": [], "auto": []}
+    for r in range(rounds):
+        line = []
+        for mode in ("off", "auto"):
+            c.set("speculative", mode)
+            t0 = time.perf_counter()
+            result = replay(c, rec, runs=0)  # (raises on a divergence)
+            times[mode].append(time.perf_counter() - t0)
+            line.append(f"{mode} {times[mode][-1]:.2f} s")
+        print(f"round {r + 1}: replay of {result.turns} turns ({tokens} reply tokens): {', '.join(line)}; identical")
+    off, auto = statistics.median(times["off"]), statistics.median(times["auto"])
+    print(f"median replay: off {off:.2f} s, auto {auto:.2f} s: {off / auto:.2f}x faster")
 
 
 def forced_drafts(c, turn, rates: list[float], rounds: int) -> None:
