@@ -21,12 +21,15 @@ tokens one forward yields.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DEPTH = 7  # drafts a verify: 8 rows (the C++ step's row-exact linears take any count; beyond
 # this the copy task's gain flattens while a wrong guess costs more: bench/spec_bench.py)
 EXPLORE_EVERY = 32  # plain steps between tries of one draft where depth 0 is chosen
 DECAY = 0.9  # the acceptance's memory, per verify
-COST_WEIGHT = 0.25  # a new timing's weight in a size's running cost
+COST_SAMPLES = 5  # timings a size's cost is the median of (the machine's noise is one-sided and bursty)
 MARGIN = 0.05  # a verify must promise this much over a plain step (timings are noisy: bench/spec_bench.py
 # --acceptance 0 measures what a wrong choice costs)
 
@@ -77,7 +80,9 @@ class Depth:
 
     def __init__(self, max_depth: int = MAX_DEPTH):
         self.max_depth = max_depth
-        self.costs: dict[int, float] = {}
+        self.costs: dict[int, float] = {}  # rows → the median of its last COST_SAMPLES timings
+        self._samples: dict[int, deque] = {}
+        self._warm: set[int] = set()  # sizes timed once: that first call pays its allocations
         self.kept, self.tried = 0.5, 1.0  # acceptance prior 1/2, the weight of one trial
         self._plain_run = 0
 
@@ -86,8 +91,12 @@ class Depth:
         return self.kept / self.tried
 
     def observe_cost(self, rows: int, seconds: float) -> None:
-        old = self.costs.get(rows)
-        self.costs[rows] = seconds if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * seconds
+        if rows not in self._warm:
+            self._warm.add(rows)
+            return
+        samples = self._samples.setdefault(rows, deque(maxlen=COST_SAMPLES))
+        samples.append(seconds)
+        self.costs[rows] = statistics.median(samples)
 
     def observe(self, accepted: int, drafted: int) -> None:
         """A verify of `drafted` drafts kept the first `accepted`: that many trials passed, and

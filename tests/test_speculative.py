@@ -279,9 +279,10 @@ def test_expected_reply_is_drafted_first():
 
 def test_depth_follows_acceptance_and_cost():
     d = Depth()
-    d.observe_cost(1, 1.0)
-    for r in range(2, 9):
+    for r in range(1, 9):
+        d.observe_cost(r, 50.0)  # a size's first timing (its allocations) is not counted
         d.observe_cost(r, 1.0 + 0.25 * (r - 1))
+    assert d.cost(4) == 1.75
     for _ in range(30):
         d.observe(7, 7)
     assert d.choose(7) == 7 and d.choose(2) == 2 and d.choose(0) == 0
