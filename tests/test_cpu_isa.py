@@ -58,8 +58,10 @@ def test_cli_refuses_a_level_the_cpu_lacks(monkeypatch, capsys):
 @pytest.mark.skipif(not HAS_AVX2, reason="needs an AVX2 CPU")
 def test_avx2_build_passes_the_kernel_tests():
     """The C++ step and block products built with `cpu_isa: avx2`, against the torch step and the
-    dequantized products, as the native build is tested."""
-    files = ["tests/test_cpu_step.py", "tests/test_block_int8.py", "tests/test_block_quant.py", "tests/test_delta_cpu.py"]
+    dequantized products, as the native build is tested; its verify rows against its steps, bit
+    for bit (speculative decoding)."""
+    files = ["tests/test_cpu_step.py", "tests/test_block_int8.py", "tests/test_block_quant.py", "tests/test_delta_cpu.py",
+             "tests/test_speculative.py"]
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
                        cwd=ROOT, capture_output=True, text=True, timeout=1500, env=dict(os.environ, CHAT_CPU_ISA="avx2"))
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]
