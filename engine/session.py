@@ -257,8 +257,10 @@ class DecodeSession:
     def speculation_unavailable(self) -> str:
         """Why this session cannot verify drafts exactly ("" where it can)."""
         if getattr(self._step_fn, "verify", None) is None:
+            if on_cuda(self.device):
+                return "no exact multi-token verify on CUDA yet (the C++ CPU step has one)"
             return ("no exact multi-token verify for this decode path (the C++ CPU step of the dense "
-                    "GQA models has one)")
+                    "GQA models and LFM2 has one)")
         if self.state.has_fixed_state and getattr(self._step_fn, "fixed_after", None) is None:
             return "this model's recurrent state has no rollback of rejected drafts yet"
         if self.link is not None:
@@ -518,8 +520,9 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
-        if self.speculating and forced is None and mask is None:
-            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation, expected)
+        if self.speculating:
+            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation,
+                                         forced if forced is not None else expected, forced, mask)
             return
         if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
                 and forced is None and mask is None and not self.state.has_fixed_state
@@ -636,10 +639,13 @@ class DecodeSession:
                 stats.decode_seconds = time.perf_counter() - t1
 
     def _speculative(self, prompt: list[int], logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats,
-                     stops, sampler, t0: float, generation: int, expected: list[int] | None = None) -> Iterator[int]:
+                     stops, sampler, t0: float, generation: int, expected: list[int] | None = None,
+                     forced: list[int] | None = None, mask: ConstraintMask | None = None) -> Iterator[int]:
         """The decode loop of `_generate` with prompt-lookup drafts verified (engine/speculative.py).
         Every token is the sampler's draw from a row whose logits a plain step gives bit for bit,
-        drawn in the plain loop's order, and the stop rules are the plain loop's; rows fed past
+        drawn in the plain loop's order (the constraint's mask advanced by each token before the
+        next row is drawn; forced ids fed and departures noted as there), and the stop rules are
+        the plain loop's; rows fed past
         what the plain loop would have fed at a point (`excess`: the drafts after a token being
         yielded) are unfed before the next forward, at a stop, or where the reader stops reading
         (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
@@ -656,10 +662,13 @@ class DecodeSession:
             excess = 0
 
         try:
-            token = self._choose(sampler, logits, None, 0, stats)
+            token = self._choose(sampler, logits, forced, 0, stats, mask)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
             while True:
+                if token is None:  # the forced ids ran out where the generation would have gone on
+                    stats.finish_reason = "forced"
+                    break
                 stats.generated_tokens += 1
                 stats.decode_seconds = time.perf_counter() - t1
                 yield token
@@ -673,6 +682,8 @@ class DecodeSession:
                     stats.finish_reason = "context"
                     break
                 sampler.accept(token)
+                if mask is not None:
+                    mask.advance(token)
                 drafter.extend((token,))
                 room = min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)
                 drafts = drafter.propose(depth.choose(room))
@@ -680,7 +691,7 @@ class DecodeSession:
                 if not drafts:
                     row = self.step(token)[-1]
                     depth.observe_cost(1, time.perf_counter() - started)
-                    token = self._choose(sampler, row, None, stats.generated_tokens, stats)
+                    token = self._choose(sampler, row, forced, stats.generated_tokens, stats, mask)
                     continue
                 rows = self._forward([token] + drafts, verify=True)
                 depth.observe_cost(len(drafts) + 1, time.perf_counter() - started)
@@ -689,7 +700,7 @@ class DecodeSession:
                 stats.drafted += k
                 j = kept = 0
                 while True:  # row j: the logits after the token and drafts[:j]
-                    token = self._choose(sampler, rows[j], None, stats.generated_tokens, stats)
+                    token = self._choose(sampler, rows[j], forced, stats.generated_tokens, stats, mask)
                     if j == k or token != drafts[j]:
                         excess = k - j  # the drafts from j on were fed; the plain loop has not fed them
                         unfeed_excess()
@@ -704,6 +715,8 @@ class DecodeSession:
                             self.state.length - excess >= self.max_context:
                         break
                     sampler.accept(token)
+                    if mask is not None:
+                        mask.advance(token)
                     drafter.extend((token,))
                     j += 1
                 depth.observe(kept, k)

@@ -196,6 +196,59 @@ def test_prompt_lookup_on_a_copy_task(gguf_lm):
     assert s.last_stats.drafted > 0 or not repeats
 
 
+class EvenIds:
+    """A TokenConstraint allowing even ids only, ending after `length` tokens (then only id 0)."""
+
+    def __init__(self, vocab, length=30):
+        self.mask_words, self.vocab, self.left = (vocab + 31) // 32, vocab, length
+
+    def fill_mask(self, out):
+        bits = torch.zeros(self.mask_words * 32, dtype=torch.bool)
+        if self.left > 0:
+            bits[:self.vocab:2] = True
+        else:
+            bits[0] = True
+        packed = torch.zeros(self.mask_words, dtype=torch.int64)
+        for b in range(32):
+            packed |= bits.view(-1, 32)[:, b].long() << b
+        out.copy_(packed.to(torch.int64).apply_(lambda v: v - (1 << 32) if v >= 1 << 31 else v).to(torch.int32))
+
+    def consume(self, token):
+        self.left -= 1
+        return token % 2 == 0 or self.left < 0
+
+    def error(self):
+        return ""
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_constrained_and_forced_replies_equal_plain_decoding(gguf_lm, cfg):
+    """An output format's mask (advanced by each kept draft before the next row is drawn) and
+    teacher-forced ids (the recording drafted; departures noted as without drafts): the same
+    tokens, departures and state as plain decoding, drafts right at random."""
+    vocab = gguf_lm.model.config.vocab_size
+    plain_s = session(gguf_lm, "off")
+    plain = run_with(plain_s, cfg, constraint=EvenIds(vocab))
+    reply, rng = plain[0], random.Random(2)
+    s = session(gguf_lm)
+    s._drafter = Fixed(lambda ctx, k: [t if rng.random() < 0.7 else t + 1 for t in reply[len(ctx) - len(PROMPT):][:k]])
+    s._depth = Always(4)
+    same(run_with(s, cfg, constraint=EvenIds(vocab)), plain)
+    assert s.last_stats.accepted > 0 and all(t % 2 == 0 for t in reply[:30])
+    forced = [t if i % 7 else (t + 3) % vocab for i, t in enumerate(reply[:40])]  # departures every 7th
+    plain_s = session(gguf_lm, "off")
+    want = run_with(plain_s, cfg, forced=forced)
+    s = session(gguf_lm)
+    same(run_with(s, cfg, forced=forced), want)
+    assert s.last_stats.departures == plain_s.last_stats.departures and s.last_stats.departures
+    assert s.last_stats.finish_reason == plain_s.last_stats.finish_reason and s.last_stats.accepted > 20
+
+
+def run_with(s, cfg, **kw):
+    out = list(s.generate(PROMPT, cfg, **kw))
+    return out, list(s.cached), s.state.length, s.state.written, kv_live(s)
+
+
 def test_an_expected_reply_is_verified_in_few_forwards(gguf_lm):
     """generate(expected=...) (a replay's recorded reply) drafts it: every draft kept, the reply
     and state plain decoding's, in fewer forwards than tokens; a wrong expectation changes nothing."""
@@ -319,7 +372,7 @@ def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith(
         "speculative: lookup is unavailable here (no exact multi-token verify for this decode path (the C++ "
-        "CPU step of the dense GQA models has one)); use auto or off")
+        "CPU step of the dense GQA models and LFM2 has one)); use auto or off")
 
 
 def test_a_recording_replays_with_it_on_and_off(tmp_path):
