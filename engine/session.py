@@ -650,7 +650,7 @@ class DecodeSession:
         yielded) are unfed before the next forward, at a stop, or where the reader stops reading
         (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
         drafter, depth = self._drafter(prompt, expected), self._depth
-        excess, fed_to, t1, k = 0, None, None, 0
+        excess, fed_to, t1, k, end = 0, None, None, 0, ""
 
         def unfeed_excess() -> None:
             nonlocal excess
@@ -672,14 +672,9 @@ class DecodeSession:
                 stats.generated_tokens += 1
                 stats.decode_seconds = time.perf_counter() - t1
                 yield token
-                if token in stops:
-                    stats.finish_reason = "stop"
-                    break
-                if stats.generated_tokens >= cfg.max_new_tokens:
-                    stats.finish_reason = "length"
-                    break
-                if self.state.length >= self.max_context:
-                    stats.finish_reason = "context"
+                end = self._end_reason(token, stats, cfg, stops)
+                if end:
+                    stats.finish_reason = end
                     break
                 sampler.accept(token)
                 if mask is not None:
@@ -711,8 +706,8 @@ class DecodeSession:
                     stats.generated_tokens += 1
                     stats.decode_seconds = time.perf_counter() - t1
                     yield token
-                    if token in stops or stats.generated_tokens >= cfg.max_new_tokens or \
-                            self.state.length - excess >= self.max_context:
+                    end = self._end_reason(token, stats, cfg, stops, excess)
+                    if end:
                         break
                     sampler.accept(token)
                     if mask is not None:
@@ -722,13 +717,23 @@ class DecodeSession:
                 depth.observe(kept, k)
                 if excess:  # the inner loop ended the reply at an accepted draft
                     unfeed_excess()
-                    stats.finish_reason = ("stop" if token in stops else
-                                           "length" if stats.generated_tokens >= cfg.max_new_tokens else "context")
+                    stats.finish_reason = end
                     break
         finally:
             unfeed_excess()
             if t1 is not None:
                 stats.decode_seconds = time.perf_counter() - t1
+
+    def _end_reason(self, token: int, stats: GenerationStats, cfg: SamplingConfig, stops, unfed: int = 0) -> str:
+        """Why the reply ends after `token` (the stop rules), or "": a stop id, the token limit,
+        the context full (`unfed`: rows fed beyond the reply's tokens, not counted)."""
+        if token in stops:
+            return "stop"
+        if stats.generated_tokens >= cfg.max_new_tokens:
+            return "length"
+        if self.state.length - unfed >= self.max_context:
+            return "context"
+        return ""
 
     @staticmethod
     def _choose(sampler, logits: torch.Tensor, forced: list[int] | None, index: int,
