@@ -249,7 +249,7 @@ def test_reused_session_equals_a_cold_one(tiny_dirs):
 
 def test_models_without_a_kernel_keep_the_torch_step(tmp_path):
     from tiny import write_checkpoint
-    lm = models.load(write_checkpoint("qwen3_5", str(tmp_path / "hybrid")))  # Gated DeltaNet: no C++ step
+    lm = models.load(write_checkpoint("qwen3_next", str(tmp_path / "hybrid")))  # a MoE hybrid: no C++ step
     assert lm.model.cpu_decode_step(torch.float32) is None  # no whole step; fp32 weights: no blocks either
     assert session(lm, "auto")._step_fn is lm.model and not lm.model.cpu_block_kernels
     with pytest.raises(ConfigError, match="no CPU decode kernel"):

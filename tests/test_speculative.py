@@ -2,8 +2,8 @@
 
 The C++ step's verify feeds several tokens in one call with each row's logits bit for bit a
 one-token step's (the row-exact linears, block_linear_rows); on that, a reply with drafts equals
-the reply without, token for token, and leaves the same state (KV, and LFM2's conv windows
-restored from the verify's rows): greedy and seeded sampled, with
+the reply without, token for token, and leaves the same state (KV, and LFM2's conv windows and
+Qwen3.5's DeltaNet states restored from the verify's rows): greedy and seeded sampled, with
 drafts all right, all wrong, or right at random, a stop id or the token limit among accepted
 drafts, the context's end, and a reader that stops reading (Ctrl-C).
 """
@@ -20,6 +20,7 @@ from engine.speculative import Depth, PromptLookup
 from models.kernels.cpu import step as cpu_step
 from test_block_quant import Q4_K_M, tiny_gguf
 from test_cpu_step import lfm2_in_blocks
+from test_hybrid_step import tiny as tiny_hybrid
 from test_gguf_blocks import QUANTIZED, random_blocks
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=48)
@@ -32,7 +33,8 @@ PROMPT = [5, 9, 200, 7, 7, 31, 4, 100, 12, 40, 41, 42, 43, 12, 40, 41]
 GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0, False),
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, False), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0, False),
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True),
-         ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True)]
+         ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True),
+         ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True)]
 IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
 
@@ -41,6 +43,8 @@ def gguf_lm(request, tmp_path_factory):
     kind, linear, types, embed, int8 = request.param
     if kind == "lfm2":  # (short-conv layers: their windows rolled back from the verify's rows)
         lm = lfm2_in_blocks(tmp_path_factory.mktemp("spec"), linear)
+    elif kind == "qwen3_5":  # (DeltaNet layers: conv windows and recurrent states rolled back alike)
+        lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0)
     else:
         lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
     if int8:
@@ -51,7 +55,7 @@ def gguf_lm(request, tmp_path_factory):
 def session(lm, speculative="lookup", max_context=256):
     s = DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32,
                       cpu_kernel="on", speculative=speculative)
-    assert isinstance(s._step_fn, cpu_step.CpuStep)
+    assert isinstance(s._step_fn, cpu_step.CpuStep)  # (HybridStep is one)
     return s
 
 
@@ -372,7 +376,7 @@ def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith(
         "speculative: lookup is unavailable here (no exact multi-token verify for this decode path (the C++ "
-        "CPU step of the dense GQA models and LFM2 has one)); use auto or off")
+        "CPU step of the dense GQA models, LFM2 and Qwen3.5 has one)); use auto or off")
 
 
 def test_a_recording_replays_with_it_on_and_off(tmp_path):

@@ -345,6 +345,11 @@ class HybridForCausalLM(CausalLM):
                     RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, rotary_dim=cfg.rotary_dim))
 
+    cpu_step_kind = "hybrid"  # (models/kernels/cpu/hybrid_step.py)
+
+    def offers_cpu_step(self) -> bool:
+        return not self.config.moe_layers  # (the C++ step has no MoE MLP)
+
     def state_spec(self):
         c = self.config
         return [layer.linear_attn.state() if layer.linear else AttentionState(c.num_kv_heads, c.head_dim)

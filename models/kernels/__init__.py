@@ -13,10 +13,16 @@ class CpuStepUnavailable(RuntimeError):
     """Raised by cpu_decode_step where the C++ step would serve but cannot be built or loaded."""
 
 
+def _step_module(model):
+    """The module of the C++ step for this model's architecture: Qwen3.5's hybrid or the dense GQA
+    models' (and LFM2's)."""
+    from .cpu import hybrid_step, step
+    return hybrid_step if getattr(model, "cpu_step_kind", "dense") == "hybrid" else step
+
+
 def cpu_step_serves(model, dtype: torch.dtype) -> bool:
-    """Whether the C++ step serves decode of this dense GQA model in `dtype` (built or not)."""
-    from .cpu import step
-    return step.serves(model, dtype)
+    """Whether the C++ step serves decode of this model in `dtype` (built or not)."""
+    return _step_module(model).serves(model, dtype)
 
 
 def select_cpu_isa(isa: str) -> None:
@@ -69,13 +75,15 @@ def cpu_kernels_off(model) -> None:
 
 
 def cpu_decode_step(model, dtype: torch.dtype):
-    """The C++ one-token step for this dense GQA model, or None where it does not serve it (the
-    caller then attaches the per-linear kernels: `cpu_block_kernels`). Raises CpuStepUnavailable
-    where it would serve but cannot be built or loaded here."""
+    """The C++ one-token step for this model (dense GQA, LFM2, Qwen3.5's dense hybrid: the model's
+    `cpu_step_kind` names which), or None where it does not serve it (the caller then attaches
+    the per-linear kernels: `cpu_block_kernels`). Raises CpuStepUnavailable where it would serve
+    but cannot be built or loaded here."""
     from .cpu import step
-    if not step.serves(model, dtype):
+    module = _step_module(model)
+    if not module.serves(model, dtype):
         return None
     try:
-        return step.CpuStep(model)
+        return module.HybridStep(model) if module is not step else step.CpuStep(model)
     except step.Unavailable as e:
         raise CpuStepUnavailable(str(e)) from None

@@ -1228,6 +1228,8 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   return x;
 }
 
+#include "hybrid_step.h"
+
 // y = x W^T for W [N, K] in Q8_0 blocks (int8 codes, one fp32 scale per 32 of a row) and fp32 rows
 #if defined(CHAT_FLASH_DECODE) && !defined(__AVX512F__)
 inline __m256 i8x8_ps(const int8_t* p) {  // 8 int8 -> 8 fp32
@@ -1389,6 +1391,8 @@ TORCH_LIBRARY(chat_cpu, m) {
         "float norm_eps, int nk, int nv, int dk, int dv, float beta_scale) -> Tensor", &delta_decode);
   m.def("llama_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps, Tensor[] row_windows) -> Tensor", &llama_step);
+  m.def("hybrid_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
+        "float eps, float lin_eps, float beta_scale, Tensor[] row_states) -> Tensor", &hybrid_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",
         &decode_attention);
 }

@@ -35,7 +35,7 @@ from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Line
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
-           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h")]
+           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h")]
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
 
@@ -361,13 +361,20 @@ class CpuStep:
         quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
         self.kv_dtype = torch.float16 if quantized else torch.float32
         self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
-        self._conv_layers = [i for i, layer in enumerate(model.model.layers) if _short_conv(layer)]
-        self._row_windows: list[torch.Tensor] = []  # the last verify's conv windows after each row
+        # the layers whose fixed state a verify keeps after each row, and its tensors' names
+        self._fixed_layers = [(i, ("conv",)) for i, layer in enumerate(model.model.layers) if _short_conv(layer)]
+        self._row_states: list[torch.Tensor] = []  # the last verify's, in _fixed_layers' order
+
+    def _run(self, x, cos, sin, state, row_states: list[torch.Tensor]) -> torch.Tensor:
+        """The library's step over x's rows (the op's call: HybridStep has its own)."""
+        return self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps,
+                       row_states)
 
     def _state_tensors(self, state) -> list[torch.Tensor]:
         if self._caches[0] is not state:  # the state's buffers never move: list them once
-            self._caches = (state, [t for i, layer in enumerate(self.model.model.layers)
-                                    for t in ((state.fixed(i)["conv"],) if _short_conv(layer) else state.kv(i))])
+            fixed = dict(self._fixed_layers)
+            self._caches = (state, [t for i in range(len(self.model.model.layers))
+                                    for t in ([state.fixed(i)[n] for n in fixed[i]] if i in fixed else state.kv(i))])
         return self._caches[1]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, state, all_logits: bool = False) -> torch.Tensor:
@@ -376,8 +383,7 @@ class CpuStep:
         model = self.model
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
-        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps, [])
-        return model.logits(x)
+        return model.logits(self._run(x, cos, sin, state, []))
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
         """Logits [T, vocab] for T tokens fed at once at positions state.length.. (a speculative
@@ -391,18 +397,19 @@ class CpuStep:
         tables = [model.rope.cos_sin(positions[t:t + 1], x.dtype) for t in range(n)]
         cos = torch.cat([c for c, _ in tables])
         sin = torch.cat([s for _, s in tables])
-        windows = [torch.empty((n, *state.fixed(i)["conv"].shape)) for i in self._conv_layers]
-        x = self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps, windows)
-        self._row_windows = windows
-        return self._head_rows(x)
+        self._row_states = [torch.empty((n, *state.fixed(i)[name].shape), dtype=state.fixed(i)[name].dtype)
+                            for i, names in self._fixed_layers for name in names]
+        return self._head_rows(self._run(x, cos, sin, state, self._row_states))
 
     def fixed_after(self, rows: int) -> list[dict[str, torch.Tensor] | None]:
         """The fixed state after the first `rows` rows of the last verify, per layer as the state
-        holds it (None for an attention layer): the conv windows it kept row by row. What
-        StateManager.unfeed copies in when rejected drafts are unfed."""
+        holds it (None for an attention layer): the conv windows (and DeltaNet's recurrent
+        states) it kept row by row. What StateManager.unfeed copies in when rejected drafts are
+        unfed."""
         out: list[dict[str, torch.Tensor] | None] = [None] * len(self.model.model.layers)
-        for i, w in zip(self._conv_layers, self._row_windows):
-            out[i] = {"conv": w[rows - 1]}
+        kept = iter(self._row_states)
+        for i, names in self._fixed_layers:
+            out[i] = {name: next(kept)[rows - 1] for name in names}
         return out
 
     def _head_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+// The CPU decode step of Qwen3.5's dense hybrid (qwen3_5.HybridForCausalLM without MoE): Gated
+// DeltaNet layers and gated full-attention layers, each with a SwiGLU MLP, every layer in one call.
+// Included by step.cpp inside its namespace, after llama_step (linear, linears, rms_norm, rope,
+// attention and delta_decode are step.cpp's and delta_step.h's). The contract is in
+// hybrid_step.py.
+//
+// A DeltaNet layer: the input projections (one to four linears; their outputs side by side are
+// qkv, z, b, a), delta_decode (the conv step, the delta rule, the gated norm: the states updated
+// in place), the heads put in out_proj's order where its columns are tiled, out_proj. An attention
+// layer: q (with its sigmoid output gate, [q | gate] per head), k, v; the zero-centred q/k norms
+// (weights given with their offset added), partial RoPE over the first `rotary` dims, the KV write
+// and the attention over slots 0..pos, the gate, o_proj. As llama_step: T rows are T one-token
+// steps, bit for bit (each row's norms, conv, delta rule and attention a row at a time; the
+// linears through their row-exact forms), and `row_states` (empty, or per DeltaNet layer its conv
+// window [T, C, K-1] and recurrent state [T, nv, dk, dv]) receives the states after each row.
+
+inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// meta: H, KVH, D, rotary, nk, nv, dk, dv, out_tiled (0/1), then per layer (kind: 1 DeltaNet, 0
+// attention; its input linears' count; its gate/up linears' count). params per layer: the input
+// norm weight (offset added), the input linears (3 entries each); DeltaNet: conv weight [C, 1, K],
+// neg_A, dt_bias, q_norm_w, k_norm_w, norm weight, out_proj; attention: q/k norm weights (offset
+// added), o_proj; then the post norm weight (offset added), gate/up linears, down_proj. caches
+// per layer: DeltaNet conv window [C, K-1] and recurrent [nv, dk, dv]; attention k, v.
+Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
+                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps,
+                   double lin_eps, double beta_scale, const std::vector<Tensor>& row_states) {
+  const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
+  const int64_t nk = meta[4], nv = meta[5], dk = meta[6], dv = meta[7];
+  const bool tiled = meta[8] != 0;
+  const int64_t layers = (static_cast<int64_t>(meta.size()) - 9) / 3;
+  const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
+  const int64_t key_dim = nk * dk, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
+  TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0 && nv % nk == 0, "hybrid_step: head sizes not supported");
+  TORCH_CHECK(cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
+              "hybrid_step: x, cos and sin need one row per position");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t cs = cos_t.size(1);
+  const float* cos = cos_t.data_ptr<float>();
+  const float* sin = sin_t.data_ptr<float>();
+
+  Tensor x = x_in.contiguous().clone();
+  Tensor h = at::empty_like(x);
+  Tensor attn = at::empty({Tn, H * D}, x.options());
+  float* xs = x.data_ptr<float>();
+  float* hs = h.data_ptr<float>();
+  int64_t at_ = 0, ci = 0, si = 0;  // the next param, cache, row_states entry
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t kind = meta[9 + 3 * l], in_parts = meta[10 + 3 * l], gu_parts = meta[11 + 3 * l];
+    const float* in_norm = params.get(at_++).value().data_ptr<float>();
+    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, in_norm, hs + t * hidden, hidden, eps);
+    Tensor branch;
+    if (kind == 1) {
+      Tensor proj = linears(h, params, at_, in_parts).contiguous();
+      TORCH_CHECK(proj.size(1) == conv_dim + value_dim + 2 * nv, "hybrid_step: a DeltaNet layer's projections");
+      const Tensor conv_w = params.get(at_++).value(), neg_A = params.get(at_++).value(),
+                   dt_bias = params.get(at_++).value(), qn = params.get(at_++).value(),
+                   kn = params.get(at_++).value(), norm_w = params.get(at_++).value();
+      const Tensor& conv = caches[ci++];
+      const Tensor& rec = caches[ci++];
+      const Tensor* keep = row_states.empty() ? nullptr : &row_states[si];
+      si += 2;
+      Tensor outs = at::empty({Tn, value_dim}, x.options());
+      for (int64_t t = 0; t < Tn; ++t) {
+        const Tensor row = proj[t];
+        Tensor o = delta_decode(row.narrow(0, 0, conv_dim), row.narrow(0, conv_dim, value_dim),
+                                row.narrow(0, conv_dim + value_dim, nv), row.narrow(0, conv_dim + value_dim + nv, nv),
+                                conv, conv_w, rec, neg_A, dt_bias, qn, kn, norm_w, lin_eps, nk, nv, dk, dv, beta_scale);
+        const float* op = o.data_ptr<float>();
+        float* dst = outs.data_ptr<float>() + t * value_dim;
+        if (tiled) {  // value head kh r + j (HF's grouped order) to out_proj's slot j nk + kh
+          const int64_t r = nv / nk;
+          for (int64_t kh = 0; kh < nk; ++kh)
+            for (int64_t j = 0; j < r; ++j) std::copy(op + (kh * r + j) * dv, op + (kh * r + j + 1) * dv, dst + (j * nk + kh) * dv);
+        } else {
+          std::copy(op, op + value_dim, dst);
+        }
+        if (keep) {  // the states after this row: a verify's rollback to it (hybrid_step.HybridStep.fixed_after)
+          std::copy(conv.data_ptr<float>(), conv.data_ptr<float>() + conv.numel(), keep[0].data_ptr<float>() + t * conv.numel());
+          std::copy(rec.data_ptr<float>(), rec.data_ptr<float>() + rec.numel(), keep[1].data_ptr<float>() + t * rec.numel());
+        }
+      }
+      branch = linear(outs, params, at_);
+    } else {
+      Tensor qkv = linears(h, params, at_, in_parts).contiguous();
+      const int64_t width = qkv.size(1);
+      TORCH_CHECK(width == 2 * H * D + 2 * KVH * D, "hybrid_step: an attention layer's projections");
+      const float* qw = params.get(at_++).value().data_ptr<float>();
+      const float* kw = params.get(at_++).value().data_ptr<float>();
+      const Tensor& kc = caches[ci++];
+      const Tensor& vc = caches[ci++];
+      std::vector<float> q(H * D);
+      for (int64_t t = 0; t < Tn; ++t) {
+        float* row = qkv.data_ptr<float>() + t * width;
+        float* k = row + 2 * H * D;
+        const float* v = k + KVH * D;
+        for (int64_t i = 0; i < H; ++i) {  // [q | gate] per head: q normed and rotated apart
+          rms_norm(row + i * 2 * D, qw, q.data() + i * D, D, eps);
+          rope(q.data() + i * D, cos + t * cs, sin + t * cs, R);
+        }
+        for (int64_t i = 0; i < KVH; ++i) {
+          rms_norm(k + i * D, kw, k + i * D, D, eps);
+          rope(k + i * D, cos + t * cs, sin + t * cs, R);
+        }
+        Tensor out = attn.narrow(0, t, 1);
+        if (kc.scalar_type() == at::kHalf)
+          attention<at::Half>(q.data(), k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+        else
+          attention<float>(q.data(), k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+        float* op = out.data_ptr<float>();
+        for (int64_t i = 0; i < H; ++i)
+          for (int64_t d = 0; d < D; ++d) op[i * D + d] *= sigmoid_f(row[i * 2 * D + D + d]);
+      }
+      branch = linear(attn, params, at_);
+    }
+    const float* bp = branch.data_ptr<float>();
+    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += bp[i];
+    const float* post_norm = params.get(at_++).value().data_ptr<float>();
+    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
+    Tensor gu = linears(h, params, at_, gu_parts).contiguous();
+    const int64_t ffn = gu.size(1) / 2;
+    Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, x.options());
+    for (int64_t t = 0; t < Tn; ++t) {  // (row by row, as llama_step)
+      const Tensor g = gu.narrow(0, t, 1);
+      Tensor a = at::silu(g.narrow(1, 0, ffn));
+      a.mul_(g.narrow(1, ffn, ffn));
+      if (Tn == 1)
+        act = a;
+      else
+        act.narrow(0, t, 1).copy_(a);
+    }
+    Tensor m = linear(act, params, at_);
+    const float* mp = m.data_ptr<float>();
+    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
+  }
+  return x;
+}

@@ -1,0 +1,118 @@
+"""The CPU decode step of Qwen3.5's dense hybrid in C++ (hybrid_step.h, built into step.cpp's library).
+
+Contract: `HybridStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
+state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
+blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers: each DeltaNet
+layer's conv window and recurrent state updated in place, each attention layer's KV written at
+the token's position), up to float summation order: tests/test_hybrid_step.py compares logits,
+states and greedy tokens with the torch step. `verify` (speculative decoding) is CpuStep's: its
+rows are one-token steps bit for bit, and the DeltaNet states after each row are kept for the
+rollback of rejected drafts. `supports(model)` says which models it serves: Qwen3.5 without MoE
+layers (Qwen3-Next and Qwen3.5-MoE keep the torch step and its per-linear kernels).
+
+Why: the torch step of a DeltaNet layer is a dozen dispatched ops around its projections and the
+library's delta_decode, and an attention layer's as many again; here the whole token is one call.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...formats.quant import BlockLinear, Int4Linear
+from . import step as cpu_step
+
+
+def _in_projections(lin) -> list:
+    """A DeltaNet layer's input linears, in project_in's order (qkv, z, b, a side by side)."""
+    if hasattr(lin, "in_projs"):
+        return list(lin.in_projs)
+    return [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]
+
+
+def _qkv(attn) -> list:
+    return cpu_step._parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+
+def supports(model) -> bool:
+    """Whether a Qwen3.5 hybrid has what the step reads: no MoE layer, 4-bit, GGUF-block or fp32
+    linears, fp32 norms and DeltaNet parameters, head sizes the attention loops take."""
+    cfg = model.config
+    if getattr(cfg, "num_experts", 0) or cfg.head_dim > 512 or model.rope.rotary_dim % 2:
+        return False
+    for layer in model.model.layers:
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        mlp = layer.mlp
+        if not hasattr(mlp, "down_proj"):  # (a SwiGLU MLP)
+            return False
+        if layer.linear:
+            lin = layer.linear_attn
+            linears = _in_projections(lin) + [lin.out_proj]
+            extra = [lin.conv1d.weight, lin.neg_A, lin.dt_bias32, lin.q_norm_w, lin.k_norm_w, lin.norm.weight]
+            if lin.conv1d.bias is not None or any(t.dtype != torch.float32 for t in extra):
+                return False
+        else:
+            attn = layer.self_attn
+            linears = _qkv(attn) + [attn.o_proj]
+            norms += [attn.q_norm, attn.k_norm]
+        gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        if not all(cpu_step._linear_ok(m) for m in linears + gu + [mlp.down_proj]):
+            return False
+        if any(n.weight.dtype != torch.float32 or n.eps != cfg.rms_eps for n in norms):
+            return False
+    return True
+
+
+def serves(model, dtype: torch.dtype) -> bool:
+    return cpu_step.ENABLED and dtype == torch.float32 and supports(model)
+
+
+class HybridStep(cpu_step.CpuStep):
+    """The decode step (one token) of a Qwen3.5 hybrid through the C++ library; `verify` and the
+    head's rows are CpuStep's."""
+
+    def __init__(self, model):
+        cpu_step.attach_block_kernels(model)
+        self.model = model
+        cfg = model.config
+        first = next(layer.linear_attn for layer in model.model.layers if layer.linear)
+        meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim,
+                first.nk, first.nv, first.dk, first.dv, int(first.out_tiled)]
+        params: list[torch.Tensor | None] = []
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+            params.append(layer.input_layernorm.fused_weight())
+            if layer.linear:
+                lin = layer.linear_attn
+                ins = _in_projections(lin)
+                for m in ins:
+                    params += cpu_step._linear_params(m)
+                params += [lin.conv1d.weight.contiguous(), lin.neg_A, lin.dt_bias32, lin.q_norm_w, lin.k_norm_w,
+                           lin.norm.weight]
+                params += cpu_step._linear_params(lin.out_proj)
+            else:
+                attn = layer.self_attn
+                ins = _qkv(attn)
+                for m in ins:
+                    params += cpu_step._linear_params(m)
+                params += [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()]
+                params += cpu_step._linear_params(attn.o_proj)
+            params.append(layer.post_attention_layernorm.fused_weight())
+            for m in gu:
+                params += cpu_step._linear_params(m)
+            params += cpu_step._linear_params(mlp.down_proj)
+            meta += [int(layer.linear), len(ins), len(gu)]
+        self.params = [p.detach() if p is not None else None for p in params]
+        self.meta = meta
+        self.eps = float(cfg.rms_eps)
+        self.lin_eps = float(first.norm.eps)
+        self.beta_scale = float(first.beta_scale)
+        self.op = torch.ops.chat_cpu.hybrid_step
+        quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
+        self.kv_dtype = torch.float16 if quantized else torch.float32  # (as CpuStep's)
+        self._caches = (None, [])
+        self._fixed_layers = [(i, ("conv", "recurrent")) for i, layer in enumerate(model.model.layers) if layer.linear]
+        self._row_states = []
+
+    def _run(self, x, cos, sin, state, row_states: list[torch.Tensor]) -> torch.Tensor:
+        return self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps,
+                       self.lin_eps, self.beta_scale, row_states)

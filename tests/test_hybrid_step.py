@@ -1,0 +1,77 @@
+"""The C++ decode step of Qwen3.5's dense hybrid (models/kernels/cpu/hybrid_step.py) against the
+torch step it replaces: fp32 weights, GGUF blocks on fp32 and int8 inputs, DeltaNet value heads in
+the tiled order, logits step after step and the states left behind, greedy and sampled replies."""
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from engine.config import SamplingConfig
+from engine.session import DecodeSession
+from models.kernels.cpu import hybrid_step
+
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=24)
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=77, max_new_tokens=24)
+PROMPT, TOKENS = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+
+
+def tiny(tmp_path, qtype=None, tiled=False):
+    """A tiny Qwen3.5 (3 DeltaNet layers around a gated attention one), its layers' linears as
+    GGUF blocks of qtype (quantized by gguf-py) where given."""
+    from gguf import quants
+
+    from models.formats import quant
+    from tiny import write_checkpoint
+    d = tmp_path / "qwen3_5"
+    if not d.exists():
+        write_checkpoint("qwen3_5", str(d))
+    lm = models.load(str(d))
+    if qtype is not None:
+        for parent in list(lm.model.model.layers.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and child.weight.shape[1] % 32 == 0:
+                    raw = quants.quantize(child.weight.detach().numpy(), qtype)
+                    setattr(parent, name, quant.BlockLinear(torch.from_numpy(raw), int(qtype),
+                                                            getattr(child, "sizes", None)))
+    for layer in lm.model.model.layers:
+        if layer.linear:
+            layer.linear_attn.out_tiled = tiled
+    return lm
+
+
+def session(lm, kernel):
+    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
+                         cpu_kernel=kernel)
+
+
+def steps(s):
+    s.prefill(PROMPT)
+    logits = torch.stack([s.step(t)[-1] for t in TOKENS])
+    return logits, [t.clone() for t in s.state.fixed_tensors()]
+
+
+@pytest.mark.parametrize("qtype,int8,tiled", [(None, False, False), (None, False, True), (Q.Q8_0, False, False),
+                                              (Q.Q4_0, False, True), (Q.Q8_0, True, False)],
+                         ids=["fp32", "fp32-tiled", "Q8_0", "Q4_0-tiled", "Q8_0-int8"])
+def test_the_hybrid_step_is_the_torch_step(tmp_path, qtype, int8, tiled):
+    lm, ref = tiny(tmp_path, qtype, tiled), tiny(tmp_path, qtype, tiled)  # (two loads: the step sets kernels)
+    for m in (lm, ref):
+        models.use_int8_inputs(m.model, int8)
+    assert hybrid_step.supports(lm.model)
+    on, off = session(lm, "on"), session(ref, "off")
+    assert isinstance(on._step_fn, hybrid_step.HybridStep) and on.decode_path.startswith("C++ step")
+    (got, got_s), (want, want_s) = steps(on), steps(off)
+    tol = 1e-4 if qtype is None else 0.02
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max()) + 1e-5
+    for a, b in zip(got_s, want_s):
+        assert float((a - b).abs().max()) <= tol * float(b.abs().max()) + 1e-5
+    if qtype is None:
+        for cfg in (GREEDY, SAMPLED):
+            assert list(session(lm, "on").generate(PROMPT, cfg)) == list(session(ref, "off").generate(PROMPT, cfg))
+
+
+def test_moe_hybrids_keep_the_torch_step(tmp_path):
+    from tiny import write_checkpoint
+    lm = models.load(write_checkpoint("qwen3_next", str(tmp_path / "next")))
+    assert not lm.model.offers_cpu_step() and not hybrid_step.supports(lm.model)
+    assert not isinstance(session(lm, "auto")._step_fn, hybrid_step.HybridStep)
