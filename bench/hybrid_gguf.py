@@ -3,7 +3,7 @@ published shape (bench/shapes.py: qwen3.5-0.8b, lfm2-1.2b, ...), converted by ll
 converter and quantized by llama.cpp's own quantizer (Q4_K_M by default), then bench/cpu_bench.py
 on that file: ours against llama.cpp on the same file, thread count and prompt.
 
-    python bench/hybrid_gguf.py --shape qwen3.5-0.8b --llama-python PYTHON [--type Q4_K_M]
+    python bench/hybrid_gguf.py --shape qwen3.5-0.8b [--llama-python PYTHON] [--type Q4_K_M]
         [--out FILE] [--only-file] [-- cpu_bench.py's options]
 
 The weights are random (transformers' initialisation, seed 0, saved in bf16); the tokenizer is the
@@ -60,13 +60,20 @@ def hf_checkpoint(shape: str, out_dir: str) -> tuple[str, str]:
     return write_checkpoint(model_type, out_dir, model=model), model_type
 
 
-def build(shape: str, qtype: str, python: str, out: str) -> str:
-    """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp."""
+def build(shape: str, qtype: str, python: str | None, out: str) -> str:
+    """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp (Q8_0:
+    by the converter itself, no llama-cpp-python needed)."""
     from llama_cpp_tree import convert
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
         hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"))
-        f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "f16", pre=PRE.get(model_type, "qwen2"),
+        direct = qtype == "Q8_0"
+        f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "q8_0" if direct else "f16", pre=PRE.get(model_type, "qwen2"),
                       options=CONVERT_OPTIONS.get(model_type, ()))
+        if direct:
+            os.replace(f16, out)
+            return out
+        if python is None:
+            raise SystemExit(f"{qtype} needs llama.cpp's quantizer: --llama-python PYTHON (one that imports llama_cpp)")
         part = os.path.join(d, "out.gguf")
         proc = subprocess.run([python, "-c", QUANTIZE, f16, part, FTYPES[qtype]], capture_output=True, text=True)
         if proc.returncode != 0:
@@ -82,7 +89,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3.5-0.8b")
     p.add_argument("--type", default="Q4_K_M", choices=sorted(FTYPES))
-    p.add_argument("--llama-python", required=True, help="a Python that can import llama_cpp (its quantizer)")
+    p.add_argument("--llama-python", default=None,
+                   help="a Python that can import llama_cpp (its quantizer; Q8_0 needs none; cpu_bench's llama.cpp run)")
     p.add_argument("--out", default=None)
     p.add_argument("--only-file", action="store_true", help="write the file, do not benchmark")
     a = p.parse_args(argv)
@@ -98,7 +106,7 @@ def main() -> None:
           flush=True)
     if not a.only_file:
         sys.exit(subprocess.call([sys.executable, os.path.join(HERE, "cpu_bench.py"), "--model", out,
-                                  "--llama-python", a.llama_python, *rest]))
+                                  *(("--llama-python", a.llama_python) if a.llama_python else ()), *rest]))
 
 
 if __name__ == "__main__":

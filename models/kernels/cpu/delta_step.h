@@ -19,10 +19,14 @@
 
 inline float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
 
-Tensor delta_decode(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, const Tensor& a_, const Tensor& conv_state,
-                    const Tensor& conv_w_, const Tensor& rec, const Tensor& neg_A_, const Tensor& dt_bias_,
-                    const Tensor& q_norm_w_, const Tensor& k_norm_w_, const Tensor& norm_w_, double norm_eps, int64_t nk,
-                    int64_t nv, int64_t dk, int64_t dv, double beta_scale) {
+// conv_out, rec_out: where the updated states go (null: in place, into conv_state and rec; else
+// conv_state and rec are only read: a verify's row chains its states through buffers of its own,
+// hybrid_step.h). The same operations either way.
+Tensor delta_decode_to(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, const Tensor& a_,
+                       const Tensor& conv_state, const Tensor& conv_w_, const Tensor& rec, const Tensor& neg_A_,
+                       const Tensor& dt_bias_, const Tensor& q_norm_w_, const Tensor& k_norm_w_, const Tensor& norm_w_,
+                       double norm_eps, int64_t nk, int64_t nv, int64_t dk, int64_t dv, double beta_scale,
+                       float* conv_out, float* rec_out) {
   const int64_t key_dim = nk * dk, value_dim = nv * dv, C = 2 * key_dim + value_dim;
   for (const Tensor* t : {&mixed_, &z_, &b_, &a_, &conv_state, &conv_w_, &rec, &neg_A_, &dt_bias_, &q_norm_w_,
                           &k_norm_w_, &norm_w_})
@@ -40,13 +44,14 @@ Tensor delta_decode(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, co
   std::vector<float> x(C);
   const float* xin = mixed.data_ptr<float>();
   const float* w = conv_w.data_ptr<float>();
-  float* cs = conv_state.data_ptr<float>();
+  const float* cs = conv_state.data_ptr<float>();
+  float* co = conv_out ? conv_out : conv_state.data_ptr<float>();
   for (int64_t c = 0; c < C; ++c) {
     float s = 0.f;
     for (int64_t j = 0; j < K - 1; ++j) s += cs[c * (K - 1) + j] * w[c * K + j];
     s += xin[c] * w[c * K + K - 1];
-    for (int64_t j = 0; j + 1 < K - 1; ++j) cs[c * (K - 1) + j] = cs[c * (K - 1) + j + 1];
-    if (K > 1) cs[c * (K - 1) + K - 2] = xin[c];
+    for (int64_t j = 0; j + 1 < K - 1; ++j) co[c * (K - 1) + j] = cs[c * (K - 1) + j + 1];
+    if (K > 1) co[c * (K - 1) + K - 2] = xin[c];
     x[c] = silu_f(s);
   }
   // q and k normed per key head
@@ -58,7 +63,8 @@ Tensor delta_decode(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, co
   }
   Tensor out = at::empty({1, value_dim}, mixed.options());
   float* o = out.data_ptr<float>();
-  float* S0 = rec.data_ptr<float>();
+  const float* S0 = rec.data_ptr<float>();
+  float* S1 = rec_out ? rec_out : rec.data_ptr<float>();
   const float *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>(), *zp = z.data_ptr<float>();
   const float *nA = neg_A.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>(), *nw = norm_w.data_ptr<float>();
   const int64_t rep = nv / nk;
@@ -73,13 +79,15 @@ Tensor delta_decode(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, co
       const float sp_in = ap[h] + dtb[h];
       const float sp = sp_in > 20.f ? sp_in : std::log1p(std::exp(sp_in));
       const float decay = std::exp(nA[h] * sp);
-      float* S = S0 + h * dk * dv;
+      const float* Sin = S0 + h * dk * dv;
+      float* S = S1 + h * dk * dv;
       std::fill(kv.begin(), kv.end(), 0.f);
       for (int64_t i = 0; i < dk; ++i) {  // S = decay S; kv = k^T S
+        const float* in = Sin + i * dv;
         float* row = S + i * dv;
         const float ki = k[i];
         for (int64_t j = 0; j < dv; ++j) {
-          row[j] *= decay;
+          row[j] = in[j] * decay;
           kv[j] += ki * row[j];
         }
       }
@@ -98,4 +106,12 @@ Tensor delta_decode(const Tensor& mixed_, const Tensor& z_, const Tensor& b_, co
     }
   });
   return out;
+}
+
+Tensor delta_decode(const Tensor& mixed, const Tensor& z, const Tensor& b, const Tensor& a, const Tensor& conv_state,
+                    const Tensor& conv_w, const Tensor& rec, const Tensor& neg_A, const Tensor& dt_bias,
+                    const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& norm_w, double norm_eps, int64_t nk,
+                    int64_t nv, int64_t dk, int64_t dv, double beta_scale) {
+  return delta_decode_to(mixed, z, b, a, conv_state, conv_w, rec, neg_A, dt_bias, q_norm_w, k_norm_w, norm_w, norm_eps,
+                         nk, nv, dk, dv, beta_scale, nullptr, nullptr);
 }

@@ -12,7 +12,9 @@
 // and the attention over slots 0..pos, the gate, o_proj. As llama_step: T rows are T one-token
 // steps, bit for bit (each row's norms, conv, delta rule and attention a row at a time; the
 // linears through their row-exact forms), and `row_states` (empty, or per DeltaNet layer its conv
-// window [T, C, K-1] and recurrent state [T, nv, dk, dv]) receives the states after each row.
+// window [T, C, K-1] and recurrent state [T, nv, dk, dv]) receives the states after each row: the
+// rows chain their states through it (delta_decode_to's out-of-place form), one copy into the
+// live states at the end rather than one a row.
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -63,9 +65,16 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
       Tensor outs = at::empty({Tn, value_dim}, x.options());
       for (int64_t t = 0; t < Tn; ++t) {
         const Tensor row = proj[t];
-        Tensor o = delta_decode(row.narrow(0, 0, conv_dim), row.narrow(0, conv_dim, value_dim),
-                                row.narrow(0, conv_dim + value_dim, nv), row.narrow(0, conv_dim + value_dim + nv, nv),
-                                conv, conv_w, rec, neg_A, dt_bias, qn, kn, norm_w, lin_eps, nk, nv, dk, dv, beta_scale);
+        // keeping the states of each row: row t reads row t-1's (the live ones for the first) and
+        // writes its own, the live states left alone until the last row's are copied in below
+        const Tensor& conv_in = keep && t ? keep[0][t - 1] : conv;
+        const Tensor& rec_in = keep && t ? keep[1][t - 1] : rec;
+        Tensor o = delta_decode_to(row.narrow(0, 0, conv_dim), row.narrow(0, conv_dim, value_dim),
+                                   row.narrow(0, conv_dim + value_dim, nv), row.narrow(0, conv_dim + value_dim + nv, nv),
+                                   t ? conv_in.contiguous() : conv_in, conv_w, t ? rec_in.contiguous() : rec_in, neg_A,
+                                   dt_bias, qn, kn, norm_w, lin_eps, nk, nv, dk, dv, beta_scale,
+                                   keep ? keep[0].data_ptr<float>() + t * conv.numel() : nullptr,
+                                   keep ? keep[1].data_ptr<float>() + t * rec.numel() : nullptr);
         const float* op = o.data_ptr<float>();
         float* dst = outs.data_ptr<float>() + t * value_dim;
         if (tiled) {  // value head kh r + j (HF's grouped order) to out_proj's slot j nk + kh
@@ -75,10 +84,10 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
         } else {
           std::copy(op, op + value_dim, dst);
         }
-        if (keep) {  // the states after this row: a verify's rollback to it (hybrid_step.HybridStep.fixed_after)
-          std::copy(conv.data_ptr<float>(), conv.data_ptr<float>() + conv.numel(), keep[0].data_ptr<float>() + t * conv.numel());
-          std::copy(rec.data_ptr<float>(), rec.data_ptr<float>() + rec.numel(), keep[1].data_ptr<float>() + t * rec.numel());
-        }
+      }
+      if (keep) {  // the live states as T steps leave them (a rollback copies an earlier row's: fixed_after)
+        conv.copy_(keep[0][Tn - 1]);
+        rec.copy_(keep[1][Tn - 1]);
       }
       branch = linear(outs, params, at_);
     } else {

@@ -613,9 +613,11 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
 }
 
 // y = x W^T for x [T, K] whose rows a speculative verify feeds together, each row's sums exactly
-// those of a one-row call (the decode step's): per 16 rows of W (a few KB, in the caches while the
-// T rows pass over them) the one-row kernel for each row of x. The decode's bits, the weights read
-// from memory once rather than T times.
+// those of a one-row call (the decode step's): the decode's accumulators over up to kMaxRows rows
+// (each row's operations the one-row ones; a block decoded once for all), or where a type's sums
+// would round otherwise, per 16 rows of W (a few KB, in the caches while the T rows pass over them)
+// the one-row kernel for each row of x. The decode's bits (tests/test_speculative.py), the weights
+// read from memory once rather than T times.
 constexpr int64_t kVerifyChunk = 16;
 
 template <typename F>
@@ -624,33 +626,6 @@ void rows_by_chunk(int64_t N, int64_t Tn, F&& f) {  // f(t, c0, c1) for each row
     for (int64_t c0 = n0; c0 < n1; c0 += kVerifyChunk)
       for (int64_t t = 0; t < Tn; ++t) f(t, c0, std::min(n1, c0 + kVerifyChunk));
   });
-}
-
-// block_product's one-row form over W's rows [c0, c1) for every row of x (fp32 inputs)
-void block_product_rows(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N,
-                        int64_t type, float* yp) {
-#if defined(CHAT_SIMD_BLOCKS)
-  std::vector<float> xs(Tn * (K / 32));  // (block_product's sums, row by row)
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t i = 0; i < K / 32; ++i) {
-      float acc = 0.f;
-      for (int j = 0; j < 32; ++j) acc += xp[t * K + 32 * i + j];
-      xs[t * (K / 32) + i] = acc;
-    }
-  by_type(type, [&](auto tc) {
-    constexpr int64_t T = decltype(tc)::value;
-    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) {
-      gemv_rows_simd<T, 1, SimdAcc<1>>(xp + t * K, xs.data() + t * (K / 32), 1, K, wp, rb, N, c0, c1, yp + t * N);
-    });
-  });
-#else
-  by_type(type, [&](auto tc) {
-    constexpr int64_t T = decltype(tc)::value;
-    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) {
-      gemv_rows<T>(xp + t * K, 1, K, wp, rb, N, c0, c1, yp + t * N);
-    });
-  });
-#endif
 }
 
 Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
@@ -662,19 +637,30 @@ Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool in
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (!int8) {
-    block_product_rows(xp, Tn, K, wp, rb, N, type, yp);
+  if (!int8) {  // (the decode's accumulators for several rows: each row's operations are the one-row ones)
+    for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+      block_product(xp + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
     return y;
   }
   const Int8Rows rows = quantize_rows(xp, Tn, K, type);
 #if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
-  by_type(type, [&](auto tc) {
+  by_type(type, [&](auto tc) {  // (the same: the decode's accumulators, rows at a time)
     constexpr int64_t T = decltype(tc)::value;
-    rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) { gemv_rows_i8<T, 1>(rows, t, 1, wp, rb, N, c0, c1, yp); });
+    if constexpr (T == kQ4_1 || T == kQ5_1) {
+      // their scalar minimum terms compile to other roundings for several rows (a fused
+      // multiply-add or not): the one-row kernel per row, each 16 rows of W in the caches
+      rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) { gemv_rows_i8<T, 1>(rows, t, 1, wp, rb, N, c0, c1, yp); });
+    } else {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+          gemv_rows_i8<T, 0>(rows, t0, std::min(kMaxRows, Tn - t0), wp, rb, N, n0, n1, yp);
+      });
+    }
   });
 #else
   const std::vector<float> xt = dequantized_rows(rows, Tn);
-  block_product_rows(xt.data(), Tn, K, wp, rb, N, type, yp);
+  for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+    block_product(xt.data() + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
 #endif
   return y;
 }
