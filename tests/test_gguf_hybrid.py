@@ -99,10 +99,11 @@ def q8_hybrid(converted, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybrid, kind, tmp_path):
-    """Where the C++ whole step does not serve (hybrids, MoE), the GGUF blocks on the CPU take the
-    library's per-linear kernels (the Q8_0 qwen3_5; the qwen3_5_moe with Q4_0 experts read by
-    BlockExperts): a session's decode steps and prefill equal, to the quantized tolerance, the
-    torch forms on a second load of the file; cpu_kernel off detaches them again."""
+    """The GGUF blocks on the CPU take the library's kernels: through the whole C++ step (the Q8_0
+    qwen3_5) or, where it does not serve (MoE: the qwen3_5_moe with Q4_0 experts read by
+    BlockExperts), the per-linear kernels: a session's decode steps and prefill equal, to the
+    quantized tolerance, the torch forms on a second load of the file; cpu_kernel off detaches
+    them again."""
     from gguf import GGMLQuantizationType as Q
 
     from models.formats import quant
@@ -111,7 +112,10 @@ def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybri
         requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
     lm, reference = models.load(path, quantized=True), models.load(path, quantized=True)
     s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
-    assert lm.model.cpu_block_kernels and "C++ per-linear kernels" in s.decode_path
+    if kind == "qwen3_5":  # (a dense hybrid: the whole C++ step, which attaches the same kernels)
+        assert s.decode_path.startswith("C++ step") and not lm.model.cpu_block_kernels
+    else:
+        assert lm.model.cpu_block_kernels and "C++ per-linear kernels" in s.decode_path
     kinds = (quant.BlockExperts,) if kind == "qwen3_5_moe" else (quant.BlockLinear,)
     kept = [m for m in lm.model.modules() if isinstance(m, kinds)]
     assert kept and all(m.fp32_kernel is not None and m.dequant_kernel is not None for m in kept)
@@ -218,7 +222,8 @@ def _mixed_file(converted, tmp_path) -> str:
 def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted, tmp_path):
     """The mixed file on the CPU with its blocks kept: the Q4_0 b and a of 4 rows, which torch's int4
     packer does not take (whole 16-row groups only; it raises), stay in their blocks; a prefill and
-    decode steps give the dequantized file's logits."""
+    decode steps give the dequantized file's logits (to the fp16 KV cache the C++ step keeps with
+    quantized weights: the dequantized file's is fp32)."""
     from models.formats import quant
     path = _mixed_file(converted, tmp_path)
     lm = models.load(path, quantized=True)
@@ -227,9 +232,10 @@ def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted
         isinstance(m, quant.BlockLinear) for m in delta.in_projs)
     prompt, steps = rand_ids(21, 8), rand_ids(6, 9)
     a, b = session(lm), session(models.load(path))
-    assert (a.prefill(prompt) - b.prefill(prompt)).abs().max() <= 1e-5
+    assert a.state.kv_dtype == torch.float16 and b.state.kv_dtype == torch.float32
+    assert (a.prefill(prompt) - b.prefill(prompt)).abs().max() <= 5e-4
     for t in steps:
-        assert (a.step(t) - b.step(t)).abs().max() <= 1e-5
+        assert (a.step(t) - b.step(t)).abs().max() <= 5e-4
 
 
 @pytest.mark.gpu

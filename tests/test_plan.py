@@ -115,10 +115,13 @@ def test_the_embedded_model_on_the_cpu(smollm2_blocks):
 
 def test_a_tiny_hybrid_lists_its_mixers(tmp_path):
     from tiny import write_checkpoint
-    lm = models.load(write_checkpoint("qwen3_5", str(tmp_path)), "cpu", torch.float32)
+    lm = models.load(write_checkpoint("qwen3_5", str(tmp_path / "dense")), "cpu", torch.float32)
     kinds = {c.site.op: c.kernel for c in lm.plan.choices}
+    assert kinds["gated_delta"] == "C++ step: delta rule" and kinds["attention"].startswith("C++ step")
+    moe = models.load(write_checkpoint("qwen3_next", str(tmp_path / "moe")), "cpu", torch.float32)
+    kinds = {c.site.op: c.kernel for c in moe.plan.choices}
     assert kinds["gated_delta"] == "torch recurrent step" and kinds["attention"] == "torch SDPA"
-    assert all("no C++ decode step for this family" in c.reason for c in lm.plan.choices if c.site.op == "linear")
+    assert all("no C++ decode step for this family" in c.reason for c in moe.plan.choices if c.site.op == "linear")
     off = make(lm.model, "cpu", torch.float32, KernelConfig(cpu_kernel=False))
     assert all("cpu_kernel: off" in c.reason for c in off.choices if c.site.op == "linear")
     cuda = {c.site.op: c.kernel for c in make(lm.model, "cuda", torch.bfloat16, KernelConfig(triton=True)).choices}
