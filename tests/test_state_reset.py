@@ -110,34 +110,49 @@ def family_models(tmp_path_factory):
     return {k: models.load(write_checkpoint(k, str(tmp_path_factory.mktemp(k)))) for k in FAMILIES}
 
 
-def family_runs(lm):
+def family_runs(lm, speculative="off"):
     """(a fresh session's tokens and prompt logits, a reused session's two generations and, after
-    reset(), its prompt logits)."""
+    reset(), its prompt logits); the reused session with `speculative` (the fresh one without),
+    drafting the fresh reply with every third token wrong, so that drafts are kept and rolled back."""
+    from engine.speculative import PromptLookup
     cfg = SamplingConfig(temperature=0, max_new_tokens=8)
     prompt = torch.randint(3, 300, (23,), generator=torch.Generator().manual_seed(1)).tolist()
 
-    def new():
+    def new(mode="off"):
         return DecodeSession(lm.model, max_context=64, device=torch.device("cpu"), dtype=torch.float32,
-                             checkpoint_mib=0)
+                             checkpoint_mib=0, speculative=mode)
     fresh = new()
     fresh_ids, fresh_logits = list(fresh.generate(prompt, cfg)), new().prefill(prompt, all_logits=True)
-    s = new()
+    class Drafts(PromptLookup):  # the fresh reply from where this one is, every third draft wrong
+        def propose(self, k):
+            at = len(self.tokens) - len(prompt)
+            return [t if (at + i) % 3 else t + 1 for i, t in enumerate(fresh_ids[at:at + k])]
+
+    s = new(speculative)
+    s._drafter = lambda ctx, expected=None: Drafts(ctx)
+    s._depth.observe_cost(1, 1.0)  # (a step's cost known, so that the first steps already draft)
+    s._depth.observe_cost(1, 1.0)
     gens = [list(s.generate(prompt, cfg)) for _ in range(2)]
+    drafted = s.last_stats.drafted
     s.reset()
-    return (fresh_ids, fresh_logits), (gens, s.prefill(prompt, all_logits=True))
+    return (fresh_ids, fresh_logits), (gens, s.prefill(prompt, all_logits=True)), drafted
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_family_reused_session_rezeroes_its_fixed_state(family_models, kind):
-    (ids, logits), ((first, second), reused) = family_runs(family_models[kind])
+@pytest.mark.parametrize("speculative", ["off", "auto"])
+def test_family_reused_session_rezeroes_its_fixed_state(family_models, kind, speculative):
+    """With speculation (where the family's step verifies: Qwen3.5 and LFM2 on the C++ step) the
+    reused session's rejected drafts are rolled back too: the same tokens and logits."""
+    (ids, logits), ((first, second), reused), drafted = family_runs(family_models[kind], speculative)
     assert first == second == ids
     assert torch.equal(reused, logits)
+    assert (drafted > 0) == (speculative == "auto" and kind != "olmo_hybrid")
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_family_regression_test_fails_without_the_rezero(family_models, monkeypatch, kind):
     monkeypatch.setattr(state_mod, "_REZERO_FIXED_STATE", False)
-    (ids, logits), (_, reused) = family_runs(family_models[kind])
+    (ids, logits), (_, reused), _ = family_runs(family_models[kind])
     # the leaked state reaches the logits (bitwise equal with the re-zero; tiny LFM2's logits are
     # ~0.1 in size and its leak, two conv inputs, moves them by ~1e-4)
     assert (reused - logits).abs().max() > 1e-5
