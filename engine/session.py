@@ -249,7 +249,7 @@ class DecodeSession:
                 return self.model
             if required:
                 raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (the dense GQA "
-                                  "models, LFM2 and Qwen3.5 in float32 have one); use cpu_kernel: auto or off")
+                                  "models, LFM2, Qwen3.5 and OLMo-Hybrid in float32 have one); use cpu_kernel: auto or off")
             return self.model
         return step
 
@@ -260,7 +260,7 @@ class DecodeSession:
             if on_cuda(self.device):
                 return "no exact multi-token verify on CUDA yet (the C++ CPU step has one)"
             return ("no exact multi-token verify for this decode path (the C++ CPU step of the dense "
-                    "GQA models, LFM2 and Qwen3.5 has one)")
+                    "GQA models, LFM2, Qwen3.5 and OLMo-Hybrid has one)")
         if self.state.has_fixed_state and getattr(self._step_fn, "fixed_after", None) is None:
             return "this model's recurrent state has no rollback of rejected drafts yet"
         if self.link is not None:

@@ -1,6 +1,7 @@
-"""The C++ decode step of Qwen3.5's dense hybrid (models/kernels/cpu/hybrid_step.py) against the
-torch step it replaces: fp32 weights, GGUF blocks on fp32 and int8 inputs, DeltaNet value heads in
-the tiled order, logits step after step and the states left behind, greedy and sampled replies."""
+"""The C++ decode step of the DeltaNet hybrids (models/kernels/cpu/hybrid_step.py: Qwen3.5's dense
+hybrid, OLMo-Hybrid) against the torch step it replaces: fp32 weights, GGUF blocks on fp32 and int8
+inputs, DeltaNet value heads in the tiled order, OLMo's attention with RoPE and without, logits
+step after step and the states left behind, greedy and sampled replies."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -15,17 +16,21 @@ SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=7
 PROMPT, TOKENS = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
 
 
-def tiny(tmp_path, qtype=None, tiled=False):
-    """A tiny Qwen3.5 (3 DeltaNet layers around a gated attention one), its layers' linears as
-    GGUF blocks of qtype (quantized by gguf-py) where given."""
+def tiny(tmp_path, qtype=None, tiled=False, kind="qwen3_5", nope=False):
+    """A tiny Qwen3.5 (3 DeltaNet layers around a gated attention one) or OLMo-Hybrid (`nope`: its
+    attention without RoPE), its layers' linears as GGUF blocks of qtype (quantized by gguf-py)
+    where given."""
     from gguf import quants
 
     from models.formats import quant
     from tiny import write_checkpoint
-    d = tmp_path / "qwen3_5"
+    d = tmp_path / kind
     if not d.exists():
-        write_checkpoint("qwen3_5", str(d))
+        write_checkpoint(kind, str(d))
     lm = models.load(str(d))
+    for layer in lm.model.model.layers:
+        if nope and not layer.linear:
+            layer.self_attn.rope = False
     if qtype is not None:
         for parent in list(lm.model.model.layers.modules()):
             for name, child in list(parent.named_children()):
@@ -50,11 +55,14 @@ def steps(s):
     return logits, [t.clone() for t in s.state.fixed_tensors()]
 
 
-@pytest.mark.parametrize("qtype,int8,tiled", [(None, False, False), (None, False, True), (Q.Q8_0, False, False),
-                                              (Q.Q4_0, False, True), (Q.Q8_0, True, False)],
-                         ids=["fp32", "fp32-tiled", "Q8_0", "Q4_0-tiled", "Q8_0-int8"])
-def test_the_hybrid_step_is_the_torch_step(tmp_path, qtype, int8, tiled):
-    lm, ref = tiny(tmp_path, qtype, tiled), tiny(tmp_path, qtype, tiled)  # (two loads: the step sets kernels)
+@pytest.mark.parametrize("kind,qtype,int8,tiled,nope", [
+    ("qwen3_5", None, False, False, False), ("qwen3_5", None, False, True, False), ("qwen3_5", Q.Q8_0, False, False, False),
+    ("qwen3_5", Q.Q4_0, False, True, False), ("qwen3_5", Q.Q8_0, True, False, False),
+    ("olmo_hybrid", None, False, False, False), ("olmo_hybrid", None, False, False, True),
+    ("olmo_hybrid", Q.Q8_0, False, False, False)],
+    ids=["fp32", "fp32-tiled", "Q8_0", "Q4_0-tiled", "Q8_0-int8", "olmo-fp32", "olmo-fp32-nope", "olmo-Q8_0"])
+def test_the_hybrid_step_is_the_torch_step(tmp_path, kind, qtype, int8, tiled, nope):
+    lm, ref = (tiny(tmp_path, qtype, tiled, kind, nope) for _ in range(2))  # (two loads: the step sets kernels)
     for m in (lm, ref):
         models.use_int8_inputs(m.model, int8)
     assert hybrid_step.supports(lm.model)
@@ -75,3 +83,20 @@ def test_moe_hybrids_keep_the_torch_step(tmp_path):
     lm = models.load(write_checkpoint("qwen3_next", str(tmp_path / "next")))
     assert not lm.model.offers_cpu_step() and not hybrid_step.supports(lm.model)
     assert not isinstance(session(lm, "auto")._step_fn, hybrid_step.HybridStep)
+
+
+def test_olmo_on_int8_inputs_is_the_per_linear_path(tmp_path, monkeypatch):
+    """OLMo-Hybrid's Q8_0 blocks on int8 inputs: the whole step against the torch step on the same
+    per-linear kernels (the path before the whole step served it), both rounding their inputs."""
+    from models.architectures import olmo_hybrid
+    lm, ref = (tiny(tmp_path, Q.Q8_0, kind="olmo_hybrid") for _ in range(2))
+    for m in (lm, ref):
+        models.use_int8_inputs(m.model, True)
+    on = session(lm, "on")
+    monkeypatch.setattr(olmo_hybrid.OlmoHybridForCausalLM, "offers_cpu_step", lambda self: False)
+    per_linear = session(ref, "auto")
+    assert isinstance(on._step_fn, hybrid_step.HybridStep) and "per-linear kernels" in per_linear.decode_path
+    (got, got_s), (want, want_s) = steps(on), steps(per_linear)
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+    for a, b in zip(got_s, want_s):  # (the step's fp16 KV cache against fp32 there, through int8 roundings)
+        assert float((a - b).abs().max()) <= 0.05 * float(b.abs().max()) + 1e-5

@@ -125,6 +125,9 @@ def test_attention_decode_branch_writes_the_cache_the_kernel_reads(tmp_path, mon
         calls.append(1)
         return attend_cached(q, k_cache, v_cache, int(positions[0]) + 1, None)
 
+    from models.architectures import olmo_hybrid
     monkeypatch.setattr(layers.cuda_base, "attention_usable", lambda x, d: x.shape[0] == 1)
     monkeypatch.setattr(layers.cuda_attention, "decode", kernel_contract)
+    # (the torch step's branch: the C++ step, which now decodes this family on the CPU, held back)
+    monkeypatch.setattr(olmo_hybrid.OlmoHybridForCausalLM, "offers_cpu_step", lambda self: False)
     assert parity(hf, path, n=33) <= 1e-4 and calls

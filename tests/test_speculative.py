@@ -34,7 +34,8 @@ GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0,
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, False), ("qwen2", Q.Q5_1, {"attn_v.weight": Q.Q8_0}, Q.Q5_0, False),
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True),
          ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True),
-         ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True)]
+         ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True),
+         ("olmo_hybrid", Q.Q8_0, None, None, False)]
 IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
 
@@ -43,8 +44,8 @@ def gguf_lm(request, tmp_path_factory):
     kind, linear, types, embed, int8 = request.param
     if kind == "lfm2":  # (short-conv layers: their windows rolled back from the verify's rows)
         lm = lfm2_in_blocks(tmp_path_factory.mktemp("spec"), linear)
-    elif kind == "qwen3_5":  # (DeltaNet layers: conv windows and recurrent states rolled back alike)
-        lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0)
+    elif kind in ("qwen3_5", "olmo_hybrid"):  # (DeltaNet layers: conv windows and recurrent states rolled back alike)
+        lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0, kind=kind)
     else:
         lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
     if int8:
@@ -376,7 +377,7 @@ def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith(
         "speculative: lookup is unavailable here (no exact multi-token verify for this decode path (the C++ "
-        "CPU step of the dense GQA models, LFM2 and Qwen3.5 has one)); use auto or off")
+        "CPU step of the dense GQA models, LFM2, Qwen3.5 and OLMo-Hybrid has one)); use auto or off")
 
 
 def test_a_recording_replays_with_it_on_and_off(tmp_path):

@@ -109,6 +109,11 @@ class OlmoHybridForCausalLM(CausalLM):
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
 
+    cpu_step_kind = "hybrid"  # (models/kernels/cpu/hybrid_step.py)
+
+    def offers_cpu_step(self) -> bool:
+        return True
+
     def state_spec(self):
         c = self.config
         return [layer.linear_attn.state() if layer.linear else AttentionState(c.num_kv_heads, c.head_dim)

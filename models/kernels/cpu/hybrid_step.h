@@ -1,5 +1,6 @@
-// The CPU decode step of Qwen3.5's dense hybrid (qwen3_5.HybridForCausalLM without MoE): Gated
-// DeltaNet layers and gated full-attention layers, each with a SwiGLU MLP, every layer in one call.
+// The CPU decode step of the DeltaNet hybrids with dense MLPs: Qwen3.5 (qwen3_5.HybridForCausalLM
+// without MoE: Gated DeltaNet layers and gated full-attention layers) and OLMo-Hybrid (its DeltaNet
+// layers and post-norm OLMo-3 attention layers), each layer with a SwiGLU MLP, all in one call.
 // Included by step.cpp inside its namespace, after llama_step (linear, linears, rms_norm, rope,
 // attention and delta_decode are step.cpp's and delta_step.h's). The contract is in
 // hybrid_step.py.
@@ -18,8 +19,72 @@
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// meta: H, KVH, D, rotary, nk, nv, dk, dv, out_tiled (0/1), then per layer (kind: 1 DeltaNet, 0
-// attention; its input linears' count; its gate/up linears' count). params per layer: the input
+// SwiGLU of each row of h [T, 2 ffn] (gate | up side by side) into [T, ffn], a row at a time (as
+// llama_step: one row's elementwise loops)
+Tensor swiglu_rows(const Tensor& gu) {
+  const int64_t Tn = gu.size(0), ffn = gu.size(1) / 2;
+  Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, gu.options());
+  for (int64_t t = 0; t < Tn; ++t) {
+    const Tensor g = gu.narrow(0, t, 1);
+    Tensor a = at::silu(g.narrow(1, 0, ffn));
+    a.mul_(g.narrow(1, ffn, ffn));
+    if (Tn == 1)
+      act = a;
+    else
+      act.narrow(0, t, 1).copy_(a);
+  }
+  return act;
+}
+
+// An OLMo-Hybrid attention layer (olmo_hybrid.OlmoHybridLayer): q and k RMS-normed over all their
+// heads together, RoPE over the first R dims (R = 0: NoPE), the attention, o_proj; its output and
+// then its MLP's (on the stream itself) each normed before they join the stream. params: q/k/v
+// linears, q_norm [H D], k_norm [KVH D], o_proj, the post-attention norm, gate/up linears,
+// down_proj, the post-feedforward norm.
+void olmo_attention_layer(Tensor& x, Tensor& attn, const float* cos, const float* sin, int64_t cs, const OptList& params,
+                          int64_t& at_, const std::vector<Tensor>& caches, int64_t& ci, int64_t pos, double eps,
+                          int64_t H, int64_t KVH, int64_t D, int64_t R, float scale, int64_t in_parts, int64_t gu_parts) {
+  const int64_t Tn = x.size(0), hidden = x.size(1);
+  float* xs = x.data_ptr<float>();
+  Tensor qkv = linears(x, params, at_, in_parts).contiguous();
+  const int64_t width = qkv.size(1);
+  TORCH_CHECK(width == H * D + 2 * KVH * D, "hybrid_step: an OLMo attention layer's projections");
+  const float* qw = params.get(at_++).value().data_ptr<float>();
+  const float* kw = params.get(at_++).value().data_ptr<float>();
+  const Tensor& kc = caches[ci++];
+  const Tensor& vc = caches[ci++];
+  for (int64_t t = 0; t < Tn; ++t) {
+    float* q = qkv.data_ptr<float>() + t * width;
+    float* k = q + H * D;
+    const float* v = k + KVH * D;
+    rms_norm(q, qw, q, H * D, eps);
+    rms_norm(k, kw, k, KVH * D, eps);
+    for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos + t * cs, sin + t * cs, R);
+    for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos + t * cs, sin + t * cs, R);
+    Tensor out = attn.narrow(0, t, 1);
+    if (kc.scalar_type() == at::kHalf)
+      attention<at::Half>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+    else
+      attention<float>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+  }
+  Tensor a = linear(attn, params, at_);
+  const float* post_attn = params.get(at_++).value().data_ptr<float>();
+  std::vector<float> normed(hidden);
+  for (int64_t t = 0; t < Tn; ++t) {
+    rms_norm(a.data_ptr<float>() + t * hidden, post_attn, normed.data(), hidden, eps);
+    for (int64_t i = 0; i < hidden; ++i) xs[t * hidden + i] += normed[i];
+  }
+  Tensor m = linear(swiglu_rows(linears(x, params, at_, gu_parts).contiguous()), params, at_);
+  const float* post_ff = params.get(at_++).value().data_ptr<float>();
+  for (int64_t t = 0; t < Tn; ++t) {
+    rms_norm(m.data_ptr<float>() + t * hidden, post_ff, normed.data(), hidden, eps);
+    for (int64_t i = 0; i < hidden; ++i) xs[t * hidden + i] += normed[i];
+  }
+}
+
+// meta: H, KVH, D, rotary (0: none), nk, nv, dk, dv, out_tiled (0/1), then per layer (kind: 1
+// DeltaNet, 0 Qwen3.5's gated attention, 2 OLMo-3's post-norm attention; its input linears'
+// count; its gate/up linears' count). params per layer: the input
 // norm weight (offset added), the input linears (3 entries each); DeltaNet: conv weight [C, 1, K],
 // neg_A, dt_bias, q_norm_w, k_norm_w, norm weight, out_proj; attention: q/k norm weights (offset
 // added), o_proj; then the post norm weight (offset added), gate/up linears, down_proj. caches
@@ -49,6 +114,11 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
   int64_t at_ = 0, ci = 0, si = 0;  // the next param, cache, row_states entry
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t kind = meta[9 + 3 * l], in_parts = meta[10 + 3 * l], gu_parts = meta[11 + 3 * l];
+    if (kind == 2) {  // OLMo-3 attention, post-norm: x += norm(attn(x)); x += norm(mlp(x))
+      olmo_attention_layer(x, attn, cos, sin, cs, params, at_, caches, ci, pos, eps, H, KVH, D, R, scale,
+                           in_parts, gu_parts);
+      continue;
+    }
     const float* in_norm = params.get(at_++).value().data_ptr<float>();
     for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, in_norm, hs + t * hidden, hidden, eps);
     Tensor branch;
@@ -126,19 +196,7 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
     for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += bp[i];
     const float* post_norm = params.get(at_++).value().data_ptr<float>();
     for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
-    Tensor gu = linears(h, params, at_, gu_parts).contiguous();
-    const int64_t ffn = gu.size(1) / 2;
-    Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, x.options());
-    for (int64_t t = 0; t < Tn; ++t) {  // (row by row, as llama_step)
-      const Tensor g = gu.narrow(0, t, 1);
-      Tensor a = at::silu(g.narrow(1, 0, ffn));
-      a.mul_(g.narrow(1, ffn, ffn));
-      if (Tn == 1)
-        act = a;
-      else
-        act.narrow(0, t, 1).copy_(a);
-    }
-    Tensor m = linear(act, params, at_);
+    Tensor m = linear(swiglu_rows(linears(h, params, at_, gu_parts).contiguous()), params, at_);
     const float* mp = m.data_ptr<float>();
     for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
   }

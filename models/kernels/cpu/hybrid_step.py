@@ -1,4 +1,5 @@
-"""The CPU decode step of Qwen3.5's dense hybrid in C++ (hybrid_step.h, built into step.cpp's library).
+"""The CPU decode step of the DeltaNet hybrids with dense MLPs in C++ (hybrid_step.h, built into
+step.cpp's library): Qwen3.5 and OLMo-Hybrid.
 
 Contract: `HybridStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
@@ -8,7 +9,8 @@ the token's position), up to float summation order: tests/test_hybrid_step.py co
 states and greedy tokens with the torch step. `verify` (speculative decoding) is CpuStep's: its
 rows are one-token steps bit for bit, and the DeltaNet states after each row are kept for the
 rollback of rejected drafts. `supports(model)` says which models it serves: Qwen3.5 without MoE
-layers (Qwen3-Next and Qwen3.5-MoE keep the torch step and its per-linear kernels).
+layers (Qwen3-Next and Qwen3.5-MoE keep the torch step and its per-linear kernels) and OLMo-Hybrid
+(its attention layers post-norm, q and k normed over all heads, RoPE or none).
 
 Why: the torch step of a DeltaNet layer is a dozen dispatched ops around its projections and the
 library's delta_decode, and an attention layer's as many again; here the whole token is one call.
@@ -32,6 +34,11 @@ def _qkv(attn) -> list:
     return cpu_step._parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
 
+def _olmo_attention(layer) -> bool:
+    """An OLMo-Hybrid attention layer (post-norm, q/k normed over all heads)."""
+    return not layer.linear and hasattr(layer, "post_feedforward_layernorm")
+
+
 def supports(model) -> bool:
     """Whether a Qwen3.5 hybrid has what the step reads: no MoE layer, 4-bit, GGUF-block or fp32
     linears, fp32 norms and DeltaNet parameters, head sizes the attention loops take."""
@@ -39,7 +46,9 @@ def supports(model) -> bool:
     if getattr(cfg, "num_experts", 0) or cfg.head_dim > 512 or model.rope.rotary_dim % 2:
         return False
     for layer in model.model.layers:
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        olmo = _olmo_attention(layer)
+        norms = [layer.post_attention_layernorm] + ([layer.post_feedforward_layernorm] if olmo else
+                                                    [layer.input_layernorm])
         mlp = layer.mlp
         if not hasattr(mlp, "down_proj"):  # (a SwiGLU MLP)
             return False
@@ -66,7 +75,7 @@ def serves(model, dtype: torch.dtype) -> bool:
 
 
 class HybridStep(cpu_step.CpuStep):
-    """The decode step (one token) of a Qwen3.5 hybrid through the C++ library; `verify` and the
+    """The decode step (one token) of a DeltaNet hybrid through the C++ library; `verify` and the
     head's rows are CpuStep's."""
 
     def __init__(self, model):
@@ -74,12 +83,27 @@ class HybridStep(cpu_step.CpuStep):
         self.model = model
         cfg = model.config
         first = next(layer.linear_attn for layer in model.model.layers if layer.linear)
-        meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.rope.rotary_dim,
+        nope = any(_olmo_attention(layer) and not layer.self_attn.rope for layer in model.model.layers)
+        meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0 if nope else model.rope.rotary_dim,
                 first.nk, first.nv, first.dk, first.dv, int(first.out_tiled)]
         params: list[torch.Tensor | None] = []
         for layer in model.model.layers:
             mlp = layer.mlp
             gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+            if _olmo_attention(layer):  # (no norm in front; one after the attention, one after the MLP)
+                attn = layer.self_attn
+                ins = _qkv(attn)
+                for m in ins:
+                    params += cpu_step._linear_params(m)
+                params += [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()]
+                params += cpu_step._linear_params(attn.o_proj)
+                params.append(layer.post_attention_layernorm.fused_weight())
+                for m in gu:
+                    params += cpu_step._linear_params(m)
+                params += cpu_step._linear_params(mlp.down_proj)
+                params.append(layer.post_feedforward_layernorm.fused_weight())
+                meta += [2, len(ins), len(gu)]
+                continue
             params.append(layer.input_layernorm.fused_weight())
             if layer.linear:
                 lin = layer.linear_attn
