@@ -19,23 +19,6 @@
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// SwiGLU of each row of h [T, 2 ffn] (gate | up side by side) into [T, ffn], a row at a time (as
-// llama_step: one row's elementwise loops)
-Tensor swiglu_rows(const Tensor& gu) {
-  const int64_t Tn = gu.size(0), ffn = gu.size(1) / 2;
-  Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, gu.options());
-  for (int64_t t = 0; t < Tn; ++t) {
-    const Tensor g = gu.narrow(0, t, 1);
-    Tensor a = at::silu(g.narrow(1, 0, ffn));
-    a.mul_(g.narrow(1, ffn, ffn));
-    if (Tn == 1)
-      act = a;
-    else
-      act.narrow(0, t, 1).copy_(a);
-  }
-  return act;
-}
-
 // An OLMo-Hybrid attention layer (olmo_hybrid.OlmoHybridLayer): q and k RMS-normed over all their
 // heads together, RoPE over the first R dims (R = 0: NoPE), the attention, o_proj; its output and
 // then its MLP's (on the stream itself) each normed before they join the stream. params: q/k/v

@@ -39,6 +39,15 @@ def _olmo_attention(layer) -> bool:
     return not layer.linear and hasattr(layer, "post_feedforward_layernorm")
 
 
+def _params(linears) -> list:
+    return [p for m in linears for p in cpu_step._linear_params(m)]
+
+
+def _attention_params(attn, ins) -> list:
+    """q/k/v linears, the q and k norms' weights (their offsets added), o_proj: as the step reads them."""
+    return _params(ins) + [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()] + cpu_step._linear_params(attn.o_proj)
+
+
 def supports(model) -> bool:
     """Whether a Qwen3.5 hybrid has what the step reads: no MoE layer, 4-bit, GGUF-block or fp32
     linears, fp32 norms and DeltaNet parameters, head sizes the attention loops take."""
@@ -90,40 +99,23 @@ class HybridStep(cpu_step.CpuStep):
         for layer in model.model.layers:
             mlp = layer.mlp
             gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+            mlp_params = _params(gu) + cpu_step._linear_params(mlp.down_proj)
             if _olmo_attention(layer):  # (no norm in front; one after the attention, one after the MLP)
-                attn = layer.self_attn
-                ins = _qkv(attn)
-                for m in ins:
-                    params += cpu_step._linear_params(m)
-                params += [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()]
-                params += cpu_step._linear_params(attn.o_proj)
-                params.append(layer.post_attention_layernorm.fused_weight())
-                for m in gu:
-                    params += cpu_step._linear_params(m)
-                params += cpu_step._linear_params(mlp.down_proj)
-                params.append(layer.post_feedforward_layernorm.fused_weight())
+                ins = _qkv(layer.self_attn)
+                params += _attention_params(layer.self_attn, ins) + [layer.post_attention_layernorm.fused_weight()]
+                params += mlp_params + [layer.post_feedforward_layernorm.fused_weight()]
                 meta += [2, len(ins), len(gu)]
                 continue
             params.append(layer.input_layernorm.fused_weight())
             if layer.linear:
                 lin = layer.linear_attn
                 ins = _in_projections(lin)
-                for m in ins:
-                    params += cpu_step._linear_params(m)
-                params += [lin.conv1d.weight.contiguous(), lin.neg_A, lin.dt_bias32, lin.q_norm_w, lin.k_norm_w,
-                           lin.norm.weight]
-                params += cpu_step._linear_params(lin.out_proj)
+                params += _params(ins) + [lin.conv1d.weight.contiguous(), lin.neg_A, lin.dt_bias32, lin.q_norm_w,
+                                          lin.k_norm_w, lin.norm.weight] + cpu_step._linear_params(lin.out_proj)
             else:
-                attn = layer.self_attn
-                ins = _qkv(attn)
-                for m in ins:
-                    params += cpu_step._linear_params(m)
-                params += [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()]
-                params += cpu_step._linear_params(attn.o_proj)
-            params.append(layer.post_attention_layernorm.fused_weight())
-            for m in gu:
-                params += cpu_step._linear_params(m)
-            params += cpu_step._linear_params(mlp.down_proj)
+                ins = _qkv(layer.self_attn)
+                params += _attention_params(layer.self_attn, ins)
+            params += [layer.post_attention_layernorm.fused_weight()] + mlp_params
             meta += [int(layer.linear), len(ins), len(gu)]
         self.params = [p.detach() if p is not None else None for p in params]
         self.meta = meta

@@ -1105,6 +1105,23 @@ void short_conv(const float* bcx, float* st, const float* w, const float* bias, 
   }
 }
 
+// SwiGLU of each row of h [T, 2 ffn] (gate | up side by side) into [T, ffn], a row at a time (one
+// row's elementwise loops, as a one-token step runs them)
+Tensor swiglu_rows(const Tensor& gu) {
+  const int64_t Tn = gu.size(0), ffn = gu.size(1) / 2;
+  Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, gu.options());
+  for (int64_t t = 0; t < Tn; ++t) {
+    const Tensor g = gu.narrow(0, t, 1);
+    Tensor a = at::silu(g.narrow(1, 0, ffn));
+    a.mul_(g.narrow(1, ffn, ffn));
+    if (Tn == 1)
+      act = a;
+    else
+      act.narrow(0, t, 1).copy_(a);
+  }
+  return act;
+}
+
 // x: [T, hidden] fp32 (the embedded tokens at positions pos..pos+T-1: one for a decode step, more
 // for a speculative verify); cos, sin: [T, rotary] fp32 (Rope.cos_sin of each position);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
@@ -1195,19 +1212,7 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
     }
     const float* post_norm = params.get(at_++).value().data_ptr<float>();
     for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
-    Tensor gu = linears(h, params, at_, gu_parts).contiguous();
-    const int64_t ffn = gu.size(1) / 2;
-    Tensor act = Tn == 1 ? Tensor() : at::empty({Tn, ffn}, x.options());
-    for (int64_t t = 0; t < Tn; ++t) {  // (row by row: one row's elementwise loops, as the step's)
-      const Tensor g = gu.narrow(0, t, 1);
-      Tensor a = at::silu(g.narrow(1, 0, ffn));
-      a.mul_(g.narrow(1, ffn, ffn));
-      if (Tn == 1)
-        act = a;
-      else
-        act.narrow(0, t, 1).copy_(a);
-    }
-    Tensor m = linear(act, params, at_);
+    Tensor m = linear(swiglu_rows(linears(h, params, at_, gu_parts).contiguous()), params, at_);
     const float* mp = m.data_ptr<float>();
     for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
   }
