@@ -3,7 +3,7 @@ one session: a copy-with-edit conversation (the user gives a paragraph and asks 
 word changed), greedy, the embedded model by default, on the CPU by default.
 
     python bench/spec_bench.py [--model smollm2] [--device cpu] [--rounds 3] [--temperature 0]
-                               [--acceptance 0,0.5,0.75,1]
+                               [--acceptance 0,0.5,0.75,1] [--replay] [--cpu-int8 on]
 
 Each round runs the turn with `speculative: off` and then `lookup` (`/set speculative`, the live
 session's switch), from the same cached prefix (the turn is undone between them), and checks the
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--max-new", default="200")
     ap.add_argument("--acceptance", default="", help="forced drafts at these rates, comma-separated")
     ap.add_argument("--replay", action="store_true", help="time chat replay of a recording, off and auto")
+    ap.add_argument("--cpu-int8", choices=("off", "on"), default="off", help="the cpu_int8 setting")
     args = ap.parse_args()
     from chat.controller import ChatController
     from chat.runtime import open_runtime
@@ -53,7 +54,7 @@ def main() -> None:
 
     settings = load_settings(env={}, overrides={"model": args.model, "device": args.device, "seed": "1234",
                                                 "temperature": args.temperature, "max_new_tokens": args.max_new,
-                                                "speculative": "off"})
+                                                "speculative": "off", "cpu_int8": args.cpu_int8})
     rt = open_runtime(settings)
     c = ChatController(rt, rt.settings)
     print(f"{args.model} on {rt.device}: decode step {c.session.decode_path}")
