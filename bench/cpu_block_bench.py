@@ -9,10 +9,12 @@ through that they exceed the last-level cache (100 MB), so the weights come from
 model's decode reads them (`--cached`: one copy, the caches warm: the kernels' compute rate).
 With more than 8 rows (`--rows 512 --cached`: a prefill), the fp32 column is what a prefill runs
 with cpu_int8 off: BlockLinear's forward, the blocks dequantized by the library and one fp32 GEMM;
-the int8 column is block_linear on int8 inputs, as with cpu_int8 on. Printed: the best of 10
-passes (GFLOP/s in place of GB/s for a prefill), and the largest relative error against the
-fp64 product of the dequantized weights (with x rounded as the int8 path rounds it,
-step.int8_reference, for int8).
+the int8 column is block_linear on int8 inputs; where the CPU multiplies bf16 natively
+(step.bf16_gemm), the bf16 column is block_linear_bf16, which cpu_int8 on takes from
+BlockLinear.BF16_ROWS rows. Printed: the best of 10 passes (GFLOP/s in place of GB/s for a
+prefill), and the largest relative error against the fp64 product of the dequantized weights
+(with x rounded as the int8 path rounds it, step.int8_reference, for int8; x and W rounded to
+bf16 for bf16).
 """
 from __future__ import annotations
 
@@ -59,48 +61,51 @@ def main() -> None:
     block_linear = torch.ops.chat_cpu.block_linear
     modules: dict = {}
 
-    def op(x, blocks, ggml, int8):
-        if int8 or x.shape[0] <= 8:
-            return block_linear(x, blocks, ggml, int8)
+    def op(x, blocks, ggml, variant):
+        if variant == "bf16":
+            return torch.ops.chat_cpu.block_linear_bf16(x, blocks, ggml)
+        if variant == "int8" or x.shape[0] <= 8:
+            return block_linear(x, blocks, ggml, variant == "int8")
         key = blocks.data_ptr()
         if key not in modules:  # (prefill's fp32 form: dequantized by the library, one GEMM)
             modules[key] = quant.BlockLinear(blocks, ggml)
             step.attach_block_kernels(modules[key])
         return modules[key](x)
+    variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else [])
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}")
     rate = "GFLOP/s" if a.rows > 8 else "GB/s"  # (a prefill's rate: its arithmetic; a decode's: its bytes)
-    print(f"{'type':6}{'shape':>14}{'fp32 us':>10}{'Gw/s':>7}{rate:>8}{'int8 us':>10}{'Gw/s':>7}{rate:>8}"
-          f"{'int8/fp32':>11}{'max rel err':>13}")
+    print(f"{'type':6}{'shape':>14}" + "".join(f"{v + ' us':>10}{'Gw/s':>7}{rate:>8}" for v in variants)
+          + "".join(f"{v + '/fp32':>11}" for v in variants[1:]) + f"{'max rel err':>13}")
     for name in a.types.split(","):
         ggml = gguf_blocks.TYPES[name]
         for shape in a.shapes.split(","):
             n, k = map(int, shape.split("x"))
             blocks = random_blocks(name, n, k, gen)
             x = torch.randn(a.rows, k, generator=gen)
-            w = gguf_blocks.dequantize(blocks, ggml).double()
+            w = gguf_blocks.dequantize(blocks, ggml)
             copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
             times, err = {}, 0.0
-            for int8 in (False, True):
-                xr = step.int8_reference(x, ggml) if int8 else x.double()
-                y = op(x, blocks, ggml, int8).double()
-                err = max(err, float(((y - xr @ w.t()).abs() / (xr.abs() @ w.abs().t()).clamp_min(1e-30)).max()))
+            for v in variants:
+                xr = step.int8_reference(x, ggml) if v == "int8" else x.bfloat16().double() if v == "bf16" else x.double()
+                wr = w.bfloat16().double() if v == "bf16" else w.double()
+                y = op(x, blocks, ggml, v).double()
+                err = max(err, float(((y - xr @ wr.t()).abs() / (xr.abs() @ wr.abs().t()).clamp_min(1e-30)).max()))
                 for b in copies[:3]:
-                    op(x, b, ggml, int8)
+                    op(x, b, ggml, v)
                 best = float("inf")
                 for _ in range(10):
                     t0 = time.perf_counter()
                     for b in copies:
-                        op(x, b, ggml, int8)
+                        op(x, b, ggml, v)
                     best = min(best, (time.perf_counter() - t0) / len(copies))
-                times[int8] = best
+                times[v] = best
             row = f"{name:6}{shape:>14}"
-            for int8 in (False, True):
-                t = times[int8]
+            for v in variants:
+                t = times[v]
                 per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
-            print(row + f"{times[False] / times[True]:>10.2f}x{err:>13.1e}")
-
+            print(row + "".join(f"{times['fp32'] / times[v]:>10.2f}x" for v in variants[1:]) + f"{err:>13.1e}")
 
 if __name__ == "__main__":
     main()

@@ -421,6 +421,23 @@ class BlockLinear(QuantLinear):
     dequant_kernel = None
     KERNEL_ROWS = 4  # fp32 inputs: up to this many rows go to fp32_kernel; more: dequantize + GEMM
     int8_inputs = False  # any rows to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
+    # With int8_inputs, a prefill's BF16_ROWS rows or more in bf16 products (`bf16_kernel(x, blocks,
+    # type)`, set where the CPU multiplies bf16 natively): faster than the int8 tiles from about
+    # that many rows, and closer to the fp32 product than int8 inputs (bench/cpu_block_bench.py
+    # --rows, bench/cpu_bench.py)
+    bf16_kernel = None
+    BF16_ROWS = 64
+
+    def cpu_product(self, x2: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
+        """x2 [T, K] fp32 times the blocks' W^T by the library's kernels (bf16 products, int8 or fp32
+        inputs, as the attributes above choose), or None where none takes x2 (the torch forms then)."""
+        if self.fp32_kernel is None or x2.dtype != torch.float32:
+            return None
+        if self.int8_inputs and self.bf16_kernel is not None and x2.shape[0] >= self.BF16_ROWS:
+            return self.bf16_kernel(x2, blocks, ggml_type)
+        if x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs:
+            return self.fp32_kernel(x2.contiguous(), blocks, ggml_type, self.int8_inputs)
+        return None
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
@@ -505,10 +522,8 @@ class BlockLinear(QuantLinear):
             return self.cuda_forward(x, out_dtype)
         x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.fp32_kernel is not None and x2.dtype == torch.float32 and \
-                (x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs):
-            y = self.fp32_kernel(x2.contiguous(), self.blocks, self.ggml_type, self.int8_inputs)
-        else:
+        y = None if self.fp32_kernel is None else self.cpu_product(x2, self.blocks, self.ggml_type)
+        if y is None:
             y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
             rows = max(1, _DEQUANT_ELEMENTS // self.in_features)
             for i in range(0, self.out_features, rows):
@@ -544,6 +559,9 @@ class BlockExperts(nn.Module):
     dequant_kernel = None
     KERNEL_ROWS = BlockLinear.KERNEL_ROWS
     int8_inputs = False  # as BlockLinear's
+    bf16_kernel = None
+    BF16_ROWS = BlockLinear.BF16_ROWS
+    cpu_product = BlockLinear.cpu_product
 
     def __init__(self, t: GgufExperts):
         super().__init__()
@@ -564,12 +582,11 @@ class BlockExperts(nn.Module):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             xs = x[tok]
-            if self.fp32_kernel is not None and x.dtype == torch.float32 and \
-                    (xs.shape[0] <= self.KERNEL_ROWS or self.int8_inputs):
-                g, u, d = self.types
-                i8 = self.int8_inputs
-                h = F.silu(self.fp32_kernel(xs, self.gate_blocks[e], g, i8)) * self.fp32_kernel(xs, self.up_blocks[e], u, i8)
-                y = self.fp32_kernel(h, self.down_blocks[e], d, i8)
+            g, u, d = self.types
+            gate = self.cpu_product(xs, self.gate_blocks[e], g)
+            if gate is not None:
+                h = F.silu(gate) * self.cpu_product(xs, self.up_blocks[e], u)
+                y = self.cpu_product(h, self.down_blocks[e], d)
             else:
                 gate, up, down = self.expert(e, x.dtype)
                 y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)

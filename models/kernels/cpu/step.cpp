@@ -484,6 +484,65 @@ Tensor block_dequant(const Tensor& w, int64_t type) {
   return y;
 }
 
+// fp32 values to bf16, to the nearest with ties to even (as c10::BFloat16; the weights' values
+// are fp16 scales times small integers: never subnormal, which AVX512-BF16's form flushes)
+inline void to_bf16(const float* s, at::BFloat16* d, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+#endif
+  for (; i < n; ++i) d[i] = at::BFloat16(s[i]);
+}
+
+// rows [n0, n1) of W dequantized (gguf-py's values) and rounded to bf16 into y (K a row)
+template <int64_t T>
+void dequant_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, at::BFloat16* y) {
+  constexpr int64_t BW = T == kQ4_K || T == kQ5_K || T == kQ6_K ? 256 : 32;
+  const int64_t bytes = block_shape(T).bytes, nb = K / BW;
+  alignas(64) float buf[BW];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      dequant_block<T>(w + n * row_bytes + b * bytes, buf);
+      to_bf16(buf, y + n * K + b * BW, BW);
+    }
+}
+
+// Weights dequantized at a time by block_linear_bf16: a chunk of rows of W in bf16 (~2 MiB) that
+// stays in the caches while the GEMM reads it (bench/cpu_block_bench.py --rows 512 --cached: the
+// bf16 column)
+constexpr int64_t kBf16Chunk = int64_t{1} << 20;
+
+// y = x W^T in bf16 products, for a prefill's many rows where rounded inputs are allowed (the
+// cpu_int8 setting) and the CPU multiplies bf16 natively (AVX512-BF16: models/kernels/cpu/step.py
+// bf16_gemm): x and the dequantized W rounded to bf16, the sums in fp32 by torch's bf16 GEMM
+// (oneDNN), its output rounded to bf16, then widened. tests/test_block_bf16.py bounds it against
+// the fp64 product of the rounded operands.
+Tensor block_linear_bf16(const Tensor& x, const Tensor& w, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_linear_bf16: x must be [T, K] fp32");
+  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "block_linear_bf16: x has ", x.size(1), " columns, the blocks ", K);
+  Tensor y = at::empty({Tn, N}, x.options());
+  const Tensor xb = x.to(at::kBFloat16);
+  const int64_t chunk = std::min(N, std::max<int64_t>(16, kBf16Chunk / std::max<int64_t>(K, 1)));
+  Tensor wd = at::empty({chunk, K}, x.options().dtype(at::kBFloat16));
+  Tensor part = at::empty({Tn, chunk}, x.options().dtype(at::kBFloat16));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t rows = std::min(chunk, N - n0);
+    at::BFloat16* dp = wd.data_ptr<at::BFloat16>();
+    by_type(type, [&](auto t) {
+      at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+        dequant_rows_bf16<decltype(t)::value>(wp + n0 * rb, rb, K, a, b, dp);
+      });
+    });
+    Tensor out = part.narrow(1, 0, rows);
+    at::mm_out(out, xb, wd.narrow(0, 0, rows).t());
+    y.narrow(1, n0, rows).copy_(out);
+  }
+  return y;
+}
+
 #include "blocks_int8.h"
 
 // y = x W^T for x [T, K] fp32 (T <= 8, xp) and W in GGUF blocks [N, row bytes] into yp
@@ -1376,6 +1435,7 @@ TORCH_LIBRARY(chat_cpu, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear);
   m.def("block_linear_rows(Tensor x, Tensor blocks, int type, bool int8=False) -> Tensor", &block_linear_rows);
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
+  m.def("block_linear_bf16(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear_bf16);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);
   m.def("delta_decode(Tensor mixed, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight, "
         "Tensor(b!) recurrent, Tensor neg_A, Tensor dt_bias, Tensor q_norm_w, Tensor k_norm_w, Tensor norm_w, "

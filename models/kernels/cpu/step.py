@@ -85,6 +85,12 @@ def isa_label() -> str:
     return f"{_isa}: " + ("AVX2" if "avx2" in flags else "no AVX2 (portable loops)")
 
 
+def bf16_gemm() -> bool:
+    """Whether a prefill's block products may take bf16 GEMMs here (block_linear_bf16): the CPU
+    multiplies bf16 natively (AVX512-BF16) and the library is not held to the AVX2 level."""
+    return _isa != "avx2" and "avx512_bf16" in _cpu_flags()
+
+
 def _flags() -> list[str]:
     # ATen's and torch/library.h's headers are all under torch/include (torch.utils.cpp_extension
     # would say the same, but importing it costs ~0.1 s of every chat start)
@@ -307,17 +313,19 @@ def attach_block_kernels(model, norms: bool = False) -> None:
     head = _q8_head(model)
     if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
+    bf16 = torch.ops.chat_cpu.block_linear_bf16 if bf16_gemm() else None
     for m in model.modules():
         if isinstance(m, (BlockLinear, BlockExperts)):
             m.fp32_kernel = torch.ops.chat_cpu.block_linear
             m.dequant_kernel = torch.ops.chat_cpu.block_dequant
+            m.bf16_kernel = bf16
 
 
 def detach_block_kernels(model) -> None:
     """attach_block_kernels undone: the modules' torch forms again (a session with cpu_kernel off
     after one with it on, over the same model)."""
     for m in model.modules():
-        for name in ("fp32_kernel", "dequant_kernel", "cpu_kernel"):
+        for name in ("fp32_kernel", "dequant_kernel", "bf16_kernel", "cpu_kernel"):
             m.__dict__.pop(name, None)
 
 

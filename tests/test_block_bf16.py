@@ -1,0 +1,114 @@
+"""A prefill's GGUF block products in bf16 on the CPU (block_linear_bf16; BlockLinear and
+BlockExperts take it with `cpu_int8` on, from BF16_ROWS rows, where the CPU multiplies bf16
+natively) against their definition, in fp64: y = bf16(x) bf16(W)^T, W gguf-py's dequantized
+weights, each operand rounded to bf16 to the nearest (ties to even), the sums in fp32, the result
+rounded to bf16 once.
+
+Tolerance: |y - x_b W_b^T| <= 2^-8 |x_b W_b^T| + 1e-5 (|x_b| |W_b|^T): the result's one rounding
+(2^-9 of it, relative) and the fp32 sums' order. Through a model: a tiny Q4_K_M-mix GGUF's prefill
+logits with cpu_int8 on sit closer to the fp32 prefill's than the int8 tiles' do."""
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from models.formats import gguf_blocks, quant
+from test_block_int8 import inputs
+from test_block_quant import Q4_K_M, cpu_session, tiny_gguf
+from test_gguf_blocks import QUANTIZED, random_blocks
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    from models.kernels.cpu import step
+    step.load()
+    return torch.ops.chat_cpu
+
+
+def reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_b W_b^T, |x_b| |W_b|^T) in fp64."""
+    w = gguf_blocks.dequantize(raw, int(qtype)).bfloat16().double()
+    xb = x.bfloat16().double()
+    return xb @ w.t(), xb.abs() @ w.abs().t()
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 64, 131])
+def test_bf16_block_products_are_the_rounded_operands_product(cpp, qtype, rows):
+    raw = torch.from_numpy(random_blocks(qtype, rows=45, blocks_per_row=16 if qtype < Q.Q4_K else 2, seed=rows))
+    x = inputs(rows, gguf_blocks.row_weights(int(qtype), raw.shape[1]), rows)
+    got = cpp.block_linear_bf16(x, raw, int(qtype)).double()
+    ref, scale = reference(x, raw, qtype)
+    assert torch.all((got - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-30)
+    # (not the fp32 product: the rounding moves some output by far more than fp32 sums' order does)
+    w = gguf_blocks.dequantize(raw, int(qtype)).double()
+    assert bool(((got - x.double() @ w.t()).abs() > 1e-4 * scale).any())
+
+
+def test_weights_in_more_rows_than_a_chunk(cpp):
+    """W of 2,100 rows of 1,024 weights: three of block_linear_bf16's ~2 MiB chunks, the last short."""
+    raw = torch.from_numpy(random_blocks(Q.Q4_K, rows=2100, blocks_per_row=4, seed=11))
+    x = inputs(70, 1024, 3)
+    got = cpp.block_linear_bf16(x, raw, int(Q.Q4_K)).double()
+    ref, scale = reference(x, raw, Q.Q4_K)
+    assert torch.all((got - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_modules_take_bf16_from_bf16_rows_with_int8_on(cpp, qtype, monkeypatch):
+    """A BlockLinear and a BlockExperts with the library's kernels attached and cpu_int8 on: a
+    prefill of BF16_ROWS rows or more is block_linear_bf16's product, fewer the int8 tiles'; with
+    cpu_int8 off, the fp32 forms; where the CPU has no native bf16 (bf16_gemm false: an AVX2
+    machine, or cpu_isa: avx2), no module takes it."""
+    from models.kernels.cpu import step
+    from test_qplanar import gguf_experts
+    monkeypatch.setattr(step, "bf16_gemm", lambda: True)
+    raw = torch.from_numpy(random_blocks(qtype, rows=40, blocks_per_row=8 if qtype < Q.Q4_K else 1, seed=3))
+    lin = quant.BlockLinear(raw, int(qtype))
+    kind = qtype.name if qtype >= Q.Q4_K else "Q8_0"
+    ex = quant.BlockExperts(gguf_experts(4, 256, 256, kind, gate_type=kind))
+    net = torch.nn.ModuleList([lin, ex])
+    step.attach_block_kernels(net)
+    quant.use_int8_inputs(net, True)
+    t = lin.ggml_type
+    many, few = inputs(lin.BF16_ROWS, lin.in_features, 1), inputs(lin.BF16_ROWS - 1, lin.in_features, 2)
+    assert torch.equal(lin(many), cpp.block_linear_bf16(many, raw, t))
+    assert torch.equal(lin(few), cpp.block_linear(few, raw, t, True))
+    xe = torch.randn(ex.BF16_ROWS, 256, generator=torch.Generator().manual_seed(9))
+    idx = torch.stack([torch.full((ex.BF16_ROWS,), 2), torch.arange(ex.BF16_ROWS) % 2], 1)  # (expert 2: every row)
+    weights = torch.full((ex.BF16_ROWS, 2), 0.5)
+    g, u, d = ex.types
+    h = torch.nn.functional.silu(cpp.block_linear_bf16(xe, ex.gate_blocks[2], g)) * \
+        cpp.block_linear_bf16(xe, ex.up_blocks[2], u)
+    expert2 = cpp.block_linear_bf16(h, ex.down_blocks[2], d) * 0.5
+    got = ex(xe, idx, weights)
+    rest = got - expert2
+    assert torch.allclose(rest, ex(xe, idx, weights * torch.tensor([0.0, 1.0])), rtol=0, atol=1e-6)
+    quant.use_int8_inputs(net, False)
+    assert not torch.equal(lin(many), cpp.block_linear_bf16(many, raw, t))
+    monkeypatch.setattr(step, "bf16_gemm", lambda: False)
+    step.attach_block_kernels(net)
+    quant.use_int8_inputs(net, True)
+    assert lin.bf16_kernel is None and ex.bf16_kernel is None
+    assert torch.equal(lin(many), cpp.block_linear(many, raw, t, True))
+
+
+def test_prefill_logits_closer_to_fp32_than_the_int8_tiles(tmp_path, monkeypatch):
+    """A tiny Q4_K_M-mix GGUF, a 100-token prefill with cpu_int8 on: in bf16 products (the
+    default from BF16_ROWS rows) its last logits are nearer the fp32 prefill's than with the int8
+    tiles for every row (BF16_ROWS past the prompt)."""
+    from models.kernels.cpu import step
+    monkeypatch.setattr(step, "bf16_gemm", lambda: True)
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
+    lm = models.load(path, quantized=True)
+    prompt = [3 + (7 * i) % 200 for i in range(100)]
+    s = cpu_session(lm, "on")
+    fp32 = s.prefill(prompt)[-1]
+    models.use_int8_inputs(lm.model, True)
+    s.reset()
+    bf16 = s.prefill(prompt)[-1]
+    monkeypatch.setattr(quant.BlockLinear, "BF16_ROWS", 1 << 30)
+    s.reset()
+    int8 = s.prefill(prompt)[-1]
+    assert not torch.equal(bf16, int8)
+    assert float((bf16 - fp32).abs().max()) < 0.5 * float((int8 - fp32).abs().max())
