@@ -6,16 +6,22 @@ thread count and prompt, and prints a table with ratios.
     python bench/cpu_bench.py [--model smollm2] [--threads 0,1] [--decode 128] [--repeats 3]
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--context 16]  # tokens in the context when decoding starts
-                              [--cpu-int8 off|on|both]  # a GGUF's block products on int8 inputs
+                              [--cpu-int8 auto|off|on|all]  # a GGUF's block products on rounded inputs
                               [--llama-python PYTHON]  # one that has llama_cpp
-                              [--clock wall|cpu] [--rounds 1]
+                              [--clock wall|cpu] [--rounds 1] [--cpu-isa native|avx2]
 --quantized off measures the dequantized fp32 reference path instead of the 4-bit kernels;
 --compile on the torch.compile'd decode step (the session's start, compile included, is printed).
 --clock cpu times the process's CPU time instead of the wall clock: with --threads 1 a measure of
 one core's work that other processes on a shared machine barely move (tok/s per core-second).
 --model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
---cpu-int8 both runs ours with fp32 inputs and then with int8 ones (the `cpu_int8` setting), beside
-the one llama.cpp run.
+--cpu-int8 (the `cpu_int8` setting: rounded inputs, int8 rows and a prefill's in bf16 where the CPU
+has AVX512-BF16) is the engine's default, auto, unless given; all runs ours with auto, off (fp32
+inputs) and on in turn, beside the one llama.cpp run.
+--cpu-isa avx2 measures ours as an AVX2-only machine runs it: the C++ library built for the AVX2
+level (the `cpu_isa` setting), and torch's own kernels held there too (the process starts again
+with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2); give it a
+--llama-python whose llama.cpp was built for AVX2 (-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_AVX512=OFF ...) to compare like with like.
 --threads takes a list: each count in turn (0: the cores this process may run on), a table each.
 The machine's copy bandwidth is measured in the same command (engine.device.measure_bandwidth), and
 each decode figure is also given as a share of the floor it puts under a token: the weight bytes
@@ -52,6 +58,8 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+# what holds torch's own kernels (ATen's dispatch, oneDNN, MKL) to the AVX2 level, read at its import
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 clock = CLOCKS["wall"]
 
 
@@ -163,15 +171,21 @@ def main() -> None:
     ap.add_argument("--compile", choices=("on", "off"), default="off")
     ap.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
                     help="the C++ decode step (auto/on) or the torch step (off)")
-    ap.add_argument("--cpu-int8", choices=("off", "on", "both"), default="off",
-                    help="a GGUF's block products on int8 inputs (cpu_int8: on), fp32 (off), or each in turn")
+    ap.add_argument("--cpu-int8", choices=("auto", "off", "on", "all"), default="auto",
+                    help="a GGUF's block products on rounded inputs (the cpu_int8 setting), or each value in turn")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--rounds", type=int, default=1,
                     help="ours and llama.cpp in turn this many times; medians and per-round ratios")
+    ap.add_argument("--cpu-isa", choices=("native", "avx2"), default="native",
+                    help="the cpu_isa setting; avx2 holds torch's kernels to AVX2 as well (above)")
     args = ap.parse_args()
+    if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENV})
     import models
     from engine.device import physical_cores
+
+    models.select_cpu_isa(args.cpu_isa)
 
     path = models.resolve(args.model)
     try:
@@ -203,12 +217,13 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
     torch.set_num_threads(threads)
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
     context = prompt_ids(lm.tokenizer, args.context)
-    variants = {"off": ["off"], "on": ["on"], "both": ["off", "on"]}[args.cpu_int8]
+    variants = ["auto", "off", "on"] if args.cpu_int8 == "all" else [args.cpu_int8]
     rounds = []  # (ours by variant, llama.cpp's or None) a round
     for _ in range(args.rounds):
         ours = {}
         for v in variants:
-            if not models.use_int8_inputs(lm.model, v == "on") and v == "on":
+            on = models.int8_by_default(lm.model) if v == "auto" else v == "on"
+            if not models.use_int8_inputs(lm.model, on) and v == "on":
                 print("cpu_int8: the model holds no GGUF blocks on the CPU; it changes nothing", file=sys.stderr)
             ours[v] = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context),
                            load_s=load)
@@ -220,11 +235,13 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
     floor = bandwidth / step_bytes  # tok/s
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
-          f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel} "
+          f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel}, "
+          f"cpu_isa: {models.cpu_isa_label()} "
           f"(session start {rounds[0][0][variants[0]]['session_s']:.1f} s)")
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s (a 256 MiB copy, {threads} threads), a decode step reads "
           f"{step_bytes / 1e6:.1f} MB: floor {floor:.1f} tok/s")
-    names = {"off": "ours", "on": "ours (cpu_int8)"}
+    auto = "on" if models.int8_by_default(lm.model) else "off"
+    names = {"auto": f"ours (auto: {auto})", "off": "ours (int8 off)", "on": "ours (int8 on)"}
     measured = all(ref for _, ref in rounds)
     if len(rounds) > 1:
         for i, (ours, ref) in enumerate(rounds, 1):
@@ -236,18 +253,18 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
             print(f"round {i} (prefill / decode tok/s): {line}")
         print(f"medians over {len(rounds)} rounds:")
     med = statistics.median
-    print(f"{'':18}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}{'of floor':>10}")
+    print(f"{'':24}{'load s':>10}{'prefill tok/s':>16}{'decode tok/s':>15}{'of floor':>10}")
     for v in variants:
         decode = med(o[v]['decode'] for o, _ in rounds)
-        print(f"{names[v]:18}{load:>10.2f}{med(o[v]['prefill'] for o, _ in rounds):>16.1f}"
+        print(f"{names[v]:24}{load:>10.2f}{med(o[v]['prefill'] for o, _ in rounds):>16.1f}"
               f"{decode:>15.1f}{decode / floor:>10.0%}")
     if measured:
         refs = [ref for _, ref in rounds]
         decode = med(r['decode'] for r in refs)
-        print(f"{'llama.cpp':18}{med(r['load_s'] for r in refs):>10.2f}{med(r['prefill'] for r in refs):>16.1f}"
+        print(f"{'llama.cpp':24}{med(r['load_s'] for r in refs):>10.2f}{med(r['prefill'] for r in refs):>16.1f}"
               f"{decode:>15.1f}{decode / floor:>10.0%}")
         for v in variants:
-            print(f"{'ratio, ' + names[v]:18}{'':>10}{med(o[v]['prefill'] / r['prefill'] for o, r in rounds):>15.2f}x"
+            print(f"{'ratio, ' + names[v]:24}{'':>10}{med(o[v]['prefill'] / r['prefill'] for o, r in rounds):>15.2f}x"
                   f"{med(o[v]['decode'] / r['decode'] for o, r in rounds):>14.2f}x")
     else:
         print("llama.cpp: not measured (llama_cpp is not importable)")

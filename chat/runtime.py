@@ -95,7 +95,9 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
     loaded = models.load(eng.model, device, dtype, quantized=keeps_blocks(eng, device), shard=shard,
                          kernels=kernel_config(eng))
-    if eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):
+    if eng.cpu_int8 == "auto":
+        models.use_int8_inputs(loaded.model, models.int8_by_default(loaded.model))
+    elif eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):
         report("cpu_int8: on changes nothing here: the model holds no GGUF blocks on the CPU "
                "(a GGUF file with quantized: auto on the CPU has them)")
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")

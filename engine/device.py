@@ -60,10 +60,10 @@ def configure_threads(cfg: EngineConfig) -> int:
 def kernel_config(cfg: EngineConfig):
     """The kernel plan's config (models/plan) for these engine settings: the C++ CPU kernels where
     cpu_kernel is not off and nothing else takes the step (compile: on, tensor-parallel ranks),
-    their int8 inputs with cpu_int8: on."""
+    their rounded inputs with cpu_int8: on (auto: None, the planner's int8_by_default)."""
     from models.plan import KernelConfig
     return KernelConfig(cpu_kernel=cfg.cpu_kernel != "off" and cfg.compile == "off" and cfg.tensor_parallel == 1,
-                        cpu_int8=cfg.cpu_int8 == "on")
+                        cpu_int8=None if cfg.cpu_int8 == "auto" else cfg.cpu_int8 == "on")
 
 
 # Peak memory bandwidth of the GPUs whose name torch reports, bytes a second (the vendors' sheets);

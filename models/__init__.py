@@ -1,7 +1,8 @@
 """Models: architectures (models/architectures), checkpoint formats and the loader
 (models/formats), device kernels (models/kernels). This package's names are the API that the
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
-the registry and aliases, `use_int8_inputs` (the `cpu_int8` setting on a loaded model),
+the registry and aliases, `use_int8_inputs` and `int8_by_default` (the `cpu_int8` setting on a
+loaded model, and what its `auto` chooses),
 the kernel plan (`KernelConfig`, `Plan`: models/plan), `cpu_step_pending` (whether a model's C++ decode step still has
 to be compiled, for a start-up notice), `select_cpu_isa` (the `cpu_isa` setting: what the C++
 library is built for), and the tensor-parallel plan of a checkpoint or a config
@@ -13,13 +14,13 @@ from .formats import loader as _loader
 from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
-from .formats.quant import use_int8_inputs
+from .formats.quant import int8_by_default, use_int8_inputs
 from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
 from .plan import KernelConfig, Plan
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
-           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "select_cpu_isa", "cpu_isa_label",
+           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "select_cpu_isa", "cpu_isa_label",
            "CpuStepUnavailable", "KernelConfig", "Plan"]
 
 

@@ -301,3 +301,31 @@ def test_the_setting_is_recorded_and_replayed(tmp_path, chat_here):
     args = build_replay_parser().parse_args([str(old)])
     assert settings_for(args, tr.load(str(old))).engine.cpu_int8 == "off"
     assert settings_for(args, tr.load(str(rec))).engine.cpu_int8 == "on"
+
+
+def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here):
+    """`cpu_int8: auto` (the default): on for a K-quant mix (its layers' BlockLinears), off for a
+    file whose layers are int4 planes beside a Q8_0 head (as the embedded Q4_1 model); the plan
+    says which, and a recording keeps `auto`, which replays on the same choice."""
+    import yaml
+
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+    kq = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
+    q41 = tiny_gguf(tmp_path, "llama", Q.Q4_1, None, Q.Q8_0)
+    assert load_settings(None).engine.cpu_int8 == "auto"
+    for path, on in ((kq, True), (q41, False)):
+        rt = open_runtime(load_settings(None, overrides={"model": str(path), "device": "cpu"}))
+        assert models.int8_by_default(rt.loaded.model) is on
+        assert bool(getattr(rt.loaded.model, "cpu_int8", False)) is on
+        assert ("int8" in rt.loaded.plan.summary()) is on
+        assert ("int8 inputs" in rt.session.decode_path) is on
+    script = tmp_path / "s.yaml"
+    script.write_text(f"format: chat-transcript\nversion: 1\nmodel: {{source: {kq}}}\n"
+                      "sampling: {temperature: 0, max_new_tokens: 8}\nevents:\n  - user: one\n")
+    rec = tmp_path / "r.yaml"
+    code, out, err = chat_here("run", script, "-o", rec)
+    assert code == 0, err
+    assert yaml.safe_load(rec.read_text())["engine"]["cpu_int8"] == "auto"
+    code, out, err = chat_here("replay", rec)
+    assert code == 0, err

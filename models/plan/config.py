@@ -36,8 +36,10 @@ class KernelConfig:
     triton: bool | None = None
     # The C++ library's kernels on the CPU (the `cpu_kernel` setting): off, torch's forms only
     cpu_kernel: bool = True
-    # Their GGUF-block GEMVs on input rows rounded to int8 (the `cpu_int8` setting)
-    cpu_int8: bool = False
+    # Their GGUF-block products on rounded inputs (the `cpu_int8` setting: int8 rows, a prefill's
+    # many in bf16); None (the engine's `auto`): where the model's layers hold such blocks
+    # (quant.int8_by_default), as the engine then sets them (models.use_int8_inputs)
+    cpu_int8: bool | None = False
 
     def but(self, **changes) -> "KernelConfig":
         """This config with some fields changed (dataclasses.replace, checked)."""

@@ -94,6 +94,7 @@ class _Context:
     offers: bool     # the model's family has a C++ decode step (served or not)
     blocks: bool     # the C++ per-linear kernels serve its GGUF blocks
     tables: set      # storages of the embeddings' blocks (a head on one of them is tied)
+    int8: bool       # cpu_int8: those kernels round their inputs (auto resolved for this model)
 
 
 def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelConfig, notes: list[str]) -> _Context:
@@ -105,7 +106,8 @@ def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelCo
         step = offers and cpu_step_serves(model, dtype)
         blocks = cpu_blocks_served(model, dtype)
     tables = {_blocks_key(m) for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
-    return _Context(device, dtype, config, _triton(config, device, notes), step, offers, blocks, tables)
+    int8 = quant.int8_by_default(model) if config.cpu_int8 is None else config.cpu_int8
+    return _Context(device, dtype, config, _triton(config, device, notes), step, offers, blocks, tables, int8)
 
 
 def _blocks_key(m: nn.Module) -> tuple:
@@ -162,7 +164,7 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
     if name == "int4pack":
         return isinstance(m, quant.Int4Linear)
     if name == "int8":
-        return ctx.config.cpu_int8
+        return ctx.int8
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):

@@ -15,7 +15,7 @@ A rule's `when` is a tuple of conditions, each a tuple:
   ("step",) / ("no_step",)        the C++ decode step serves this CPU model (and cpu_kernel is on)
   ("no_offer",)                   the model's family has no C++ decode step at all
   ("blocks",)                     the C++ library's per-linear kernels serve its GGUF blocks
-  ("int8",)                       cpu_int8: those kernels round their input rows to int8 first
+  ("int8",)                       cpu_int8: those kernels round their inputs (int8 rows; a prefill's in bf16)
   ("head",)                       the op is the LM head
   ("int4pack",)                   the matrix is packed for torch's int4 kernel (quant.Int4Linear)
   ("planar",)                     routed experts held in the planar layouts (a GGUF's K-quant halves)
@@ -92,13 +92,15 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", ("*",), (("step",), ("int4pack",)), "C++ step: int4 GEMV",
       "within the C++ decode step (one call a token); rows packed at load"),
     R("linear", "cpu", GGUF, (("step",), ("int8",)), "C++ step: block GEMV (int8 inputs)",
-      "within the C++ decode step; cpu_int8 on: input rows rounded to int8 as llama.cpp's"),
+      "within the C++ decode step; cpu_int8: input rows rounded to int8 as llama.cpp's (a prefill's "
+      "many in bf16 where the CPU has AVX512-BF16)"),
     R("linear", "cpu", GGUF, (("step",),), "C++ step: block GEMV", "within the C++ decode step; the file's blocks"),
     R("linear", "cpu", ("*",), (("step",),), "C++ step: fp32 GEMV", "within the C++ decode step"),
     R("linear", "cpu", ("*",), (("int4pack",),), "torch int4 mm",
       "Q4_0/Q4_1 rows packed at load for torch's int4 kernel (whole 16-row groups)"),
     R("linear", "cpu", GGUF, (("blocks",), ("int8",)), "C++ block GEMV (int8 inputs)",
-      "cpu_int8 on: input rows rounded to int8 as llama.cpp's CPU kernels round them"),
+      "cpu_int8: input rows rounded to int8 as llama.cpp's CPU kernels round them (a prefill's many "
+      "in bf16 where the CPU has AVX512-BF16)"),
     R("linear", "cpu", GGUF, (("blocks",),), "C++ block GEMV", "the file's blocks as mapped, read directly"),
     R("linear", "cpu", ("Q8_0",), (("head",),), "torch int4 mm (two planes)",
       "a Q8_0 head as a high and a low 4-bit plane for torch's int4 kernel"),
