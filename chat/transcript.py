@@ -436,7 +436,9 @@ def engine_info(rt) -> dict:
     info = {"device": rt.device.type, "dtype": str(rt.dtype).replace("torch.", ""),
             "cuda_graph": rt.settings.engine.cuda_graph, "quantized": rt.settings.engine.quantized,
             "compile": rt.settings.engine.compile, "cpu_kernel": rt.settings.engine.cpu_kernel,
-            "cpu_int8": rt.settings.engine.cpu_int8,
+            # (auto as it resolved for this model and CPU: a replay elsewhere takes the same products)
+            "cpu_int8": rt.settings.engine.cpu_int8 if rt.settings.engine.cpu_int8 != "auto" else
+            "on" if getattr(rt.loaded.model, "cpu_int8", False) else "off",
             "max_context": rt.session.max_context}
     if rt.device.type == "cpu":  # (not a setting: a replay elsewhere names it where tokens differ)
         info["cpu_isa"] = cpu_isa()

@@ -33,10 +33,27 @@ def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, 
 
     from . import plan as kernel_plan
     dtype = torch.float32 if dtype is None else dtype
-    loaded = _loader.load(path_or_alias, device, dtype, quantized=quantized, shard=shard)
-    loaded.plan = kernel_plan.bind(loaded.model, device, dtype, kernels or kernel_plan.DEFAULT)
+    config = kernels or kernel_plan.DEFAULT
+    loaded = _loader.load(path_or_alias, device, dtype, quantized=quantized, shard=shard,
+                          q4_blocks=_q4_blocks(device, dtype, config))
+    loaded.plan = kernel_plan.bind(loaded.model, device, dtype, config)
     _loader.release_freed_memory()  # (what a repack replaced)
     return loaded
+
+
+def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
+    """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
+    library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
+    the C++ kernels on, in fp32, where cpu_int8 is on, or auto and the library runs its AVX2 forms.
+    There the blocks on int8 inputs decoded at 1.4x llama.cpp's speed against the planes' 0.9x; with
+    the AVX-512 forms the planes decode as fast and keep the replies nearer the fp32 model's
+    (bench/cpu_bench.py --cpu-isa avx2 | native and bench/numerics.py, the embedded model)."""
+    import torch
+
+    from .kernels.cpu import step
+    wanted = config.cpu_int8 is True or (config.cpu_int8 is None and not step.avx512_forms())
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and config.cpu_kernel and wanted
+            and step.ENABLED)
 
 
 def cpu_step_pending(model, dtype) -> bool:

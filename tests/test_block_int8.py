@@ -303,29 +303,55 @@ def test_the_setting_is_recorded_and_replayed(tmp_path, chat_here):
     assert settings_for(args, tr.load(str(rec))).engine.cpu_int8 == "on"
 
 
-def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here):
-    """`cpu_int8: auto` (the default): on for a K-quant mix (its layers' BlockLinears), off for a
-    file whose layers are int4 planes beside a Q8_0 head (as the embedded Q4_1 model); the plan
-    says which, and a recording keeps `auto`, which replays on the same choice."""
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512-forms", "avx2-forms"])
+def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here, monkeypatch, avx512):
+    """`cpu_int8: auto` (the default): on for a K-quant mix (its layers' BlockLinears); for a
+    Q4_1 file, off with the library's AVX-512 forms (its layers stay torch's int4 planes beside
+    a Q8_0 head, as the embedded model's) and on with its AVX2 forms (the Q4_1 linears then kept
+    in their blocks); the plan and the session say which, and a recording keeps what auto chose."""
     import yaml
 
     from chat.runtime import open_runtime
     from chat.settings import load_settings
+    from models.kernels.cpu import step
+    monkeypatch.setattr(step, "avx512_forms", lambda: avx512)
     kq = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     q41 = tiny_gguf(tmp_path, "llama", Q.Q4_1, None, Q.Q8_0)
     assert load_settings(None).engine.cpu_int8 == "auto"
-    for path, on in ((kq, True), (q41, False)):
+    for path, on in ((kq, True), (q41, not avx512)):
         rt = open_runtime(load_settings(None, overrides={"model": str(path), "device": "cpu"}))
-        assert models.int8_by_default(rt.loaded.model) is on
-        assert bool(getattr(rt.loaded.model, "cpu_int8", False)) is on
+        model = rt.loaded.model
+        assert models.int8_by_default(model) is on
+        assert bool(getattr(model, "cpu_int8", False)) is on
         assert ("int8" in rt.loaded.plan.summary()) is on
         assert ("int8 inputs" in rt.session.decode_path) is on
-    script = tmp_path / "s.yaml"
-    script.write_text(f"format: chat-transcript\nversion: 1\nmodel: {{source: {kq}}}\n"
-                      "sampling: {temperature: 0, max_new_tokens: 8}\nevents:\n  - user: one\n")
-    rec = tmp_path / "r.yaml"
-    code, out, err = chat_here("run", script, "-o", rec)
-    assert code == 0, err
-    assert yaml.safe_load(rec.read_text())["engine"]["cpu_int8"] == "auto"
-    code, out, err = chat_here("replay", rec)
-    assert code == 0, err
+        planes = any(isinstance(m, quant.Int4Linear) for m in model.modules())
+        assert planes is (path == q41 and avx512)
+        script = tmp_path / "s.yaml"
+        script.write_text(f"format: chat-transcript\nversion: 1\nmodel: {{source: {path}}}\n"
+                          "sampling: {temperature: 0, max_new_tokens: 8}\nevents:\n  - user: one\n")
+        rec = tmp_path / "r.yaml"
+        code, out, err = chat_here("run", script, "-o", rec)
+        assert code == 0, err
+        assert yaml.safe_load(rec.read_text())["engine"]["cpu_int8"] == ("on" if on else "off")
+        code, out, err = chat_here("replay", rec)
+        assert code == 0, err
+
+
+def test_q4_1_blocks_through_the_cpp_step(tmp_path):
+    """Q4_1 linears kept in their blocks (cpu_int8 on): with fp32 inputs, the C++ step against
+    the torch step that dequantizes them, as for the other block types; on int8 inputs, each
+    step's logits within a rounding's reach of those and not equal to them (the input rounded:
+    test_cpp_step_on_int8_inputs_is_the_torch_step_on_rounded_inputs checks that form)."""
+    from models.plan import KernelConfig
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_1, None, Q.Q5_0)  # (a Q5_0 head: blocks, as the layers)
+    cpp, ref = (models.load(path, quantized=True, kernels=KernelConfig(cpu_int8=True)) for _ in range(2))
+    assert not any(isinstance(m, quant.Int4Linear) for m in cpp.model.modules())
+    assert {gguf_blocks.type_name(m.ggml_type) for m in cpp.model.model.layers.modules()
+            if isinstance(m, quant.BlockLinear)} == {"Q4_1"}
+    got, want = step_logits(cpp, "on"), step_logits(ref, "off")
+    assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max()), float((got - want).abs().max())
+    assert models.use_int8_inputs(cpp.model, True) > 0
+    rounded = step_logits(cpp, "on")
+    assert not torch.equal(rounded, got)
+    assert float((rounded - want).abs().max()) <= 0.05 * float(want.abs().max())

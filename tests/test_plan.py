@@ -149,10 +149,20 @@ def test_chat_plan_on_the_embedded_model(chat_here):
     assert code == 0 and err == "", err
     lines = out.splitlines()
     assert lines[0].startswith("kernel plan of ") and "on cpu, float32" in lines[0] and lines[1] == "step: C++ decode step"
-    assert any(line.startswith("linear ") and "3072x576" in line and "C++ step: int4 GEMV" in line for line in lines)
+    # (cpu_int8: auto, the default: torch's int4 planes, gate and up fused, with the library's
+    # AVX-512 forms; the Q4_1 blocks on rounded inputs with its AVX2 forms, as with cpu_int8: on)
+    from models.kernels.cpu import step
+    planes = ("3072x576", "C++ step: int4 GEMV")
+    blocks = ("1536x576", "C++ step: block GEMV (int8 inputs)")
+    shape, kernel = planes if step.avx512_forms() else blocks
+    assert any(line.startswith("linear ") and shape in line and kernel in line for line in lines)
     assert any(line.startswith("attention ") and "9 heads, 3 KV, d 64" in line for line in lines)
     assert "a decode step reads 98.2 MB of weights, plus 23.0 KB of KV cache per token of context" in out
     assert "at most 509 tok/s at 50 GB/s (given)" in out  # 50e9 / 98.2e6
+    for value, (shape, kernel) in (("off", planes), ("on", blocks)):
+        code, out, err = chat_here("plan", "smollm2", "--bandwidth", "50", "--cpu-int8", value)
+        assert code == 0 and err == "", err
+        assert any(line.startswith("linear ") and shape in line and kernel in line for line in out.splitlines())
 
 
 def test_chat_plan_for_cuda_on_a_host_without_one(chat_here):

@@ -207,8 +207,10 @@ def _no_init():
             c.reset_parameters = fn
 
 
-def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers.
+def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype,
+                q4_blocks: bool = False) -> None:
+    """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers
+    (`q4_blocks`: load's).
 
     Parameters take the checkpoint's tensors directly (converted only where dtype or device
     differ), and the dict is consumed (emptied), so loading never holds two copies of the weights."""
@@ -262,7 +264,8 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
                 continue
             t = t.dequantize()
         if isinstance(t, quant.GgufTensor):
-            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype)
+            replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype,
+                                            q4_blocks)
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
@@ -299,11 +302,12 @@ _COPIES = (quant.Int4Linear, quant.Q8Embedding, quant.Q8Linear)
 
 def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False,
                       device: torch.device = torch.device("cpu"),
-                      dtype: torch.dtype = torch.float32) -> torch.nn.Module | None:
+                      dtype: torch.dtype = torch.float32, q4_blocks: bool = False) -> torch.nn.Module | None:
     """The module that computes with `gt` as stored, or None to dequantize it into `module`.
     On the CPU, Q4_0/Q4_1 (and a Q8_0 embedding or head) are decoded into the int4 kernel's
     layout (one tensor at a time, so only one decoded copy exists at once) where their rows are
-    whole 16-row groups (else they stay in their blocks, as BlockLinear); the other block
+    whole 16-row groups (else, or with `q4_blocks`, Q4_0/Q4_1 linears stay in their blocks, as
+    BlockLinear); the other block
     types, and Q8_0 linears inside the layers (which the C++ step reads as blocks), stay the
     file's pages. On CUDA every kept type goes to the device as the file's blocks (the Triton
     kernels of models.kernels.cuda.qlinear read them)."""
@@ -321,7 +325,7 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
             return quant.Q8Embedding(gt.decoded())
         return quant.BlockEmbedding(gt)
     if isinstance(module, torch.nn.Linear):
-        if gt.kind in ("q4_0", "q4_1") and packs:
+        if gt.kind in ("q4_0", "q4_1") and packs and not q4_blocks:
             return quant.Int4Linear.from_quant(gt.decoded())
         if gt.kind == "q8_0" and head and packs:
             return quant.Q8Linear(gt.decoded())
@@ -351,12 +355,14 @@ def fuse(model: torch.nn.Module) -> None:
 
 
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         quantized: bool = False, shard: "Shard | None" = None) -> LoadedModel:
+         quantized: bool = False, shard: "Shard | None" = None, q4_blocks: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their blocks (on the CPU and on CUDA; see
     quant.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a
     note). Off, every weight is dequantized to `dtype`: the reference path the quantized one is
     tested against. shard: this process's rank of a tensor-parallel group (models/sharding.py):
-    the model holds and reads only its slices, and its forward runs the group's collectives."""
+    the model holds and reads only its slices, and its forward runs the group's collectives.
+    q4_blocks: Q4_0/Q4_1 linears on the CPU in their blocks (BlockLinear) rather than torch's int4
+    planes (models.load decides: where the library's int8 products serve them)."""
     path = resolve(path_or_alias)
     device = torch.device(device)
     if shard is not None and shard.world > 1:
@@ -366,7 +372,7 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
         hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
         check_layer_count(ckpt.config, ckpt.tensors, path)
         model, model_type = build_model(ckpt.config)  # on the meta device: nothing allocated
-        materialize(model, ckpt.tensors, device, dtype)  # every shape checked before a weight moves
+        materialize(model, ckpt.tensors, device, dtype, q4_blocks)  # every shape checked before a weight moves
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,
                        ckpt.eos_ids, path, model_type, ckpt.files, ckpt.notes,
                        sampling_defaults=ckpt.sampling, sampling_source=ckpt.sampling_source)

@@ -773,11 +773,12 @@ def use_int8_inputs(model: nn.Module, on: bool) -> int:
 
 def int8_by_default(model: nn.Module) -> bool:
     """`cpu_int8: auto`'s choice for a loaded model: on where its layers hold GGUF blocks on the
-    CPU (BlockLinear, BlockExperts: a K-quant, Q5 or Q8_0 file), whose products on rounded inputs
-    decode and prefill faster on AVX-512 and on AVX2 alike (bench/cpu_bench.py --cpu-int8 both on
-    K-quant mixes of a dense, a DeltaNet and a short-conv model); off where only a Q8_0 head
-    (Q8Linear) would round, beside int4-plane layers (the embedded Q4_1 model: no speed to gain,
-    and its replies stay the fp32 product's)."""
+    CPU (BlockLinear, BlockExperts: a K-quant, Q5 or Q8_0 file, or Q4_0/Q4_1 where models.load kept
+    them in blocks: the AVX2 forms), whose products on rounded inputs decode and prefill faster on
+    AVX-512 and on AVX2 alike (bench/cpu_bench.py --cpu-int8 all on K-quant mixes of a dense, a
+    DeltaNet and a short-conv model); off where only a Q8_0 head (Q8Linear) would round, beside
+    int4-plane layers (the embedded Q4_1 model with the AVX-512 forms: no speed to gain there, and
+    its replies stay nearer the fp32 model's: bench/numerics.py)."""
     return any(isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or
                isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda for m in model.modules())
 

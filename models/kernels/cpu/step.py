@@ -85,6 +85,11 @@ def isa_label() -> str:
     return f"{_isa}: " + ("AVX2" if "avx2" in flags else "no AVX2 (portable loops)")
 
 
+def avx512_forms() -> bool:
+    """Whether the library's AVX-512 forms run here (the CPU has AVX-512F, cpu_isa is not avx2)."""
+    return _isa != "avx2" and "avx512f" in _cpu_flags()
+
+
 def bf16_gemm() -> bool:
     """Whether a prefill's block products may take bf16 GEMMs here (block_linear_bf16): the CPU
     multiplies bf16 natively (AVX512-BF16) and the library is not held to the AVX2 level."""
