@@ -4,10 +4,12 @@ at its cached length (KV, conv and recurrent state) is written beside the record
 `chat --resume` maps it back and the conversation goes on with no prefill.
 
 Bounded by `state_cache_mib` (0: never written): a state larger than that is not written, and
-an older file of that conversation is removed (it would no longer be the newest state). CPU
-sessions only: a CUDA session's state is not written yet. A file is used only where
+an older file of that conversation is removed (it would no longer be the newest state). CPU and
+CUDA sessions alike (a CUDA session's state is copied to the host for the thread, and read back
+into its buffers in place, which its captured graph reads). A file is used only where
 engine/state_file.py finds it whole and made by this model, dtype, device kind, instruction set
-and engine; otherwise the resume says why and prefills as before.
+(the CPU's; on CUDA the GPU's name) and engine; otherwise the resume says why and prefills as
+before.
 """
 from __future__ import annotations
 
@@ -26,7 +28,13 @@ def state_path(recording: str) -> str:
 
 def _fingerprint(controller) -> dict[str, str]:
     from .transcript import cpu_isa, model_info
-    return state_file.fingerprint(model_info(controller.rt)["fingerprint"], controller.session, cpu_isa())
+    session = controller.session
+    if session.device.type == "cuda":  # (the GPU's kernels sum in their own order: its name, not the CPU's set)
+        import torch
+        fp = state_file.fingerprint(model_info(controller.rt)["fingerprint"], session, "")
+        fp["gpu"] = torch.cuda.get_device_name(session.device)
+        return fp
+    return state_file.fingerprint(model_info(controller.rt)["fingerprint"], session, cpu_isa())
 
 
 def _nbytes(session) -> int:
@@ -43,7 +51,7 @@ class StateSaver:
         self.failure: str | None = None
 
     def usable(self, controller) -> bool:
-        return self.budget > 0 and controller.rt is not None and controller.session.device.type == "cpu"
+        return self.budget > 0 and controller.rt is not None
 
     def save(self, controller, recording: str) -> None:
         if not self.usable(controller):
@@ -76,8 +84,6 @@ def resume(controller, recording: str) -> str | None:
     path = state_path(recording)
     if not os.path.lexists(path):
         return None
-    if controller.session.device.type != "cpu":
-        return "saved state is read on the CPU only: the next turn prefills the conversation"
     try:
         n = state_file.read(path, controller.session, _fingerprint(controller))
     except state_file.StateFileError as e:
