@@ -11,39 +11,55 @@ from cli import run_chat as chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATE = open(os.path.join(ROOT, "tests", "data", "thinking_template.jinja"), encoding="utf-8").read()
+# Qwen3.5's own template (Qwen3.5-4B's, as llama.cpp's tree keeps it: models/templates/Qwen3.5-4B.jinja)
+QWEN3_5 = open(os.path.join(ROOT, "tests", "data", "qwen3_5_template.jinja"), encoding="utf-8").read()
 TINY = os.path.join(ROOT, "tests", "golden", "tiny-llama")  # (ChatML: no enable_thinking)
 MESSAGES = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>\n\n4"},
             {"role": "user", "content": "and 3+3?"}]
 
 
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory):
-    """A tiny Qwen3.5 checkpoint whose tokenizer_config.json carries the thinking template."""
+def tiny_with(template: str, path: str) -> str:
+    """A tiny Qwen3.5 checkpoint whose tokenizer_config.json carries `template`."""
     from tiny import write_checkpoint
-    path = write_checkpoint("qwen3_5", str(tmp_path_factory.mktemp("think")))
+    path = write_checkpoint("qwen3_5", path)
     cfg_path = os.path.join(path, "tokenizer_config.json")
     cfg = json.load(open(cfg_path))
-    cfg["chat_template"] = TEMPLATE
+    cfg["chat_template"] = template
     json.dump(cfg, open(cfg_path, "w"))
     return path
 
 
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    return tiny_with(TEMPLATE, str(tmp_path_factory.mktemp("think")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_model(tmp_path_factory):
+    return tiny_with(QWEN3_5, str(tmp_path_factory.mktemp("qwen3_5")))
+
+
+@pytest.mark.parametrize("which", ["thinking_model", "qwen3_5_model"])
 @pytest.mark.parametrize("think", ["auto", "on", "off"])
-def test_rendered_as_transformers_renders_it(thinking_model, think):
+def test_rendered_as_transformers_renders_it(request, which, think):
     from transformers import AutoTokenizer
 
     from chat.conversation import Conversation
     from chat.template import ChatTemplate
-    hf = AutoTokenizer.from_pretrained(thinking_model)
+    model = request.getfixturevalue(which)
+    template = QWEN3_5 if which == "qwen3_5_model" else TEMPLATE
+    hf = AutoTokenizer.from_pretrained(model)
     extra = {} if think == "auto" else {"enable_thinking": think == "on"}
     want = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **extra)
-    conv = Conversation(ChatTemplate(TEMPLATE), None, think=think)
+    conv = Conversation(ChatTemplate(template), None, think=think)
     assert conv.template.render(MESSAGES, add_generation_prompt=True, **conv.render_args()) == want
     assert want.endswith("<think>\n\n</think>\n\n") == (think == "off")
 
 
-def test_the_prompt_ids_of_a_turn(thinking_model):
+@pytest.mark.parametrize("which", ["thinking_model", "qwen3_5_model"])
+def test_the_prompt_ids_of_a_turn(request, which):
     from transformers import AutoTokenizer
+    thinking_model = request.getfixturevalue(which)
 
     from chat.controller import ChatController
     from chat.runtime import open_runtime
