@@ -16,7 +16,8 @@ one core's work that other processes on a shared machine barely move (tok/s per 
 --model takes a path too (e.g. the Q4_K_M file bench/requantize.py writes).
 --cpu-int8 (the `cpu_int8` setting: rounded inputs, int8 rows and a prefill's in bf16 where the CPU
 has AVX512-BF16) is the engine's default, auto, unless given; all runs ours with auto, off (fp32
-inputs) and on in turn, beside the one llama.cpp run.
+inputs) and on in turn, on the one load (whose Q4_0/Q4_1 layout is auto's: models.load), beside
+the one llama.cpp run.
 --cpu-isa avx2 measures ours as an AVX2-only machine runs it: the C++ library built for the AVX2
 level (the `cpu_isa` setting), and torch's own kernels held there too (the process starts again
 with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2); give it a
@@ -194,7 +195,12 @@ def main() -> None:
         ap.error("--threads: comma-separated thread counts, 0 for all")
     clock = CLOCKS[args.clock]
     t0 = time.perf_counter()
-    lm = models.load(path, quantized=args.quantized == "auto")
+    # (the layout the engine loads with for this cpu_int8: Q4_0/Q4_1 in blocks or int4 planes;
+    # `all` measures each value on auto's)
+    int8 = {"auto": None, "all": None, "on": True, "off": False}[args.cpu_int8]
+    lm = models.load(path, quantized=args.quantized == "auto",
+                     kernels=models.KernelConfig(cpu_kernel=args.cpu_kernel != "off" and args.compile == "off",
+                                                 cpu_int8=int8))
     load = time.perf_counter() - t0
     for threads in counts:
         run_threads(args, path, threads or physical_cores(), lm, load)

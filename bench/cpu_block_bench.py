@@ -11,7 +11,7 @@ With more than 8 rows (`--rows 512 --cached`: a prefill), the fp32 column is wha
 with cpu_int8 off: BlockLinear's forward, the blocks dequantized by the library and one fp32 GEMM;
 the int8 column is block_linear on int8 inputs; where the CPU multiplies bf16 natively
 (step.bf16_gemm), the bf16 column is block_linear_bf16, which cpu_int8 on takes from
-BlockLinear.BF16_ROWS rows. Printed: the best of 10 passes (GFLOP/s in place of GB/s for a
+BlockLinear.PREFILL_ROWS rows. Printed: the best of 10 passes (GFLOP/s in place of GB/s for a
 prefill), and the largest relative error against the fp64 product of the dequantized weights
 (with x rounded as the int8 path rounds it, step.int8_reference, for int8; x and W rounded to
 bf16 for bf16).

@@ -1,5 +1,5 @@
 """A prefill's GGUF block products in bf16 on the CPU (block_linear_bf16; BlockLinear and
-BlockExperts take it with `cpu_int8` on, from BF16_ROWS rows, where the CPU multiplies bf16
+BlockExperts take it with `cpu_int8` on, from PREFILL_ROWS rows, where the CPU multiplies bf16
 natively) against their definition, in fp64: y = bf16(x) bf16(W)^T, W gguf-py's dequantized
 weights, each operand rounded to bf16 to the nearest (ties to even), the sums in fp32, the result
 rounded to bf16 once.
@@ -55,11 +55,12 @@ def test_weights_in_more_rows_than_a_chunk(cpp):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
-def test_modules_take_bf16_from_bf16_rows_with_int8_on(cpp, qtype, monkeypatch):
+def test_modules_take_bf16_from_prefill_rows_with_int8_on(cpp, qtype, monkeypatch):
     """A BlockLinear and a BlockExperts with the library's kernels attached and cpu_int8 on: a
-    prefill of BF16_ROWS rows or more is block_linear_bf16's product, fewer the int8 tiles'; with
-    cpu_int8 off, the fp32 forms; where the CPU has no native bf16 (bf16_gemm false: an AVX2
-    machine, or cpu_isa: avx2), no module takes it."""
+    prefill of PREFILL_ROWS rows or more is block_linear_bf16's product, fewer the int8 tiles'; with
+    cpu_int8 off, the fp32 forms. Where the CPU has no native bf16 (bf16_gemm false), no module
+    takes it: with the AVX-512 forms (VNNI) the int8 tiles serve a prefill, with the AVX2 forms
+    the fp32 GEMM on x itself (the dequantized weights: BlockLinear's torch form)."""
     from models.kernels.cpu import step
     from test_qplanar import gguf_experts
     monkeypatch.setattr(step, "bf16_gemm", lambda: True)
@@ -71,12 +72,12 @@ def test_modules_take_bf16_from_bf16_rows_with_int8_on(cpp, qtype, monkeypatch):
     step.attach_block_kernels(net)
     quant.use_int8_inputs(net, True)
     t = lin.ggml_type
-    many, few = inputs(lin.BF16_ROWS, lin.in_features, 1), inputs(lin.BF16_ROWS - 1, lin.in_features, 2)
+    many, few = inputs(lin.PREFILL_ROWS, lin.in_features, 1), inputs(lin.PREFILL_ROWS - 1, lin.in_features, 2)
     assert torch.equal(lin(many), cpp.block_linear_bf16(many, raw, t))
     assert torch.equal(lin(few), cpp.block_linear(few, raw, t, True))
-    xe = torch.randn(ex.BF16_ROWS, 256, generator=torch.Generator().manual_seed(9))
-    idx = torch.stack([torch.full((ex.BF16_ROWS,), 2), torch.arange(ex.BF16_ROWS) % 2], 1)  # (expert 2: every row)
-    weights = torch.full((ex.BF16_ROWS, 2), 0.5)
+    xe = torch.randn(ex.PREFILL_ROWS, 256, generator=torch.Generator().manual_seed(9))
+    idx = torch.stack([torch.full((ex.PREFILL_ROWS,), 2), torch.arange(ex.PREFILL_ROWS) % 2], 1)  # (expert 2: every row)
+    weights = torch.full((ex.PREFILL_ROWS, 2), 0.5)
     g, u, d = ex.types
     h = torch.nn.functional.silu(cpp.block_linear_bf16(xe, ex.gate_blocks[2], g)) * \
         cpp.block_linear_bf16(xe, ex.up_blocks[2], u)
@@ -87,16 +88,25 @@ def test_modules_take_bf16_from_bf16_rows_with_int8_on(cpp, qtype, monkeypatch):
     quant.use_int8_inputs(net, False)
     assert not torch.equal(lin(many), cpp.block_linear_bf16(many, raw, t))
     monkeypatch.setattr(step, "bf16_gemm", lambda: False)
+    monkeypatch.setattr(step, "avx512_forms", lambda: True)
     step.attach_block_kernels(net)
     quant.use_int8_inputs(net, True)
-    assert lin.bf16_kernel is None and ex.bf16_kernel is None
+    assert lin.bf16_kernel is None and ex.bf16_kernel is None and lin.prefill_form == ex.prefill_form == "int8"
     assert torch.equal(lin(many), cpp.block_linear(many, raw, t, True))
+    monkeypatch.setattr(step, "avx512_forms", lambda: False)
+    step.attach_block_kernels(net)
+    quant.use_int8_inputs(net, True)
+    assert lin.prefill_form == ex.prefill_form == "fp32"
+    exact = many.double() @ gguf_blocks.dequantize(raw, t).double().t()
+    bound = many.double().abs() @ gguf_blocks.dequantize(raw, t).double().abs().t()
+    assert torch.all((lin(many).double() - exact).abs() <= 1e-5 * bound + 1e-30)
+    assert torch.equal(lin(few), cpp.block_linear(few, raw, t, True))
 
 
 def test_prefill_logits_closer_to_fp32_than_the_int8_tiles(tmp_path, monkeypatch):
     """A tiny Q4_K_M-mix GGUF, a 100-token prefill with cpu_int8 on: in bf16 products (the
-    default from BF16_ROWS rows) its last logits are nearer the fp32 prefill's than with the int8
-    tiles for every row (BF16_ROWS past the prompt)."""
+    default from PREFILL_ROWS rows) its last logits are nearer the fp32 prefill's than with the int8
+    tiles for every row (PREFILL_ROWS past the prompt)."""
     from models.kernels.cpu import step
     monkeypatch.setattr(step, "bf16_gemm", lambda: True)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
@@ -107,7 +117,7 @@ def test_prefill_logits_closer_to_fp32_than_the_int8_tiles(tmp_path, monkeypatch
     models.use_int8_inputs(lm.model, True)
     s.reset()
     bf16 = s.prefill(prompt)[-1]
-    monkeypatch.setattr(quant.BlockLinear, "BF16_ROWS", 1 << 30)
+    monkeypatch.setattr(quant.BlockLinear, "PREFILL_ROWS", 1 << 30)
     s.reset()
     int8 = s.prefill(prompt)[-1]
     assert not torch.equal(bf16, int8)

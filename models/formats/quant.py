@@ -421,20 +421,23 @@ class BlockLinear(QuantLinear):
     dequant_kernel = None
     KERNEL_ROWS = 4  # fp32 inputs: up to this many rows go to fp32_kernel; more: dequantize + GEMM
     int8_inputs = False  # any rows to fp32_kernel, rounded to int8 there as llama.cpp rounds (use_int8_inputs)
-    # With int8_inputs, a prefill's BF16_ROWS rows or more in bf16 products (`bf16_kernel(x, blocks,
-    # type)`, set where the CPU multiplies bf16 natively): faster than the int8 tiles from about
-    # that many rows, and closer to the fp32 product than int8 inputs (bench/cpu_block_bench.py
-    # --rows, bench/cpu_bench.py)
+    # With int8_inputs, how a prefill's PREFILL_ROWS rows or more are multiplied (set with the
+    # kernels, by what the CPU runs fastest from about that many rows: bench/cpu_block_bench.py
+    # --rows, bench/cpu_bench.py): "bf16", bf16 products (`bf16_kernel(x, blocks, type)`; AVX512-
+    # BF16), nearer the fp32 product than int8 inputs; "fp32", x itself times the dequantized
+    # weights by torch's GEMM (the library's AVX2 forms, whose int8 tiles were slower: exact too);
+    # "int8", the int8 tiles (AVX-512 VNNI without BF16)
     bf16_kernel = None
-    BF16_ROWS = 64
+    prefill_form = "int8"
+    PREFILL_ROWS = 64
 
     def cpu_product(self, x2: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
         """x2 [T, K] fp32 times the blocks' W^T by the library's kernels (bf16 products, int8 or fp32
         inputs, as the attributes above choose), or None where none takes x2 (the torch forms then)."""
         if self.fp32_kernel is None or x2.dtype != torch.float32:
             return None
-        if self.int8_inputs and self.bf16_kernel is not None and x2.shape[0] >= self.BF16_ROWS:
-            return self.bf16_kernel(x2, blocks, ggml_type)
+        if self.int8_inputs and x2.shape[0] >= self.PREFILL_ROWS and self.prefill_form != "int8":
+            return self.bf16_kernel(x2, blocks, ggml_type) if self.prefill_form == "bf16" else None
         if x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs:
             return self.fp32_kernel(x2.contiguous(), blocks, ggml_type, self.int8_inputs)
         return None
@@ -560,7 +563,8 @@ class BlockExperts(nn.Module):
     KERNEL_ROWS = BlockLinear.KERNEL_ROWS
     int8_inputs = False  # as BlockLinear's
     bf16_kernel = None
-    BF16_ROWS = BlockLinear.BF16_ROWS
+    prefill_form = BlockLinear.prefill_form
+    PREFILL_ROWS = BlockLinear.PREFILL_ROWS
     cpu_product = BlockLinear.cpu_product
 
     def __init__(self, t: GgufExperts):

@@ -96,6 +96,14 @@ def bf16_gemm() -> bool:
     return _isa != "avx2" and "avx512_bf16" in _cpu_flags()
 
 
+def prefill_form() -> str:
+    """How a prefill's many rows on rounded inputs (cpu_int8) are multiplied here (BlockLinear's
+    `prefill_form`): "bf16" where bf16_gemm; "fp32" (x itself, the dequantized weights, torch's
+    GEMM) with the AVX2 forms, where that ran faster than the AVX2 int8 tiles at the fp32 units'
+    peak (bench/cpu_block_bench.py --rows 512 --cached under cpu_isa: avx2); else "int8" (VNNI)."""
+    return "bf16" if bf16_gemm() else "fp32" if not avx512_forms() else "int8"
+
+
 def _flags() -> list[str]:
     # ATen's and torch/library.h's headers are all under torch/include (torch.utils.cpp_extension
     # would say the same, but importing it costs ~0.1 s of every chat start)
@@ -319,18 +327,20 @@ def attach_block_kernels(model, norms: bool = False) -> None:
     if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
     bf16 = torch.ops.chat_cpu.block_linear_bf16 if bf16_gemm() else None
+    form = prefill_form()
     for m in model.modules():
         if isinstance(m, (BlockLinear, BlockExperts)):
             m.fp32_kernel = torch.ops.chat_cpu.block_linear
             m.dequant_kernel = torch.ops.chat_cpu.block_dequant
             m.bf16_kernel = bf16
+            m.prefill_form = form
 
 
 def detach_block_kernels(model) -> None:
     """attach_block_kernels undone: the modules' torch forms again (a session with cpu_kernel off
     after one with it on, over the same model)."""
     for m in model.modules():
-        for name in ("fp32_kernel", "dequant_kernel", "bf16_kernel", "cpu_kernel"):
+        for name in ("fp32_kernel", "dequant_kernel", "bf16_kernel", "prefill_form", "cpu_kernel"):
             m.__dict__.pop(name, None)
 
 
