@@ -120,14 +120,17 @@ def test_a_forged_file_is_refused_before_its_tensors_are_read(tmp_path):
     assert b.session.cached == []
 
 
-def test_resume_maps_the_saved_state_back(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_resume_maps_the_saved_state_back(tmp_path, device):
+    """(On CUDA the recording's device is the resumed session's; there the file is then refused
+    on the CPU, another device kind, and the conversation still resumes.)"""
     conv = tmp_path / "conv"
     conv.mkdir()
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 5}\n"
                       "events:\n- user: hello there\n- user: and then?\n")
     rec = conv / "rec.yaml"
-    assert chat("run", script, "--model", os.path.join(GOLDEN, "tiny-qwen3_5"), "-o", rec,
+    assert chat("run", script, "--model", os.path.join(GOLDEN, "tiny-qwen3_5"), "--device", device, "-o", rec,
                 tmp_path=tmp_path).returncode == 0
     flags = ["--conversations-dir", conv, "--temperature", "0", "--max-new-tokens", "5"]
     p = chat("--resume", rec, *flags, stdin="third\n", tmp_path=tmp_path)
@@ -142,6 +145,10 @@ def test_resume_maps_the_saved_state_back(tmp_path):
     last = [yaml.safe_load(f.read_text())["events"][-1] for f in (rec, plain)]
     assert last[0]["generated_ids"] == last[1]["generated_ids"] and last[0]["prompt_ids"] == last[1]["prompt_ids"]
     assert last[0]["reused"] > 0 and last[1]["reused"] == 0, q.stderr
+    if device == "cuda":
+        p = chat("--resume", rec, *flags, "--device", "cpu", stdin="fifth\n", tmp_path=tmp_path)
+        assert p.returncode == 0 and "saved state not used: it was saved with another" in p.stderr, p.stderr
+        return
     open(saved[0], "wb").write(saved[1][:100])  # cut short: refused, the conversation still resumes
     p = chat("--resume", rec, *flags, stdin="fifth\n", tmp_path=tmp_path)
     assert p.returncode == 0 and "saved state not used: it does not read" in p.stderr, p.stderr
