@@ -45,7 +45,7 @@ def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
     library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
     the C++ kernels on, in fp32, where cpu_int8 is on, or auto and the library runs its AVX2 forms.
-    There the blocks on int8 inputs decoded at 1.4x llama.cpp's speed against the planes' 0.9x; with
+    There the blocks on int8 inputs decoded ahead of llama.cpp where the planes fell behind it; with
     the AVX-512 forms the planes decode as fast and keep the replies nearer the fp32 model's
     (bench/cpu_bench.py --cpu-isa avx2 | native and bench/numerics.py, the embedded model)."""
     import torch
