@@ -45,10 +45,7 @@ void olmo_attention_layer(Tensor& x, Tensor& attn, const float* cos, const float
     for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos + t * cs, sin + t * cs, R);
     for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos + t * cs, sin + t * cs, R);
     Tensor out = attn.narrow(0, t, 1);
-    if (kc.scalar_type() == at::kHalf)
-      attention<at::Half>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
-    else
-      attention<float>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+    attention_kv(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
   }
   Tensor a = linear(attn, params, at_);
   const float* post_attn = params.get(at_++).value().data_ptr<float>();
@@ -82,18 +79,7 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
   const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
   const int64_t key_dim = nk * dk, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0 && nv % nk == 0, "hybrid_step: head sizes not supported");
-  TORCH_CHECK(cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
-              "hybrid_step: x, cos and sin need one row per position");
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t cs = cos_t.size(1);
-  const float* cos = cos_t.data_ptr<float>();
-  const float* sin = sin_t.data_ptr<float>();
-
-  Tensor x = x_in.contiguous().clone();
-  Tensor h = at::empty_like(x);
-  Tensor attn = at::empty({Tn, H * D}, x.options());
-  float* xs = x.data_ptr<float>();
-  float* hs = h.data_ptr<float>();
+  auto [scale, cs, cos, sin, x, h, attn, xs, hs] = step_rows(x_in, cos_t, sin_t, H, D, "hybrid_step");
   int64_t at_ = 0, ci = 0, si = 0;  // the next param, cache, row_states entry
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t kind = meta[9 + 3 * l], in_parts = meta[10 + 3 * l], gu_parts = meta[11 + 3 * l];
@@ -165,23 +151,15 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
           rope(k + i * D, cos + t * cs, sin + t * cs, R);
         }
         Tensor out = attn.narrow(0, t, 1);
-        if (kc.scalar_type() == at::kHalf)
-          attention<at::Half>(q.data(), k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
-        else
-          attention<float>(q.data(), k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
+        attention_kv(q.data(), k, v, kc, vc, pos + t, H, KVH, D, scale, x, out);
         float* op = out.data_ptr<float>();
         for (int64_t i = 0; i < H; ++i)
           for (int64_t d = 0; d < D; ++d) op[i * D + d] *= sigmoid_f(row[i * 2 * D + D + d]);
       }
       branch = linear(attn, params, at_);
     }
-    const float* bp = branch.data_ptr<float>();
-    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += bp[i];
-    const float* post_norm = params.get(at_++).value().data_ptr<float>();
-    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
-    Tensor m = linear(swiglu_rows(linears(h, params, at_, gu_parts).contiguous()), params, at_);
-    const float* mp = m.data_ptr<float>();
-    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
+    add_rows(x, branch);
+    residual_mlp(x, h, params, at_, gu_parts, eps);
   }
   return x;
 }

@@ -472,6 +472,30 @@ int64_t check_blocks(const Tensor& w, int64_t type) {
   return w.size(1) / s.bytes * s.weights;
 }
 
+// What a product of x [T, K] fp32 and blocks W [N, row bytes] starts from: the sizes checked
+// (`name` in the message), y [T, N] allocated, the pointers the kernels take
+struct BlockProduct {
+  int64_t K, N, Tn, rb;
+  Tensor y;
+  const float* xp;
+  const uint8_t* wp;
+  float* yp;
+};
+
+BlockProduct block_product_of(const Tensor& x, const Tensor& w, int64_t type, const char* name) {
+  BlockProduct b;
+  b.K = check_blocks(w, type);
+  b.N = w.size(0);
+  b.Tn = x.size(0);
+  b.rb = w.size(1);
+  TORCH_CHECK(x.size(1) == b.K, name, ": x has ", x.size(1), " columns, the blocks ", b.K);
+  b.y = at::empty({b.Tn, b.N}, x.options());
+  b.xp = x.is_contiguous() ? x.data_ptr<float>() : nullptr;
+  b.wp = w.data_ptr<uint8_t>();
+  b.yp = b.y.data_ptr<float>();
+  return b;
+}
+
 // blocks [N, row bytes] uint8 → [N, K] fp32: gguf-py's values bit for bit
 Tensor block_dequant(const Tensor& w, int64_t type) {
   const int64_t K = check_blocks(w, type), N = w.size(0), rb = w.size(1);
@@ -520,14 +544,11 @@ constexpr int64_t kBf16Chunk = int64_t{1} << 20;
 // the fp64 product of the rounded operands.
 Tensor block_linear_bf16(const Tensor& x, const Tensor& w, int64_t type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_linear_bf16: x must be [T, K] fp32");
-  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
-  TORCH_CHECK(x.size(1) == K, "block_linear_bf16: x has ", x.size(1), " columns, the blocks ", K);
-  Tensor y = at::empty({Tn, N}, x.options());
+  auto [K, N, Tn, rb, y, xp_, wp, yp_] = block_product_of(x, w, type, "block_linear_bf16");
   const Tensor xb = x.to(at::kBFloat16);
   const int64_t chunk = std::min(N, std::max<int64_t>(16, kBf16Chunk / std::max<int64_t>(K, 1)));
   Tensor wd = at::empty({chunk, K}, x.options().dtype(at::kBFloat16));
   Tensor part = at::empty({Tn, chunk}, x.options().dtype(at::kBFloat16));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t rows = std::min(chunk, N - n0);
     at::BFloat16* dp = wd.data_ptr<at::BFloat16>();
@@ -574,6 +595,14 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
 #endif
 }
 
+// Without an int8 dot product here: x~ (exact in fp32) through the fp32 kernels, kMaxRows rows at a time
+void rounded_rows_product(const Int8Rows& rows, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N,
+                          int64_t type, float* yp) {
+  const std::vector<float> xt = dequantized_rows(rows, Tn);
+  for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
+    block_product(xt.data() + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
+}
+
 // Whether a prefill of Tn rows on int8 inputs takes x~ times the dequantized weights by the fp32
 // GEMM rather than the int8 tiles: the 32-weight types from 256 rows (a float scale a 32 codes
 // and row keeps their tiles slower than the GEMM on x~ at 512 rows; at 128 rows the tiles are as
@@ -586,12 +615,7 @@ bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256;
 Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (int8 || x.size(0) <= kMaxRows),
               "block_linear: x must be [T <= 8, K] contiguous fp32 (any T with int8)");
-  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
-  TORCH_CHECK(x.size(1) == K, "block_linear: x has ", x.size(1), " columns, the blocks ", K);
-  Tensor y = at::empty({Tn, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  auto [K, N, Tn, rb, y, xp, wp, yp] = block_product_of(x, w, type, "block_linear");
   if (!int8) {
     block_product(xp, Tn, K, wp, rb, N, type, yp);
     return y;
@@ -664,9 +688,7 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
     });
   });
 #else
-  const std::vector<float> xt = dequantized_rows(rows, Tn);
-  for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
-    block_product(xt.data() + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
+  rounded_rows_product(rows, Tn, K, wp, rb, N, type, yp);
 #endif
   return y;
 }
@@ -690,12 +712,7 @@ void rows_by_chunk(int64_t N, int64_t Tn, F&& f) {  // f(t, c0, c1) for each row
 Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear_rows: x must be [T, K] fp32");
   if (x.size(0) == 1) return block_linear(x, w, type, int8);
-  const int64_t K = check_blocks(w, type), N = w.size(0), Tn = x.size(0), rb = w.size(1);
-  TORCH_CHECK(x.size(1) == K, "block_linear_rows: x has ", x.size(1), " columns, the blocks ", K);
-  Tensor y = at::empty({Tn, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  auto [K, N, Tn, rb, y, xp, wp, yp] = block_product_of(x, w, type, "block_linear_rows");
   if (!int8) {  // (the decode's accumulators for several rows: each row's operations are the one-row ones)
     for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
       block_product(xp + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
@@ -717,9 +734,7 @@ Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool in
     }
   });
 #else
-  const std::vector<float> xt = dequantized_rows(rows, Tn);
-  for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
-    block_product(xt.data() + t0 * K, std::min(kMaxRows, Tn - t0), K, wp, rb, N, type, yp + t0 * N);
+  rounded_rows_product(rows, Tn, K, wp, rb, N, type, yp);
 #endif
   return y;
 }
@@ -1125,6 +1140,15 @@ void attention(float* q, const float* k, const float* v, const Tensor& kc, const
   attend<T>(q, kc, vc, pos + 1, H, KVH, D, scale, x.options(), attn);
 }
 
+// attention<T> for the caches' dtype (fp16 or fp32)
+inline void attention_kv(float* q, const float* k, const float* v, const Tensor& kc, const Tensor& vc, int64_t pos,
+                         int64_t H, int64_t KVH, int64_t D, float scale, const Tensor& x, Tensor& attn) {
+  if (kc.scalar_type() == at::kHalf)
+    attention<at::Half>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+  else
+    attention<float>(q, k, v, kc, vc, pos, H, KVH, D, scale, x, attn);
+}
+
 // The step's attention alone, for tests against an exact reference: q [H, D] fp32, caches
 // [KVH, S, D] (fp32 or fp16, contiguous rows) of which the first `live` slots are read.
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, int64_t live, double scale) {
@@ -1181,6 +1205,54 @@ Tensor swiglu_rows(const Tensor& gu) {
   return act;
 }
 
+// x += branch, row by row (the residual stream)
+inline void add_rows(Tensor& x, const Tensor& branch) {
+  float* xs = x.data_ptr<float>();
+  const float* bp = branch.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xs[i] += bp[i];
+}
+
+// A pre-norm SwiGLU MLP on the residual stream: h = norm(x) (its weight the next param, offset
+// added), x += down(silu(gate h) * up h) (gate/up in gu_parts linears, then down_proj)
+void residual_mlp(Tensor& x, Tensor& h, const OptList& params, int64_t& at_, int64_t gu_parts, double eps) {
+  const int64_t Tn = x.size(0), hidden = x.size(1);
+  const float* norm = params.get(at_++).value().data_ptr<float>();
+  for (int64_t t = 0; t < Tn; ++t)
+    rms_norm(x.data_ptr<float>() + t * hidden, norm, h.data_ptr<float>() + t * hidden, hidden, eps);
+  add_rows(x, linear(swiglu_rows(linears(h, params, at_, gu_parts).contiguous()), params, at_));
+}
+
+// What llama_step and hybrid_step (hybrid_step.h) start from: the rows' RoPE tables checked (one
+// row per position), the attention's scale, the residual stream x (x_in copied), its normed rows
+// h and the attention's output rows
+struct StepRows {
+  float scale;
+  int64_t cs;  // the RoPE tables' row length
+  const float* cos;
+  const float* sin;
+  Tensor x, h, attn;
+  float* xs;
+  float* hs;
+};
+
+StepRows step_rows(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, int64_t H, int64_t D,
+                   const char* name) {
+  const int64_t Tn = x_in.size(0);
+  TORCH_CHECK(Tn >= 1 && cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
+              name, ": x, cos and sin need one row per position");
+  StepRows r;
+  r.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  r.cs = cos_t.size(1);
+  r.cos = cos_t.data_ptr<float>();
+  r.sin = sin_t.data_ptr<float>();
+  r.x = x_in.contiguous().clone();
+  r.h = at::empty_like(r.x);
+  r.attn = at::empty({Tn, H * D}, r.x.options());
+  r.xs = r.x.data_ptr<float>();
+  r.hs = r.h.data_ptr<float>();
+  return r;
+}
+
 // x: [T, hidden] fp32 (the embedded tokens at positions pos..pos+T-1: one for a decode step, more
 // for a speculative verify); cos, sin: [T, rotary] fp32 (Rope.cos_sin of each position);
 // params: per layer, in order: input norm weight, qkv linears (3 entries each), with qk_norm
@@ -1203,18 +1275,7 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
   const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
   int64_t wi = 0;  // the next conv layer's row_windows entry
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0, "cpu_step: head size ", D, " / rotary ", R, " not supported");
-  TORCH_CHECK(Tn >= 1 && cos_t.size(0) == Tn && sin_t.size(0) == Tn && cos_t.is_contiguous() && sin_t.is_contiguous(),
-              "cpu_step: x, cos and sin need one row per position");
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t cs = cos_t.size(1);
-  const float* cos = cos_t.data_ptr<float>();
-  const float* sin = sin_t.data_ptr<float>();
-
-  Tensor x = x_in.contiguous().clone();
-  Tensor h = at::empty_like(x);
-  Tensor attn = at::empty({Tn, H * D}, x.options());
-  float* xs = x.data_ptr<float>();
-  float* hs = h.data_ptr<float>();
+  auto [scale, cs, cos, sin, x, h, attn, xs, hs] = step_rows(x_in, cos_t, sin_t, H, D, "cpu_step");
   int64_t at_ = 0, ci = 0;  // the next param, the next cache
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t qkv_parts = meta[5 + 2 * l], gu_parts = meta[6 + 2 * l];
@@ -1260,20 +1321,11 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
         for (int64_t i = 0; i < H; ++i) rope(q + i * D, cos + t * cs, sin + t * cs, R);
         for (int64_t i = 0; i < KVH; ++i) rope(k + i * D, cos + t * cs, sin + t * cs, R);
         Tensor row = attn.narrow(0, t, 1);
-        if (kc.scalar_type() == at::kHalf)
-          attention<at::Half>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, row);
-        else
-          attention<float>(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, row);
+        attention_kv(q, k, v, kc, vc, pos + t, H, KVH, D, scale, x, row);
       }
-      Tensor a = linear(attn, params, at_);
-      const float* ap = a.data_ptr<float>();
-      for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += ap[i];
+      add_rows(x, linear(attn, params, at_));
     }
-    const float* post_norm = params.get(at_++).value().data_ptr<float>();
-    for (int64_t t = 0; t < Tn; ++t) rms_norm(xs + t * hidden, post_norm, hs + t * hidden, hidden, eps);
-    Tensor m = linear(swiglu_rows(linears(h, params, at_, gu_parts).contiguous()), params, at_);
-    const float* mp = m.data_ptr<float>();
-    for (int64_t i = 0; i < Tn * hidden; ++i) xs[i] += mp[i];
+    residual_mlp(x, h, params, at_, gu_parts, eps);
   }
   return x;
 }
