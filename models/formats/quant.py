@@ -767,8 +767,7 @@ def use_int8_inputs(model: nn.Module, on: bool) -> int:
     GEMM. Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
     n = 0
     for m in model.modules():
-        if isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or \
-                isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda or isinstance(m, Q8Linear):
+        if _cpu_blocks(m) or isinstance(m, Q8Linear):
             m.int8_inputs = on
             n += 1
     model.cpu_int8 = on and n > 0  # (what the session's decode_path reports)
@@ -783,8 +782,13 @@ def int8_by_default(model: nn.Module) -> bool:
     DeltaNet and a short-conv model); off where only a Q8_0 head (Q8Linear) would round, beside
     int4-plane layers (the embedded Q4_1 model with the AVX-512 forms: no speed to gain there, and
     its replies stay nearer the fp32 model's: bench/numerics.py)."""
-    return any(isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or
-               isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda for m in model.modules())
+    return any(_cpu_blocks(m) for m in model.modules())
+
+
+def _cpu_blocks(m: nn.Module) -> bool:
+    """Whether m holds GGUF blocks on the CPU that the library's block products read."""
+    return isinstance(m, BlockLinear) and not m.stored()[0].is_cuda or \
+        isinstance(m, BlockExperts) and not m.gate_blocks.is_cuda
 
 
 def weight_formats(model: nn.Module) -> dict[str, int]:
