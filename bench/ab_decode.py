@@ -19,7 +19,7 @@ AWQ: noprefetch / prefetch (qplanar's GEMV loops without / with their read of th
 words, every layout), twolaunch (a norm's int8 input made in two launches, not
 qplanar.normed_input's one), reduce256 / reduce128 (qplanar's split-K reduce over 256 / 128
 outputs a program), nqp1 / nqp4 (qplanar.normed_input's launch in one program / about 4, not
-about 8), a16 (qplanar's GEMVs on the bf16 inputs as given, not int8: CHAT_PLANAR_A16=1; other
+about 8), a16 (qplanar's GEMVs on the bf16 inputs as given, not int8: qplanar.A16; other
 tokens), programs2k / programs1 (qplanar.pick_config's K split aiming at ~2,048 programs / none),
 nosmall (pick_config without its form for small matrices, qplanar.SMALL), grid1024 / grid512
 (that form only below that many programs, qplanar.SMALL_GRID), qw* (qlinear.WHOLE_CONFIG: the
@@ -99,7 +99,6 @@ DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLE
 _PICK16 = fp8.pick_config16
 _GEMV_PICK = cuda_linear.pick_config
 _RUNS_PICK = qruns.pick_config
-_A16_GIVEN = os.environ.get("CHAT_PLANAR_A16")
 _WHOLE_STEP = qlinear.whole_step
 
 
@@ -284,12 +283,7 @@ def apply(variant: str) -> None:
         lambda n, k, swiglu=False, b=v["fp8rows"]: (b,) + _PICK16(n, k, swiglu)[1:])
     qruns.pick_config = _RUNS_PICK if v["runspick"] is None else _runs_pick(*v["runspick"])
     cuda_linear.pick_config = v["gemvpick"] or _GEMV_PICK
-    if v["a16"]:
-        os.environ["CHAT_PLANAR_A16"] = "1"
-    elif _A16_GIVEN is None:
-        os.environ.pop("CHAT_PLANAR_A16", None)
-    else:  # (the caller's own setting, for every other variant)
-        os.environ["CHAT_PLANAR_A16"] = _A16_GIVEN
+    qplanar.A16 = v["a16"]
 
 
 def main() -> None:

@@ -292,7 +292,7 @@ def cmd_plan(argv: list[str]) -> int:
     import torch
 
     import models
-    from engine.device import configure_threads, kernel_config, memory_bandwidth, resolve_dtype
+    from engine.device import configure_process, configure_threads, kernel_config, memory_bandwidth, resolve_dtype
     from .plan_report import report
     from .runtime import keeps_blocks
     from .settings import load_settings
@@ -309,6 +309,7 @@ def cmd_plan(argv: list[str]) -> int:
     load_on = target if target.type == "cpu" or here else torch.device("cpu")
     dtype, why = resolve_dtype(eng, target, models.native_dtype(models.resolve(eng.model)))
     configure_threads(eng)
+    configure_process()
     kernels = kernel_config(eng)
     loaded = models.load(eng.model, load_on, dtype, quantized=keeps_blocks(eng, target), kernels=kernels)
     plan = loaded.plan if load_on == target else models.plan.make(loaded.model, target, dtype, kernels)

@@ -8,7 +8,7 @@ import torch
 
 import models
 from engine.config import ConfigError
-from engine.device import configure_threads, kernel_config, resolve_device, resolve_dtype
+from engine.device import configure_process, configure_threads, kernel_config, resolve_device, resolve_dtype
 from engine.session import DecodeSession, open_session
 
 from .conversation import Conversation
@@ -38,6 +38,7 @@ def open_runtime(settings: Settings, status=None) -> Runtime:
     (a previous model's dropped): callers continue with them."""
     report = status or (lambda text: None)
     t0 = time.perf_counter()
+    configure_process()  # (the environment's diagnosis switches and folders, before any load)
     eng = settings.engine
     device = resolve_device(eng)
     dtype, why = resolve_dtype(eng, device, models.native_dtype(models.resolve(eng.model)))

@@ -9,6 +9,7 @@ strings that come from environment variables and flags into the field's type.
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import re
 import reprlib
@@ -235,3 +236,47 @@ def build(cls, values: dict[str, Any], section: str):
                               key if isinstance(key, str) else None)
     return cls(**{k: coerce(cls, k, v) for k, v in values.items()})
 
+
+
+# ---- the process's environment: read here and nowhere else below the front end ----
+
+@dataclass(frozen=True)
+class Environment:
+    """What this process's environment sets for the engine and the models, read once by
+    `environment()` and handed down by engine/device.py's `configure_process` (models.configure):
+    README's diagnosis switches, the cache folder and the C++ compiler. The settings' own CHAT_*
+    variables (CHAT_MAX_CONTEXT, ...) are the front end's: chat/settings.py."""
+    triton: bool = True          # CHAT_TRITON=0: the torch forms instead of the Triton kernels
+    pdl: bool = True             # CHAT_PDL=0: no programmatic dependent launch
+    precompile: bool = True      # CHAT_PRECOMPILE=0: kernels compiled one at a time, as first launched
+    fp8_prefill: str = "tensor"  # CHAT_FP8_PREFILL=dequant: FP8 prefill dequantized, then torch's GEMM
+    fp8_gemv: str = "f16"        # CHAT_FP8_GEMV=f32: FP8 decode GEMVs in the fp32-product form
+    cache_dir: str = ""          # $XDG_CACHE_HOME/chat (~/.cache/chat): the C++ library, GGUF indexes
+    compiler: str = "g++"        # $CXX: the C++ step's compiler
+
+
+# CHAT_* diagnosis variable -> (Environment field, allowed values: the first is the default)
+_DIAGNOSIS = {"CHAT_TRITON": ("triton", None), "CHAT_PDL": ("pdl", None), "CHAT_PRECOMPILE": ("precompile", None),
+              "CHAT_FP8_PREFILL": ("fp8_prefill", ("tensor", "dequant")), "CHAT_FP8_GEMV": ("fp8_gemv", ("f16", "f32"))}
+
+
+def environment(env: Any = None) -> Environment:
+    """The Environment of `env` (os.environ where None). A diagnosis switch with a value it does not
+    take is a ConfigError naming the variable and what it takes."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, (key, choices) in _DIAGNOSIS.items():
+        raw = env.get(name)
+        if raw is None:
+            continue
+        text = raw.strip().lower()
+        if choices is None:
+            if text not in _TRUE | _FALSE:
+                raise ConfigError(f"{name}: {quote(raw)} is not valid; allowed: 1 | 0 (true | false, on | off)", name)
+            values[key] = text in _TRUE
+        elif text in choices:
+            values[key] = text
+        else:
+            raise ConfigError(f"{name}: {quote(raw)} is not valid; allowed: {' | '.join(choices)}", name)
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Environment(**values, cache_dir=os.path.join(base, "chat"), compiler=env.get("CXX") or "g++")

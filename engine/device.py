@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, Environment, environment
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,13 +57,28 @@ def configure_threads(cfg: EngineConfig) -> int:
     return n
 
 
-def kernel_config(cfg: EngineConfig):
-    """The kernel plan's config (models/plan) for these engine settings: the C++ CPU kernels where
-    cpu_kernel is not off and nothing else takes the step (compile: on, tensor-parallel ranks),
-    their rounded inputs with cpu_int8: on (auto: None, the planner's int8_by_default)."""
+def configure_process(env: Environment | None = None) -> Environment:
+    """Hand this process's Environment (engine/config.py: the environment's diagnosis switches,
+    cache folder and compiler) to the models and their kernels, before a model loads; returns it.
+    A bad diagnosis value is a ConfigError."""
+    import models
+    env = environment() if env is None else env
+    models.configure(triton=env.triton, pdl=env.pdl, precompile=env.precompile, fp8_prefill=env.fp8_prefill,
+                     fp8_gemv=env.fp8_gemv, cache_dir=env.cache_dir, compiler=env.compiler)
+    return env
+
+
+def kernel_config(cfg: EngineConfig, env: Environment | None = None):
+    """The kernel plan's config (models/plan) for these engine settings and this environment: the
+    C++ CPU kernels where cpu_kernel is not off and nothing else takes the step (compile: on,
+    tensor-parallel ranks), their rounded inputs with cpu_int8: on (auto: None, the planner's
+    int8_by_default); no Triton kernels where CHAT_TRITON switches them off (a plan for CUDA made
+    on a host without one then says so too)."""
     from models.plan import KernelConfig
+    env = environment() if env is None else env
     return KernelConfig(cpu_kernel=cfg.cpu_kernel != "off" and cfg.compile == "off" and cfg.tensor_parallel == 1,
-                        cpu_int8=None if cfg.cpu_int8 == "auto" else cfg.cpu_int8 == "on")
+                        cpu_int8=None if cfg.cpu_int8 == "auto" else cfg.cpu_int8 == "on",
+                        triton=None if env.triton else False)
 
 
 # Peak memory bandwidth of the GPUs whose name torch reports, bytes a second (the vendors' sheets);

@@ -19,7 +19,6 @@ argmax over the same logits). A step goes ahead only where no slot above the len
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -35,10 +34,10 @@ from .speculative import Depth, PromptLookup
 from .state import BASE, PROMPT, StateManager
 
 
-# CHAT_PAD_PREFILL=0: prefills run at their own length, eager (as before PaddedPrefill);
-# CHAT_PREFILL_GRAPHS=0: padded, but never captured (bench/ab_prefill.py's variants)
-PAD_PREFILL = os.environ.get("CHAT_PAD_PREFILL", "1").lower() not in ("0", "false", "off", "no")
-PREFILL_GRAPHS = os.environ.get("CHAT_PREFILL_GRAPHS", "1").lower() not in ("0", "false", "off", "no")
+# PAD_PREFILL False: prefills run at their own length, eager (as before PaddedPrefill);
+# PREFILL_GRAPHS False: padded, but never captured (bench/ab_prefill.py's variants set them)
+PAD_PREFILL = True
+PREFILL_GRAPHS = True
 
 
 

@@ -312,10 +312,11 @@ def _worker(rank: int, world: int, init: str, engine: dict, device_type: str, dt
         from models.sharding import Shard
 
         from .config import EngineConfig
-        from .device import physical_cores
+        from .device import configure_process, physical_cores
         from .session import open_session
 
         eng = EngineConfig(**engine)
+        configure_process()  # (this process's own, as rank 0 set its)
         device = rank_device(device_type, rank)
         if device_type == "cuda":
             torch.cuda.set_device(device)

@@ -1,7 +1,7 @@
 """Models: architectures (models/architectures), checkpoint formats and the loader
 (models/formats), device kernels (models/kernels). This package's names are the API that the
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
-the registry and aliases, `use_int8_inputs` and `int8_by_default` (the `cpu_int8` setting on a
+the registry and aliases, `configure` (the process's switches and folders, from the engine), `use_int8_inputs` and `int8_by_default` (the `cpu_int8` setting on a
 loaded model, and what its `auto` chooses),
 the kernel plan (`KernelConfig`, `Plan`: models/plan), `cpu_step_pending` (whether a model's C++ decode step still has
 to be compiled, for a start-up notice), `select_cpu_isa` (the `cpu_isa` setting: what the C++
@@ -21,7 +21,23 @@ from .plan import KernelConfig, Plan
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
            "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "select_cpu_isa", "cpu_isa_label",
-           "CpuStepUnavailable", "KernelConfig", "Plan"]
+           "CpuStepUnavailable", "KernelConfig", "Plan", "configure"]
+
+
+def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True, fp8_prefill: str = "tensor",
+              fp8_gemv: str = "f16", cache_dir: str | None = None, compiler: str = "g++") -> None:
+    """This process's switches and folders, as the engine reads them from the environment
+    (engine/config.py's Environment; engine/device.py's configure_process): the kernels' (see
+    models.kernels.configure) and the folder of the GGUF indexes (`cache_dir`/gguf-index). A
+    process that never calls it runs the defaults, with ~/.cache/chat as its cache folder."""
+    import os
+
+    from .formats import checkpoints
+    from .kernels import configure as configure_kernels
+    configure_kernels(triton=triton, pdl=pdl, precompile=precompile, fp8_prefill=fp8_prefill, fp8_gemv=fp8_gemv,
+                      cache_dir=cache_dir, compiler=compiler)
+    if cache_dir:
+        checkpoints.INDEX_DIR = os.path.join(cache_dir, "gguf-index")
 
 
 def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, shard=None,

@@ -258,8 +258,8 @@ def test_models_without_a_kernel_keep_the_torch_step(tmp_path):
 
 def test_a_failed_build_is_a_note_in_auto_and_an_error_in_on(tiny_dirs, tmp_path, monkeypatch):
     lm = models.load(tiny_dirs["llama"][0])
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached there: it must build
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_step, "CACHE_DIR", str(tmp_path / "chat"))  # nothing cached there: it must build
+    monkeypatch.setattr(cpu_step, "COMPILER", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_step, "_loaded", None)
     s = session(lm, "auto")
     assert s._step_fn is lm.model and "no C++ compiler" in s.cpu_kernel_note
@@ -270,7 +270,7 @@ def test_a_failed_build_is_a_note_in_auto_and_an_error_in_on(tiny_dirs, tmp_path
 
 
 def test_the_library_is_cached_by_content(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_step, "CACHE_DIR", str(tmp_path / "chat"))
     path = cpu_step.library_path()
     assert path.startswith(str(tmp_path)) and not cpu_step.is_built()
     monkeypatch.setattr(cpu_step, "_flags", lambda: ["-O1"])  # other flags: another library
@@ -278,7 +278,7 @@ def test_the_library_is_cached_by_content(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_cached_library_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_step, "CACHE_DIR", str(tmp_path / "chat"))
     monkeypatch.setattr(cpu_step, "_loaded", None)
     path = cpu_step.library_path()
     os.makedirs(os.path.dirname(path))
@@ -299,7 +299,7 @@ def test_a_corrupt_cached_library_is_rebuilt(tmp_path, monkeypatch):
 def test_an_unwritable_cache_is_a_note(tiny_dirs, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where the folder should be
+    monkeypatch.setattr(cpu_step, "CACHE_DIR", str(blocker / "chat"))  # a file where a folder should be
     monkeypatch.setattr(cpu_step, "_loaded", None)
     s = session(models.load(tiny_dirs["llama"][0]), "auto")
     assert "not writable" in s.cpu_kernel_note

@@ -111,3 +111,34 @@ def test_the_checks_can_fail():
     assert any("models.kernels.cpu.step" in c and "models.architectures.causal_lm" in c for c in cycles(planted))
     planted["engine.session"].add("chat.repl")
     assert ("engine.session", "chat.repl") in back_edges(planted)
+
+
+# Where the environment may be read: engine/config.py (the engine's and the models' variables) and
+# the front end's own folders and switches (chat/: XDG state and config folders, CHAT_* settings,
+# NO_COLOR)
+ENVIRONMENT_READERS = ("engine.config", "chat")
+
+
+def environment_reads(sources: dict[str, str]) -> list[str]:
+    """`module:line` of each os.environ / os.getenv / os.putenv use outside ENVIRONMENT_READERS."""
+    out = []
+    for name, path in sorted(sources.items()):
+        if any(_under(name, r) for r in ENVIRONMENT_READERS):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "environb")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                out.append((name, node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(out)]
+
+
+def test_the_environment_is_read_in_one_place():
+    assert environment_reads(modules()) == []
+
+
+def test_the_environment_check_can_fail(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import os\nFLAG = os.environ.get('CHAT_SOMETHING')\nOTHER = os.getenv('X')\n")
+    assert environment_reads({"models.kernels.planted": str(planted)}) == ["models.kernels.planted:2",
+                                                                           "models.kernels.planted:3"]
+    assert environment_reads({"chat.planted": str(planted)}) == []

@@ -96,21 +96,21 @@ def test_the_delta_step_makes_its_outputs_int8_words(device, split):
 
 def test_reads_int8_asks_for_words_only_where_a_runs_gemv_reads_them(monkeypatch):
     """reads_int8: a QuantLinear of a runs layout (AWQ groups of whole runs) in a 16-bit model, its
-    producer among FUSED_INT8; not an fp32 model, not CHAT_PLANAR_A16's inputs as given, not groups
+    producer among FUSED_INT8; not an fp32 model, not qplanar.A16's inputs as given, not groups
     that are not whole runs (INT4P's), not a bf16 Linear, not a producer left out."""
-    from models.kernels.cuda import qlinear, qruns  # (qlinear: the QuantLinears' CUDA forms, as a model imports them)
+    from models.kernels.cuda import qlinear, qplanar, qruns  # (qlinear: the QuantLinears' CUDA forms, as a model imports them)
     from test_qplanar import int4_linear
     from models.formats.quant import QuantLinear
     assert QuantLinear.kernels is qlinear
     runs_int4, planar_int4 = int4_linear(8, 256, 128, 0, "cpu"), int4_linear(8, 240, 48, 0, "cpu")
-    monkeypatch.delenv("CHAT_PLANAR_A16", raising=False)
+    monkeypatch.setattr(qplanar, "A16", False)
     monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(("merge", "delta")))
     assert qruns.reads_int8(runs_int4, torch.bfloat16, "merge") and qruns.reads_int8(runs_int4, torch.float16, "delta")
     assert not qruns.reads_int8(runs_int4, torch.bfloat16, "pair")
     assert not qruns.reads_int8(runs_int4, torch.float32, "merge")
     assert not qruns.reads_int8(planar_int4, torch.bfloat16, "merge")
     assert not qruns.reads_int8(torch.nn.Linear(256, 8), torch.bfloat16, "merge")
-    monkeypatch.setenv("CHAT_PLANAR_A16", "1")
+    monkeypatch.setattr(qplanar, "A16", True)
     assert not qruns.reads_int8(runs_int4, torch.bfloat16, "merge")
 
 

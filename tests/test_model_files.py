@@ -75,7 +75,7 @@ def gguf_bytes(tiny_dirs, tmp_path_factory) -> bytes:
 
 
 def gguf_error(data: bytes, tmp_path, monkeypatch) -> str:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoints, "INDEX_DIR", str(tmp_path / "cache"))
     f = tmp_path / "bad.gguf"
     f.write_bytes(data)
     return load_error(f)
@@ -279,7 +279,7 @@ def test_gguf_metadata_values_are_checked(gguf_bytes, tmp_path, monkeypatch, key
 
 def test_gguf_special_token_past_the_vocabulary(gguf_bytes, tmp_path, monkeypatch):
     """As llama.cpp does: no special token (it was an IndexError)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoints, "INDEX_DIR", str(tmp_path / "cache"))
     f = tmp_path / "eos.gguf"
     f.write_bytes(patched(gguf_bytes, after_key(gguf_bytes, "tokenizer.ggml.eos_token_id") + 4, "<I", 1 << 30))
     loaded = models.load(str(f))

@@ -1,5 +1,5 @@
 """The continued prefill's attention in two flash parts (prefix, then the new block) merged by
-log-sum-exp (CHAT_SPLIT_PREFIX=1 on CUDA), against the masked SDPA form."""
+log-sum-exp (layers.SPLIT_PREFIX on CUDA), against the masked SDPA form."""
 import pytest
 import torch
 import torch.nn.functional as F

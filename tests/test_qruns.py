@@ -149,7 +149,7 @@ def test_pick_config_gives_a_small_models_down_four_warps(n, k, swiglu, want):
                                                   ("INT4", 14, 96, 32, True), ("Q50R", 33, 896, 32, False),
                                                   ("Q51R", 12, 576, 32, True)])
 def test_float_path_takes_16_bit_rows(device, kind, n, k, group, swiglu):
-    """The float path (int8 False: CHAT_PLANAR_A16=1) on bf16 and fp16 rows against x @ W^T in
+    """The float path (int8 False: qplanar.A16) on bf16 and fp16 rows against x @ W^T in
     fp64 (fp32 outputs), for every tile shape."""
     from models.kernels.cuda import qruns
     qw, w = weight(kind, n, k, 1, device, group)

@@ -13,7 +13,6 @@ multi-token forward as two grouped GEMMs.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -136,13 +135,13 @@ class RoutedExperts(nn.Module):
         return out * scale
 
 
-# CHAT_GRANITE_DEFER_NORM=0: the norm before the MLPs in its own add_rms_norm launch, not in the
-# prologue of the router's GEMV (or the shared MLP's gate/up; bench/ab_decode.py's normapart)
-DEFER_MLP_NORM = os.environ.get("CHAT_GRANITE_DEFER_NORM", "1").lower() not in ("0", "false", "off", "no")
+# False: the norm before the MLPs in its own add_rms_norm launch, not in the prologue of the
+# router's GEMV (or the shared MLP's gate/up; bench/ab_decode.py's normapart)
+DEFER_MLP_NORM = True
 
-# CHAT_SHARED_AS_EXPERTS=0: the shared MLP as its own two GEMVs in a one-token step, its output
-# added in the experts' down launch (the A/B of bench/ab_decode.py's variant sharedapart)
-SHARED_AS_EXPERTS = os.environ.get("CHAT_SHARED_AS_EXPERTS", "1").lower() not in ("0", "false", "off", "no")
+# False: the shared MLP as its own two GEMVs in a one-token step, its output added in the experts'
+# down launch (the A/B of bench/ab_decode.py's variant sharedapart)
+SHARED_AS_EXPERTS = True
 
 
 def shared_parts(mlp: SwiGLU, ex: Experts) -> "tuple[torch.Tensor, torch.Tensor] | None":

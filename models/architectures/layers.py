@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -229,9 +228,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# CHAT_FUSED_SCALE=0: a branch's residual multiplier (Granite's) as torch's product after the GEMV
-# or expert launch, not in its epilogue (the A/B of bench/ab_decode.py's variant apartscale)
-FUSED_SCALE = os.environ.get("CHAT_FUSED_SCALE", "1").lower() not in ("0", "false", "off", "no")
+# False: a branch's residual multiplier (Granite's) as torch's product after the GEMV or expert
+# launch, not in its epilogue (the A/B of bench/ab_decode.py's variant apartscale)
+FUSED_SCALE = True
 
 
 def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", scale: float) -> torch.Tensor:
@@ -385,20 +384,20 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
     """Where a continued prefill attends in two flash parts (prefix_and_causal_attention): with
-    CHAT_SPLIT_PREFIX=1, on CUDA, in half dtypes and head sizes flash takes. Not by default: the
+    SPLIT_PREFIX on, on CUDA, in half dtypes and head sizes flash takes. Not by default: the
     two partial outputs are rounded to the half dtype before their merge (twice the masked form's
     error against fp32), and on an H200 that flipped a greedy token of a reused prefix against
     the cold prefill (tests/test_gpu.py::test_graphs_on_off_identical), which the masked form
     keeps equal there. It shortens a 27B-like later turn at 16k tokens (bench/turns_bench.py
     --profile)."""
-    return start > 0 and _SPLIT_PREFIX and _flash_takes(q)
+    return start > 0 and SPLIT_PREFIX and _flash_takes(q)
 
 
-_SPLIT_PREFIX = os.environ.get("CHAT_SPLIT_PREFIX", "0") == "1"
+SPLIT_PREFIX = False
 
-# CHAT_TRITON_PREFILL_ATTENTION=0: prefills attend by torch's kernels (flash from position 0, the
-# masked memory-efficient kernel over a cached prefix), as before the Triton kernel
-TRITON_PREFILL_ATTENTION = os.environ.get("CHAT_TRITON_PREFILL_ATTENTION", "1").lower() not in ("0", "false", "off", "no")
+# False: prefills attend by torch's kernels (flash from position 0, the masked memory-efficient
+# kernel over a cached prefix), as before the Triton kernel (bench/ab_prefill.py)
+TRITON_PREFILL_ATTENTION = True
 
 
 def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

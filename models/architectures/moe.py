@@ -17,7 +17,6 @@ the residual add and the RMSNorm in one launch).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,9 @@ from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
-# CHAT_TRITON_GROUPED=0: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of
-# the rows, not grouped.py's GEMMs (slower: bench/moe_prefill_sweep.py, bench/ab_prefill.py)
-TRITON_GROUPED = os.environ.get("CHAT_TRITON_GROUPED", "1").lower() not in ("0", "false", "off", "no")
+# False: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of the rows, not
+# grouped.py's GEMMs (slower: bench/moe_prefill_sweep.py, bench/ab_prefill.py)
+TRITON_GROUPED = True
 
 
 def grouped_serves(x: torch.Tensor, intermediate: int) -> bool:
@@ -159,9 +158,9 @@ class PendingCombine:
                                              self.shared_gate, out_dtype, self.first)
 
 
-# CHAT_FUSED_COMBINE=0: the grouped prefill's combine as its own launch, the next add_norm apart
-# (the A/B of bench/ab_prefill.py)
-FUSED_COMBINE = os.environ.get("CHAT_FUSED_COMBINE", "1").lower() not in ("0", "false", "off", "no")
+# False: the grouped prefill's combine as its own launch, the next add_norm apart (the A/B of
+# bench/ab_prefill.py)
+FUSED_COMBINE = True
 
 
 def branch(mlp: nn.Module, h: torch.Tensor) -> "torch.Tensor | PendingCombine":

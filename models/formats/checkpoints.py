@@ -964,6 +964,9 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
 
 
 INDEX_VERSION = 5
+# Where a GGUF's index is cached: models.configure sets it from the engine's Environment
+# ($XDG_CACHE_HOME/chat/gguf-index: engine/config.py)
+INDEX_DIR = os.path.join(os.path.expanduser("~"), ".cache", "chat", "gguf-index")
 
 
 def _index_path(path: str) -> str | None:
@@ -973,8 +976,7 @@ def _index_path(path: str) -> str | None:
         return None
     import hashlib
     key = f"{INDEX_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(base, "chat", "gguf-index", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+    return os.path.join(INDEX_DIR, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 def _cached_index(path: str) -> dict | None:

@@ -13,6 +13,24 @@ class CpuStepUnavailable(RuntimeError):
     """Raised by cpu_decode_step where the C++ step would serve but cannot be built or loaded."""
 
 
+def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True, fp8_prefill: str = "tensor",
+              fp8_gemv: str = "f16", cache_dir: str | None = None, compiler: str = "g++") -> None:
+    """The process-wide switches of the kernels (models.configure: the engine's Environment,
+    engine/config.py): the Triton kernels on CUDA at all, programmatic dependent launch, the
+    kernels compiled ahead of a graph capture, the FP8 prefill's and GEMV's forms, and where the
+    C++ library is cached and what compiles it. Each takes effect for the models loaded after it."""
+    from .cpu import step
+    from .cuda import base, fp8, fp8_gemm
+    if fp8_prefill not in ("tensor", "dequant") or fp8_gemv not in ("f16", "f32"):
+        raise ValueError(f"fp8_prefill {fp8_prefill!r} / fp8_gemv {fp8_gemv!r}: tensor | dequant, f16 | f32")
+    base.ENABLED = base.triton is not None and triton
+    base.PDL_ENABLED, base.PRECOMPILE_ENABLED = pdl, precompile
+    fp8_gemm.MODE, fp8.FORM = fp8_prefill, fp8_gemv
+    if cache_dir:
+        step.CACHE_DIR = cache_dir
+    step.COMPILER = compiler
+
+
 def _step_module(model):
     """The module of the C++ step for this model's architecture: Qwen3.5's hybrid or the dense GQA
     models' (and LFM2's)."""
@@ -49,7 +67,7 @@ def cpu_step_built() -> bool:
 
 def cpu_blocks_served(model, dtype: torch.dtype) -> bool:
     """Whether the C++ library's per-linear kernels serve this model's GGUF blocks (built or not):
-    switched on (CHAT_CPU_KERNEL), fp32, CPU weights in blocks (or a Q8_0 head)."""
+    switched on (step.ENABLED), fp32, CPU weights in blocks (or a Q8_0 head)."""
     from .cpu import step
     return step.ENABLED and dtype == torch.float32 and step.has_blocks(model)
 

@@ -37,7 +37,13 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
            for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h")]
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
-ENABLED = os.environ.get("CHAT_CPU_KERNEL", "1").lower() not in ("0", "false", "off", "no")
+# Whether the library's kernels serve at all (the `cpu_kernel` setting reaches the planner and the
+# session through the engine's config; a test or a benchmark switches them off here)
+ENABLED = True
+# Where the library is cached, and what compiles it: models.configure sets them from the engine's
+# Environment ($XDG_CACHE_HOME/chat, $CXX: engine/config.py)
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "chat")
+COMPILER = "g++"
 
 
 class Unavailable(RuntimeError):
@@ -128,14 +134,13 @@ def _cpu_signature() -> str:
 
 
 def library_path() -> str:
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chat")
     h = hashlib.sha256()
     for source in [SOURCE] + HEADERS:
         with open(source, "rb") as f:
             h.update(f.read())
     for part in (torch.__version__, sys.version, " ".join(_flags()), _cpu_signature()):
         h.update(part.encode())
-    return os.path.join(cache, f"cpu_step-{h.hexdigest()[:16]}.so")
+    return os.path.join(CACHE_DIR, f"cpu_step-{h.hexdigest()[:16]}.so")
 
 
 def is_built() -> bool:
@@ -153,7 +158,7 @@ def build(path: str | None = None) -> str:
     path = path or library_path()
     if os.path.exists(path):
         return path
-    compiler = os.environ.get("CXX", "g++")
+    compiler = COMPILER
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)

@@ -16,7 +16,6 @@ probabilities meet the values in bf16 on the tensor cores, as the torch form's b
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -112,5 +111,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     words = qruns.int8_words(H * D, q.device) if q8 else out
     launch(_merge_kernel, (H,), m, l_sum, acc, gate if gate is not None else q, out, words, GATE_STRIDE=gate_stride,
            HAS_GATE=gate is not None, D=D, NSPLIT=ns, Q8=q8, KQ=H * D // 4,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cuda_base.pdl(q))
+           INTERPRETED=cuda_base.interpreted(), **cuda_base.pdl(q))
     return qruns.carrying(out, words) if q8 else out

@@ -29,10 +29,18 @@ try:
 except ImportError:  # CPU-only installs: the torch forms run instead
     triton = None
 
-ENABLED = triton is not None and os.environ.get("CHAT_TRITON", "1").lower() not in ("0", "false", "off", "no")
+# Process-wide switches, the engine's Environment (CHAT_TRITON, CHAT_PDL, CHAT_PRECOMPILE:
+# engine/config.py) set by models.configure; a test or a benchmark that compares forms sets them here
+ENABLED = triton is not None
 
 
 HALF = (torch.bfloat16, torch.float16)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter here (its own TRITON_INTERPRET, read by Triton's knobs):
+    the kernels then take the branches the interpreter runs."""
+    return launcher.knobs is not None and bool(launcher.knobs.runtime.interpret)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -66,7 +74,7 @@ def prefill_usable(x: torch.Tensor) -> bool:
     return serves(x.device, x.dtype) and not torch.compiler.is_compiling()
 
 
-PRECOMPILE_ENABLED = os.environ.get("CHAT_PRECOMPILE", "1").lower() not in ("0", "false", "off", "no")
+PRECOMPILE_ENABLED = True
 _submitted: list | None = None  # inside precompiling(): what each launch submitted
 
 
@@ -122,7 +130,7 @@ def precompiling(workers: int | None = None):
         list(pool.map(lambda k: k.run, kernels.values()))  # CompiledKernel.run: launcher + module load
 
 
-PDL_ENABLED = os.environ.get("CHAT_PDL", "1").lower() not in ("0", "false", "off", "no")
+PDL_ENABLED = True
 
 
 @functools.cache

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import cdiv, ENABLED, launch, triton
+from . import base as cuda_base
+from .base import cdiv, launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -41,7 +42,7 @@ def masked_logits_torch(logits: torch.Tensor, words: torch.Tensor, out: torch.Te
 
 def masked_logits(logits: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """logits and out: contiguous, same shape and dtype, on CUDA; words: int32 on the same device."""
-    if not (ENABLED and logits.is_cuda and logits.is_contiguous() and out.is_contiguous()):
+    if not (cuda_base.ENABLED and logits.is_cuda and logits.is_contiguous() and out.is_contiguous()):
         return masked_logits_torch(logits, words, out)
     n = logits.numel()
     launch(_masked_logits_kernel, (cdiv(n, _BLOCK),), logits, words, out, n, BLOCK=_BLOCK)

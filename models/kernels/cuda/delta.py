@@ -19,7 +19,6 @@ ops, so the two agree to bf16 rounding. The torch form replaces ~30 kernel launc
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -169,7 +168,7 @@ def decode(proj: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tens
     words = qruns.int8_words(value_dim, proj.device) if q8 else out
     launch(_delta_step_kernel, (nv, dv // bv), act, proj, rec_state, neg_A, dt_bias, norm_weight, out, part, ssq,
            sync, words, *offsets, KEY_DIM=key_dim, R=nv // nk, DK=dk, DV=dv, BV=bv, Q8=q8, KQ=value_dim // 4,
-           TILED=bool(tiled) and nv != nk, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(proj))
+           TILED=bool(tiled) and nv != nk, INTERPRETED=cuda_base.interpreted(), num_warps=warps, **cuda_base.pdl(proj))
     return qruns.carrying(out, words) if q8 else out
 
 

@@ -33,7 +33,6 @@ instructions a weight at 4 rows a program, and the next step's words read ahead.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -46,7 +45,8 @@ from .linear import PROLOGUE_MAX_BYTES, NormedRow
 # PDL wait), here and in qlinear.py: a small model's launch-bound step then waits on no weight.
 WHOLE_STEP_BYTES = 8 << 20
 # "f16": matrices above WHOLE_STEP_BYTES on CUDA take the fp16-product form; "f32": none does
-FORM = os.environ.get("CHAT_FP8_GEMV", "f16").lower()
+# (CHAT_FP8_GEMV, engine/config.py's Environment, set by models.configure)
+FORM = "f16"
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:

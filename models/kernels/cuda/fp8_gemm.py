@@ -28,15 +28,15 @@ Contract:
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .base import launch, triton
 
 # "tensor": FP8 linears' prefill through `matmul` where it serves; "dequant": dequantized to the
-# activations' dtype, then torch's GEMM (the weights as hf_quant.Fp8Linear gives them, a bf16 input)
-MODE = os.environ.get("CHAT_FP8_PREFILL", "tensor").lower()
+# activations' dtype, then torch's GEMM (the weights as hf_quant.Fp8Linear gives them, a bf16 input);
+# CHAT_FP8_PREFILL, engine/config.py's Environment, set by models.configure
+MODE = "tensor"
 E4M3_MAX = 448.0
 ROW_MULTIPLE = 16
 

@@ -22,7 +22,6 @@ and the module globals a kernel reads (Triton's call recompiles or raises where 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -31,9 +30,9 @@ try:
 except ImportError:  # CPU-only installs, older Tritons: Triton's own call
     knobs = None
 
-# CHAT_FAST_LAUNCH=0: every launch through Triton's own call (the A/B of bench/ab_prefill.py, and
-# the equivalence test: tests/test_gpu.py::test_fast_launch_identical)
-ENABLED = knobs is not None and os.environ.get("CHAT_FAST_LAUNCH", "1").lower() not in ("0", "false", "off", "no")
+# False: every launch through Triton's own call (the A/B of bench/ab_prefill.py, and the
+# equivalence test: tests/test_gpu.py::test_fast_launch_identical)
+ENABLED = knobs is not None
 
 _entries: dict = {}  # (kernel, device, specialization, options) -> _Entry
 

@@ -33,7 +33,6 @@ instructions a weight of the compiled loop.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -599,12 +598,17 @@ def _general_config(n: int, words: int, gw: int, rows: int, warps: int) -> tuple
     return rows, warps, kw, 1
 
 
+# The 16-bit models' GEMVs on their inputs as given rather than int8 (int8_inputs)
+A16 = False
+
+
 def int8_inputs(dtype: torch.dtype) -> bool:
     """Whether the GEMVs of a model computing in `dtype` take their inputs as int8 per group
     (quantize_input; DP4A against the codes), as llama.cpp's CUDA GEMVs take theirs: for 16-bit
-    models, whose inputs already carry 8 bits of mantissa, unless CHAT_PLANAR_A16=1; an fp32 model
-    (the reference form) keeps its inputs as given, each code turned into a float."""
-    return dtype in (torch.bfloat16, torch.float16) and os.environ.get("CHAT_PLANAR_A16") != "1"
+    models, whose inputs already carry 8 bits of mantissa, unless A16 (bench/ab_decode.py's a16
+    variant, the tests of the float path); an fp32 model (the reference form) keeps its inputs as
+    given, each code turned into a float."""
+    return dtype in (torch.bfloat16, torch.float16) and not A16
 
 
 def row_input(x: "torch.Tensor | NormedRow", int8: bool | None) -> tuple["torch.Tensor | NormedRow", torch.dtype, bool]:
@@ -634,7 +638,7 @@ def quantize_input(x: torch.Tensor, group: int, pairs: bool = False) -> torch.Te
     out = torch.empty((S, K // 8, 4) if pairs else (S, 4, K // 8), dtype=torch.int32, device=x.device)
     n_groups, gb = K // group, 4
     launch(_quantize_kernel, (cdiv(n_groups, gb), S), x, out, x.stride(0), n_groups, G=group, GB=gb,
-           KW8=K // 8, PAIRS=pairs, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1,
+           KW8=K // 8, PAIRS=pairs, INTERPRETED=cuda_base.interpreted(), num_warps=1,
            **cuda_base.pdl(x))
     return out
 
@@ -667,7 +671,7 @@ def normed_input(row: NormedRow, group: int, pairs: bool = False) -> torch.Tenso
             launch(_norm_quantize_kernel, (cdiv(K // group, ngb),), row.x,
                    row.res if row.res is not None else row.x, row.weight, row.stream, h, q, row.eps, N=K,
                    BLOCK=next_pow2(K), G=group, NGB=ngb, HAS_RES=row.res is not None, PAIRS=pairs,
-                   INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4, **cuda_base.pdl(row.x))
+                   INTERPRETED=cuda_base.interpreted(), num_warps=4, **cuda_base.pdl(row.x))
         row.forms[("int8", group, pairs)] = q
     return q
 
@@ -713,7 +717,7 @@ def _launch(x, pw: QWeight, grid, bias, out, part, idx, n, rows_e, stride_x, kw,
     launch(_planar_gemv_kernel, grid, x, pw.data, pw.scales, z, bias, out, part, idx, n, rows_e, stride_x,
            pw.data.stride(0), pw.scales.stride(0), z.stride(0), G=pw.group, KW=kw, STEPS=steps, BLOCKS=rows // R,
            SPLIT=split, EXPERTS=experts, PARTIAL=partial, FMT=FMTS[pw.fmt], HAS_BIAS=has_bias, SWIGLU=swiglu, A8=int8,
-           PREFETCH=PREFETCH[pw.fmt], PAIRS=pairs_for(pw.fmt), INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, **cuda_base.pdl(x))
+           PREFETCH=PREFETCH[pw.fmt], PAIRS=pairs_for(pw.fmt), INTERPRETED=cuda_base.interpreted(), num_warps=warps, **cuda_base.pdl(x))
 
 
 def _reduce(part, parts: int, out, n: int, bias=None, swiglu=False, weights=None, shared=None,

@@ -33,8 +33,6 @@ in on `counters` quantizes the run.
 """
 from __future__ import annotations
 
-import os
-import warnings
 
 import torch
 
@@ -402,7 +400,7 @@ def quantize_input(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(S, K // RUN * 10, dtype=torch.int32, device=x.device)
     rb = QUANTIZE_RUNS
     launch(_quantize_kernel, (cdiv(K // 32, rb), S), x, out, x.stride(0), RUNS=K // 32, RB=rb,
-           INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=1, **cuda_base.pdl(x))
+           INTERPRETED=cuda_base.interpreted(), num_warps=1, **cuda_base.pdl(x))
     return out
 
 
@@ -421,7 +419,7 @@ def normed_input(row: NormedRow) -> torch.Tensor:
             rb = next_pow2(-(-(K // 32) // NORM_QUANTIZE_PROGRAMS))
             launch(_norm_quantize_kernel, (cdiv(K // 32, rb),), row.x, row.res if row.res is not None else row.x,
                    row.weight, row.stream, h, q, row.eps, N=K, BLOCK=next_pow2(K), RB=rb,
-                   HAS_RES=row.res is not None, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
+                   HAS_RES=row.res is not None, INTERPRETED=cuda_base.interpreted(), num_warps=4,
                    **cuda_base.pdl(row.x))
         row.forms[INT8_RUNS] = q
     return q
@@ -484,7 +482,7 @@ def gemv(x: "torch.Tensor | NormedRow", pw: QWeight, bias: torch.Tensor | None =
            bias if bias is not None else out, out, n_out, pw.k // 8, sa, sz, words,
            counters(src.device) if q8 else words, G=pw.group, RUNS=runs, BN=bn, C=c, STEPS=steps,
            EVEN=runs % c == 0, FMT=FMTS[pw.fmt], A8=int8, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-           PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           PREFETCH=prefetch and steps > 1, Q8=q8, INTERPRETED=cuda_base.interpreted(),
            num_warps=warps, **cuda_base.pdl(src))
     return carrying(out, words) if q8 else out
 
@@ -507,17 +505,12 @@ def counters(device: torch.device) -> torch.Tensor:
 
 # The launches that make the int8 input of the runs GEMV after them, in place of a quantize_input
 # launch of its own: "pair" (a SwiGLU pair's runs GEMV, for the down), "merge" (the attention merge,
-# for o_proj), "delta" (the Gated DeltaNet step, for out_proj). CHAT_FUSED_INT8: "0" none, "1" all,
-# or a comma list of them; "merge,delta" by default: Q4_K decode with both is faster than with none
-# on the SmolLM2-135M-like, Qwen2.5-0.5B-like and Qwen3.5-27B-like shapes; the pair's counted
-# epilogue cost more than the launch it saved (bench/ab_decode.py's int8apart / pairon).
+# for o_proj), "delta" (the Gated DeltaNet step, for out_proj): the merge and the delta step, as
+# Q4_K decode with both is faster than with none on the SmolLM2-135M-like, Qwen2.5-0.5B-like and
+# Qwen3.5-27B-like shapes; the pair's counted epilogue cost more than the launch it saved
+# (bench/ab_decode.py's int8apart / pairon, which set FUSED_INT8 to compare).
 PRODUCERS = ("pair", "merge", "delta")
-_FUSED = os.environ.get("CHAT_FUSED_INT8", "merge,delta").lower()
-_NAMES = PRODUCERS if _FUSED in ("1", "all") else [p.strip() for p in _FUSED.split(",") if p.strip() not in ("", "0")]
-if set(_NAMES) - set(PRODUCERS):  # (a knob read at import: a warning, not an error that would stop every model)
-    warnings.warn(f"CHAT_FUSED_INT8: {', '.join(sorted(set(_NAMES) - set(PRODUCERS)))} ignored; "
-                  f"give 0, 1 or a comma list of {', '.join(PRODUCERS)}", stacklevel=1)
-FUSED_INT8 = frozenset(p for p in _NAMES if p in PRODUCERS)
+FUSED_INT8 = frozenset(("merge", "delta"))
 
 
 def reads_int8(linear, dtype: torch.dtype, producer: str) -> bool:

@@ -21,7 +21,6 @@ block of P rows (rows of S evolve independently) and keeps its [BP, N] slice in 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -142,7 +141,7 @@ def chunk_scan(out: torch.Tensor, c_dec: torch.Tensor, chunk_states: torch.Tenso
     c_dec, chunk_states, chunk_decay = (x.contiguous() for x in (c_dec, chunk_states, chunk_decay))
     BP = min(P, CONFIG["BP"])
     launch(_chunk_scan_kernel, (H, P // BP), out, c_dec, chunk_states, chunk_decay, state, n, C=C, P=P, N=N, BP=BP,
-           PREC=CONFIG["precision"], INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+           PREC=CONFIG["precision"], INTERPRETED=cuda_base.interpreted(),
            num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
 
 
