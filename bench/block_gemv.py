@@ -26,7 +26,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(a.threads)
     import models
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant
     from models.kernels.cpu import step
     step.load()
     for path in a.models:

@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.formats import gguf_blocks, quant  # noqa: E402
+from models.formats import gguf_blocks  # noqa: E402
+
+from models.quant import layers as quant
 from models.kernels.cpu import step  # noqa: E402
 
 

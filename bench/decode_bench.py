@@ -49,10 +49,10 @@ def active_bytes(model) -> int:
     """The weight bytes one decoded token reads: all of them but an untied embedding table (a
     token reads one row of it; as quant_bench.py's floor), and of each MoE block's routed experts
     only the top k (the bandwidth floor of an MoE model). An MoE block is any module holding
-    experts (moe.Experts, or quant.py's BlockExperts / PlanarExperts) beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H).
+    experts (moe.Experts, or models/quant's BlockExperts / PlanarExperts) beside its router (`gate` in the Qwen MoE models, `router` in Granite 4.0-H).
     Weights in any format: weight_formats' bytes (quantized blocks included)."""
     from models.architectures.moe import Experts, Router
-    from models.formats.quant import BlockExperts, PlanarExperts, weight_formats
+    from models.quant.layers import BlockExperts, PlanarExperts, weight_formats
     total = sum(weight_formats(model).values())
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is not None and not getattr(getattr(model, "config", None), "tie_embeddings", False):
@@ -69,7 +69,7 @@ def active_bytes(model) -> int:
 def bench_shape(name, device, dtype, graph, prompt_len, new, prefill_len, runs, compile="off",
                 max_context=0, graph_check=False, model=None) -> dict:
     """model: a model of this shape already built (quant_bench.py's quantized ones); random_model's by default."""
-    from models.formats.quant import weight_formats
+    from models.quant.layers import weight_formats
     t0 = time.perf_counter()
     model = model if model is not None else random_model(name, device, dtype)
     sync(device)

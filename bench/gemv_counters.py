@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--format", default="Q4_K")
     ap.add_argument("--time", action="store_true")
     a = ap.parse_args()
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     from quant_bench import _graph_us
     from shapes import random_quant_linear

@@ -47,7 +47,7 @@ from shapes import random_model, random_quantized_model  # noqa: E402
 
 
 def run(name: str, fmt: str, args, device) -> dict:
-    from models.formats.quant import weight_formats
+    from models.quant.layers import weight_formats
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -103,7 +103,7 @@ def sweep_planar(device, x, gen) -> None:
     """qplanar.py's GEMV per (rows a program, num_warps) with pick_config's words a step and K
     split for them, on the bf16 input as given (A16) and as int8 (A8, quantize_input's launch
     included), on the big shape's matrices."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     from shapes import random_quant_linear
     saved = dict(qplanar.PREFETCH)
@@ -216,7 +216,8 @@ def sweep_runs(device, x, gen, shapes: str = RUNS_SHAPES, formats: str = "Q4_K,A
     blocks, qlinear.py's pick), qruns.pick_config's config and the best config on the inputs as
     given (the float path, no int8 launch); heads beside the bf16 GEMV of their shape instead:
     microseconds a call and TB/s of the weight's bytes."""
-    from models.formats import gguf_blocks, planar, quant, runs
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant, planar, runs
     from models.kernels.cuda import linear, qlinear, qplanar, qruns
     from shapes import random_quant_linear
     todo = [(int(a), int(b.rstrip("sh")), b.endswith("s"), b.endswith("h"))
@@ -323,7 +324,7 @@ def sweep_head(device, gen) -> None:
     normed row on the float path, fp32 logits; per (rows a program, num_warps, words a step, read
     ahead), beside pick_config's, the same head on int8 inputs (a bf16 row, quantize_input's launch
     included) and a bf16 matrix of its shape (AWQ's head): microseconds a call and TB/s."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import linear, qplanar
     from shapes import random_quant_linear
     n, k = 248320, 5120
@@ -368,7 +369,7 @@ def sweep_grid(device, gen) -> None:
     """qplanar.py's GEMV on the small shapes' Q4KP matrices (int8 inputs) per (rows a program,
     num_warps, words a step, K split in): every split of at least 4 steps a part up to 8, beside
     pick_config's; microseconds a call, the input's quantize launch and the split-K reduce included."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     from shapes import random_quant_linear
     for n, k, swiglu in GRID_SHAPES:
@@ -410,7 +411,7 @@ def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
     """qplanar.dequantize_rows (prefill's weights: each matrix dequantized to bf16, then one
     GEMM) per tile and layout on the big shape's matrices, beside the bf16 GEMM of `tokens` rows
     it feeds: microseconds a call, and the TB/s of the bytes read and written."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     from shapes import random_quant_linear
     print(f"\n{'layout':>7}{'N':>7}{'K':>7}{'GEMM us':>9}" + "".join(f"{'x'.join(str(int(v)) for v in t):>14}"
@@ -428,7 +429,7 @@ def sweep_dequant(device, gen, tokens: int, runs_only: bool = False) -> None:
             torch.cuda.empty_cache()
     print(f"(tiles: rows a program x weights a program at most x num_warps x flat store; a cell: microseconds "
           f"a call / TB/s read and written; GEMM: x[{tokens}, K] @ W^T in bf16)")
-    from models.formats import runs
+    from models.quant import runs
     from models.kernels.cuda import qruns
     print(f"\n{'layout':>7}{'N':>7}{'K':>7}" + "".join(f"{'x'.join(map(str, t)):>14}" for t in RUNS_DEQUANT_TILES))
     for fmt, src in (("INT4", "AWQ"), ("Q4KR", "Q4_K")):
@@ -455,8 +456,8 @@ def sweep_fp8_prefill(device, gen, tokens: int) -> None:
     for n, k in ((10240, 5120), (16480, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (12288, 5120)):
         lin = random_quant_linear("FP8", n, k, device, gen)
         if n % 128:  # (a fused in_proj whose parts end inside a block: a scale a row, as concat gives it)
-            from models.formats import hf_quant
-            lin = hf_quant.Fp8Linear(lin.weight, lin.scale.repeat_interleave(128, 0)[:n], scale_rows=1)
+            from models.quant import hf_layers
+            lin = hf_layers.Fp8Linear(lin.weight, lin.scale.repeat_interleave(128, 0)[:n], scale_rows=1)
         qw = lin.qweight()
         x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=gen)
         wb = qlinear.dequantize(qw, 0, n, torch.bfloat16)

@@ -38,7 +38,9 @@ def weight(fmt: str, n: int, k: int):
     and bench/shapes.py build them: the strides the kernel is launched with are its own."""
     import torch
 
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+
+    from models.quant import layers as quant
     from shapes import _GGUF_SCALES, _random_blocks, random_quant_linear
     gen = torch.Generator().manual_seed(0)
     if fmt in ("INT4", "AWQ", "FP8"):
@@ -95,7 +97,7 @@ def _compile_planar(fmt: str, n: int, k: int, rows: int, warps: int, kw: int, sp
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     stored, repack = PLANAR[fmt]
     pw = getattr(planar, repack)(weight(stored, n, k))
@@ -126,7 +128,9 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from models.formats import gguf_blocks, quant, runs
+    from models.formats import gguf_blocks
+
+    from models.quant import layers as quant, runs
     from models.kernels.cuda import qruns
     if fmt in runs.REPACKED:  # (from the GGUF type repacked into it, by the loader's table)
         ggml = {"Q4KR": "Q4_K", **{layout: t for t, layout in runs.FIVE_BIT.items()}}[fmt]
@@ -269,7 +273,7 @@ def main() -> None:
     from models.kernels.cuda import qplanar
     print(f"[{a.n}, {a.k}] weight, config {a.config or 'qlinear.launch_config'}'s (BLOCK_N x num_warps x most "
           f"weights a step; planar layouts: {a.planar_config or 'qplanar.pick_config'}'s rows x num_warps x words a step)")
-    from models.formats import runs
+    from models.quant import runs
     from models.kernels.cuda import qruns
     for fmt in a.formats:
         if fmt == "INT4R" or fmt in runs.REPACKED:

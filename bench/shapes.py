@@ -135,7 +135,9 @@ def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Modul
     """A linear of `fmt` ("Q4_K" / "Q5_K": Q5_0 / Q5_1 where K is not whole 256-weight blocks, as
     llama.cpp's Q4_K_M / Q5_K_M fall back; "Q6_K"; "AWQ": 4-bit groups of 128; "FP8": e4m3,
     128 x 128 block scales)."""
-    from models.formats import gguf_blocks, hf_quant, quant
+    from models.formats import gguf_blocks
+    from models.quant import hf_layers
+    from models.quant import layers as quant
     if fmt in ("Q4_K", "Q5_K", "Q6_K"):  # (llama.cpp's fallbacks for rows not whole super-blocks)
         kind = fmt if k % 256 == 0 else _FALLBACK[fmt]
         return quant.BlockLinear(_random_blocks(kind, n, k, device, gen), gguf_blocks.TYPES[kind])
@@ -143,12 +145,12 @@ def random_quant_linear(fmt: str, n: int, k: int, device, gen) -> torch.nn.Modul
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
         scales = torch.full((n, k // 128), 5e-3, dtype=torch.float16, device=device)
         zeros = torch.full((n, k // 128), 8, dtype=torch.uint8, device=device)
-        return hf_quant.GroupInt4Linear("AWQ", packed, scales, zeros, 128)
+        return hf_layers.GroupInt4Linear("AWQ", packed, scales, zeros, 128)
     if fmt == "FP8":
         w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
         for i in range(0, n, 8192):  # (a bf16 draw of at most 8192 rows at a time)
             w[i:i + 8192] = torch.randn(min(8192, n - i), k, device=device, dtype=torch.bfloat16, generator=gen) * 2
-        return hf_quant.Fp8Linear(w, torch.full((-(-n // 128), k // 128), 1e-2, device=device))
+        return hf_layers.Fp8Linear(w, torch.full((-(-n // 128), k // 128), 1e-2, device=device))
     raise ValueError(f"unknown random format {fmt!r}")
 
 
@@ -158,7 +160,8 @@ def _k_experts(model, fmt: str, device, gen) -> None:
     (quant.PlanarExperts, both halves Q4KP (Q5KP)), from random `fmt` blocks; experts whose sizes
     are not whole super-blocks stay dense (random_model's weights)."""
     from models.architectures.moe import Experts
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant
     repack = quant.BlockLinear.repack_for(gguf_blocks.TYPES[fmt], runs=False)[0]  # the planar layouts
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
@@ -179,7 +182,8 @@ def random_quantized_model(name: str, fmt: str, device, dtype, seed: int = 0):
     experts as PlanarExperts (Q4KP, as the loader repacks a Q4_K GGUF's on CUDA); Q5_K likewise,
     as a Q5_K_M file (routed experts Q5KP); AWQ and FP8, as their checkpoints: embedding and LM
     head in `dtype`."""
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant
     model, _ = models.build_model(dict(SHAPES[name]))
     gen = torch.Generator(device=device).manual_seed(seed)
     gguf = fmt in ("Q4_K", "Q5_K")

@@ -1,5 +1,6 @@
-"""Models: architectures (models/architectures), checkpoint formats and the loader
-(models/formats), device kernels (models/kernels). This package's names are the API that the
+"""Models: architectures (models/architectures), checkpoint formats (models/formats), quantized
+weights as modules (models/quant), device kernels (models/kernels), the kernel plan (models/plan)
+and the loader (models/loader.py). This package's names are the API that the
 engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, `native_dtype`,
 the registry and aliases, `configure` (the process's switches and folders, from the engine), `use_int8_inputs` and `int8_by_default` (the `cpu_int8` setting on a
 loaded model, and what its `auto` chooses),
@@ -10,11 +11,11 @@ library is built for), and the tensor-parallel plan of a checkpoint or a config
 from __future__ import annotations
 
 from .formats.checkpoints import CheckpointError
-from .formats import loader as _loader
-from .formats.loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
+from . import loader as _loader
+from .loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
-from .formats.quant import int8_by_default, use_int8_inputs
+from .quant.layers import int8_by_default, use_int8_inputs
 from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
 from .plan import KernelConfig, Plan
 
@@ -42,7 +43,7 @@ def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True,
 
 def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, shard=None,
          kernels: KernelConfig | None = None) -> LoadedModel:
-    """formats.loader.load (see there: `quantized`, `shard`), then the kernel plan bound to the
+    """loader.load (see there: `quantized`, `shard`), then the kernel plan bound to the
     model (models/plan: the weights its rules read in another layout repacked, once): the
     LoadedModel's `plan`. `kernels`: the KernelConfig the plan follows (its defaults where None)."""
     import torch

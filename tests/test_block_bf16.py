@@ -12,7 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import models
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks
+from models.quant import layers as quant
 from test_block_int8 import inputs
 from test_block_quant import Q4_K_M, cpu_session, tiny_gguf
 from test_gguf_blocks import QUANTIZED, random_blocks

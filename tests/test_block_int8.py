@@ -18,7 +18,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import models
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks
+from models.quant import layers as quant
+from models.formats import gguf_tensors
 from test_block_quant import Q4_K_M, cpu_session, step_logits, tiny_gguf
 from test_gguf_blocks import QUANTIZED, random_blocks
 
@@ -139,7 +141,7 @@ def test_the_q8_head_on_int8_inputs(cpp, rows):
     blocks = raw.reshape(80, 6, 34)
     codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(80, 192)
     scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(80, 6).astype(np.float32)
-    head = quant.Q8Linear(quant.QuantTensor("q8_0", codes, scale, np.zeros_like(scale)))
+    head = quant.Q8Linear(gguf_tensors.QuantTensor("q8_0", codes, scale, np.zeros_like(scale)))
     assert torch.equal(head.codes.double().view(80, 6, 32) * head.scale.double()[..., None], w.view(80, 6, 32))
     head.fp32_kernel = cpp.q8_linear  # (as step.attach_block_kernels sets a model's Q8_0 head)
     x = inputs(rows, 192, rows)

@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 import models
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks
+from models.quant import layers as quant
 from test_gguf_blocks import QUANTIZED, bits, random_blocks
 from tiny_gguf import mapped_spans
 

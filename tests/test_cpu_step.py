@@ -126,7 +126,7 @@ def lfm2_in_blocks(tmp_path, qtype):
     qtype, quantized by gguf-py."""
     from gguf import quants
 
-    from models.formats import quant
+    from models.quant import layers as quant
     from tiny import hf_model, write_checkpoint
     d = str(tmp_path / "lfm2-nobias")
     if not os.path.exists(d):

@@ -27,7 +27,7 @@ def _rms(a, b):
 def _weight(n, k, group, device, seed=0):
     """An FP8 QWeight of random codes (|w| up to ~12 before the scales) and random block scales
     (one per 128 x 128 block, or one per row and 128 columns where group is 1)."""
-    from models.formats.quant import QWeight
+    from models.quant.layers import QWeight
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn)
     scales = torch.rand(-(-n // group), k // 128, generator=g) * 1e-2 + 1e-3

@@ -79,7 +79,7 @@ def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, 
     """Kept Q8_0 blocks take the value-head reorder by whole rows; the model stays within the
     quantized tolerance of the same file dequantized (a wrong row order is far outside it)."""
     from llama_cpp_tree import convert
-    from models.formats import quant
+    from models.quant import layers as quant
     hf_dir, _ = converted["qwen3_5_moe"]
     path = convert(hf_dir, str(tmp_path / "q8.gguf"), "q8_0", pre="qwen2", options=("--no-mtp",))
     q, ref = models.load(path, quantized=True), models.load(path)
@@ -106,7 +106,7 @@ def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybri
     them again."""
     from gguf import GGMLQuantizationType as Q
 
-    from models.formats import quant
+    from models.quant import layers as quant
     from tiny_gguf import requantize
     path = q8_hybrid if kind == "qwen3_5" else \
         requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
@@ -136,12 +136,14 @@ def test_value_head_projections_keep_their_blocks(converted, q8_hybrid):
     as stored with its columns tiled (config linear_out_proj_tiled: the layer feeds it its heads
     in that order); nothing of a delta layer's projections is dequantized, and the model stays
     within the quantized tolerance of the same file dequantized, greedy tokens equal."""
-    from models.formats import checkpoints, quant
+    from models.formats import checkpoints
+    from models.quant import layers as quant
+    from models.formats import gguf_tensors
     path = q8_hybrid
     ckpt = checkpoints.load_gguf(path, keep_quantized=True)
     assert ckpt.config["linear_out_proj_tiled"] and not ckpt.notes
     for name in ("in_proj_qkv", "out_proj"):
-        assert isinstance(ckpt.tensors[f"model.layers.0.linear_attn.{name}.weight"], quant.GgufTensor)
+        assert isinstance(ckpt.tensors[f"model.layers.0.linear_attn.{name}.weight"], gguf_tensors.GgufTensor)
     assert "linear_out_proj_tiled" not in checkpoints.load_gguf(path).config  # dequantized: HF's order
     q, ref = models.load(path, quantized=True), models.load(path)
     delta = q.model.model.layers[0].linear_attn
@@ -159,7 +161,7 @@ def test_4bit_moe_gguf_keeps_its_experts_quantized_and_mapped(converted, kind, t
     file's mapped blocks (BlockExperts), and the model computes what the dequantized file does."""
     from gguf import GGMLQuantizationType as Q
 
-    from models.formats import quant
+    from models.quant import layers as quant
     from tiny_gguf import requantize
     path = requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
     q, ref = models.load(path, quantized=True), models.load(path)
@@ -224,7 +226,7 @@ def test_delta_projections_of_three_types_keep_their_blocks_on_the_cpu(converted
     packer does not take (whole 16-row groups only; it raises), stay in their blocks; a prefill and
     decode steps give the dequantized file's logits (to the fp16 KV cache the C++ step keeps with
     quantized weights: the dequantized file's is fp32)."""
-    from models.formats import quant
+    from models.quant import layers as quant
     path = _mixed_file(converted, tmp_path)
     lm = models.load(path, quantized=True)
     delta = next(layer.linear_attn for layer in lm.model.model.layers if layer.linear)

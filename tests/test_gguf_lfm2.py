@@ -54,6 +54,6 @@ def test_q8_0_conversion_runs_on_its_blocks(pair, tmp_path):
     assert "Q8_0" in q8.weight_format
     ids = rand_ids(40, 4)
     ref = session(pair[1]).prefill(ids, all_logits=True)
-    # (8-bit weights, and the tied Q8_0 head's bf16 activations (quant.py), move them by ~5% of the
+    # (8-bit weights, and the tied Q8_0 head's bf16 activations (models/quant/layers.py), move them by ~5% of the
     # largest; a wrong layout moves them by about the largest itself)
     assert (session(q8).prefill(ids, all_logits=True) - ref).abs().max() <= 0.1 * ref.abs().max()

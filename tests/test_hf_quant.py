@@ -16,6 +16,7 @@ import torch
 import models
 from engine.reference import full_logits
 from models.formats import hf_quant
+from models.quant import hf_layers
 from models.formats.checkpoints import CheckpointError
 from tiny_hf_quant import CONFIGS, write_quantized
 
@@ -49,7 +50,7 @@ def test_repacked_int4_is_the_checkpoints_weights(tmp_path):
     tensors = load_file(os.path.join(qdir, "model.safetensors"))
     hf_quant.collect(tensors, json.load(open(os.path.join(qdir, "config.json"))))
     t = tensors["model.layers.0.mlp.down_proj.weight"]
-    lin = t.module(torch.device("cpu"))
+    lin = hf_layers.module(t, torch.device("cpu"))
     assert torch.equal(lin.dequantize(), t.dequantize())
     x = torch.randn(3, lin.in_features)
     assert torch.allclose(lin(x), x @ t.dequantize().t(), rtol=1e-5, atol=1e-5)
@@ -87,14 +88,14 @@ def test_gptq_act_order_is_refused(tmp_path):
 def test_weight_format_names_the_formats_and_bytes(tmp_path):
     """What /show and the load line print for a model holding these linears (as CUDA holds them):
     the format names and their bytes, no GGUF prefix."""
-    from models.formats import quant
-    from models.formats.loader import LoadedModel
+    from models.quant import layers as quant
+    from models.loader import LoadedModel
     qdir, _ = write_quantized("llama", str(tmp_path), "fp8")
     lm = models.load(qdir)
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(qdir, "model.safetensors"))
     hf_quant.collect(tensors, json.load(open(os.path.join(qdir, "config.json"))))
-    lm.model.model.layers[0].mlp.down_proj = tensors["model.layers.0.mlp.down_proj.weight"].module(torch.device("cpu"))
+    lm.model.model.layers[0].mlp.down_proj = hf_layers.module(tensors["model.layers.0.mlp.down_proj.weight"], torch.device("cpu"))
     fmt = quant.weight_formats(lm.model)
     assert fmt["FP8"] == 128 * 256 + 4 * 1 * 2  # e4m3 bytes and one fp32 scale per 128 x 128 block
     text = LoadedModel.weight_format.fget(lm)
@@ -105,10 +106,10 @@ def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
     """A NormedRow (a deferred RMSNorm, kernels.cuda.linear) reaching a quantized linear whose
     format or row length the CUDA kernels do not take: the torch form materializes it and
     computes; the kernels are never called (they would read weights they cannot decode)."""
-    from models.formats.quant import QuantLinear
+    from models.quant.layers import QuantLinear
     g = torch.Generator().manual_seed(0)
     n, k, group = 6, 256, 128
-    lin = hf_quant.GroupInt4Linear("AWQ", torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+    lin = hf_layers.GroupInt4Linear("AWQ", torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
                                    (torch.rand(n, k // group, generator=g) * 0.02).half(),
                                    torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g), group)
     called = []

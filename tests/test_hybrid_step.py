@@ -22,7 +22,7 @@ def tiny(tmp_path, qtype=None, tiled=False, kind="qwen3_5", nope=False):
     where given."""
     from gguf import quants
 
-    from models.formats import quant
+    from models.quant import layers as quant
     from tiny import write_checkpoint
     d = tmp_path / kind
     if not d.exists():

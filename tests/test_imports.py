@@ -1,5 +1,5 @@
 """The layout's one direction, checked on the source: chat → engine → models, never back; inside
-models, no kernel imports an architecture; and no import cycle among our modules. Every import
+models, formats → quant → kernels → architectures → plan and the loader, never back (docs/ARCHITECTURE.md); and no import cycle among our modules. Every import
 counts, those inside functions too (a cycle through a function-level import is still a cycle)."""
 import ast
 import os
@@ -8,8 +8,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("chat", "engine", "models")
 # (importer prefix, imported prefix): edges that must not exist
 FORBIDDEN = [("engine", "chat"), ("models", "chat"), ("models", "engine"),
-             ("models.kernels", "models.architectures"), ("models.formats", "models.kernels"),
-             ("models.formats", "models.plan"), ("models.kernels", "models.plan")]
+             ("models.kernels", "models.architectures"), ("models.kernels", "models.formats"),
+             ("models.kernels", "models.plan"), ("models.kernels", "models.loader"),
+             ("models.formats", "models.kernels"), ("models.formats", "models.plan"),
+             ("models.formats", "models.quant"), ("models.formats", "models.architectures"),
+             ("models.formats", "models.loader"), ("models.formats", "models.sharding"),
+             ("models.quant", "models.kernels"), ("models.quant", "models.architectures"),
+             ("models.quant", "models.plan"), ("models.quant", "models.loader"),
+             ("models.architectures", "models.plan"), ("models.architectures", "models.loader")]
 
 
 def modules() -> dict[str, str]:

@@ -100,7 +100,7 @@ def test_reads_int8_asks_for_words_only_where_a_runs_gemv_reads_them(monkeypatch
     that are not whole runs (INT4P's), not a bf16 Linear, not a producer left out."""
     from models.kernels.cuda import qlinear, qplanar, qruns  # (qlinear: the QuantLinears' CUDA forms, as a model imports them)
     from test_qplanar import int4_linear
-    from models.formats.quant import QuantLinear
+    from models.quant.layers import QuantLinear
     assert QuantLinear.kernels is qlinear
     runs_int4, planar_int4 = int4_linear(8, 256, 128, 0, "cpu"), int4_linear(8, 240, 48, 0, "cpu")
     monkeypatch.setattr(qplanar, "A16", False)
@@ -138,7 +138,7 @@ def test_a_made_row_is_its_row_to_every_gemv_and_its_words_to_the_runs_gemv():
     (Q6KP) and the torch forms compute on the row; the runs GEMV on int8 inputs reads the words it
     carries (words of another row give that row's product: not quantized again)."""
     pytest.importorskip("triton")
-    from models.formats.quant import QuantLinear
+    from models.quant.layers import QuantLinear
     from models.kernels.cuda import linear, qlinear, qplanar, qruns
     from test_qplanar import gguf_repack, gguf_weight
     g = torch.Generator().manual_seed(9)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import models
-from models.formats import loader
+from models import loader
 from tiny import write_checkpoint
 
 

@@ -94,7 +94,7 @@ def test_regression_test_fails_without_the_rezero(hybrids, kind, monkeypatch):
 
 def test_unsupported_layer_types_are_one_line_errors():
     from models.formats.checkpoints import CheckpointError
-    from models.formats.loader import build_model
+    from models.loader import build_model
     from tiny import hf_config
     cfg = hf_config("nemotron_h").to_dict()
     cfg["layers_block_type"] = ["linear_attention", "moe", "full_attention", "linear_attention"]

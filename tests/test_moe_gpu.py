@@ -305,7 +305,7 @@ def test_k_quant_experts_decode_on_the_device_as_their_torch_form(gate_type, dow
     for a dense half), with no host sync, against the torch form on the same weights (the same
     experts chosen)."""
     kernels()
-    from models.formats import quant
+    from models.quant import layers as quant
     from models.kernels.cuda import base as cuda_base
     from test_qplanar import PLANAR_LAYOUTS, gguf_experts
     E, H, I, k = 8, 256, 256, 3

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 import models
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks
+from models.quant import layers as quant
 from models.plan import DEFAULT, KernelConfig, make, table
 from models.plan.sites import OPS, collect
 

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from models.formats import hf_quant
+
+from models.quant import hf_layers
 
 # the layout PlanarExperts repacks each GGUF type of an experts' half into (others stay dense)
 PLANAR_LAYOUTS = {"Q4_K": "Q4KP", "Q5_K": "Q5KP", "Q6_K": "Q6KP"}
@@ -34,7 +35,7 @@ def int4_linear(n, k, group, seed, device):
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
     zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g)
-    return hf_quant.GroupInt4Linear("AWQ", packed, scales, zeros, group).to(device)
+    return hf_layers.GroupInt4Linear("AWQ", packed, scales, zeros, group).to(device)
 
 
 @pytest.mark.parametrize("n,k,group", [(40, 256, 128), (33, 1024, 128), (18, 512, 64)])
@@ -50,7 +51,7 @@ def test_repack_keeps_every_weight(n, k, group):
 
 
 def test_repack_refuses_what_it_cannot_hold():
-    from models.formats.quant import QWeight
+    from models.quant.layers import QWeight
     from models.kernels.cuda import qplanar
     with pytest.raises(ValueError, match="INT4P"):
         qplanar.repack(QWeight("INT4", torch.zeros(4, 8, dtype=torch.uint8), 4, 16, torch.zeros(4, 4).half(),
@@ -171,11 +172,11 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
     not whole 32-weight runs (those stay as stored: qruns.py reads them): INT4P with the stored
     layout freed, the same outputs and splits (the torch path here), and no fusing after."""
     parts = [int4_linear(n, 256, 16, seed, "cpu") for n, seed in ((24, 5), (8, 6), (9, 7))]
-    fused = hf_quant.GroupInt4Linear.concat(parts)
+    fused = hf_layers.GroupInt4Linear.concat(parts)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
     ref = fused(x)
     assert fused.to_planar() and fused.qweight().fmt == "INT4P" and not hasattr(fused, "packed")
-    assert hf_quant.GroupInt4Linear.concat([fused, parts[0]]) is None
+    assert hf_layers.GroupInt4Linear.concat([fused, parts[0]]) is None
     out = fused(x)
     assert torch.allclose(out, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
     assert [t.shape[-1] for t in fused.split(x)] == [24, 8, 9]
@@ -183,7 +184,7 @@ def test_a_fused_linear_takes_the_planar_layout_after_fusion():
     assert odd.to_planar()
     runs = int4_linear(8, 96, 32, 9, "cpu")  # whole runs: kept as stored
     assert not runs.to_planar() and runs.qweight().fmt == "INT4" and hasattr(runs, "packed")
-    bad = hf_quant.GroupInt4Linear("GPTQ", torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 4).half(),
+    bad = hf_layers.GroupInt4Linear("GPTQ", torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 4).half(),
                                    torch.zeros(4, 4, dtype=torch.uint8), 4)  # groups of 4: not whole words
     assert not bad.to_planar() and bad.qweight().fmt == "INT4"
 
@@ -245,7 +246,7 @@ def gguf_weight(fmt, n, k, seed, device):
     weights)."""
     import sys
     from models.formats import gguf_blocks
-    from models.formats.quant import QWeight
+    from models.quant.layers import QWeight
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from shapes import _random_blocks
     raw = _random_blocks(fmt, n, k, "cpu", torch.Generator().manual_seed(seed))
@@ -254,7 +255,7 @@ def gguf_weight(fmt, n, k, seed, device):
 
 @pytest.mark.parametrize("n,k", [(10, 512), (37, 256), (8, 1024)])
 def test_q4k_repack_keeps_every_weight(n, k):
-    from models.formats import planar
+    from models.quant import planar
     qw, ref = gguf_weight("Q4_K", n, k, 0, "cpu")
     pw = planar.repack_q4k(qw)
     assert pw.fmt == "Q4KP" and pw.data.shape == (-(-n // planar.ROWS), k // 8, planar.ROWS)
@@ -264,7 +265,7 @@ def test_q4k_repack_keeps_every_weight(n, k):
 
 
 def gguf_repack(fmt):
-    from models.formats import planar
+    from models.quant import planar
     return {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k, "Q6_K": planar.repack_q6k}[fmt]
 
 
@@ -272,7 +273,8 @@ def gguf_repack(fmt):
 def test_q5k_repack_keeps_every_weight(n, k):
     """Q5KP holds Q5_K's every weight (gguf-py's fp32 dequantization, to its rounding), in 5.625
     bits a weight against Q5_K's 5.5, rows padded to whole blocks."""
-    from models.formats import gguf_blocks, planar
+    from models.formats import gguf_blocks
+    from models.quant import planar
     qw, ref = gguf_weight("Q5_K", n, k, 0, "cpu")
     assert int(gguf_blocks.q5_k_codes(qw.data.reshape(-1, 176)).max()) == 31  # the high bit met
     pw = planar.repack_q5k(qw)
@@ -325,10 +327,11 @@ def test_every_dequantize_tile_gives_the_same_rows(device, fmt):
 def test_a_k_quant_linear_takes_the_planar_layout(fmt, layout, row_bytes):
     """BlockLinear.to_planar() (the loader's step on CUDA) for Q4_K, Q5_K and Q6_K (a Q4_K_M
     file's LM head and some of its down and value projections): the kernel's layout (Q4_K: runs,
-    formats/runs.py; the others planar) with the blocks freed, the same outputs on the torch path,
+    quant/runs.py; the others planar) with the blocks freed, the same outputs on the torch path,
     its bytes counted as the file's type (Q4KR: 148 a super-block row against 144; Q5KP: 180
     against 176; Q6KP: Q6_K's 210); other types keep their blocks."""
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant
     qw, _ = gguf_weight(fmt, 20, 512, 6, "cpu")
     lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES[fmt])
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
@@ -346,7 +349,8 @@ def test_a_k_quant_linear_takes_the_planar_layout(fmt, layout, row_bytes):
 def test_q6k_repack_keeps_every_weight(n, k):
     """Q6KP holds Q6_K's every weight (d sc (q - 32) is exact in fp32: an fp16 times at most
     2^7 x 2^5), in 6.5625 bits a weight as Q6_K, rows padded to whole blocks."""
-    from models.formats import gguf_blocks, planar
+    from models.formats import gguf_blocks
+    from models.quant import planar
     qw, ref = gguf_weight("Q6_K", n, k, 0, "cpu")
     q, sc, _ = gguf_blocks.q6_k_codes(qw.data.reshape(-1, 210))
     assert int(q.max()) == 63 and int(q.min()) == 0 and int(sc.min()) < 0  # every code and signed scales met
@@ -363,7 +367,7 @@ def test_q6k_repack_keeps_every_weight(n, k):
 def test_repack_by_row_chunks_is_the_whole_repack(fmt, monkeypatch):
     """A matrix of more than CHUNK_ROWS rows is repacked a chunk at a time (bounded temporaries):
     the same tensors as at once, the last chunk's rows padded as the whole matrix's were."""
-    from models.formats import planar
+    from models.quant import planar
     qw = gguf_weight(fmt, 37, 512, 3, "cpu")[0]
     repack = gguf_repack(fmt)
     whole = repack(qw)
@@ -381,7 +385,7 @@ def test_a_split_k_gemv_is_the_one_launch_gemv(device, fmt, split, swiglu, bias)
     """K split across programs (pick_config's choice where a grid is small): the partial sums,
     reduced in order by a second kernel, give the one-launch kernel's product up to fp32
     reassociation, bias and SwiGLU applied alike; the same bits on every call."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     n, k = 40, 2048
     if fmt == "INT4P":
@@ -427,13 +431,13 @@ def test_an_lm_heads_float_path_takes_its_own_tile():
 
 
 def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K"):
-    """A layer's routed experts as a GGUF stores them (quant.GgufExperts): gate and up [E, I, H]
+    """A layer's routed experts as a GGUF stores them (gguf_tensors.GgufExperts): gate and up [E, I, H]
     in `gate_type`, down [E, H, I] in `down_type` (K-quants: Q6_K as a Q4_K_M file's down experts;
     or Q8_0, gguf-py's quantization of random weights)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q, quants
 
-    from models.formats import quant
+    from models.formats import gguf_tensors
     from tiny_gguf import random_k_blocks
 
     def t(qtype, rows, cols, s):
@@ -442,8 +446,8 @@ def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K"):
             raw = quants.quantize(w, qtype)
         else:
             raw = random_k_blocks(qtype, E * rows, cols, 0.05, seed=seed + s)
-        return quant.GgufTensor(int(qtype), raw.reshape(E, rows, -1))
-    return quant.GgufExperts(t(Q[gate_type], I, H, 0), t(Q[gate_type], I, H, 1), t(Q[down_type], H, I, 2))
+        return gguf_tensors.GgufTensor(int(qtype), raw.reshape(E, rows, -1))
+    return gguf_tensors.GgufExperts(t(Q[gate_type], I, H, 0), t(Q[gate_type], I, H, 1), t(Q[down_type], H, I, 2))
 
 
 @pytest.mark.parametrize("gate_type,down_type", [("Q4_K", "Q4_K"), ("Q5_K", "Q6_K"), ("Q6_K", "Q5_K")])
@@ -454,7 +458,7 @@ def test_expert_gemvs_are_the_chosen_experts_products(device, int8, gate_type, d
     routing weights and a shared expert's output: against the fp64 oracle of the same blocks
     (of the int8 inputs x~ and h~, where the kernels take them); each planar layout (Q4KP, Q5KP,
     Q6KP) in either half."""
-    from models.formats import planar, quant
+    from models.quant import layers as quant, planar
     from models.kernels.cuda import qplanar
     monkeypatch.setattr(qplanar, "int8_inputs", lambda dtype: int8)
     E, I, H = 5, 256, 256
@@ -499,7 +503,7 @@ def test_planar_experts_compute_what_the_files_blocks_do(gate_type, down_type):
     BlockExperts (the CPU's, on the file's blocks) for several tokens: K-quant halves repacked
     (Q4_K_M's Q4_K and Q6_K, Q5_K_M's Q5_K), a Q8_0 half dense; each half's bytes counted under
     the type the file stored, a dense half under its dtype."""
-    from models.formats import quant
+    from models.quant import layers as quant
     t = gguf_experts(6, 256, 256, down_type, gate_type=gate_type)
     planar_ex = quant.PlanarExperts.from_gguf(t, torch.device("cpu"), torch.float32)
     for half, kind in (("gate_up", gate_type), ("down", down_type)):
@@ -530,7 +534,7 @@ def test_planar_experts_compute_what_the_files_blocks_do(gate_type, down_type):
 def test_one_storage_holds_the_same_weights_in_one_allocation(device):
     """planar.one_storage (what to_planar keeps): data, scales and zeros as views of one buffer,
     each at a multiple of ALIGN bytes; the GEMV on it gives the same bits as on the separate tensors."""
-    from models.formats import planar
+    from models.quant import planar
     from models.kernels.cuda import qplanar
     lin = int4_linear(22, 384, 128, 8, device)  # 3 groups a row: the scales' bytes are not a multiple of 16
     pw = qplanar.repack(lin.qweight())

@@ -1,4 +1,4 @@
-"""models/kernels/cuda/qruns.py and models/formats/runs.py: the 4- and 5-bit runs (AWQ/GPTQ's INT4
+"""models/kernels/cuda/qruns.py and models/quant/runs.py: the 4- and 5-bit runs (AWQ/GPTQ's INT4
 as stored, GGUF Q4_K repacked as Q4KR, Q5_0 and Q5_1 as Q50R and Q51R) against the weights they encode, and their dequant-GEMV
 against the dequantized product (of x~, the input rounded to int8 per 32-input run, where the GEMV
 takes int8 inputs), on CUDA (`gpu`) and under Triton's interpreter on the CPU (TRITON_INTERPRET=1
@@ -16,7 +16,7 @@ from test_qplanar import gguf_weight, int4_linear, product_and_tolerance
 def weight(kind, n, k, seed, device, group=128):
     """(an INT4, Q4KR, Q50R or Q51R QWeight, its fp64 weights): AWQ's stored INT4 in groups of
     `group`, or random Q4_K, Q5_0 or Q5_1 blocks repacked."""
-    from models.formats import runs
+    from models.quant import runs
     if kind == "INT4":
         lin = int4_linear(n, k, group, seed, device)
         return lin.qweight(), lin.dequantize(torch.float64)
@@ -31,7 +31,7 @@ def weight(kind, n, k, seed, device, group=128):
 def test_q4kr_repack_keeps_every_weight(n, k):
     """Q4KR holds Q4_K's every weight (d sc q - dmin m exact in fp32, gguf-py's dequantization to
     the bit) in 4.625 bits a weight against Q4_K's 4.5, and any rows of it decode alone."""
-    from models.formats import runs
+    from models.quant import runs
     qw, ref = gguf_weight("Q4_K", n, k, 0, "cpu")
     pw = runs.repack_q4k(qw)
     assert pw.fmt == "Q4KR" and pw.group == 32 and pw.data.shape == (n, k // 2) and pw.data.dtype == torch.uint8
@@ -45,8 +45,9 @@ def test_q4kr_repack_keeps_every_weight(n, k):
 def test_q5_repack_keeps_every_weight(fmt, n, k):
     """Q50R / Q51R hold Q5_0's / Q5_1's every weight (gguf-py's dequantization to the bit in fp32,
     fifth bits and extreme scales included) in the blocks' bytes; any rows of them decode alone."""
-    from models.formats import gguf_blocks, runs
-    from models.formats.quant import QWeight
+    from models.formats import gguf_blocks
+    from models.quant import runs
+    from models.quant.layers import QWeight
     qw, ref = gguf_weight(fmt, n, k, 0, "cpu")
     raw = qw.data.reshape(n, k // 32, -1)
     raw[0, 0, :2] = torch.tensor([65504.0], dtype=torch.float16).view(torch.uint8)  # the largest fp16 scale
@@ -66,8 +67,8 @@ def test_q5_repack_keeps_every_weight(fmt, n, k):
 
 
 def test_q4kr_repack_refuses_rows_of_part_super_blocks():
-    from models.formats import runs
-    from models.formats.quant import QWeight
+    from models.quant import runs
+    from models.quant.layers import QWeight
     with pytest.raises(ValueError, match="Q4KR"):
         runs.repack_q4k(QWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 2, 128))
 
@@ -75,7 +76,7 @@ def test_q4kr_repack_refuses_rows_of_part_super_blocks():
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_stored_int4_is_runs(group):
     """AWQ/GPTQ's stored INT4 needs no repack: runs.dequantize reads it as the linear does."""
-    from models.formats import runs
+    from models.quant import runs
     from models.kernels.cuda import qruns
     lin = int4_linear(12, 512, group, 1, "cpu")
     assert qruns.takes(lin.qweight())
@@ -218,7 +219,9 @@ def test_linears_take_the_runs_on_cuda():
     blocks freed (148 bytes a super-block row, counted as Q4_K), the same outputs on the torch
     path; AWQ groups of a multiple of 32 kept as stored (the runs), others repacked as INT4P;
     qlinear's dispatch sends both run layouts to qruns.py."""
-    from models.formats import gguf_blocks, hf_quant, quant
+    from models.formats import gguf_blocks
+    from models.quant import hf_layers
+    from models.quant import layers as quant
     from models.kernels.cuda import qlinear, qruns
     qw, _ = gguf_weight("Q4_K", 20, 512, 6, "cpu")
     lin = quant.BlockLinear(qw.data, gguf_blocks.TYPES["Q4_K"])
@@ -230,7 +233,7 @@ def test_linears_take_the_runs_on_cuda():
     assert qlinear.fits("Q4KR", 512) and qruns.takes(lin.qweight())
     awq = int4_linear(8, 256, 128, 5, "cpu")
     assert not awq.to_planar() and awq.qweight().fmt == "INT4" and qruns.takes(awq.qweight())
-    g16 = hf_quant.GroupInt4Linear("GPTQ", torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 4).half(),
+    g16 = hf_layers.GroupInt4Linear("GPTQ", torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 4).half(),
                                    torch.zeros(4, 4, dtype=torch.uint8), 16)
     assert g16.to_planar() and g16.qweight().fmt == "INT4P"
 
@@ -240,7 +243,8 @@ def test_a_tied_5_bit_head_and_its_embedding_share_the_runs(fmt):
     """to_planar on a Q5_0 / Q5_1 linear (the loader's step on CUDA): Q50R / Q51R in the blocks'
     bytes, the same outputs; a tied head's embedding then reads the head's runs (share_layout):
     the same rows, the blocks freed, the table counted once. Without five_bit, the blocks stay."""
-    from models.formats import gguf_blocks, quant
+    from models.formats import gguf_blocks
+    from models.quant import layers as quant
     from models.kernels.cuda import qlinear, qruns
     qw, _ = gguf_weight(fmt, 40, 96, 7, "cpu")
     emb = quant.BlockEmbedding(qw.data, ggml_type=gguf_blocks.TYPES[fmt])
@@ -266,7 +270,7 @@ def test_runs_serve_rows_of_whole_groups_not_of_whole_128s(group):
     """An AWQ/GPTQ linear in groups of 32 or 64 over K = 320 (not whole 128s, the general
     kernels' INT4 block) stays as stored and is still the CUDA kernels' (qruns.py), not the torch
     path's; INT4 whose groups are not whole runs still needs whole 128s."""
-    from models.formats.quant import QuantLinear
+    from models.quant.layers import QuantLinear
     from models.kernels.cuda import qlinear, qruns
     lin = int4_linear(6, 320, group, 3, "cpu")
     assert not lin.to_planar() and qruns.takes(lin.qweight())

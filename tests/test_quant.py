@@ -1,4 +1,4 @@
-"""The CPU's quantized path (models/quant.py) against the dequantized fp32 reference path.
+"""The CPU's quantized path (models/quant/layers.py) against the dequantized fp32 reference path.
 
 Exact parts are tested exactly (block decoding, the Q8_0 split into two 4-bit planes, embedding
 lookups); the int4 kernel's bf16 rounding is bounded. The documented tolerance for the embedded
@@ -15,7 +15,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from models.formats import quant
+from models.quant import layers as quant
+from models.formats import gguf_tensors
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
@@ -29,7 +30,7 @@ def blocks(qtype, rows=48, cols=128, seed=0):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_decoding_is_exact(qtype):
     raw, ref = blocks(qtype)
-    qt = quant.decode(raw, int(qtype))
+    qt = gguf_tensors.decode(raw, int(qtype))
     assert qt.shape == ref.shape
     assert torch.equal(qt.dequantize(), torch.from_numpy(ref))
 
@@ -42,7 +43,7 @@ def bf16_bound(x, w):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_int4_linear_matches_dequantized(qtype):
     raw, ref = blocks(qtype)
-    lin = quant.Int4Linear.from_quant(quant.decode(raw, int(qtype)))
+    lin = quant.Int4Linear.from_quant(gguf_tensors.decode(raw, int(qtype)))
     w = torch.from_numpy(ref)
     x = torch.randn(5, w.shape[1])
     assert torch.all((lin(x) - x @ w.T).abs() <= bf16_bound(x, w))
@@ -50,7 +51,7 @@ def test_int4_linear_matches_dequantized(qtype):
 
 
 def test_fused_int4_equals_its_parts():
-    parts = [quant.Int4Linear.from_quant(quant.decode(blocks(Q.Q4_1, rows=r, seed=r)[0], int(Q.Q4_1)))
+    parts = [quant.Int4Linear.from_quant(gguf_tensors.decode(blocks(Q.Q4_1, rows=r, seed=r)[0], int(Q.Q4_1)))
              for r in (64, 128, 32)]
     fused = quant.Int4Linear.concat(parts)
     x = torch.randn(3, 128)
@@ -59,14 +60,14 @@ def test_fused_int4_equals_its_parts():
 
 
 def test_parts_off_the_row_tile_stay_separate():
-    parts = [quant.Int4Linear.from_quant(quant.decode(blocks(Q.Q4_1, rows=r, seed=r)[0], int(Q.Q4_1)))
+    parts = [quant.Int4Linear.from_quant(gguf_tensors.decode(blocks(Q.Q4_1, rows=r, seed=r)[0], int(Q.Q4_1)))
              for r in (32, 16, 16)]
     assert quant.Int4Linear.concat(parts) is None
 
 
 def test_q8_planes_rebuild_the_matrix_exactly():
     raw, ref = blocks(Q.Q8_0)
-    qt = quant.decode(raw, int(Q.Q8_0))
+    qt = gguf_tensors.decode(raw, int(Q.Q8_0))
     hi, lo = quant.Q8Linear.planes(qt)
     assert hi.codes.max() <= 15 and lo.codes.max() <= 15
     assert torch.equal(hi.dequantize() + lo.dequantize(), torch.from_numpy(ref))
@@ -76,7 +77,7 @@ def test_q8_planes_rebuild_the_matrix_exactly():
 
 def test_q8_embedding_lookup_is_exact():
     raw, ref = blocks(Q.Q8_0, rows=64)
-    emb = quant.Q8Embedding(quant.decode(raw, int(Q.Q8_0)))
+    emb = quant.Q8Embedding(gguf_tensors.decode(raw, int(Q.Q8_0)))
     ids = torch.tensor([0, 5, 63, 5])
     assert torch.equal(emb(ids), torch.from_numpy(ref)[ids])
 

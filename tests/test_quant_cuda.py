@@ -20,7 +20,8 @@ import models
 from engine.config import SamplingConfig
 from engine.reference import full_logits
 from engine.session import DecodeSession
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks
+from models.quant import layers as quant
 from models.plan import KernelConfig
 
 pytestmark = pytest.mark.gpu
@@ -139,7 +140,7 @@ def test_gguf_on_cuda_takes_the_files_bytes(tmp_path, planar_min):
     # Q6KP holds Q6_K's bytes; one_storage may round each of a linear's three parts up to 16 bytes
     q6kp = sum(1 for m in lm.model.modules() if isinstance(m, quant.BlockLinear) and m.planar_fmt == "Q6KP")
     assert 0 <= got["Q6_K"] - file_bytes["Q6_K"] <= 48 * q6kp, (got["Q6_K"], file_bytes["Q6_K"], q6kp)
-    # Q4_K linears repacked as Q4KR (formats/runs.py): 148 bytes a super-block row against 144;
+    # Q4_K linears repacked as Q4KR (quant/runs.py): 148 bytes a super-block row against 144;
     # the embedding keeps the file's blocks
     embed = lm.model.model.embed_tokens
     embed_q4k = embed.blocks.numel() if isinstance(embed, quant.BlockEmbedding) and embed.ggml_type == Q.Q4_K else 0
@@ -163,14 +164,14 @@ HF_CASES = [("llama", "fp8"), ("qwen2", "awq"), ("llama", "gptq"), ("qwen2", "gp
 
 @pytest.mark.parametrize("kind,method", HF_CASES, ids=[f"{k}-{m}" for k, m in HF_CASES])
 def test_hf_quantized_on_cuda_match_the_dequantized_model(tmp_path, kind, method):
-    from models.formats import hf_quant
+    from models.quant import hf_layers
     from tiny_hf_quant import write_quantized
     qdir, rdir = write_quantized(kind, str(tmp_path), method)
     name = {"fp8": "FP8", "awq": "AWQ"}.get(method, "GPTQ")
     q16 = check_against_dequantized(qdir, {name}, rdir)
-    linears = [m for m in q16.model.modules() if isinstance(m, (hf_quant.Fp8Linear, hf_quant.GroupInt4Linear))]
+    linears = [m for m in q16.model.modules() if isinstance(m, (hf_layers.Fp8Linear, hf_layers.GroupInt4Linear))]
     assert linears and all(m.qweight().data.is_cuda for m in linears)
     # on CUDA: groups of whole 32-weight runs as stored (qruns.py), others INT4P (qplanar.py)
     assert all(m.qweight().fmt == ("INT4" if m.group % 32 == 0 else "INT4P") for m in linears
-               if isinstance(m, hf_quant.GroupInt4Linear))
+               if isinstance(m, hf_layers.GroupInt4Linear))
     assert name in q16.weight_format

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from models.formats import gguf_blocks, quant
+from models.formats import gguf_blocks, gguf_tensors
+
+from models.quant import layers as quant
 from test_gguf_blocks import QUANTIZED, random_blocks
 
 
@@ -102,10 +104,10 @@ def test_embedding_rows(device, qtype):
 
 def test_formats_cover_the_kept_gguf_types():
     from models.kernels.cuda import qlinear
-    for t in quant.kept_types():
+    for t in gguf_tensors.kept_types():
         name = gguf_blocks.type_name(t)
         assert name in qlinear.FORMATS and qlinear.FORMATS[name][1] == gguf_blocks.LAYOUTS[t].bytes
-    assert np.all([qlinear.fits(gguf_blocks.type_name(t), 256) for t in quant.kept_types()])
+    assert np.all([qlinear.fits(gguf_blocks.type_name(t), 256) for t in gguf_tensors.kept_types()])
 
 
 def hf_weight(method, n, k, seed, device):
@@ -113,6 +115,7 @@ def hf_weight(method, n, k, seed, device):
     encoders of tests/tiny_hf_quant.py."""
     import tiny_hf_quant as enc
     from models.formats import hf_quant
+    from models.quant import hf_layers
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     if method == "fp8":
         pieces, _ = enc.fp8(w)
@@ -123,7 +126,7 @@ def hf_weight(method, n, k, seed, device):
     else:
         pieces, _ = enc.gptq(w, sym=False, v1=True)
         t = hf_quant.gptq(pieces["qweight"], pieces["qzeros"], pieces["scales"], pieces["g_idx"], enc.GROUP, True)
-    return t.module(device), t.dequantize().double().to(device)
+    return hf_layers.module(t, device), t.dequantize().double().to(device)
 
 
 @pytest.mark.parametrize("method", ["fp8", "awq", "gptq"])

@@ -1,4 +1,4 @@
-"""quant.release_pages: the load hands back the file pages it has copied, without losing data.
+"""gguf_tensors.release_pages: the load hands back the file pages it has copied, without losing data.
 
 A GGUF's Q4_0/Q4_1 matrices and Q8_0 tables are copied into modules of their own at load; until
 then their mapped pages count in the resident set, so the load's peak held both. release_pages
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.formats import quant
+from models.formats import gguf_tensors
 
 
 def _rss_file_kib() -> int:
@@ -26,7 +26,7 @@ def _linux_at_least(major: int, minor: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(quant._libc() is None or not _linux_at_least(5, 4), reason="needs Linux 5.4's MADV_PAGEOUT")
+@pytest.mark.skipif(gguf_tensors._libc() is None or not _linux_at_least(5, 4), reason="needs Linux 5.4's MADV_PAGEOUT")
 def test_mapped_pages_leave_the_resident_set_and_read_back(tmp_path):
     path = tmp_path / "blocks.bin"
     data = np.random.default_rng(0).integers(0, 256, size=32 << 20, dtype=np.uint8)
@@ -35,7 +35,7 @@ def test_mapped_pages_leave_the_resident_set_and_read_back(tmp_path):
     raw = mapped[4096:].reshape(-1, 1024)  # (a view, as GgufTensor.raw is)
     assert int(raw.sum(dtype=np.int64)) == int(data[4096:].sum(dtype=np.int64))  # every page resident
     before = _rss_file_kib()
-    quant.release_pages(raw)
+    gguf_tensors.release_pages(raw)
     dropped = before - _rss_file_kib()
     assert dropped > (16 << 10), f"only {dropped} KiB of 32 MiB left the resident set"
     assert np.array_equal(np.asarray(raw).ravel(), data[4096:])  # read back from the file
@@ -48,13 +48,13 @@ def test_a_page_written_to_is_kept(tmp_path):
     np.zeros(1 << 20, dtype=np.uint8).tofile(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     mapped[8192:8200] = 7
-    quant.release_pages(mapped)
+    gguf_tensors.release_pages(mapped)
     assert list(mapped[8192:8200]) == [7] * 8 and int(mapped.sum()) == 56
 
 
 def test_arrays_not_over_a_file_are_left_alone():
     a = np.arange(1 << 20, dtype=np.uint8).reshape(1024, 1024)
     copy = a.copy()
-    quant.release_pages(a)
-    quant.release_pages(a[::2])  # (not contiguous)
+    gguf_tensors.release_pages(a)
+    gguf_tensors.release_pages(a[::2])  # (not contiguous)
     assert np.array_equal(a, copy)

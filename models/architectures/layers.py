@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..formats.quant import BlockLinear, Int4Linear, QuantLinear
+from ..quant.layers import BlockLinear, Int4Linear, QuantLinear
 from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
 from ..kernels.cuda import prefill_attention as cuda_prefill_attention
 from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
@@ -271,7 +271,7 @@ def head_logits(head: nn.Module, h: "torch.Tensor | cuda_linear.NormedRow") -> t
     yields fp32) times the head's weight, accumulated in fp32 and never rounded to a half dtype,
     so that greedy decoding compares fp32 values. Half weights are read as they are stored: the
     Triton GEMV writes fp32 (one row on CUDA); elsewhere row chunks of the weight are widened.
-    The CPU's 4-bit heads (quant.Q8Linear) return their kernel's sums (see quant.py)."""
+    The CPU's 4-bit heads (quant.Q8Linear) return their kernel's sums (see models/quant/layers.py)."""
     w = getattr(head, "weight", None)
     if isinstance(head, QuantLinear) and head.cuda_serves(h):  # fp32 sums from the quantized weights
         return head(h, out_dtype=torch.float32)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.quant import PlanarExperts
+from ..quant.layers import PlanarExperts
 from ..kernels.cuda import base as cuda_base, grouped as cuda_grouped, linear as cuda_linear, moe as cuda_moe, qplanar
 from .layers import FusedLinear, Linear, SwiGLU
 

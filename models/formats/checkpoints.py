@@ -498,11 +498,11 @@ def _join_experts(tensors: dict, base: str, gate, up, down) -> None:
     [E, I, H], down [E, H, I]; `base` ends with "experts."): one GgufExperts entry named after the
     module, its blocks kept, where all three are GGUF tensors; else gate_up_proj [E, 2I, H]
     and down_proj, dequantized."""
-    from . import quant
-    if all(isinstance(x, quant.GgufTensor) for x in (gate, up, down)):
-        tensors[base[:-1]] = quant.GgufExperts(gate, up, down)
+    from . import gguf_tensors
+    if all(isinstance(x, gguf_tensors.GgufTensor) for x in (gate, up, down)):
+        tensors[base[:-1]] = gguf_tensors.GgufExperts(gate, up, down)
         return
-    gate, up, down = [x.dequantize() if isinstance(x, quant.GgufTensor) else x for x in (gate, up, down)]
+    gate, up, down = [x.dequantize() if isinstance(x, gguf_tensors.GgufTensor) else x for x in (gate, up, down)]
     tensors[base + "gate_up_proj"] = torch.cat([gate, up], dim=1)
     tensors[base + "down_proj"] = down
 
@@ -510,12 +510,12 @@ def _join_experts(tensors: dict, base: str, gate, up, down) -> None:
 def _tiled_to_grouped(t, dim: int, nk: int, nv: int, head: int):
     """Undo the converter's reordering of linear-attention value heads (qwen35, qwen35moe): it
     stores them tiled ([v0 of every key head, v1 of every key head, ...]) for ggml's broadcast;
-    HF groups them by key head. `t` is a torch tensor or a quant.GgufTensor (rows only)."""
+    HF groups them by key head. `t` is a torch tensor or a gguf_tensors.GgufTensor (rows only)."""
     r = nv // nk
     n = nv * head
     perm = torch.arange(n).reshape(r, nk, head).transpose(0, 1).reshape(n)  # grouped slot → tiled slot
-    from . import quant
-    if isinstance(t, quant.GgufTensor):
+    from . import gguf_tensors
+    if isinstance(t, gguf_tensors.GgufTensor):
         if dim != 0:
             t = t.dequantize()
         else:
@@ -540,7 +540,7 @@ def _gguf_values(config: dict, tensors: dict) -> None:
     half a K-quant block): `config["linear_out_proj_tiled"]` then tells the model to feed it
     its value heads in that order (qwen3_5.GatedDeltaNet.out_tiled), and every layer's
     out_proj stays as stored."""
-    from . import quant
+    from . import gguf_tensors
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_proj")]:
         base = name[: -len("gate_proj")]
         _join_experts(tensors, base, tensors.pop(name), tensors.pop(base + "up_proj"), tensors.pop(base + "down_proj"))
@@ -549,7 +549,7 @@ def _gguf_values(config: dict, tensors: dict) -> None:
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
     reorder = config["model_type"] != "qwen3_next" and nk != nv
-    tiled_out = reorder and any(n.endswith("linear_attn.out_proj.weight") and isinstance(t, quant.GgufTensor)
+    tiled_out = reorder and any(n.endswith("linear_attn.out_proj.weight") and isinstance(t, gguf_tensors.GgufTensor)
                                 for n, t in tensors.items())
     if tiled_out:
         config["linear_out_proj_tiled"] = True
@@ -563,7 +563,7 @@ def _gguf_values(config: dict, tensors: dict) -> None:
             continue
         if name.endswith("in_proj_qkv.weight"):
             split = 2 * nk * dk
-            if isinstance(t, quant.GgufTensor):  # whole rows move: the blocks are kept
+            if isinstance(t, gguf_tensors.GgufTensor):  # whole rows move: the blocks are kept
                 slots = _tiled_slots(split, nk, nv, dv)
                 tensors[name] = t.permute_rows(lambda a, s=slots: np.ascontiguousarray(a[s]))
             else:
@@ -731,13 +731,13 @@ def check_gguf_layout(path: str) -> None:
 def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     """A GGUF file → Checkpoint. Parsing the metadata (gguf's reader: seconds for a large vocab)
     is done once per file version and cached as an index; tensors are read through a memmap.
-    keep_quantized: matrices of the types `quant.keeps` names come back as `quant.GgufTensor`, a
+    keep_quantized: matrices of the types `gguf_tensors.keeps` names come back as `gguf_tensors.GgufTensor`, a
     view of the file's mapped pages (copy-on-write, never written: no copy is made; llama's Q/K
     rows, which must be reordered, are the exception); everything else is dequantized to fp32,
     and a note names the types that could have been kept but for their type."""
     from gguf.quants import dequantize
 
-    from . import gguf_blocks, quant
+    from . import gguf_blocks, gguf_tensors
 
     index = _cached_index(path)
     if index is None:
@@ -761,8 +761,8 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                     and int(name.split(".")[1]) not in index["config"].get("qk_rows_as_hf", ())):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
-            if keep_quantized and quant.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
-                qt = quant.GgufTensor(ttype, raw)
+            if keep_quantized and gguf_tensors.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
+                qt = gguf_tensors.GgufTensor(ttype, raw)
                 tensors[_hf_name(name, model_type)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
             if keep_quantized and len(shape) in (2, 3) and ttype not in (0, 1, 30):  # F32, F16, BF16
@@ -787,7 +787,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
     if index["config"].get("mamba2"):
         _mamba2_fixups(tensors)
     notes = [f"{count} {kind} tensor{'s' * (count > 1)} dequantized to fp32 (kept in blocks: "
-             f"{', '.join(gguf_type(t).name for t in quant.kept_types())})"
+             f"{', '.join(gguf_type(t).name for t in gguf_tensors.kept_types())})"
              for kind, count in sorted(widened.items())]
     tokenizer = Tokenizer.from_str(index["tokenizer"])
     sampling = index.get("sampling") if isinstance(index.get("sampling"), dict) else {}

@@ -4,7 +4,8 @@ Contract: `collect(tensors, config)` replaces each quantized linear's stored pie
 QuantizedTensor under `<linear>.weight` (its `.shape` is the linear's [out, in]); `.dequantize()`
 is the oracle, in torch on any device: the fp32 weights the format encodes. On the CPU the loader
 widens them (the dequantized fp32 forward); on CUDA `.module()` keeps them quantized for the
-Triton kernels of models.kernels.cuda.qlinear (tests/test_quant_cuda.py compares the two).
+Triton kernels of models.kernels.cuda.qlinear, as models/quant/hf_layers.py's modules
+(`module(t, device)`; tests/test_quant_cuda.py compares the two).
 - FP8 (`quant_method: fp8`, the official Qwen FP8 layout): `weight` float8_e4m3fn [N, K] and
   `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]; W = weight * scale of its 128 x 128 block.
 - AWQ (`awq`, AutoAWQ's GEMM layout, 4 bits): `qweight` int32 [K, N/8] (eight columns a word, in
@@ -14,18 +15,14 @@ Triton kernels of models.kernels.cuda.qlinear (tests/test_quant_cuda.py compares
   K a word, low bits first), `qzeros` int32 [K/G, N/8] (eight columns a word), `scales` fp16
   [K/G, N], `g_idx` [K]; the v1 format (`checkpoint_format`/`format` "gptq", the default) stores
   each zero minus one, v2 ("gptq_v2") as is. Act-order (a g_idx other than k // G) is refused.
-AWQ and GPTQ are repacked at load into one 4-bit layout (quant.QWeight "INT4": per row, codes
+AWQ and GPTQ are repacked at load into one 4-bit layout (models/quant's QWeight "INT4": per row, codes
 two to a byte, an fp16 scale and a uint8 zero per group), exactly: its dequantization is the same.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from . import runs
 from .checkpoints import CheckpointError
-from .planar import dequantize_int4p, one_storage, repack_int4p
-from .quant import QuantLinear, QWeight, with_bias
 
 SUPPORTED = ("awq", "fp8", "gptq")
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # column c of a packed word sits in nibble REVERSE[c]
@@ -65,9 +62,6 @@ class QuantizedTensor:
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
-    def module(self, device) -> nn.Module:
-        raise NotImplementedError
-
 
 class Fp8Tensor(QuantizedTensor):
     fmt = "FP8"
@@ -84,9 +78,6 @@ class Fp8Tensor(QuantizedTensor):
         n, k = self.shape
         s = self.scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         return (self.weight.float() * s).to(dtype)
-
-    def module(self, device) -> nn.Module:
-        return Fp8Linear(self.weight.to(device), self.scale.to(device))
 
 
 def _unpack_cols(packed: torch.Tensor, order: list[int] | None) -> torch.Tensor:
@@ -119,12 +110,6 @@ class Int4GroupTensor(QuantizedTensor):
         z = self.zeros.float().repeat_interleave(self.group, 1)
         s = self.scales.float().repeat_interleave(self.group, 1)
         return ((self.codes.float() - z) * s).to(dtype)
-
-    def module(self, device) -> nn.Module:
-        n, k = self.shape
-        c = self.codes.reshape(n, k // 32, 2, 16)  # per 32-run: low nibbles the first 16 weights
-        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
-        return GroupInt4Linear(self.fmt, packed.to(device), self.scales.to(device), self.zeros.to(device), self.group)
 
 
 def awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4GroupTensor:
@@ -181,103 +166,3 @@ def collect(tensors: dict[str, torch.Tensor], config: dict) -> None:
             raise CheckpointError(f"{name.upper()} linear {prefix} lacks {e.args[0]}") from None
         g_idx = tensors.pop(f"{prefix}.g_idx", None)
         tensors[prefix + ".weight"] = awq(*parts, group) if name == "awq" else gptq(*parts, g_idx, group, v1)
-
-
-class Fp8Linear(QuantLinear):
-    """y = x @ W.T (+ bias) for FP8 e4m3 weights with 128 x 128 block scales. CUDA: the Triton
-    kernels; elsewhere the oracle's weights, a chunk of rows at a time."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, sizes: list[int] | None = None,
-                 scale_rows: int = 128):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.sizes = sizes or [weight.shape[0]]
-        self.scale_rows = scale_rows  # rows per scale: 128, or 1 (see concat)
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale)
-        self.register_parameter("bias", None)
-
-    def qweight(self) -> QWeight:
-        return QWeight("FP8", self.weight, self.out_features, self.in_features, scales=self.scale,
-                               group=self.scale_rows)
-
-    def format_tensors(self):
-        return "FP8", [self.weight, self.scale]
-
-    @classmethod
-    def concat(cls, parts: list["Fp8Linear"]) -> "Fp8Linear | None":
-        """Rows of several linears as one. Where a part but the last ends inside a 128-row block
-        (Gated DeltaNet's b and a projections: a row per head), the scales are repeated per row
-        (4 bytes per 128 weights, 3% more to read) so that every row finds its own."""
-        sizes = [s for p in parts for s in p.sizes]
-        if all(p.scale_rows == 128 for p in parts) and not any(p.out_features % 128 for p in parts[:-1]):
-            return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), sizes),
-                             parts)
-        rows = [p.scale.repeat_interleave(p.scale_rows, 0)[:p.out_features] for p in parts]
-        return with_bias(cls(torch.cat([p.weight for p in parts]), torch.cat(rows), sizes, scale_rows=1), parts)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        s = self.scale.repeat_interleave(self.scale_rows, 0)[:self.out_features].repeat_interleave(128, 1)
-        return (self.weight.float() * s[:, :self.in_features]).to(dtype)
-
-
-class GroupInt4Linear(QuantLinear):
-    """y = x @ W.T (+ bias) for AWQ / GPTQ 4-bit weights repacked as QWeight's INT4."""
-
-    def __init__(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                 sizes: list[int] | None = None):
-        super().__init__()
-        self.fmt, self.group = fmt, group
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
-        self.sizes = sizes or [packed.shape[0]]
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
-        self.register_parameter("bias", None)
-
-    planar = False  # True once to_planar() replaced the stored layout by INT4P
-
-    def to_planar(self, runs: bool = True) -> bool:
-        """For CUDA's GEMVs, once, after fusion: groups of a multiple of 32 stay as stored (runs,
-        formats/runs.py: models/kernels/cuda/qruns.py reads them), their three tensors moved into
-        one allocation (one_storage); others are repacked as INT4P (qplanar.py), the stored layout
-        freed (all of them where not `runs`: bench/ab_decode.py's planar4 variant). True where repacked."""
-        if self.planar or self.group % 8 or self.in_features % self.group:
-            return self.planar
-        if runs and self.group % 32 == 0:
-            if len({t.untyped_storage().data_ptr() for t in (self.packed, self.scales, self.zeros)}) > 1:
-                one = one_storage(self.qweight())
-                self.packed, self.scales, self.zeros = one.data, one.scales, one.zeros
-            return False
-        pw = one_storage(repack_int4p(self.qweight()))
-        del self.packed, self.scales, self.zeros
-        self.register_buffer("words", pw.data)
-        self.register_buffer("aux", pw.scales)
-        self.register_buffer("aux_zeros", pw.zeros)
-        self.planar = True
-        return True
-
-    def qweight(self) -> QWeight:
-        if self.planar:
-            return QWeight("INT4P", self.words, self.out_features, self.in_features, self.aux, self.aux_zeros,
-                           self.group)
-        return QWeight("INT4", self.packed, self.out_features, self.in_features, self.scales, self.zeros,
-                               self.group)
-
-    def format_tensors(self):
-        return self.fmt, [self.words, self.aux, self.aux_zeros] if self.planar else [self.packed, self.scales,
-                                                                                        self.zeros]
-
-    @classmethod
-    def concat(cls, parts: list["GroupInt4Linear"]) -> "GroupInt4Linear | None":
-        p0 = parts[0]
-        if any(p.group != p0.group or p.fmt != p0.fmt or p.planar for p in parts):
-            return None
-        return with_bias(cls(p0.fmt, torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
-                             torch.cat([p.zeros for p in parts]), p0.group, [s for p in parts for s in p.sizes]), parts)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        if self.planar:
-            return dequantize_int4p(self.qweight()).to(dtype)
-        n, k = self.out_features, self.in_features
-        return Int4GroupTensor(self.fmt, runs.codes(self.packed, n, k), self.zeros, self.scales, self.group).dequantize(dtype)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..formats import hf_quant, quant
+from ..quant import hf_layers, layers as quant
 from .sites import Site, collect
 from .config import DEFAULT, KernelConfig
 from .table import DENSE, Rule, rules_for
@@ -228,7 +228,7 @@ def bind(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DE
 
 def _apply(c: Choice, plan: Plan, tables: dict) -> bool:
     m, cfg = c.site.module, plan.config
-    if isinstance(m, hf_quant.GroupInt4Linear):
+    if isinstance(m, hf_layers.GroupInt4Linear):
         if m.planar or not m.packed.is_cuda:
             return False
         m.to_planar(cfg.runs)  # (runs: kept as stored, in one allocation; else repacked as INT4P)

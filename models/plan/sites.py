@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..formats import gguf_blocks, quant
+from ..formats import gguf_blocks
+from ..quant import layers as quant
 
 # op kinds, in the order a plan lists them
 OPS = ("embedding", "attention", "gated_delta", "mamba2", "short_conv", "linear", "experts", "lm_head")

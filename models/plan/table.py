@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GGUF = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-RUNS_TYPES = ("Q4_K", "Q5_0", "Q5_1")  # the GGUF types formats/runs.py repacks (Q5_0/Q5_1 with five_bit_runs)
+RUNS_TYPES = ("Q4_K", "Q5_0", "Q5_1")  # the GGUF types quant/runs.py repacks (Q5_0/Q5_1 with five_bit_runs)
 DENSE = ("bfloat16", "float16", "float32")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...formats.quant import BlockLinear, Int4Linear
+from ...quant.layers import BlockLinear, Int4Linear
 from . import step as cpu_step
 
 

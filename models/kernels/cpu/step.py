@@ -31,11 +31,12 @@ import tempfile
 
 import torch
 
-from ...formats.quant import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
+from ...quant.layers import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
            for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h")]
+K_QUANTS = (12, 13, 14)  # GGMLQuantizationType Q4_K, Q5_K, Q6_K: int8 rows rounded per 256 weights
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 # Whether the library's kernels serve at all (the `cpu_kernel` setting reaches the planner and the
 # session through the engine's config; a test or a benchmark switches them off here)
@@ -296,9 +297,8 @@ def int8_reference(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     (Q8_K: iscale = -127 / the input of largest |x|, q = min(127, round(iscale x)), x~ = q / iscale),
     the 32-weight types per 32 (q = round(x 127 / max|x|), x~ = q fp16(max|x| / 127)). For
     benchmarks' error columns; tests/test_block_int8.py writes its own."""
-    from ...formats import gguf_blocks
     x = x.float()
-    if gguf_blocks.type_name(ggml_type) in ("Q4_K", "Q5_K", "Q6_K"):
+    if ggml_type in K_QUANTS:
         g = x.reshape(x.shape[0], -1, 256)
         m = g.gather(-1, g.abs().argmax(-1, keepdim=True))
         nz = m != 0

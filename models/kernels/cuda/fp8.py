@@ -1,7 +1,7 @@
 """The Triton GEMV for FP8 weights (e4m3 [N, K] with one fp32 scale per 128 x 128 block, the
 official Qwen FP8 layout; QWeight "FP8"): one-token forwards (decode).
 
-Contract: `gemv(x, qw)` is x @ W^T for W = e4m3 code * its block's scale (hf_quant.Fp8Linear's
+Contract: `gemv(x, qw)` is x @ W^T for W = e4m3 code * its block's scale (hf_layers.Fp8Linear's
 dequantization); like linear.gemv it takes a NormedRow (the residual add and RMSNorm in its
 prologue, 1/rms applied to the sums at the end), a SwiGLU pair of row halves ([gate; up]) and a
 bias, and launches with PDL (the first step of weights, and in the fp32 form its scales, read
@@ -38,7 +38,7 @@ import torch
 
 from . import base as cuda_base
 from .base import cdiv, launch, next_pow2, triton
-from ...formats.quant import QWeight
+from ...quant.layers import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
 # Quantized matrices up to this size are read in one step per program (the whole row, before the

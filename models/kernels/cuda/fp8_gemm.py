@@ -9,7 +9,7 @@ Contract:
   of 128): s[g, r] = amax / 448 (1 where the group is all zeros) and q = e4m3(x / s), rounded to
   nearest even and saturated at +-448 (the division's result cast, as torch casts it); rows are
   padded with zeros to a multiple of ROW_MULTIPLE (cuBLAS's block-scaled GEMM takes no other).
-- `matmul(x, qw)` equals, for the weights W = code * block scale (hf_quant.Fp8Linear's
+- `matmul(x, qw)` equals, for the weights W = code * block scale (hf_layers.Fp8Linear's
   dequantization), y[r, n] = sum_g s[g, r] ws[n // group, g] (q[r, g] . code[n, g]) over the
   128-wide groups g of K, rounded once to the output dtype; cuBLAS sums each group's FP8
   products in the tensor cores (fewer bits than fp32 keep: tests/test_fp8_gemm.py bounds their
@@ -34,7 +34,7 @@ import torch
 from .base import launch, triton
 
 # "tensor": FP8 linears' prefill through `matmul` where it serves; "dequant": dequantized to the
-# activations' dtype, then torch's GEMM (the weights as hf_quant.Fp8Linear gives them, a bf16 input);
+# activations' dtype, then torch's GEMM (the weights as hf_layers.Fp8Linear gives them, a bf16 input);
 # CHAT_FP8_PREFILL, engine/config.py's Environment, set by models.configure
 MODE = "tensor"
 E4M3_MAX = 448.0

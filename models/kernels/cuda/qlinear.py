@@ -30,7 +30,7 @@ import torch
 
 from . import base as cuda_base, fp8, fp8_gemm, qplanar, qruns
 from .base import cdiv, launch, triton
-from ...formats.quant import QWeight
+from ...quant.layers import QWeight
 from .linear import PROLOGUE_MAX_BYTES, NormedRow
 
 # format name → (constexpr id, bytes per block (GGUF), weights per block, weights per sub-block s, L)
@@ -408,7 +408,7 @@ if triton is not None:
 def _register() -> None:
     """The quantized linears of models/formats (which import no kernel) reach these kernels
     through QuantLinear.kernels, set here on import (as the C++ step sets BlockLinear's)."""
-    from ...formats import quant
+    from ...quant import layers as quant
     quant.QuantLinear.kernels = sys.modules[__name__]
 
 

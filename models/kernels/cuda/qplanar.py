@@ -1,5 +1,5 @@
 """Dequant-GEMVs for 4-, 5- and 6-bit weights in layouts repacked for them at load
-(models/formats/planar.py): AWQ/GPTQ groups as INT4P, GGUF Q4_K as Q4KP, Q5_K as Q5KP and Q6_K as
+(models/quant/planar.py): AWQ/GPTQ groups as INT4P, GGUF Q4_K as Q4KP, Q5_K as Q5KP and Q6_K as
 Q6KP. Fewer instructions a weight than qlinear.py's kernels, which decode the stored layouts.
 
 The layouts (planar.py has the details): per group of G weights (the checkpoint's group for
@@ -38,8 +38,8 @@ import torch
 
 from . import base as cuda_base
 from .base import cdiv, launch, next_pow2, triton
-from ...formats.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
-from ...formats.quant import QWeight
+from ...quant.planar import ROWS as R, dequantize_int4p as dequantize, repack_int4p as repack
+from ...quant.layers import QWeight
 from .linear import NormedRow, row_dtype as linear_row_dtype
 
 __all__ = ["R", "repack", "dequantize", "gemv", "quantize_input", "normed_input", "quantized_reference", "int8_inputs",

@@ -1,4 +1,4 @@
-"""Dequant-GEMVs for 4- and 5-bit weights in 32-weight runs (models/formats/runs.py): AWQ/GPTQ groups
+"""Dequant-GEMVs for 4- and 5-bit weights in 32-weight runs (models/quant/runs.py): AWQ/GPTQ groups
 as stored (QWeight "INT4"), GGUF Q4_K repacked as Q4KR, Q5_0 and Q5_1 as Q50R and Q51R. One-token
 forwards (decode).
 
@@ -38,8 +38,8 @@ import torch
 
 from . import base as cuda_base, qplanar
 from .base import cdiv, launch, next_pow2, triton
-from ...formats import runs
-from ...formats.quant import QuantLinear, QWeight
+from ...quant import runs
+from ...quant.layers import QuantLinear, QWeight
 from .linear import NormedRow
 
 __all__ = ["FMTS", "gemv", "quantize_input", "normed_input", "pick_config", "dequantize_rows", "serves", "takes",

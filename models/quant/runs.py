@@ -1,7 +1,7 @@
 """4- and 5-bit weights in 32-weight runs, row-major, for CUDA's run GEMVs (models/kernels/cuda/qruns.py):
 GGUF Q4_K repacked at load as Q4KR, Q5_0 and Q5_1 as Q50R and Q51R; AWQ/GPTQ groups need no repack
 (their stored INT4 is already runs). And each layout's torch oracle (the weights it encodes, in
-fp64). No kernel is imported here, nor quant.py (which imports this file): a QWeight in gives the
+fp64). No kernel is imported here, nor layers.py (which imports this file): a QWeight in gives the
 class of the QWeight out.
 
 The runs: `data` uint8 [N, K/2], 16 bytes a run of 32 weights, byte l of run r of a row holding
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gguf_blocks
+from ..formats import gguf_blocks
 from .planar import _super_block_rows, k4_scales, one_storage, q4k_codes
 
 __all__ = ["repack_q4k", "repack_q5", "FIVE_BIT", "REPACKED", "dequantize", "dequantize_rows", "one_storage", "codes"]

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from ..sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
-from . import checkpoints, gguf_blocks, hf_quant, quant
-from .checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
+from .sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
+from .formats import checkpoints, gguf_blocks, gguf_tensors, hf_quant
+from .formats.checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
+from .quant import hf_layers, layers as quant
 
 # model_type → (module, flags passed to its from_hf_config)
 REGISTRY: dict[str, tuple[str, dict]] = {
@@ -226,7 +227,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
     expected = {name: t.shape for name, t in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(model.config, "tie_embeddings", False) else set()
     # a layer's experts kept in GGUF blocks come as one entry named after the module
-    grouped = {n for n, t in tensors.items() if isinstance(t, quant.GgufExperts)}
+    grouped = {n for n, t in tensors.items() if isinstance(t, gguf_tensors.GgufExperts)}
     covered = {f"{n}.{leaf}" for n in grouped for leaf in ("gate_up_proj", "down_proj")}
     missing = set(expected) - set(tensors) - tied - covered
     unexpected = set(tensors) - set(expected) - grouped
@@ -246,11 +247,11 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
                                   f"{tuple(expected[name])}")
     model.n_params = sum(t.numel() if name in grouped else int(np.prod(t.shape)) for name, t in tensors.items())
     # quantized tensors replace their modules first, so a bias then lands on the new module
-    packed = (quant.GgufTensor, hf_quant.QuantizedTensor)
+    packed = (gguf_tensors.GgufTensor, hf_quant.QuantizedTensor)
     for name in sorted(tensors, key=lambda n: not isinstance(tensors[n], packed)):
         t = tensors[name]
         owner, _, leaf = name.rpartition(".")
-        if isinstance(t, quant.GgufExperts):
+        if isinstance(t, gguf_tensors.GgufExperts):
             # CUDA: Q4_K, Q5_K and Q6_K halves repacked for qplanar.py's expert GEMVs, the others
             # dequantized for moe.py's kernels; the CPU keeps the file's blocks
             experts = quant.PlanarExperts.from_gguf(t, device, dtype) if device.type == "cuda" else quant.BlockExperts(t)
@@ -260,20 +261,20 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
             # CUDA keeps them quantized for its kernels; the CPU widens them (the fp32 reference)
             if device.type == "cuda" and isinstance(model.get_submodule(owner), torch.nn.Linear):
                 parent, _, child = owner.rpartition(".")
-                setattr(model.get_submodule(parent), child, t.module(device))
+                setattr(model.get_submodule(parent), child, hf_layers.module(t, device))
                 continue
             t = t.dequantize()
-        if isinstance(t, quant.GgufTensor):
+        if isinstance(t, gguf_tensors.GgufTensor):
             replacement = _quantized_module(model.get_submodule(owner), t, owner == "lm_head", device, dtype,
                                             q4_blocks)
             if replacement is not None:
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent), child, replacement)
                 if device.type == "cuda" or isinstance(replacement, _COPIES):
-                    quant.release_pages(t.raw)  # (copied: only BlockLinear on the CPU reads the file's pages)
+                    gguf_tensors.release_pages(t.raw)  # (copied: only BlockLinear on the CPU reads the file's pages)
                 continue
             raw, t = t.raw, t.dequantize()
-            quant.release_pages(raw)
+            gguf_tensors.release_pages(raw)
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(
             t.to(device=device, dtype=dtype), requires_grad=False)
     tensors.clear()  # the model holds the only references now: fusion below frees what it replaces
@@ -300,7 +301,7 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
 _COPIES = (quant.Int4Linear, quant.Q8Embedding, quant.Q8Linear)
 
 
-def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: bool = False,
+def _quantized_module(module: torch.nn.Module, gt: "gguf_tensors.GgufTensor", head: bool = False,
                       device: torch.device = torch.device("cpu"),
                       dtype: torch.dtype = torch.float32, q4_blocks: bool = False) -> torch.nn.Module | None:
     """The module that computes with `gt` as stored, or None to dequantize it into `module`.
@@ -319,7 +320,7 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
         return quant.BlockLinear.from_gguf(gt, device) if isinstance(module, torch.nn.Linear) else None
     # (the int4 kernel packs whole 16-row groups: a matrix of other row counts, a Qwen3.5 delta
     # layer's b or a of a few heads, or a vocabulary a tied Q8_0 head would pack, stays in its blocks)
-    packs = gt.shape[0] % quant.PACK_ROW_MULTIPLE == 0
+    packs = gt.shape[0] % gguf_tensors.PACK_ROW_MULTIPLE == 0
     if isinstance(module, torch.nn.Embedding):
         if gt.kind == "q8_0" and packs:
             return quant.Q8Embedding(gt.decoded())
@@ -329,7 +330,7 @@ def _quantized_module(module: torch.nn.Module, gt: "quant.GgufTensor", head: boo
             return quant.Int4Linear.from_quant(gt.decoded())
         if gt.kind == "q8_0" and head and packs:
             return quant.Q8Linear(gt.decoded())
-        if gt.ggml_type in quant.BLOCK_TYPES or gt.kind in ("q8_0", "q4_0", "q4_1"):
+        if gt.ggml_type in gguf_tensors.BLOCK_TYPES or gt.kind in ("q8_0", "q4_0", "q4_1"):
             return quant.BlockLinear.from_gguf(gt)
     return None
 
@@ -357,7 +358,7 @@ def fuse(model: torch.nn.Module) -> None:
 def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
          quantized: bool = False, shard: "Shard | None" = None, q4_blocks: bool = False) -> LoadedModel:
     """quantized: keep a GGUF's quantized matrices in their blocks (on the CPU and on CUDA; see
-    quant.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a
+    models/quant: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized, with a
     note). Off, every weight is dequantized to `dtype`: the reference path the quantized one is
     tested against. shard: this process's rank of a tensor-parallel group (models/sharding.py):
     the model holds and reads only its slices, and its forward runs the group's collectives.

@@ -1,7 +1,7 @@
 """Weights repacked at load for CUDA's planar dequant-GEMVs (models/kernels/cuda/qplanar.py, which
 describes the layouts): AWQ/GPTQ 4-bit groups as INT4P, GGUF Q4_K as Q4KP, Q6_K as Q6KP and Q5_K
 as Q5KP, and each layout's torch oracle (the weights it encodes, in fp64). No kernel is imported
-here (formats import none), nor quant.py (which imports this file): a QWeight in gives the class
+here, nor layers.py (which imports this file): a QWeight in gives the class
 of the QWeight out.
 
 The layouts hold the codes (Q6KP and Q5KP: their low four bits) the same way: per group of G
@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from . import gguf_blocks
+from ..formats import gguf_blocks
 
 ROWS = 4  # rows interleaved
 # Rows repacked at a time (a multiple of ROWS): the repack's int32 and int64 temporaries are several
