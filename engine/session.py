@@ -30,6 +30,7 @@ from .constraint import ConstraintMask, TokenConstraint
 from .graphs import PREFILL_BUCKETS, GraphedDecodeStep, PaddedPrefill, decode_kv_len, kv_buckets, prefill_bucket
 from .link import Interrupted
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
+from . import steps
 from .speculative import Depth, PromptLookup
 from .state import BASE, PROMPT, StateManager
 
@@ -149,23 +150,16 @@ class DecodeSession:
         self._kv_buckets = kv_buckets(self.max_context, single=single)
         if cuda_graph == "on" and not cuda:
             raise ConfigError("cuda_graph: 'on' needs a CUDA device; use auto or off on the CPU")
-        # The decode step: the model itself, its torch.compile'd form, or on the CPU the model's
-        # C++ step (same call, same state buffers; see _cpu_kernel_step).
-        self._step_fn = model
-        self.cpu_kernel_note = ""
-        if cpu_kernel == "on" and (device.type != "cpu" or compile == "on"):
-            raise ConfigError("cpu_kernel: 'on' is the CPU's decode step (with compile: off); use auto or off")
-        if device.type == "cpu" and compile == "off" and cpu_kernel != "off":
-            self._step_fn = self._cpu_kernel_step(cpu_kernel == "on")
-        elif device.type == "cpu" and hasattr(self.model, "cpu_kernels_off"):
-            self.model.cpu_kernels_off()  # (an earlier session over this model may have attached them)
+        # The decode step, chosen once (engine/steps.py): the model, its compiled form or the C++ step
+        step = steps.choose(model, device, dtype, compile=compile, cpu_kernel=cpu_kernel)
+        self._step_fn, self.cpu_kernel_note = step.fn, step.note
         # the attention caches in the step's dtype where it keeps them narrower (the C++ step over
         # 4-bit weights: fp16, half the bytes a long context's step reads)
         mib = lambda v: v if v == "auto" else v << 20  # noqa: E731
         self.state = StateManager(model.state_spec(), self.max_context, device, dtype,
                                   vocab_size=model.config.vocab_size, checkpoint_budget=mib(checkpoint_mib),
                                   host_budget=mib(checkpoint_host_mib),
-                                  kv_dtype=getattr(self._step_fn, "kv_dtype", None),
+                                  kv_dtype=step.kv_dtype,
                                   masked_reads=self._bucketed_decode,
                                   agree=None if link is None else link.agree_min)
         # Prefill chunks padded to length buckets (engine/graphs.py), graphed where the decode step
@@ -177,22 +171,8 @@ class DecodeSession:
                 and pads(device, dtype, self.state.kv_dtype)):
             self._padded = PaddedPrefill(model, self.state, device,
                                          graphs=cuda_graph in ("on", "auto") and PREFILL_GRAPHS)
-        if compile == "on" and cuda:
-            self._step_fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=False)
-        elif compile == "on":
-            # The CPU step attends over the live slots, one more each step: dynamic shapes, one
-            # compile. The C++ wrapper calls the generated kernels without Python between them,
-            # faster than the Python wrapper (bench/cpu_bench.py --compile on).
-            compiled = torch.compile(model, dynamic=True, fullgraph=False, options={"cpp_wrapper": True})
-
-            def step_fn(*args, **kwargs):
-                # the model's float constants (eps, scales) as constants: with symbolic floats
-                # the trace is redone once (a first attempt of ~15 s thrown away)
-                with torch._dynamo.config.patch(specialize_float=True):
-                    return compiled(*args, **kwargs)
-
-            self._step_fn = step_fn
-            self._compile_now()
+        if step.compiled and not cuda:
+            self._compile_now()  # (CUDA's compiles at the graph's warm-up)
         # Before any forward: _forward reads it (the throwaway forwards below run eager steps).
         self.graph = None
         if cuda and compile == "off":
@@ -229,28 +209,6 @@ class DecodeSession:
             self._throwaway_forwards(1)
         # the slots they wrote: 3, or where the prefill ran padded its bucket's
         self.state.scrub_kv(max(3, prefill_bucket(2, self.max_context) or 0) if self._padded is not None else 3)
-
-    def _cpu_kernel_step(self, required: bool):
-        """The model's C++ decode step (`model.cpu_decode_step(dtype)`), or the model itself where
-        it has none for this model and dtype, or (auto) where it cannot be built here: then
-        `cpu_kernel_note` says why, for the front end to show. Required (on): those are errors."""
-        hook = getattr(self.model, "cpu_decode_step", None)
-        try:
-            step = hook(self.dtype) if hook is not None else None
-        except RuntimeError as e:  # models.kernels.CpuStepUnavailable: no compiler, a failed build
-            if required:
-                raise ConfigError(f"cpu_kernel: on, but the CPU decode kernel is unavailable ({e}); "
-                                  "use cpu_kernel: auto or off") from None
-            self.cpu_kernel_note = f"CPU decode kernel unavailable ({e}); decoding with the torch step"
-            return self.model
-        if step is None:
-            if getattr(self.model, "cpu_block_kernels", False):  # its GGUF blocks read by the C++ library
-                return self.model
-            if required:
-                raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (the dense GQA "
-                                  "models, LFM2, Qwen3.5 and OLMo-Hybrid in float32 have one); use cpu_kernel: auto or off")
-            return self.model
-        return step
 
     # --- speculative decoding -------------------------------------------------------------------
     def speculation_unavailable(self) -> str:

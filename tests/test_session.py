@@ -164,3 +164,23 @@ def test_the_turn_keys_sampled_draws(lm):
     assert list(new(lm).generate(ids(20), SAMPLED, turn=0)) == a
     assert list(new(lm).generate(ids(20), SAMPLED, turn=1)) != a
     assert list(new(lm).generate(ids(20), GREEDY, turn=1)) == list(new(lm).generate(ids(20), GREEDY, turn=0))
+
+
+def test_the_step_factory_gives_one_form_per_setting(lm):
+    """engine/steps.py: off is the model itself, on the CPU auto the C++ step where this model has
+    one (its own fp16 KV cache over 4-bit weights: none here, an fp32 model), compile: on a
+    compiled form, and the settings that cannot hold are one-line errors."""
+    from engine import steps
+    from engine.config import ConfigError
+    cpu = torch.device("cpu")
+    off = steps.choose(lm.model, cpu, torch.float32, cpu_kernel="off")
+    assert off.fn is lm.model and not off.compiled and off.kv_dtype is None and off.verify is None and not off.note
+    auto = steps.choose(lm.model, cpu, torch.float32, cpu_kernel="auto")
+    assert auto.fn is not lm.model and auto.verify is not None and auto.kv_dtype == torch.float32
+    compiled = steps.choose(lm.model, cpu, torch.float32, compile="on")
+    assert compiled.compiled and compiled.fn is not lm.model
+    for kwargs in (dict(compile="on", cpu_kernel="on"), dict(cpu_kernel="on", device=torch.device("cuda"))):
+        device = kwargs.pop("device", cpu)
+        with pytest.raises(ConfigError, match="cpu_kernel: 'on' is the CPU's decode step"):
+            steps.choose(lm.model, device, torch.float32, **kwargs)
+    steps.choose(lm.model, cpu, torch.float32, cpu_kernel="off")  # (detaches what auto attached)
