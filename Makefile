@@ -21,10 +21,10 @@ $(VENV)/.setup-test: $(VENV)/.setup
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# The C++ CPU decode step, compiled once into ~/.cache/chat (chat builds it itself when missing,
-# and decodes with the torch step where no C++ compiler exists: a failure here is not fatal).
+# The C++ CPU decode step, compiled once into $XDG_CACHE_HOME/chat (chat builds it itself when
+# missing, and decodes with the torch step where no C++ compiler exists: a failure here is not fatal).
 $(VENV)/.cpu_step: models/kernels/cpu/step.cpp $(VENV)/.setup
-	-$(BIN)/python -m models.kernels.cpu.step
+	-$(BIN)/python -m engine.prepare
 	touch $@
 
 setup: $(VENV)/.setup $(VENV)/.cpu_step

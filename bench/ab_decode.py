@@ -73,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from engine.device import configure_process  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
@@ -287,6 +288,7 @@ def apply(variant: str) -> None:
 
 
 def main() -> None:
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")
     ap.add_argument("--variants", default="base,nopdl,noprologue,prologue32")

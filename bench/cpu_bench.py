@@ -51,6 +51,8 @@ TEXT = ("The history of computing is a story of layers: transistors become gates
         "compiled by other programs. ")
 
 
+from engine.device import configure_process  # noqa: E402
+
 def prompt_ids(tokenizer, n: int) -> list[int]:
     ids: list[int] = []
     while len(ids) < n:
@@ -153,6 +155,7 @@ def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, re
 
 
 def main() -> None:
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     global clock
     if len(sys.argv) == 3 and sys.argv[1] == "--child-llama-cpp":
         a = json.loads(sys.argv[2])

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.device import configure_process  # noqa: E402
 from models.formats import gguf_blocks  # noqa: E402
-
-from models.quant import layers as quant
+from models.quant import layers as quant  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
 
 
@@ -50,6 +50,7 @@ def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
 
 
 def main() -> None:
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default="Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
     p.add_argument("--shapes", default="3584x1024,1024x3584,8192x2048")

@@ -18,8 +18,10 @@ import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(2)
+from engine.device import configure_process
 import models
 from engine.session import DecodeSession
+configure_process()
 
 def status():
     out = {}

@@ -25,7 +25,10 @@ PARAGRAPH = ("The history of bread begins with flat cakes of ground grain baked 
              "later, when wild yeasts were kept alive from one batch to the next. ")
 
 
+from engine.device import configure_process  # noqa: E402
+
 def main() -> None:
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=4000)

@@ -33,13 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
 
+from engine.device import configure_process  # noqa: E402
+
 def weight(fmt: str, n: int, k: int):
     """A random [n, k] QWeight of `fmt` on the CPU (GGUF types, AWQ for INT4, FP8), as the loaders
     and bench/shapes.py build them: the strides the kernel is launched with are its own."""
     import torch
 
     from models.formats import gguf_blocks
-
     from models.quant import layers as quant
     from shapes import _GGUF_SCALES, _random_blocks, random_quant_linear
     gen = torch.Generator().manual_seed(0)
@@ -129,7 +130,6 @@ def _compile_runs(fmt: str, n: int, k: int, bn: int, warps: int, prefetch: int =
     from triton.compiler import ASTSource
 
     from models.formats import gguf_blocks
-
     from models.quant import layers as quant, runs
     from models.kernels.cuda import qruns
     if fmt in runs.REPACKED:  # (from the GGUF type repacked into it, by the loader's table)
@@ -252,6 +252,7 @@ def opcode(line: str) -> str:
 
 
 def main() -> None:
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP", "Q5KP", "Q6KP"])
     ap.add_argument("--n", type=int, default=10240)

@@ -30,6 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+from engine.device import configure_process  # noqa: E402
+
 def rank_main(rank, world, init, args, out):
     from engine.config import SamplingConfig
     from engine.session import DecodeSession
@@ -128,6 +130,7 @@ def run_size(args, world):
 
 
 def main():
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("shape")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])

@@ -9,8 +9,8 @@ strings that come from environment variables and flags into the field's type.
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
+import os
 import re
 import reprlib
 from dataclasses import dataclass, field
@@ -267,7 +267,7 @@ def environment(env: Any = None) -> Environment:
     values: dict[str, Any] = {}
     for name, (key, choices) in _DIAGNOSIS.items():
         raw = env.get(name)
-        if raw is None:
+        if raw is None or not raw.strip():  # (an exported but empty variable: unset)
             continue
         text = raw.strip().lower()
         if choices is None:

@@ -57,12 +57,17 @@ def configure_threads(cfg: EngineConfig) -> int:
     return n
 
 
+_configured: Environment | None = None  # (what configure_process last handed down)
+
+
 def configure_process(env: Environment | None = None) -> Environment:
     """Hand this process's Environment (engine/config.py: the environment's diagnosis switches,
     cache folder and compiler) to the models and their kernels, before a model loads; returns it.
     A bad diagnosis value is a ConfigError."""
     import models
+    global _configured
     env = environment() if env is None else env
+    _configured = env
     models.configure(triton=env.triton, pdl=env.pdl, precompile=env.precompile, fp8_prefill=env.fp8_prefill,
                      fp8_gemv=env.fp8_gemv, cache_dir=env.cache_dir, compiler=env.compiler)
     return env
@@ -73,9 +78,10 @@ def kernel_config(cfg: EngineConfig, env: Environment | None = None):
     C++ CPU kernels where cpu_kernel is not off and nothing else takes the step (compile: on,
     tensor-parallel ranks), their rounded inputs with cpu_int8: on (auto: None, the planner's
     int8_by_default); no Triton kernels where CHAT_TRITON switches them off (a plan for CUDA made
-    on a host without one then says so too)."""
+    on a host without one then says so too). `env`: where None, the one configure_process
+    handed down, else this process's environment."""
     from models.plan import KernelConfig
-    env = environment() if env is None else env
+    env = env or _configured or environment()
     return KernelConfig(cpu_kernel=cfg.cpu_kernel != "off" and cfg.compile == "off" and cfg.tensor_parallel == 1,
                         cpu_int8=None if cfg.cpu_int8 == "auto" else cfg.cpu_int8 == "on",
                         triton=None if env.triton else False)

@@ -36,7 +36,7 @@ from .state import BASE, PROMPT, StateManager
 
 
 # PAD_PREFILL False: prefills run at their own length, eager (as before PaddedPrefill);
-# PREFILL_GRAPHS False: padded, but never captured (bench/ab_prefill.py's variants set them)
+# PREFILL_GRAPHS False: padded, but never captured (a benchmark or a test sets them to compare)
 PAD_PREFILL = True
 PREFILL_GRAPHS = True
 

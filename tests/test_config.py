@@ -69,7 +69,8 @@ def test_the_environment_is_read_once_into_its_dataclass():
     compiler; a bad switch value names the variable and what it takes."""
     from engine.config import Environment, environment
     home = os.path.expanduser("~")
-    assert environment({}) == Environment(cache_dir=os.path.join(home, ".cache", "chat"))
+    assert environment({}) == environment({"CHAT_PDL": " ", "CHAT_FP8_GEMV": ""}) == Environment(
+        cache_dir=os.path.join(home, ".cache", "chat"))  # (an exported but empty variable: unset)
     env = environment({"CHAT_TRITON": "0", "CHAT_PDL": "off", "CHAT_PRECOMPILE": "false", "CHAT_FP8_PREFILL": "Dequant",
                        "CHAT_FP8_GEMV": "f32", "XDG_CACHE_HOME": "/c", "CXX": "clang++"})
     assert env == Environment(triton=False, pdl=False, precompile=False, fp8_prefill="dequant", fp8_gemv="f32",

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from models.formats import gguf_blocks, gguf_tensors
-
 from models.quant import layers as quant
 from test_gguf_blocks import QUANTIZED, random_blocks
 

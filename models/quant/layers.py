@@ -41,6 +41,8 @@ from torch import nn
 from ..formats import gguf_blocks
 from ..formats.gguf_tensors import _PACK_ROWS, _TILE_ROWS, GROUP, GgufExperts, GgufTensor, QuantTensor
 from . import runs as run_layout
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) for W in GGUF 4-bit blocks, in x's dtype (bf16 inside the kernel);
     rows of several matrices may be concatenated (`sizes`, `split`), as FusedLinear does."""

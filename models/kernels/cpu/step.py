@@ -265,7 +265,9 @@ def supports(model) -> bool:
 
 
 def main() -> int:
-    """`python -m models.kernels.cpu.step`: build (or find) the library; prints its path or why not."""
+    """Build (or find) the library; prints its path or why not (engine/prepare.py, which
+    configures the cache folder and compiler first; `python -m models.kernels.cpu.step` alone
+    takes the defaults)."""
     try:
         path = library_path()
         cached = os.path.exists(path)

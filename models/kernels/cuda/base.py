@@ -38,9 +38,18 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def interpreted() -> bool:
-    """Whether Triton runs its interpreter here (its own TRITON_INTERPRET, read by Triton's knobs):
-    the kernels then take the branches the interpreter runs."""
-    return launcher.knobs is not None and bool(launcher.knobs.runtime.interpret)
+    """Whether Triton runs its interpreter here (its own TRITON_INTERPRET): the kernels then take
+    the branches the interpreter runs. Triton's knobs say (3.4 on); before them, whether Triton
+    made this module's kernels interpreted functions when it decorated them."""
+    if triton is None:
+        return False
+    if launcher.knobs is not None:
+        return bool(launcher.knobs.runtime.interpret)
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(_pdl_enter, InterpretedFunction)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -13,9 +13,9 @@ then waits for the previous one).
 Weights are read as stored (formats in `FORMATS`): GGUF blocks as the file's bytes (32-weight
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; 256-weight Q4_K, Q5_K, Q6_K), FP8 e4m3 with one fp32 scale per
 128 x 128 block, and "INT4": 4-bit codes with an fp16 scale and a uint8 zero per group of rows'
-weights (AWQ and GPTQ checkpoints, repacked at load by hf_quant.py). Every format is decoded the
-same way: a program's step of K covers W weights of BLOCK_N rows as two [BLOCK_N, S, L] code
-tiles (`lo`, `hi`: a byte's two nibbles where there are nibbles), with a scale and an offset per
+weights (AWQ and GPTQ checkpoints, unpacked by formats/hf_quant.py and packed at load by
+quant/hf_layers.py). Every format is decoded the same way: a program's step of K covers W weights
+of BLOCK_N rows as two [BLOCK_N, S, L] code tiles (`lo`, `hi`: a byte's two nibbles where there are nibbles), with a scale and an offset per
 [row, s] (weight = scale * code - offset); the GEMV sums code * x over L first and applies the
 scale once per sub-block, so each weight costs a few integer ops and one FMA. Codes become fp32
 through the exponent trick (q | 0x4B000000 is the float 2^23 + q; subtract 2^23) rather than an
