@@ -73,7 +73,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
@@ -288,6 +287,7 @@ def apply(variant: str) -> None:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")

@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import gated_delta, layers, moe, qwen3_5  # noqa: E402
 from models.kernels.cuda import fp8_gemm, grouped, launcher  # noqa: E402
@@ -71,6 +70,7 @@ def prefill_seconds(model, ids: list[int], settings: dict) -> float:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")

@@ -17,9 +17,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from engine.device import configure_process  # noqa: E402
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="+")

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from chat.constraints import Format  # noqa: E402
-from engine.device import configure_process  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 
 SCHEMA = ('{"type":"array","items":{"type":"string","maxLength":24},"minItems":200,"maxItems":200}')
@@ -61,6 +60,7 @@ def tps(session, ids, cfg, compiled, stops):
 
 
 def main():
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

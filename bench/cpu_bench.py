@@ -51,7 +51,6 @@ TEXT = ("The history of computing is a story of layers: transistors become gates
         "compiled by other programs. ")
 
 
-from engine.device import configure_process  # noqa: E402
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     ids: list[int] = []
@@ -155,7 +154,6 @@ def llama_cpp_in_child(python: str, path: str, ids: list[int], n_decode: int, re
 
 
 def main() -> None:
-    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     global clock
     if len(sys.argv) == 3 and sys.argv[1] == "--child-llama-cpp":
         a = json.loads(sys.argv[2])
@@ -163,6 +161,8 @@ def main() -> None:
         r = bench_llama_cpp(a["path"], a["ids"], a["n_decode"], a["repeats"], a["threads"], a["context"])
         print(json.dumps(r) if r else "")
         return
+    from engine.device import configure_process
+    configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", default="0", help="thread counts, comma-separated (0: all this process may use)")

@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from models.kernels.cuda import linear as cuda_linear  # noqa: E402
 
 SHAPES = {  # (K, N) of each linear in one decoder layer, and the LM head
@@ -69,6 +68,7 @@ def time_calls(fn, weights, x, reps=5) -> float:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(list(SHAPES)[:4]))

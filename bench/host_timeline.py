@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.kernels.cuda import launcher  # noqa: E402
 from shapes import random_model  # noqa: E402
@@ -120,6 +119,7 @@ def compare(slow: dict, fast: dict) -> dict:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name")

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cuda_events import median_us  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from models.architectures import moe  # noqa: E402
 from models.kernels.cuda import grouped  # noqa: E402
 from models.kernels.cuda import moe as cuda_moe  # noqa: E402
@@ -37,6 +36,7 @@ def cfg(text: str) -> tuple:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["128,2048,768,8,2048", "256,2048,512,8,2048"])

@@ -22,7 +22,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from gemv_sweep import time_graph  # noqa: E402
-from engine.device import configure_process  # noqa: E402
 from models.kernels.cuda import moe  # noqa: E402
 
 SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
@@ -33,6 +32,7 @@ SHAPES = {  # E, H, I, top k, shared expert as one more (its I the experts')
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3.5-35b-a3b,qwen3-30b-a3b")

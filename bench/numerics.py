@@ -74,7 +74,6 @@ ALL = ["ours-auto", "ours-bf16", "ours-fp16", "ours-fp32", "hf-bf16", "hf-fp32"]
 OURS_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "dequantized": "float32"}
 
 
-from engine.device import configure_process  # noqa: E402
 
 def prompt_ids(model_path: str, n: int) -> tuple[list[list[int]], list[int]]:
     """The prompts as token ids through our template and tokenizer (the same ids for every variant)."""
@@ -186,6 +185,7 @@ def agreement(replies: list[list[int]], ref: list[list[int]]) -> dict:
 
 
 def main() -> int:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cuda_events import median_us  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from models.architectures import layers  # noqa: E402
 from models.kernels.cuda import prefill_attention as pa  # noqa: E402
 
@@ -59,6 +58,7 @@ def old_form(q, kc, vc, start):
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=["32,4,128,0,2048", "24,4,256,0,2048", "16,2,256,0,2048",

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from shapes import random_model  # noqa: E402
 
@@ -151,6 +150,7 @@ def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False) -
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("name")

@@ -46,7 +46,6 @@ from gemv_sweep import time_graph  # noqa: E402
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 
-from engine.device import configure_process  # noqa: E402
 
 def run(name: str, fmt: str, args, device) -> dict:
     from models.quant.layers import weight_formats
@@ -484,6 +483,7 @@ def _graph_us(call) -> float:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--big", default="qwen3.5-27b")

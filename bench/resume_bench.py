@@ -25,9 +25,9 @@ PARAGRAPH = ("The history of bread begins with flat cakes of ground grain baked 
              "later, when wild yeasts were kept alive from one batch to the next. ")
 
 
-from engine.device import configure_process  # noqa: E402
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")

@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
 
 
-from engine.device import configure_process  # noqa: E402
 
 def weight(fmt: str, n: int, k: int):
     """A random [n, k] QWeight of `fmt` on the CPU (GGUF types, AWQ for INT4, FP8), as the loaders
@@ -252,6 +251,7 @@ def opcode(line: str) -> str:
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("formats", nargs="*", default=["Q4_K", "Q6_K", "Q8_0", "INT4", "FP8", "INT4P", "Q4KP", "Q5KP", "Q6KP"])

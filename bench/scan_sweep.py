@@ -13,12 +13,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.device import configure_process  # noqa: E402
 from models.architectures import gated_delta  # noqa: E402
 from models.kernels.cuda import scan as cuda_scan  # noqa: E402
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     prec, BV, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     cuda_scan.CONFIG.update(BV=BV, num_warps=warps, num_stages=stages, precision=prec)

@@ -36,9 +36,9 @@ PARAGRAPH = ("The old lighthouse stood at the edge of the cliff, its white paint
 ASK = "Repeat the following paragraph exactly, word for word, but replace the word 'quiet' with 'gentle':\n\n"
 
 
-from engine.device import configure_process  # noqa: E402
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")

@@ -30,7 +30,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-from engine.device import configure_process  # noqa: E402
 
 def rank_main(rank, world, init, args, out):
     from engine.config import SamplingConfig
@@ -130,6 +129,7 @@ def run_size(args, world):
 
 
 def main():
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("shape")

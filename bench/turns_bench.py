@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from engine.device import configure_process  # noqa: E402
 from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession, common_prefix  # noqa: E402
 from shapes import random_model  # noqa: E402
@@ -37,6 +36,7 @@ REPEAT = 5
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*", default=["qwen3.5-0.8b"])
