@@ -2,7 +2,7 @@
 inputs against int8 ones (`cpu_int8`): one decode row, or a prefill's many.
 
     python bench/cpu_block_bench.py [--types Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K] [--shapes 3584x1024,1024x3584]
-                                    [--threads N] [--rows 1] [--cached]
+                                    [--threads N] [--rows 1] [--cached] [--cpu-isa native|avx2]
 
 Each matrix is random blocks (finite fp16 scales) of N x K weights; enough copies of it are cycled
 through that they exceed the last-level cache (100 MB), so the weights come from DRAM as a
@@ -14,7 +14,9 @@ the int8 column is block_linear on int8 inputs; where the CPU multiplies bf16 na
 BlockLinear.PREFILL_ROWS rows. Printed: the best of 10 passes (GFLOP/s in place of GB/s for a
 prefill), and the largest relative error against the fp64 product of the dequantized weights
 (with x rounded as the int8 path rounds it, step.int8_reference, for int8; x and W rounded to
-bf16 for bf16).
+bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch's kernels held
+there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
+AVX2_ENV).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine.device import configure_process  # noqa: E402
+from cpu_bench import AVX2_ENV  # noqa: E402
 from models.formats import gguf_blocks  # noqa: E402
 from models.quant import layers as quant  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
@@ -50,6 +53,7 @@ def random_blocks(name: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
 
 
 def main() -> None:
+    from engine.device import configure_process
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default="Q4_0,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
@@ -57,7 +61,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--cached", action="store_true")
+    p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
     a = p.parse_args()
+    if a.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENV})
+    step.select_isa(a.cpu_isa)
     from engine.device import physical_cores
     torch.set_num_threads(a.threads or physical_cores())
     step.load()
@@ -76,7 +84,8 @@ def main() -> None:
         return modules[key](x)
     variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else [])
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}")
+    print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}, "
+          f"cpu_isa: {step.isa_label()}")
     rate = "GFLOP/s" if a.rows > 8 else "GB/s"  # (a prefill's rate: its arithmetic; a decode's: its bytes)
     print(f"{'type':6}{'shape':>14}" + "".join(f"{v + ' us':>10}{'Gw/s':>7}{rate:>8}" for v in variants)
           + "".join(f"{v + '/fp32':>11}" for v in variants[1:]) + f"{'max rel err':>13}")

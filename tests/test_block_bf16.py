@@ -61,7 +61,8 @@ def test_modules_take_bf16_from_prefill_rows_with_int8_on(cpp, qtype, monkeypatc
     prefill of PREFILL_ROWS rows or more is block_linear_bf16's product, fewer the int8 tiles'; with
     cpu_int8 off, the fp32 forms. Where the CPU has no native bf16 (bf16_gemm false), no module
     takes it: with the AVX-512 forms (VNNI) the int8 tiles serve a prefill, with the AVX2 forms
-    the fp32 GEMM on x itself (the dequantized weights: BlockLinear's torch form)."""
+    the K-quants' int8 tiles and the fp32 GEMM on x itself for the 32-weight types (the
+    dequantized weights: BlockLinear's torch form)."""
     from models.kernels.cpu import step
     from test_qplanar import gguf_experts
     monkeypatch.setattr(step, "bf16_gemm", lambda: True)
@@ -97,10 +98,14 @@ def test_modules_take_bf16_from_prefill_rows_with_int8_on(cpp, qtype, monkeypatc
     monkeypatch.setattr(step, "avx512_forms", lambda: False)
     step.attach_block_kernels(net)
     quant.use_int8_inputs(net, True)
-    assert lin.prefill_form == ex.prefill_form == "fp32"
-    exact = many.double() @ gguf_blocks.dequantize(raw, t).double().t()
-    bound = many.double().abs() @ gguf_blocks.dequantize(raw, t).double().abs().t()
-    assert torch.all((lin(many).double() - exact).abs() <= 1e-5 * bound + 1e-30)
+    if qtype >= Q.Q4_K:  # (the AVX2 forms' K-quant tiles: a super-block's sums in integers)
+        assert lin.prefill_form == ex.prefill_form == "int8"
+        assert torch.equal(lin(many), cpp.block_linear(many, raw, t, True))
+    else:
+        assert lin.prefill_form == ex.prefill_form == "fp32"
+        exact = many.double() @ gguf_blocks.dequantize(raw, t).double().t()
+        bound = many.double().abs() @ gguf_blocks.dequantize(raw, t).double().abs().t()
+        assert torch.all((lin(many).double() - exact).abs() <= 1e-5 * bound + 1e-30)
     assert torch.equal(lin(few), cpp.block_linear(few, raw, t, True))
 
 
@@ -123,3 +128,27 @@ def test_prefill_logits_closer_to_fp32_than_the_int8_tiles(tmp_path, monkeypatch
     int8 = s.prefill(prompt)[-1]
     assert not torch.equal(bf16, int8)
     assert float((bf16 - fp32).abs().max()) < 0.5 * float((int8 - fp32).abs().max())
+
+
+def test_experts_of_mixed_types_take_each_types_prefill_form(monkeypatch):
+    """A BlockExperts whose gate and up are Q4_K and whose down is Q8_0 (a K-quant mix's fallback),
+    under the AVX2 forms: the K-quant's prefill on the int8 tiles, the Q8_0's by the fp32 GEMM,
+    each matrix as its type says; the experts' output as each form gives it."""
+    from models.kernels.cpu import step
+    from test_qplanar import gguf_experts
+    monkeypatch.setattr(step, "bf16_gemm", lambda: False)
+    monkeypatch.setattr(step, "avx512_forms", lambda: False)
+    ex = quant.BlockExperts(gguf_experts(4, 256, 256, "Q8_0", gate_type="Q4_K"))
+    step.attach_block_kernels(ex)
+    quant.use_int8_inputs(ex, True)
+    assert ex.prefill_form == {int(Q.Q4_K): "int8", int(Q.Q8_0): "fp32"}
+    x = torch.randn(ex.PREFILL_ROWS, 256, generator=torch.Generator().manual_seed(4))
+    idx = torch.stack([torch.full((ex.PREFILL_ROWS,), 1), torch.tensor([0, 2, 3])[torch.arange(ex.PREFILL_ROWS) % 3]], 1)
+    weights = torch.full((ex.PREFILL_ROWS, 2), 0.5)
+    cpp = torch.ops.chat_cpu
+    g, u, d = ex.types
+    gate = cpp.block_linear(x, ex.gate_blocks[1], g, True)  # (expert 1: every row; K-quants: int8 tiles)
+    h = torch.nn.functional.silu(gate) * cpp.block_linear(x, ex.up_blocks[1], u, True)
+    expert1 = (h @ gguf_blocks.dequantize(ex.down_blocks[1], d).t()) * 0.5  # (Q8_0: the fp32 GEMM)
+    rest = ex(x, idx, weights * torch.tensor([0.0, 1.0]))
+    assert torch.allclose(ex(x, idx, weights) - rest, expert1, rtol=1e-5, atol=1e-5)

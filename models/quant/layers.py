@@ -302,10 +302,11 @@ class BlockLinear(QuantLinear):
     # kernels, by what the CPU runs fastest from about that many rows: bench/cpu_block_bench.py
     # --rows, bench/cpu_bench.py): "bf16", bf16 products (`bf16_kernel(x, blocks, type)`; AVX512-
     # BF16), nearer the fp32 product than int8 inputs; "fp32", x itself times the dequantized
-    # weights by torch's GEMM (the library's AVX2 forms, whose int8 tiles were slower: exact too);
-    # "int8", the int8 tiles (AVX-512 VNNI without BF16)
+    # weights by torch's GEMM (the library's AVX2 forms of the 32-weight types, whose int8 tiles
+    # were slower: exact too); "int8", the int8 tiles (AVX-512 VNNI without BF16, and the AVX2
+    # forms of the K-quants). A dict: the form of each GGUF type the module holds, where they differ
     bf16_kernel = None
-    prefill_form = "int8"
+    prefill_form: "str | dict[int, str]" = "int8"
     PREFILL_ROWS = 64
 
     def cpu_product(self, x2: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
@@ -313,8 +314,9 @@ class BlockLinear(QuantLinear):
         inputs, as the attributes above choose), or None where none takes x2 (the torch forms then)."""
         if self.fp32_kernel is None or x2.dtype != torch.float32:
             return None
-        if self.int8_inputs and x2.shape[0] >= self.PREFILL_ROWS and self.prefill_form != "int8":
-            return self.bf16_kernel(x2, blocks, ggml_type) if self.prefill_form == "bf16" else None
+        form = self.prefill_form if isinstance(self.prefill_form, str) else self.prefill_form[ggml_type]
+        if self.int8_inputs and x2.shape[0] >= self.PREFILL_ROWS and form != "int8":
+            return self.bf16_kernel(x2, blocks, ggml_type) if form == "bf16" else None
         if x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs:
             return self.fp32_kernel(x2.contiguous(), blocks, ggml_type, self.int8_inputs)
         return None
@@ -453,15 +455,20 @@ class BlockExperts(nn.Module):
             tok, slot = torch.where(idx == e)
             xs = x[tok]
             g, u, d = self.types
-            gate = self.cpu_product(xs, self.gate_blocks[e], g)
-            if gate is not None:
-                h = F.silu(gate) * self.cpu_product(xs, self.up_blocks[e], u)
-                y = self.cpu_product(h, self.down_blocks[e], d)
-            else:
-                gate, up, down = self.expert(e, x.dtype)
-                y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
+            h = F.silu(self._product(xs, self.gate_blocks[e], g)) * self._product(xs, self.up_blocks[e], u)
+            y = self._product(h, self.down_blocks[e], d)
             out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
         return out
+
+    def _product(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+        """x times one expert matrix's W^T: the library's kernels where they take x (cpu_product),
+        else torch's linear on the weights dequantized to x's dtype (each matrix as its type's
+        prefill form says: a K-quant mix may hold types whose forms differ)."""
+        y = self.cpu_product(x, blocks, ggml_type)
+        if y is not None:
+            return y
+        deq = self.dequant_kernel if self.dequant_kernel is not None and not blocks.is_cuda else gguf_blocks.dequantize
+        return F.linear(x, deq(blocks, ggml_type).to(x.dtype))
 
 
 class PlanarExperts(nn.Module):

@@ -43,22 +43,44 @@ struct AccK : RowsOf {
   // each sub-block's minimum twice)
   template <bool Q6>
   CHAT_INLINE void unit(const __m256i u[8], const __m256i s[8], __m256i by16, int64_t i, float d, float dmin) {
-    for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
-      const int64_t row = t0 + t;
-      const int8_t* q = x->q.data() + row * x->K + 256 * i;
-      __m256i isum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j)
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                          u[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), s[j]));
-      const float dx = x->dx[row * x->nb + i];
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums.data() + row * x->K / 16 + 16 * i));
-      const __m256i by = _mm256_madd_epi16(bs, by16);
-      if constexpr (Q6)
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(by, 5));
-      else
-        m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by), _mm256_set1_ps(dmin * dx), m[t]);
-      v[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), v[t]);
+    if constexpr (TN > 1) {
+      // A whole tile: sub-block by sub-block, its codes and scales read once for the TN rows,
+      // whose integer sums stay in registers (AVX2 has 16: u[8] and s[8] beside TN sums and the
+      // accumulators would spill each product's operands, bench/cpu_block_bench.py --rows 512
+      // --cpu-isa avx2); the sums are the same integers, added in the same order per row
+      __m256i isum[TN];
+      for (int64_t t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
+      const int8_t* q = x->q.data() + t0 * x->K + 256 * i;
+      for (int j = 0; j < 8; ++j) {
+        const __m256i uj = u[j], sj = s[j];
+        for (int64_t t = 0; t < TN; ++t)
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                  uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * x->K + 32 * j))), sj));
+      }
+      for (int64_t t = 0; t < TN; ++t) finish<Q6>(isum[t], by16, t, i, d, dmin);
+    } else {
+      for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
+        const int8_t* q = x->q.data() + (t0 + t) * x->K + 256 * i;
+        __m256i isum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j)
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                            u[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), s[j]));
+        finish<Q6>(isum, by16, t, i, d, dmin);
+      }
     }
+  }
+  // row t's super-block i: its integer sum scaled into v[t], the minimum (or Q6_K's 32) terms
+  template <bool Q6>
+  CHAT_INLINE void finish(__m256i isum, __m256i by16, int64_t t, int64_t i, float d, float dmin) {
+    const int64_t row = t0 + t;
+    const float dx = x->dx[row * x->nb + i];
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->bsums.data() + row * x->K / 16 + 16 * i));
+    const __m256i by = _mm256_madd_epi16(bs, by16);
+    if constexpr (Q6)
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(by, 5));
+    else
+      m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(by), _mm256_set1_ps(dmin * dx), m[t]);
+    v[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), v[t]);
   }
 };
 

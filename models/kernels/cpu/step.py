@@ -103,12 +103,16 @@ def bf16_gemm() -> bool:
     return _isa != "avx2" and "avx512_bf16" in _cpu_flags()
 
 
-def prefill_form() -> str:
-    """How a prefill's many rows on rounded inputs (cpu_int8) are multiplied here (BlockLinear's
-    `prefill_form`): "bf16" where bf16_gemm; "fp32" (x itself, the dequantized weights, torch's
-    GEMM) with the AVX2 forms, where that ran faster than the AVX2 int8 tiles at the fp32 units'
-    peak (bench/cpu_block_bench.py --rows 512 --cached under cpu_isa: avx2); else "int8" (VNNI)."""
-    return "bf16" if bf16_gemm() else "fp32" if not avx512_forms() else "int8"
+def prefill_form(ggml_type: int | None = None) -> str:
+    """How a prefill's many rows of a GGUF type on rounded inputs (cpu_int8) are multiplied here
+    (BlockLinear's `prefill_form`): "bf16" where bf16_gemm; else "int8" (VNNI's tiles) with the
+    AVX-512 forms, and with the AVX2 forms for the K-quants, whose tiles sum a super-block's 256
+    codes in integers before one fp32 scale; "fp32" (x itself, the dequantized weights, torch's
+    GEMM) for the AVX2 forms of the 32-weight types, whose tiles scale each 32 codes and ran
+    slower than the fp32 GEMM (bench/cpu_block_bench.py --rows 512 --cached --cpu-isa avx2)."""
+    if bf16_gemm():
+        return "bf16"
+    return "int8" if avx512_forms() or ggml_type in K_QUANTS else "fp32"
 
 
 def _flags() -> list[str]:
@@ -334,13 +338,13 @@ def attach_block_kernels(model, norms: bool = False) -> None:
     if head is not None:
         head.fp32_kernel = torch.ops.chat_cpu.q8_linear
     bf16 = torch.ops.chat_cpu.block_linear_bf16 if bf16_gemm() else None
-    form = prefill_form()
     for m in model.modules():
         if isinstance(m, (BlockLinear, BlockExperts)):
             m.fp32_kernel = torch.ops.chat_cpu.block_linear
             m.dequant_kernel = torch.ops.chat_cpu.block_dequant
             m.bf16_kernel = bf16
-            m.prefill_form = form
+            forms = {t: prefill_form(t) for t in (m.types if isinstance(m, BlockExperts) else (m.ggml_type,))}
+            m.prefill_form = next(iter(forms.values())) if len(set(forms.values())) == 1 else forms
 
 
 def detach_block_kernels(model) -> None:
