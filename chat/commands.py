@@ -101,6 +101,23 @@ def _origin(where: str) -> str:
     return "" if where == "default" else f" ({where})"
 
 
+def _cpu_int8_lines(c) -> list[str]:
+    """/show's cpu_int8 line on the CPU: the setting, what it resolved to and why (auto's rule,
+    models.int8_by_default), and what the library's block products take as inputs."""
+    import models
+    rt = c.rt
+    rounding = models.cpu_rounding(rt.loaded.model) if rt.device.type == "cpu" else ""
+    if not rounding:
+        return []
+    setting, on = c.settings.engine.cpu_int8, bool(getattr(rt.loaded.model, "cpu_int8", False))
+    why = ""
+    if setting == "auto":
+        why = (" (the layers hold GGUF blocks, whose products on rounded inputs run faster here)" if on else
+               " (no layer's blocks gain from it here: only a Q8_0 head would round, beside int4-plane layers "
+               "whose replies stay nearer the fp32 model's)")
+    return [f"cpu_int8: {setting}{_origin(c.settings.origin('cpu_int8'))} -> {'on' if on else 'off'}{why}: {rounding}"]
+
+
 def _show(app, arg):
     c = app.controller
     rt = c.rt
@@ -113,6 +130,7 @@ def _show(app, arg):
              f"{len(c.session.cached)} cached; state {c.session.state.nbytes / 2**20:.1f} MiB",
              f"checkpoints: {c.session.state.describe()}",
              f"decode step: {c.session.decode_path}",
+             *_cpu_int8_lines(c),
              f"speculative: {c.session.speculation_text}" + _origin(c.settings.origin("speculative")),
              *([f"kernel plan: {rt.loaded.plan.summary()}; {rt.loaded.plan.decode_bytes() / 1e6:,.1f} MB "
                 f"of weights a step (`chat plan` lists it)"] if getattr(rt.loaded, "plan", None) else []),

@@ -15,13 +15,13 @@ from . import loader as _loader
 from .loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
-from .quant.layers import int8_by_default, use_int8_inputs
+from .quant.layers import cpu_rounding, int8_by_default, use_int8_inputs
 from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
 from .plan import KernelConfig, Plan
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
-           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "select_cpu_isa", "cpu_isa_label",
+           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "cpu_rounding", "select_cpu_isa", "cpu_isa_label",
            "CpuStepUnavailable", "KernelConfig", "Plan", "configure"]
 
 

@@ -152,3 +152,31 @@ def test_experts_of_mixed_types_take_each_types_prefill_form(monkeypatch):
     expert1 = (h @ gguf_blocks.dequantize(ex.down_blocks[1], d).t()) * 0.5  # (Q8_0: the fp32 GEMM)
     rest = ex(x, idx, weights * torch.tensor([0.0, 1.0]))
     assert torch.allclose(ex(x, idx, weights) - rest, expert1, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_rounding_says_what_the_block_products_take(monkeypatch):
+    """models.cpu_rounding (/show's cpu_int8 line): nothing without the library's kernels, fp32
+    inputs with cpu_int8 off, and with it on each GGUF type's prefill form under the AVX2 forms."""
+    import models
+    from models.kernels.cpu import step
+    monkeypatch.setattr(step, "bf16_gemm", lambda: False)
+    monkeypatch.setattr(step, "avx512_forms", lambda: False)
+    net = torch.nn.ModuleList([quant.BlockLinear(torch.from_numpy(random_blocks(Q.Q4_K, rows=8, blocks_per_row=1, seed=1)),
+                                                 int(Q.Q4_K)),
+                               quant.BlockLinear(torch.from_numpy(random_blocks(Q.Q5_0, rows=8, blocks_per_row=8, seed=2)),
+                                                 int(Q.Q5_0))])
+    assert models.cpu_rounding(net) == ""
+    step.attach_block_kernels(net)
+    assert models.cpu_rounding(net) == "fp32 inputs (the blocks' exact products)"
+    quant.use_int8_inputs(net, True)
+    assert models.cpu_rounding(net) == ("decode's inputs rounded to int8 as llama.cpp rounds them; a prefill's rows: "
+                                        "Q4_K int8 tiles; Q5_0 x itself by the fp32 GEMM")
+
+
+def test_show_names_cpu_int8_and_why(tmp_path):
+    """/show on the embedded model (CPU, cpu_int8: auto): the setting, what it resolved to, why and
+    what the block products take."""
+    from cli import run_chat
+    p = run_chat("--temperature", "0", stdin="/show\n/exit\n", tmp_path=tmp_path)
+    line = next(x for x in p.stdout.splitlines() if x.startswith("cpu_int8:"))
+    assert line.startswith("cpu_int8: auto -> ") and ("(the layers hold GGUF blocks" in line or "(no layer's blocks" in line)

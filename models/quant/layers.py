@@ -647,6 +647,33 @@ def use_int8_inputs(model: nn.Module, on: bool) -> int:
     return n
 
 
+def cpu_rounding(model) -> str:
+    """What the C++ library's products of this CPU model's GGUF blocks take as inputs, in words
+    (/show): decode's rows rounded to int8 as llama.cpp rounds them and each GGUF type's prefill
+    form (models/kernels/cpu/step.py's prefill_form, set with the kernels), or fp32 inputs; ""
+    where no module holds blocks the library's kernels read."""
+    held = [m for m in model.modules() if isinstance(m, (BlockLinear, BlockExperts, Q8Linear))
+            and getattr(m, "fp32_kernel", None) is not None]
+    if not held:
+        return ""
+    if not any(m.int8_inputs for m in held):
+        return "fp32 inputs (the blocks' exact products)"
+    words = {"bf16": "bf16 products", "int8": "int8 tiles", "fp32": "x itself by the fp32 GEMM"}
+    forms: dict[str, str] = {}
+    for m in held:
+        if isinstance(m, Q8Linear):
+            continue
+        types = m.types if isinstance(m, BlockExperts) else (m.ggml_type,)
+        for t in types:
+            form = m.prefill_form if isinstance(m.prefill_form, str) else m.prefill_form[t]
+            forms[gguf_blocks.type_name(t)] = words[form]
+    by_form: dict[str, list[str]] = {}
+    for name, form in sorted(forms.items()):
+        by_form.setdefault(form, []).append(name)
+    prefill = "; ".join(f"{', '.join(names)} {form}" for form, names in by_form.items())
+    return "decode's inputs rounded to int8 as llama.cpp rounds them" + (f"; a prefill's rows: {prefill}" if prefill else "")
+
+
 def int8_by_default(model: nn.Module) -> bool:
     """`cpu_int8: auto`'s choice for a loaded model: on where its layers hold GGUF blocks on the
     CPU (BlockLinear, BlockExperts: a K-quant, Q5 or Q8_0 file, or Q4_0/Q4_1 where models.load kept
