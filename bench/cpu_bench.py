@@ -3,7 +3,7 @@
 Runs ours and, when `llama_cpp` is importable (optional, never a dependency), llama.cpp on the
 same GGUF in the same run (a child process, so the two OpenMP runtimes never meet), with the same
 thread count and prompt, and prints a table with ratios.
-    python bench/cpu_bench.py [--model smollm2] [--threads 0,1] [--decode 128] [--repeats 3]
+    python bench/cpu_bench.py [--model smollm2] [--threads 1,0] [--decode 128] [--repeats 3]
                               [--quantized auto|off] [--compile on|off] [--cpu-kernel auto|on|off]
                               [--context 16]  # tokens in the context when decoding starts
                               [--cpu-int8 auto|off|on|all]  # a GGUF's block products on rounded inputs
@@ -23,10 +23,12 @@ level (the `cpu_isa` setting), and torch's own kernels held there too (the proce
 with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2); give it a
 --llama-python whose llama.cpp was built for AVX2 (-DGGML_NATIVE=OFF -DGGML_AVX2=ON
 -DGGML_AVX512=OFF ...) to compare like with like.
---threads takes a list: each count in turn (0: the cores this process may run on), a table each.
-The machine's copy bandwidth is measured in the same command (engine.device.measure_bandwidth), and
-each decode figure is also given as a share of the floor it puts under a token: the weight bytes
-a decode step reads (the kernel plan's) plus the KV cache of the context, over that bandwidth.
+--threads takes a list: each count in turn (0: the cores this process may run on), a table each;
+by default 1 and all of them. The machine's read bandwidth is measured in the same command (the
+best of several sums over 256 MiB: a stream of reads, as a decode step's), its copy bandwidth too
+(engine.device.measure_bandwidth, what `chat plan` takes), and each decode figure is also given as
+a share of the floor the read bandwidth puts under a token: the weight bytes a decode step reads
+(the kernel plan's) plus the KV cache of the context, over that bandwidth.
 --rounds R runs ours and llama.cpp in turn R times (a shared machine's speed drifts by up to a
 fifth within minutes, bench/RESULTS.md): each round's figures and ratios are printed, and the table
 gives the medians over the rounds, its ratios the median of the rounds' ratios.
@@ -165,7 +167,7 @@ def main() -> None:
     configure_process()  # (the environment's diagnosis switches and folders, as chat takes them)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--threads", default="0", help="thread counts, comma-separated (0: all this process may use)")
+    ap.add_argument("--threads", default="1,0", help="thread counts, comma-separated (0: all this process may use)")
     ap.add_argument("--prompt-tokens", type=int, default=622)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--context", type=int, default=16,
@@ -205,18 +207,33 @@ def main() -> None:
                      kernels=models.KernelConfig(cpu_kernel=args.cpu_kernel != "off" and args.compile == "off",
                                                  cpu_int8=int8))
     load = time.perf_counter() - t0
-    for threads in counts:
-        run_threads(args, path, threads or physical_cores(), lm, load)
+    for threads in dict.fromkeys(t or physical_cores() for t in counts):  # (1 and all on one core: once)
+        run_threads(args, path, threads, lm, load)
 
 
-def bandwidth_in_child(threads: int) -> float:
-    """engine.device.measure_bandwidth on `threads` threads, in a child process: its 512 MiB of
+BANDWIDTH_CHILD = r"""
+import json, sys, time
+import torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(int(sys.argv[2]))
+from engine.device import measure_bandwidth
+x = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB: far past the last-level cache
+best = float("inf")
+for _ in range(8):  # (a sum reads each byte once and writes nothing: a decode step's stream)
+    t0 = time.perf_counter()
+    float(x.sum())
+    best = min(best, time.perf_counter() - t0)
+print(json.dumps({"read": x.numel() * 4 / best, "copy": measure_bandwidth(torch.device("cpu"))}))
+"""
+
+
+def bandwidth_in_child(threads: int) -> dict:
+    """The read and copy bandwidths (bytes a second) on `threads` threads, in a child process: its
     buffers stay out of this process's peak RSS."""
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(int(sys.argv[2])); "
-            "from engine.device import measure_bandwidth; print(measure_bandwidth(torch.device('cpu')))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code, root, str(threads)], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", BANDWIDTH_CHILD, root, str(threads)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_threads(args, path: str, threads: int, lm, load: float) -> None:
@@ -239,16 +256,17 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
         rss_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rounds.append((ours, llama_cpp_in_child(args.llama_python, path, ids, args.decode, args.repeats, threads,
                                                 context)))
-    bandwidth = bandwidth_in_child(threads)
+    bandwidths = bandwidth_in_child(threads)
     step_bytes = lm.plan.decode_bytes() + lm.plan.kv_bytes_per_token() * len(context)
-    floor = bandwidth / step_bytes  # tok/s
+    floor = bandwidths["read"] / step_bytes  # tok/s
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel}, "
           f"cpu_isa: {models.cpu_isa_label()} "
           f"(session start {rounds[0][0][variants[0]]['session_s']:.1f} s)")
-    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s (a 256 MiB copy, {threads} threads), a decode step reads "
-          f"{step_bytes / 1e6:.1f} MB: floor {floor:.1f} tok/s")
+    print(f"bandwidth {bandwidths['read'] / 1e9:.1f} GB/s read (sums over 256 MiB; a 256 MiB copy: "
+          f"{bandwidths['copy'] / 1e9:.1f} GB/s), {threads} threads; a decode step reads {step_bytes / 1e6:.1f} MB: "
+          f"floor {floor:.1f} tok/s")
     auto = "on" if models.int8_by_default(lm.model) else "off"
     names = {"auto": f"ours (auto: {auto})", "off": "ours (int8 off)", "on": "ours (int8 on)"}
     measured = all(ref for _, ref in rounds)
