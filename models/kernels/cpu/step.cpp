@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <map>
 #include <vector>
 
 namespace {
@@ -771,9 +772,88 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   return y;
 }
 
-// Several linears reading the same input (q/k/v or gate/up kept apart), outputs side by side.
+// One row x [1, K] times several GGUF-block matrices that read it (q/k/v, gate/up kept apart: their
+// types may differ), outputs side by side in one parallel region, x rounded to int8 once per type
+// (or its 32-input sums made once): each output is the one-matrix call's (block_linear's) bits,
+// the same row kernels on the same rows of W; the forks and the rounding of the separate calls
+// saved (bench/cpu_bench.py, the decode of small GGUF models; tests/test_speculative.py compares
+// the decode's bits with a verify's rows, which take the separate calls).
+Tensor block_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& types, bool int8) {
+  const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
+  std::vector<int64_t> start(parts + 1, 0);
+  for (int64_t i = 0; i < parts; ++i) {
+    TORCH_CHECK(check_blocks(ws[i], types[i]) == K, "block_linears_row: x has ", K, " columns, a matrix another");
+    start[i + 1] = start[i] + ws[i].size(0);
+  }
+  Tensor y = at::empty({1, start[parts]}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::map<int64_t, Int8Rows> rounded;  // (a type's rounding of x: K-quants per 256, the others per 32 with their offset)
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+  if (int8)
+    for (int64_t t : types)
+      if (!rounded.count(t)) rounded.emplace(t, quantize_rows(xp, 1, K, t));
+#else
+  if (int8) {  // (no int8 dot product here: each matrix as block_linear takes it)
+    for (int64_t i = 0; i < parts; ++i) y.narrow(1, start[i], ws[i].size(0)).copy_(block_linear(x, ws[i], types[i], true));
+    return y;
+  }
+#endif
+#if defined(CHAT_SIMD_BLOCKS)
+  std::vector<float> xs(K / 32);  // each 32 inputs' sum, for the minimum terms (block_product's)
+  for (int64_t i = 0; i < K / 32; ++i) {
+    float acc = 0.f;
+    for (int j = 0; j < 32; ++j) acc += xp[32 * i + j];
+    xs[i] = acc;
+  }
+#endif
+  at::parallel_for(0, start[parts], 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = 0; i < parts; ++i) {
+      const int64_t m0 = std::max(n0, start[i]) - start[i], m1 = std::min(n1, start[i + 1]) - start[i];
+      if (m0 >= m1) continue;
+      const uint8_t* wp = ws[i].data_ptr<uint8_t>();
+      const int64_t rb = ws[i].size(1), N = ws[i].size(0);
+      float* out = yp + start[i];
+      by_type(types[i], [&](auto tc) {
+        constexpr int64_t T = decltype(tc)::value;
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+        if (int8) {
+          gemv_rows_i8<T, 1>(rounded.at(types[i]), 0, 1, wp, rb, N, m0, m1, out);
+          return;
+        }
+#endif
+#if defined(CHAT_SIMD_BLOCKS)
+        gemv_rows_simd<T, 1, SimdAcc<1>>(xp, xs.data(), 1, K, wp, rb, N, m0, m1, out);
+#else
+        gemv_rows<T>(xp, 1, K, wp, rb, N, m0, m1, out);
+#endif
+      });
+    }
+  });
+  return y;
+}
+
+// Several linears reading the same input (q/k/v or gate/up kept apart), outputs side by side: one
+// row's GGUF blocks of one rounding in one call (block_linears_row), else each linear in turn.
 Tensor linears(const Tensor& x, const OptList& p, int64_t& at_, int64_t parts) {
   if (parts == 1) return linear(x, p, at_);
+  std::vector<Tensor> ws;
+  std::vector<int64_t> types;
+  bool int8 = false, joint = x.size(0) == 1 && x.is_contiguous();
+  for (int64_t i = 0; i < parts && joint; ++i) {
+    const std::optional<Tensor> sz = p.get(at_ + 3 * i + 1);
+    joint = sz.has_value() && sz->scalar_type() == at::kLong && !p.get(at_ + 3 * i + 2).has_value();
+    if (!joint) break;
+    const int64_t code = sz->data_ptr<int64_t>()[0];
+    if (i > 0 && (code >= kInt8Inputs) != int8) joint = false;
+    int8 = code >= kInt8Inputs;
+    ws.push_back(p.get(at_ + 3 * i).value());
+    types.push_back(code % kInt8Inputs);
+  }
+  if (joint) {
+    at_ += 3 * parts;
+    return block_linears_row(x, ws, types, int8);
+  }
   std::vector<Tensor> ys;
   for (int64_t i = 0; i < parts; ++i) ys.push_back(linear(x, p, at_));
   return at::cat(ys, 1);
