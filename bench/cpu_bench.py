@@ -64,6 +64,13 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # what holds torch's own kernels (ATen's dispatch, oneDNN, MKL) to the AVX2 level, read at its import
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def hold_to_isa(isa: str) -> None:
+    """For `--cpu-isa avx2`: this process started again with AVX2_ENV (torch's own kernels held to
+    AVX2 as well), unless it already runs with it; native: nothing to do."""
+    if isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENV})
 clock = CLOCKS["wall"]
 
 
@@ -186,8 +193,7 @@ def main() -> None:
     ap.add_argument("--cpu-isa", choices=("native", "avx2"), default="native",
                     help="the cpu_isa setting; avx2 holds torch's kernels to AVX2 as well (above)")
     args = ap.parse_args()
-    if args.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENV})
+    hold_to_isa(args.cpu_isa)
     import models
     from engine.device import physical_cores
 

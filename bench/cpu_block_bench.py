@@ -16,7 +16,7 @@ prefill), and the largest relative error against the fp64 product of the dequant
 (with x rounded as the int8 path rounds it, step.int8_reference, for int8; x and W rounded to
 bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch's kernels held
 there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
-AVX2_ENV).
+AVX2_ENV: cpu_bench.hold_to_isa).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_bench import AVX2_ENV  # noqa: E402
+from cpu_bench import hold_to_isa  # noqa: E402
 from models.formats import gguf_blocks  # noqa: E402
 from models.quant import layers as quant  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
@@ -63,8 +63,7 @@ def main() -> None:
     p.add_argument("--cached", action="store_true")
     p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
     a = p.parse_args()
-    if a.cpu_isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_ENV})
+    hold_to_isa(a.cpu_isa)
     step.select_isa(a.cpu_isa)
     from engine.device import physical_cores
     torch.set_num_threads(a.threads or physical_cores())
