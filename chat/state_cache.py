@@ -37,6 +37,13 @@ def _fingerprint(controller) -> dict[str, str]:
     return state_file.fingerprint(model_info(controller.rt)["fingerprint"], session, cpu_isa())
 
 
+def _sharded(controller) -> bool:
+    """Whether the session is split over tensor-parallel processes: this process holds its shard
+    of the state only, and a resume would load it into rank 0 alone (the workers' caches empty),
+    so such a session neither saves nor resumes a state file."""
+    return controller.settings.engine.tensor_parallel > 1
+
+
 def _nbytes(session) -> int:
     layout = session.state.layout(session.state.length)
     return sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout.values())
@@ -51,7 +58,7 @@ class StateSaver:
         self.failure: str | None = None
 
     def usable(self, controller) -> bool:
-        return self.budget > 0 and controller.rt is not None
+        return self.budget > 0 and controller.rt is not None and not _sharded(controller)
 
     def save(self, controller, recording: str) -> None:
         if not self.usable(controller):
@@ -84,6 +91,9 @@ def resume(controller, recording: str) -> str | None:
     path = state_path(recording)
     if not os.path.lexists(path):
         return None
+    if _sharded(controller):
+        return ("saved state not used: a tensor-parallel session holds a shard of it in each process; "
+                "the next turn prefills the conversation")
     try:
         n = state_file.read(path, controller.session, _fingerprint(controller))
     except state_file.StateFileError as e:

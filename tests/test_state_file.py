@@ -169,3 +169,19 @@ def test_pruning_a_conversation_removes_its_state(tmp_path):
     (conv / ".tmp-new.state").write_text("x")  # (a write in flight: kept)
     ConversationStore(str(conv), keep=1).prune()
     assert sorted(os.listdir(conv)) == [".tmp-new.state"]
+
+
+def test_a_tensor_parallel_session_neither_saves_nor_resumes_a_state(tmp_path):
+    """Split over processes, rank 0 holds its shard of the state only: a file written from it, or
+    loaded into it alone, would leave the workers' caches behind. Refused, with the reason."""
+    from types import SimpleNamespace
+
+    from chat.state_cache import StateSaver, resume, state_path
+    c = SimpleNamespace(rt=object(), settings=SimpleNamespace(engine=SimpleNamespace(tensor_parallel=2)))
+    assert not StateSaver(64).usable(c)
+    rec = str(tmp_path / "rec.yaml")
+    assert resume(c, rec) is None  # (no file beside it: nothing to say)
+    open(state_path(rec), "wb").write(b"any")
+    assert resume(c, rec).startswith("saved state not used: a tensor-parallel session")
+    c.settings.engine.tensor_parallel = 1
+    assert StateSaver(64).usable(c)
