@@ -195,7 +195,8 @@ def main() -> None:
     args = ap.parse_args()
     hold_to_isa(args.cpu_isa)
     import models
-    from engine.device import physical_cores
+    from engine.config import EngineConfig
+    from engine.device import kernel_config, physical_cores
 
     models.select_cpu_isa(args.cpu_isa)
 
@@ -206,12 +207,11 @@ def main() -> None:
         ap.error("--threads: comma-separated thread counts, 0 for all")
     clock = CLOCKS[args.clock]
     t0 = time.perf_counter()
-    # (the layout the engine loads with for this cpu_int8: Q4_0/Q4_1 in blocks or int4 planes;
-    # `all` measures each value on auto's)
-    int8 = {"auto": None, "all": None, "on": True, "off": False}[args.cpu_int8]
-    lm = models.load(path, quantized=args.quantized == "auto",
-                     kernels=models.KernelConfig(cpu_kernel=args.cpu_kernel != "off" and args.compile == "off",
-                                                 cpu_int8=int8))
+    # (the kernel plan's config as chat builds it for these settings, and so the layout it loads
+    # Q4_0/Q4_1 in: blocks or int4 planes; `all` measures each value on auto's)
+    eng = EngineConfig(cpu_kernel=args.cpu_kernel, compile=args.compile,
+                       cpu_int8="auto" if args.cpu_int8 == "all" else args.cpu_int8)
+    lm = models.load(path, quantized=args.quantized == "auto", kernels=kernel_config(eng))
     load = time.perf_counter() - t0
     for threads in dict.fromkeys(t or physical_cores() for t in counts):  # (1 and all on one core: once)
         run_threads(args, path, threads, lm, load)
