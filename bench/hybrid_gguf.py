@@ -45,8 +45,9 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 """
 
 
-def hf_checkpoint(shape: str, out_dir: str) -> tuple[str, str]:
-    """The shape's random HF checkpoint (bf16) with the tests' tiny tokenizer: (its dir, model_type)."""
+def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[str, str]:
+    """The shape's random HF checkpoint (bf16) with the tests' tiny tokenizer: (its dir, model_type).
+    layers: that many of its layers instead of all."""
     import torch
     import transformers
 
@@ -54,28 +55,35 @@ def hf_checkpoint(shape: str, out_dir: str) -> tuple[str, str]:
     from tiny import write_checkpoint
     kw = dict(SHAPES[shape])
     model_type = kw.pop("model_type")
+    if layers:
+        kw["num_hidden_layers"] = layers
     cfg = transformers.AutoConfig.for_model(model_type, **kw, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return write_checkpoint(model_type, out_dir, model=model), model_type
 
 
-def build(shape: str, qtype: str, python: str | None, out: str) -> str:
+def build(shape: str, qtype: str, python: str | None, out: str, quantize: str | None = None,
+          layers: int | None = None) -> str:
     """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp (Q8_0:
-    by the converter itself, no llama-cpp-python needed)."""
+    by the converter itself, no llama-cpp-python needed): by llama-cpp-python's quantizer in
+    `python`, or by the `quantize` binary (llama-quantize) where given. layers: as hf_checkpoint."""
     from llama_cpp_tree import convert
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
-        hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"))
+        hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"), layers)
         direct = qtype == "Q8_0"
         f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "q8_0" if direct else "f16", pre=PRE.get(model_type, "qwen2"),
                       options=CONVERT_OPTIONS.get(model_type, ()))
         if direct:
             os.replace(f16, out)
             return out
-        if python is None:
-            raise SystemExit(f"{qtype} needs llama.cpp's quantizer: --llama-python PYTHON (one that imports llama_cpp)")
         part = os.path.join(d, "out.gguf")
-        proc = subprocess.run([python, "-c", QUANTIZE, f16, part, FTYPES[qtype]], capture_output=True, text=True)
+        if quantize is not None:
+            proc = subprocess.run([quantize, f16, part, qtype, str(os.cpu_count() or 2)], capture_output=True, text=True)
+        elif python is None:
+            raise SystemExit(f"{qtype} needs llama.cpp's quantizer: --llama-python PYTHON (one that imports llama_cpp)")
+        else:
+            proc = subprocess.run([python, "-c", QUANTIZE, f16, part, FTYPES[qtype]], capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"llama_model_quantize failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
         os.replace(part, out)
