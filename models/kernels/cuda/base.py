@@ -112,8 +112,7 @@ def can_precompile() -> bool:
 def precompiling(workers: int | None = None):
     """Inside: every launch() submits its kernel's compile to a thread pool and returns (nothing
     runs); on leaving, waits for them (a failed compile raises here), then readies each kernel's
-    first launch side by side too: the launcher Triton builds for it (a C compile per kernel in
-    Triton 3.6) and its module loaded on the device. Torch ops inside still run, on whatever the
+    first launch (ready_launchers). Torch ops inside still run, on whatever the
     skipped kernels left in their outputs: callers run a throwaway forward on scratch state.
     Triton releases the GIL in its compiler passes, and ptxas and the C compiler are processes,
     so the work overlaps. Why: a cold start compiled ~13 kernels one at a time at their first
@@ -122,8 +121,8 @@ def precompiling(workers: int | None = None):
     global _submitted
     from concurrent.futures import ThreadPoolExecutor
     workers = workers or min(16, os.cpu_count() or 1)
-    # the pool's threads load the kernels' modules on the caller's device: a thread starts on
-    # device 0, whatever device the calling thread chose (a tensor-parallel rank's cuda:RANK)
+    # the pool's threads compile for the caller's device: a thread starts on device 0, whatever
+    # device the calling thread chose (a tensor-parallel rank's cuda:RANK)
     device = torch.cuda.current_device()
     with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile", initializer=torch.cuda.set_device,
                             initargs=(device,)) as pool:
@@ -136,7 +135,19 @@ def precompiling(workers: int | None = None):
                 _submitted = None
         # (a warmup answers a FutureKernel, or the kernel itself where it was compiled before)
         kernels = {id(k): k for k in (p.result() if hasattr(p, "future") else p for p in pending) if k is not None}
-        list(pool.map(lambda k: k.run, kernels.values()))  # CompiledKernel.run: launcher + module load
+    ready_launchers(kernels.values())
+
+
+def ready_launchers(kernels) -> None:
+    """Each compiled kernel's first launch readied (CompiledKernel.run: the launcher Triton builds
+    for it, a C compile per signature in Triton 3.6 where its disk cache lacks it, and the kernel's
+    module loaded on the device), one kernel after another on the calling thread. Not side by
+    side: Triton's launchers loaded by threads side by side sometimes came back as another
+    kernel's, whose first launch raised "function takes exactly N arguments (M given)"; loaded
+    one at a time they never did (bench/launcher_race.py). A cold cache pays its C compiles in
+    turn; a warm one only loads."""
+    for k in kernels:
+        k.run  # (a property: builds the launcher and loads the module where not yet done)
 
 
 PDL_ENABLED = True
