@@ -442,12 +442,6 @@ class BlockExperts(nn.Module):
         self.register_buffer("up_blocks", t.up.blocks())
         self.register_buffer("down_blocks", t.down.blocks())
 
-    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        deq = self.dequant_kernel if self.dequant_kernel is not None and not self.gate_blocks.is_cuda \
-            else gguf_blocks.dequantize
-        return tuple(deq(b[e], t).to(dtype) for b, t in zip((self.gate_blocks, self.up_blocks, self.down_blocks),
-                                                            self.types))
-
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen ones."""
         out = torch.zeros_like(x)
