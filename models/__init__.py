@@ -68,9 +68,9 @@ def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     import torch
 
     from .kernels.cpu import step
-    wanted = config.cpu_int8 is True or (config.cpu_int8 is None and not step.avx512_forms())
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and config.cpu_kernel and wanted
-            and step.ENABLED)
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not step.ENABLED:
+        return False  # (the CPU's flags are not read for another device's load)
+    return config.cpu_int8 is True or (config.cpu_int8 is None and not step.avx512_forms())
 
 
 def cpu_step_pending(model, dtype) -> bool:

@@ -22,6 +22,7 @@ versions, the compiler flags and the CPU's instruction-set flags (it is built fo
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -129,8 +130,10 @@ def _flags() -> list[str]:
              "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
 
 
+@functools.cache
 def _cpu_signature() -> str:
-    """-march=native code runs only where the same instructions exist: the CPU's flags are in the key."""
+    """-march=native code runs only where the same instructions exist: the CPU's flags are in the key.
+    Read once a process: the flags do not change, and the library's checks ask for them often."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), platform.processor())
