@@ -309,12 +309,16 @@ class BlockLinear(QuantLinear):
     prefill_form: "str | dict[int, str]" = "int8"
     PREFILL_ROWS = 64
 
+    def form_of(self, ggml_type: int) -> str:
+        """The prefill form of this module's `ggml_type` blocks on rounded inputs (prefill_form)."""
+        return self.prefill_form if isinstance(self.prefill_form, str) else self.prefill_form[ggml_type]
+
     def cpu_product(self, x2: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
         """x2 [T, K] fp32 times the blocks' W^T by the library's kernels (bf16 products, int8 or fp32
         inputs, as the attributes above choose), or None where none takes x2 (the torch forms then)."""
         if self.fp32_kernel is None or x2.dtype != torch.float32:
             return None
-        form = self.prefill_form if isinstance(self.prefill_form, str) else self.prefill_form[ggml_type]
+        form = self.form_of(ggml_type)
         if self.int8_inputs and x2.shape[0] >= self.PREFILL_ROWS and form != "int8":
             return self.bf16_kernel(x2, blocks, ggml_type) if form == "bf16" else None
         if x2.shape[0] <= self.KERNEL_ROWS or self.int8_inputs:
@@ -394,10 +398,7 @@ class BlockLinear(QuantLinear):
             from . import planar
             rows = run_layout.dequantize_rows if self.planar_fmt in run_layout.REPACKED else planar.dequantize_planar_rows
             return rows(self.qweight(), start, min(stop, self.out_features)).float()
-        raw = self.blocks[start:stop]
-        if self.dequant_kernel is not None and raw.device.type == "cpu":
-            return self.dequant_kernel(raw, self.ggml_type)
-        return gguf_blocks.dequantize(raw, self.ggml_type)
+        return _dequantized(self.dequant_kernel, self.blocks[start:stop], self.ggml_type)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.stored()[0].is_cuda and self.cuda_serves(x):
@@ -432,6 +433,7 @@ class BlockExperts(nn.Module):
     int8_inputs = False  # as BlockLinear's
     bf16_kernel = None
     prefill_form = BlockLinear.prefill_form
+    form_of = BlockLinear.form_of
     PREFILL_ROWS = BlockLinear.PREFILL_ROWS
     cpu_product = BlockLinear.cpu_product
 
@@ -461,8 +463,15 @@ class BlockExperts(nn.Module):
         y = self.cpu_product(x, blocks, ggml_type)
         if y is not None:
             return y
-        deq = self.dequant_kernel if self.dequant_kernel is not None and not blocks.is_cuda else gguf_blocks.dequantize
-        return F.linear(x, deq(blocks, ggml_type).to(x.dtype))
+        return F.linear(x, _dequantized(self.dequant_kernel, blocks, ggml_type).to(x.dtype))
+
+
+def _dequantized(kernel, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF blocks dequantized to fp32: by the C++ library's `kernel` where one is set and the blocks
+    are on the CPU, else by gguf_blocks (bit for bit the same values)."""
+    if kernel is not None and blocks.device.type == "cpu":
+        return kernel(blocks, ggml_type)
+    return gguf_blocks.dequantize(blocks, ggml_type)
 
 
 class PlanarExperts(nn.Module):
@@ -659,8 +668,7 @@ def cpu_rounding(model) -> str:
             continue
         types = m.types if isinstance(m, BlockExperts) else (m.ggml_type,)
         for t in types:
-            form = m.prefill_form if isinstance(m.prefill_form, str) else m.prefill_form[t]
-            forms[gguf_blocks.type_name(t)] = words[form]
+            forms[gguf_blocks.type_name(t)] = words[m.form_of(t)]
     by_form: dict[str, list[str]] = {}
     for name, form in sorted(forms.items()):
         by_form.setdefault(form, []).append(name)
