@@ -17,6 +17,14 @@ prefill), and the largest relative error against the fp64 product of the dequant
 bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch's kernels held
 there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
 AVX2_ENV: cpu_bench.hold_to_isa).
+
+    python bench/cpu_block_bench.py --mamba2 [48x64x128x1,128x64x128x8] [--threads N]
+
+times instead a Mamba2 mixer's one-token step between its projections (models/architectures/
+mamba2.py's torch form against the library's mamba2_decode, which a Mamba2 hybrid's GGUF blocks
+take with cpu_kernel on), each mixer given as heads x head size x state size x groups (the
+defaults: Granite 4.0-H-Tiny's and Nemotron-H-8B's), its projections 16 wide so that their cost
+is negligible; best of 5 passes of 200 steps, in alternation, from the same random states.
 """
 from __future__ import annotations
 
@@ -62,12 +70,17 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--cached", action="store_true")
     p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
+    p.add_argument("--mamba2", nargs="?", const="48x64x128x1,128x64x128x8", default=None,
+                   help="a Mamba2 mixer's step instead: HEADSxHEAD_DIMxSTATExGROUPS, comma-separated")
     a = p.parse_args()
     hold_to_isa(a.cpu_isa)
     step.select_isa(a.cpu_isa)
     from engine.device import physical_cores
     torch.set_num_threads(a.threads or physical_cores())
     step.load()
+    if a.mamba2:
+        mamba2_steps(a.mamba2)
+        return
     block_linear = torch.ops.chat_cpu.block_linear
     modules: dict = {}
 
@@ -117,6 +130,37 @@ def main() -> None:
                 per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
             print(row + "".join(f"{times['fp32'] / times[v]:>10.2f}x" for v in variants[1:]) + f"{err:>13.1e}")
+
+def mamba2_steps(specs: str) -> None:
+    """The Mamba2 mixers' one-token steps, torch form against the library's (module docstring)."""
+    from models.architectures.mamba2 import Mamba2Mixer
+    print(f"{torch.get_num_threads()} threads, cpu_isa: {step.isa_label()}")
+    print(f"{'H x P x N x G':>18}{'torch us':>10}{'library us':>12}{'ratio':>8}")
+    for spec in specs.split(","):
+        H, P, N, G = map(int, spec.split("x"))
+        torch.manual_seed(0)
+        m = Mamba2Mixer(16, H, P, N, G, 4, 1e-5)
+        with torch.no_grad():
+            for prm in m.parameters():
+                prm.normal_(0, 0.3)
+        m.reset_buffers("cpu")
+        x = torch.randn(1, 16)
+        states = {"conv": torch.randn(m.conv_dim, 3), "ssm": torch.randn(H, P, N) * 0.1}
+        best = {None: float("inf"), torch.ops.chat_cpu.mamba2_decode: float("inf")}
+        with torch.inference_mode():
+            for _ in range(5):
+                for kernel in best:
+                    m.cpu_kernel = kernel
+                    st = {k: v.clone() for k, v in states.items()}
+                    for _ in range(20):
+                        m(x, st)
+                    t0 = time.perf_counter()
+                    for _ in range(200):
+                        m(x, st)
+                    best[kernel] = min(best[kernel], (time.perf_counter() - t0) / 200)
+        t_torch, t_lib = best.values()
+        print(f"{spec:>18}{t_torch * 1e6:>10.1f}{t_lib * 1e6:>12.1f}{t_torch / t_lib:>7.2f}x", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -135,6 +135,9 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    cpu_kernel = None  # the C++ library's mamba2_decode for one token on the CPU (kernels.cpu_block_kernels)
+    cpu_kernel_name = "mamba2_decode"
+
     def __init__(self, hidden: int, n_heads: int, head_dim: int, state_size: int, n_groups: int, conv_kernel: int,
                  eps: float, conv_bias: bool = True, proj_bias: bool = False,
                  dt_limit: tuple[float, float] = (0.0, float("inf")), chunk: int = 64):
@@ -170,6 +173,13 @@ class Mamba2Mixer(nn.Module):
             out = cuda_ssd.decode(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
                                   self.A, self.dt_bias32, self.D32, self.norm.weight, self.norm.eps, self.dt_limit,
                                   self.H, self.P, self.N, self.G)
+            return scaled_linear(self.out_proj, out, out_scale)
+        if self.cpu_kernel is not None and T == 1 and not zxbcdt.is_cuda and dtype == torch.float32:
+            # the conv, the scan step and the gated norm in one library call
+            bias = self.conv1d.bias.detach() if self.conv1d.bias is not None else None
+            out = self.cpu_kernel(zxbcdt, st["conv"], self.conv1d.weight.detach(), bias, st["ssm"], self.A,
+                                  self.dt_bias32, self.D32, self.norm.weight.detach(), self.norm.eps,
+                                  *self.dt_limit, self.H, self.P, self.N, self.G)
             return scaled_linear(self.out_proj, out, out_scale)
         z, xBC, dt = zxbcdt.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state = st["conv"]

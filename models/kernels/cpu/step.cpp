@@ -60,6 +60,7 @@ Tensor rms_norm_rows(const Tensor& x, const Tensor& w, double eps) {
 }
 
 #include "delta_step.h"
+#include "mamba2_step.h"
 
 // torch's int4 kernel on fp32 rows: it takes and returns bf16; the casts are loops here (the
 // same round-to-nearest-even as Tensor.to), not two dispatched ops per matmul.
@@ -1569,6 +1570,9 @@ TORCH_LIBRARY(chat_cpu, m) {
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("block_linear_bf16(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear_bf16);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);
+  m.def("mamba2_decode(Tensor zxbcdt, Tensor(a!) conv_state, Tensor conv_weight, Tensor? conv_bias, Tensor(b!) ssm, "
+        "Tensor A, Tensor dt_bias, Tensor D, Tensor norm_weight, float norm_eps, float dt_min, float dt_max, int H, "
+        "int P, int N, int G) -> Tensor", &mamba2_decode);
   m.def("delta_decode(Tensor mixed, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight, "
         "Tensor(b!) recurrent, Tensor neg_A, Tensor dt_bias, Tensor q_norm_w, Tensor k_norm_w, Tensor norm_w, "
         "float norm_eps, int nk, int nv, int dk, int dv, float beta_scale) -> Tensor", &delta_decode);
