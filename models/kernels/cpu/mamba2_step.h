@@ -77,12 +77,10 @@ Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tens
       for (int64_t p = 0; p < P; ++p) {
         float* row = S + (h * P + p) * N;
         const float xdt = dt * x[h * P + p];
-        float acc = 0.f;
-        for (int64_t n = 0; n < N; ++n) {
-          row[n] = row[n] * decay + xdt * b[n];
-          acc += row[n] * c[n];
-        }
-        y[h * P + p] = acc + Dp[h] * x[h * P + p];
+        // the update, then the read by step.cpp's lane-wise dot: one loop with the read's running
+        // sum in it is a chain of dependent adds the compiler may not vectorise
+        for (int64_t n = 0; n < N; ++n) row[n] = row[n] * decay + xdt * b[n];
+        y[h * P + p] = dot(row, c, N) + Dp[h] * x[h * P + p];
       }
     }
   });
