@@ -16,7 +16,13 @@ def test_the_library_step_is_the_torch_step(nk, nv, dk, dv, olmo):
     cpu_step.load()
     layer, states = delta_layer_and_states(torch.device("cpu"), torch.float32, nk=nk, nv=nv, dk=dk, dv=dv, olmo=olmo)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    library_step_is_torch_step(layer, states, x, torch.ops.chat_cpu.delta_decode, "recurrent")
 
+
+def library_step_is_torch_step(layer, states: dict, x: torch.Tensor, op, written: str) -> None:
+    """`layer` (a module whose `cpu_kernel` is `op` for one-token steps) over x's 7 rows, a 3-token
+    prefill then four steps from `states`, with the op and with its torch form: equal prefills,
+    the same outputs and states to fp32 summation order, the `written` state updated in place."""
     def run(kernel):
         layer.cpu_kernel = kernel
         st = {k: v.clone() for k, v in states.items()}
@@ -25,12 +31,12 @@ def test_the_library_step_is_the_torch_step(nk, nv, dk, dv, olmo):
         return torch.cat(outs), st
 
     want, st_want = run(None)
-    got, st_got = run(torch.ops.chat_cpu.delta_decode)
+    got, st_got = run(op)
     assert torch.equal(got[:3], want[:3])  # (the prefill stays the torch form)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for k in st_want:
         torch.testing.assert_close(st_got[k], st_want[k], rtol=1e-4, atol=1e-5)
-    assert not torch.equal(st_got["recurrent"], states["recurrent"])  # (the step wrote the state in place)
+    assert not torch.equal(st_got[written], states[written])  # (the step wrote the state in place)
 
 
 def test_the_per_linear_kernels_attach_it_and_cpu_kernel_off_detaches_it():

@@ -9,6 +9,7 @@ import torch
 
 from models.architectures.mamba2 import Mamba2Mixer
 from models.kernels.cpu import step as cpu_step
+from test_delta_cpu import library_step_is_torch_step
 
 
 def mixer_and_states(H, P, N, G, K, bias, dt_limit, seed=0):
@@ -34,21 +35,7 @@ def mixer_and_states(H, P, N, G, K, bias, dt_limit, seed=0):
 def test_the_library_step_is_the_torch_step(H, P, N, G, K, bias, dt_limit):
     cpu_step.load()
     layer, states, x = mixer_and_states(H, P, N, G, K, bias, dt_limit)
-
-    def run(kernel):
-        layer.cpu_kernel = kernel
-        st = {k: v.clone() for k, v in states.items()}
-        with torch.inference_mode():
-            outs = [layer(x[:3], st)] + [layer(x[i:i + 1], st) for i in range(3, 7)]
-        return torch.cat(outs), st
-
-    want, st_want = run(None)
-    got, st_got = run(torch.ops.chat_cpu.mamba2_decode)
-    assert torch.equal(got[:3], want[:3])  # (the prefill stays the torch form)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    for k in st_want:
-        torch.testing.assert_close(st_got[k], st_want[k], rtol=1e-4, atol=1e-5)
-    assert not torch.equal(st_got["ssm"], states["ssm"])  # (the step wrote the state in place)
+    library_step_is_torch_step(layer, states, x, torch.ops.chat_cpu.mamba2_decode, "ssm")
 
 
 def test_bad_shapes_are_refused():
