@@ -4,7 +4,10 @@ converter and quantized by llama.cpp's own quantizer (Q4_K_M by default), then b
 on that file: ours against llama.cpp on the same file, thread count and prompt.
 
     python bench/hybrid_gguf.py --shape qwen3.5-0.8b [--llama-python PYTHON] [--type Q4_K_M]
-        [--out FILE] [--only-file] [-- cpu_bench.py's options]
+        [--layers N] [--out FILE] [--only-file] [-- cpu_bench.py's options]
+
+--layers N: the shape's first N layers (its layer types cut to them), for shapes too large to
+convert whole here (the default file name says so: bench-SHAPE-Nl.TYPE.gguf).
 
 The weights are random (transformers' initialisation, seed 0, saved in bf16); the tokenizer is the
 tests' tiny byte-level BPE (tests/tiny.py), the converter padding the vocabulary to the shape's
@@ -33,7 +36,7 @@ FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q
 # converter options per model_type (a Qwen3.5 checkpoint without its MTP layers), and the
 # pre-tokenizer name it writes for the tiny tokenizer (the tests' conversions name the same)
 CONVERT_OPTIONS = {"qwen3_5_text": ("--no-mtp",), "qwen3_5_moe_text": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
-PRE = {"lfm2": "gpt-2"}
+PRE = {"lfm2": "gpt-2", "granitemoehybrid": "gpt-2"}
 
 QUANTIZE = """import ctypes, sys
 import llama_cpp
@@ -57,10 +60,22 @@ def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[
     model_type = kw.pop("model_type")
     if layers:
         kw["num_hidden_layers"] = layers
+        if "layer_types" in kw:
+            kw["layer_types"] = kw["layer_types"][:layers]
     cfg = transformers.AutoConfig.for_model(model_type, **kw, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return write_checkpoint(model_type, out_dir, model=model), model_type
+    path = write_checkpoint(model_type, out_dir, model=model)
+    if model_type == "granitemoehybrid":  # the layer types as the released checkpoints name them,
+        import json                       # the names llama.cpp's converter reads
+
+        cfg_path = os.path.join(path, "config.json")
+        with open(cfg_path) as f:
+            c = json.load(f)
+        c["layer_types"] = ["mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]
+        with open(cfg_path, "w") as f:
+            json.dump(c, f)
+    return path, model_type
 
 
 def build(shape: str, qtype: str, python: str | None, out: str, quantize: str | None = None,
@@ -100,12 +115,14 @@ def main() -> None:
     p.add_argument("--llama-python", default=None,
                    help="a Python that can import llama_cpp (its quantizer; Q8_0 needs none; cpu_bench's llama.cpp run)")
     p.add_argument("--out", default=None)
+    p.add_argument("--layers", type=int, default=None, help="the shape with this many of its layers (its first ones)")
     p.add_argument("--only-file", action="store_true", help="write the file, do not benchmark")
     a = p.parse_args(argv)
-    out = a.out or os.path.expanduser(f"~/.cache/chat/bench-{a.shape}.{a.type}.gguf")
+    depth = f"-{a.layers}l" if a.layers else ""
+    out = a.out or os.path.expanduser(f"~/.cache/chat/bench-{a.shape}{depth}.{a.type}.gguf")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     if not os.path.exists(out):
-        build(a.shape, a.type, a.llama_python, out)
+        build(a.shape, a.type, a.llama_python, out, layers=a.layers)
     import gguf
     counts: dict[str, int] = {}
     for t in gguf.GGUFReader(out).tensors:
