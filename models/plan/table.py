@@ -117,7 +117,7 @@ RULES: tuple[Rule, ...] = (
       "only the chosen experts' rows read"),
     R("experts", "cuda", ("*",), (), "torch (per expert)", "fp32 keeps torch's exact forms"),
     R("experts", "cpu", ("*",), (("blocks",),), "C++ block GEMV per chosen expert",
-      "only the chosen experts' blocks read from the mapping"),
+      "only the chosen experts' blocks read from the mapping; a token's experts in one call (experts_decode)"),
     R("experts", "cpu", ("*",), (), "torch (per chosen expert)", "no C++ kernel serves these experts here"),
 
     # ---- sequence mixers (decode) ----

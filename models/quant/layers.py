@@ -429,6 +429,8 @@ class BlockExperts(nn.Module):
 
     fp32_kernel = None
     dequant_kernel = None
+    cpu_kernel = None  # the library's experts_decode for one token (kernels.cpu_block_kernels)
+    cpu_kernel_name = "experts_decode"
     KERNEL_ROWS = BlockLinear.KERNEL_ROWS
     int8_inputs = False  # as BlockLinear's
     bf16_kernel = None
@@ -445,7 +447,12 @@ class BlockExperts(nn.Module):
         self.register_buffer("down_blocks", t.down.blocks())
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen ones."""
+        """x [T, H]; idx (int64), weights (fp32) [T, top_k]: the per-expert loop over the chosen ones
+        (one token on the CPU with the library's kernels: the same products in one call,
+        `cpu_kernel`)."""
+        if self.cpu_kernel is not None and x.shape[0] == 1 and x.dtype == torch.float32 and not x.is_cuda:
+            return self.cpu_kernel(x, self.gate_blocks, self.up_blocks, self.down_blocks, *self.types, idx,
+                                   weights.float(), self.int8_inputs)
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)

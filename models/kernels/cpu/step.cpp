@@ -695,6 +695,50 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   return y;
 }
 
+// One token's routed SwiGLU experts in GGUF blocks (quant.BlockExperts' decode): for each chosen
+// expert in ascending order, h = SiLU(x G_e^T) * (x U_e^T), y = h D_e^T, and out += y * weight,
+// each product block_linear's (on int8 inputs where `int8`): what BlockExperts' per-expert loop
+// computes with the same kernel calls, without its dozen dispatched ops an expert (the
+// experts' Python loop was about a fifth of a MoE hybrid's decode step: bench/cpu_bench.py,
+// a Granite-4.0-H-Tiny-like file). x [1, H] fp32; gate, up [E, I, row bytes], down [E, H, row
+// bytes] uint8; idx [1, k] int64; weights [1, k] fp32. Returns [1, H].
+Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down, int64_t tg,
+                      int64_t tu, int64_t td, const Tensor& idx, const Tensor& weights, bool int8) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && !x.is_cuda(),
+              "experts_decode: x must be one fp32 CPU row [1, H]");
+  TORCH_CHECK(gate.dim() == 3 && up.dim() == 3 && down.dim() == 3 && gate.size(0) == up.size(0) &&
+              gate.size(0) == down.size(0), "experts_decode: expert stacks [E, rows, row bytes]");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && idx.numel() == weights.numel(),
+              "experts_decode: idx (int64) and weights (fp32) of the chosen experts");
+  const Tensor xc = x.contiguous(), ic = idx.contiguous(), wc = weights.contiguous();
+  const int64_t k = ic.numel(), E = gate.size(0);
+  std::vector<std::pair<int64_t, float>> chosen(k);
+  for (int64_t j = 0; j < k; ++j) {
+    chosen[j] = {ic.data_ptr<int64_t>()[j], wc.data_ptr<float>()[j]};
+    TORCH_CHECK(chosen[j].first >= 0 && chosen[j].first < E, "experts_decode: expert ", chosen[j].first,
+                " of ", E);
+  }
+  std::sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  Tensor out = at::zeros_like(xc);
+  float* o = out.data_ptr<float>();
+  const int64_t H = xc.size(1);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = chosen[j].first;
+    Tensor h = block_linear(xc, gate.select(0, e), tg, int8);
+    const Tensor u = block_linear(xc, up.select(0, e), tu, int8);
+    float* hp = h.data_ptr<float>();
+    const float* up_ = u.data_ptr<float>();
+    for (int64_t i = 0; i < h.numel(); ++i) hp[i] = hp[i] / (1.0f + std::exp(-hp[i])) * up_[i];
+    const Tensor y = block_linear(h, down.select(0, e), td, int8);
+    TORCH_CHECK(y.size(1) == H, "experts_decode: the down stack's rows must be x's width");
+    const float* yp = y.data_ptr<float>();
+    float w = chosen[j].second;
+    for (int64_t i = 0; i < H; ++i) o[i] += yp[i] * w;
+    // (an expert chosen twice counts twice, as the top-k weights give it)
+  }
+  return out;
+}
+
 // y = x W^T for x [T, K] whose rows a speculative verify feeds together, each row's sums exactly
 // those of a one-row call (the decode step's): the decode's accumulators over up to kMaxRows rows
 // (each row's operations the one-row ones; a block decoded once for all), or where a type's sums
@@ -1570,6 +1614,8 @@ TORCH_LIBRARY(chat_cpu, m) {
   m.def("block_dequant(Tensor blocks, int type) -> Tensor", &block_dequant);
   m.def("block_linear_bf16(Tensor x, Tensor blocks, int type) -> Tensor", &block_linear_bf16);
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm_rows);
+  m.def("experts_decode(Tensor x, Tensor gate, Tensor up, Tensor down, int tg, int tu, int td, Tensor idx, "
+        "Tensor weights, bool int8=False) -> Tensor", &experts_decode);
   m.def("mamba2_decode(Tensor zxbcdt, Tensor(a!) conv_state, Tensor conv_weight, Tensor? conv_bias, Tensor(b!) ssm, "
         "Tensor A, Tensor dt_bias, Tensor D, Tensor norm_weight, float norm_eps, float dt_min, float dt_max, int H, "
         "int P, int N, int G) -> Tensor", &mamba2_decode);
