@@ -50,26 +50,8 @@ def test_bad_inputs_are_refused(cpp):
 
 
 def test_a_granite_q8_0_gguf_decodes_as_with_the_loop(tmp_path, cpp):
-    import models
-    from engine.session import DecodeSession
-    from llama_cpp_tree import convert
-    from parity import rand_ids
-    from test_gguf_mamba2 import as_released
-    from tiny import hf_model, write_checkpoint
-    hf = hf_model("granitemoehybrid_e5", seed=3)
-    d = write_checkpoint("granitemoehybrid_e5", str(tmp_path / "hf"), model=hf)
-    as_released(d, "granitemoehybrid_e5")
-    lm = models.load(convert(d, str(tmp_path / "q8.gguf"), "q8_0", pre="gpt-2"), quantized=True)
-    experts = [m for m in lm.model.modules() if isinstance(m, quant.BlockExperts)]
-    ids = rand_ids(12, 7)
-
-    def decode_logits(one_call: bool):
-        s = DecodeSession(lm.model, max_context=64, device=torch.device("cpu"), dtype=torch.float32)
-        assert experts and all(m.cpu_kernel is torch.ops.chat_cpu.experts_decode for m in experts)
-        if not one_call:
-            for m in experts:
-                m.cpu_kernel = None
-        s.prefill(ids[:8])
-        return torch.stack([s.prefill([t], all_logits=True)[-1] for t in ids[8:]])
-
-    torch.testing.assert_close(decode_logits(True), decode_logits(False), rtol=1e-4, atol=1e-4)
+    from test_mamba2_cpu import decode_logits_with_op, granite_q8_0
+    lm = granite_q8_0(tmp_path, "granitemoehybrid_e5")
+    op = torch.ops.chat_cpu.experts_decode
+    torch.testing.assert_close(decode_logits_with_op(lm, quant.BlockExperts, op, True),
+                               decode_logits_with_op(lm, quant.BlockExperts, op, False), rtol=1e-4, atol=1e-4)

@@ -59,32 +59,38 @@ def test_the_per_linear_kernels_attach_it_and_cpu_kernel_off_detaches_it():
     assert layer.cpu_kernel is None and Mamba2Mixer.cpu_kernel is None
 
 
-def test_a_granite_q8_0_gguf_decodes_as_without_the_library(tmp_path):
+def granite_q8_0(tmp_path, kind: str = "granitemoehybrid", **over):
+    """A tiny Granite 4.0-H checkpoint of `kind` as a Q8_0 GGUF (llama.cpp's converter), loaded with
+    its blocks kept."""
     import models
-    from engine.session import DecodeSession
     from llama_cpp_tree import convert
-    from parity import rand_ids
     from test_gguf_mamba2 import as_released
     from tiny import hf_model, write_checkpoint
-    hf = hf_model("granitemoehybrid", seed=3, position_embedding_type="nope")
-    d = write_checkpoint("granitemoehybrid", str(tmp_path / "hf"), model=hf)
-    as_released(d, "granitemoehybrid")
-    lm = models.load(convert(d, str(tmp_path / "q8.gguf"), "q8_0", pre="gpt-2"), quantized=True)
-    mixers = [m for m in lm.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert "torch step: C++ mamba2_decode" in lm.plan.kernels()  # (what chat plan and /show print)
+    d = write_checkpoint(kind, str(tmp_path / "hf"), model=hf_model(kind, seed=3, **over))
+    as_released(d, kind)
+    return models.load(convert(d, str(tmp_path / "q8.gguf"), "q8_0", pre="gpt-2"), quantized=True)
+
+
+def decode_logits_with_op(lm, cls, op, on: bool) -> torch.Tensor:
+    """A CPU session's one-token forwards after an 8-token prefill, the library's kernels on the
+    model's blocks (cpu_kernel auto): the `cls` modules through their library `op`, or (off) their
+    torch form."""
+    from engine.session import DecodeSession
+    from parity import rand_ids
+    modules = [m for m in lm.model.modules() if isinstance(m, cls)]
     ids = rand_ids(12, 7)
+    s = DecodeSession(lm.model, max_context=64, device=torch.device("cpu"), dtype=torch.float32)
+    assert modules and all(m.cpu_kernel is op for m in modules)
+    if not on:
+        for m in modules:
+            m.cpu_kernel = None
+    s.prefill(ids[:8])
+    return torch.stack([s.prefill([t], all_logits=True)[-1] for t in ids[8:]])
 
-    def decode_logits(mamba2_op: bool):
-        """A session's one-token forwards after an 8-token prefill, the library's kernels on its
-        blocks (cpu_kernel auto), its Mamba2 step or the mixers' torch form."""
-        s = DecodeSession(lm.model, max_context=64, device=torch.device("cpu"), dtype=torch.float32)
-        assert mixers and all(m.cpu_kernel is torch.ops.chat_cpu.mamba2_decode for m in mixers)
-        if not mamba2_op:
-            for m in mixers:
-                m.cpu_kernel = None
-        s.prefill(ids[:8])
-        return torch.stack([s.prefill([t], all_logits=True)[-1] for t in ids[8:]])
 
-    want = decode_logits(False)
-    got = decode_logits(True)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+def test_a_granite_q8_0_gguf_decodes_as_without_the_library(tmp_path):
+    lm = granite_q8_0(tmp_path, position_embedding_type="nope")
+    assert "torch step: C++ mamba2_decode" in lm.plan.kernels()  # (what chat plan and /show print)
+    op = torch.ops.chat_cpu.mamba2_decode
+    torch.testing.assert_close(decode_logits_with_op(lm, Mamba2Mixer, op, True),
+                               decode_logits_with_op(lm, Mamba2Mixer, op, False), rtol=1e-4, atol=1e-4)
