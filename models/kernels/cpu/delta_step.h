@@ -19,6 +19,22 @@
 
 inline float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
 
+// One token through a depthwise causal conv of width K over C channels, then SiLU (causal_conv.
+// conv_step): x[c] = SiLU(window . w[c, :K-1] + xin[c] w[c, K-1] (+ bias[c])); the window (cs,
+// [C, K-1]) shifted by one into co, which may be cs itself. Delta and Mamba2 layers' steps.
+inline void conv_step_silu(const float* xin, const float* cs, float* co, const float* w, const float* bias, int64_t C,
+                           int64_t K, float* x) {
+  for (int64_t c = 0; c < C; ++c) {
+    float s = 0.f;
+    for (int64_t j = 0; j < K - 1; ++j) s += cs[c * (K - 1) + j] * w[c * K + j];
+    s += xin[c] * w[c * K + K - 1];
+    if (bias) s += bias[c];
+    for (int64_t j = 0; j + 1 < K - 1; ++j) co[c * (K - 1) + j] = cs[c * (K - 1) + j + 1];
+    if (K > 1) co[c * (K - 1) + K - 2] = xin[c];
+    x[c] = silu_f(s);
+  }
+}
+
 // conv_out, rec_out: where the updated states go (null: in place, into conv_state and rec; else
 // conv_state and rec are only read: a verify's row chains its states through buffers of its own,
 // hybrid_step.h). The same operations either way.
@@ -42,18 +58,8 @@ Tensor delta_decode_to(const Tensor& mixed_, const Tensor& z_, const Tensor& b_,
   const int64_t K = conv_state.size(1) + 1;
   // the conv's step and SiLU, the window shifted
   std::vector<float> x(C);
-  const float* xin = mixed.data_ptr<float>();
-  const float* w = conv_w.data_ptr<float>();
-  const float* cs = conv_state.data_ptr<float>();
-  float* co = conv_out ? conv_out : conv_state.data_ptr<float>();
-  for (int64_t c = 0; c < C; ++c) {
-    float s = 0.f;
-    for (int64_t j = 0; j < K - 1; ++j) s += cs[c * (K - 1) + j] * w[c * K + j];
-    s += xin[c] * w[c * K + K - 1];
-    for (int64_t j = 0; j + 1 < K - 1; ++j) co[c * (K - 1) + j] = cs[c * (K - 1) + j + 1];
-    if (K > 1) co[c * (K - 1) + K - 2] = xin[c];
-    x[c] = silu_f(s);
-  }
+  conv_step_silu(mixed.data_ptr<float>(), conv_state.data_ptr<float>(), conv_out ? conv_out : conv_state.data_ptr<float>(),
+                 conv_w.data_ptr<float>(), nullptr, C, K, x.data());
   // q and k normed per key head
   std::vector<float> qn(key_dim), kn(key_dim);
   for (int64_t h = 0; h < nk; ++h) {

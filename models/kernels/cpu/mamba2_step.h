@@ -1,5 +1,6 @@
 // The Mamba2 mixer's decode step of one layer after its input projection, fp32: mamba2_decode.
-// Included by step.cpp inside its namespace (rms_norm is step.cpp's, silu_f delta_step.h's).
+// Included by step.cpp inside its namespace (rms_norm is step.cpp's; silu_f and conv_step_silu
+// delta_step.h's).
 //
 // Contract: what mamba2.Mamba2Mixer's torch form computes for one token (T == 1) between in_proj
 // and out_proj, the states updated in place, up to fp32 summation order:
@@ -46,18 +47,9 @@ Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tens
   const float* dtin = xin + C;
   // the conv's step and SiLU, the window shifted
   std::vector<float> xbc(C);
-  const float* w = conv_w.data_ptr<float>();
-  const float* bias = conv_b.defined() ? conv_b.data_ptr<float>() : nullptr;
   float* cs = conv_state.data_ptr<float>();
-  for (int64_t c = 0; c < C; ++c) {
-    float s = 0.f;
-    for (int64_t j = 0; j < K - 1; ++j) s += cs[c * (K - 1) + j] * w[c * K + j];
-    s += xin[c] * w[c * K + K - 1];
-    if (bias) s += bias[c];
-    for (int64_t j = 0; j + 1 < K - 1; ++j) cs[c * (K - 1) + j] = cs[c * (K - 1) + j + 1];
-    if (K > 1) cs[c * (K - 1) + K - 2] = xin[c];
-    xbc[c] = silu_f(s);
-  }
+  conv_step_silu(xin, cs, cs, conv_w.data_ptr<float>(), conv_b.defined() ? conv_b.data_ptr<float>() : nullptr, C, K,
+                 xbc.data());
   const float* x = xbc.data();
   const float* B = x + inner;
   const float* Cm = B + G * N;

@@ -728,7 +728,7 @@ Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, con
     const Tensor u = block_linear(xc, up.select(0, e), tu, int8);
     float* hp = h.data_ptr<float>();
     const float* up_ = u.data_ptr<float>();
-    for (int64_t i = 0; i < h.numel(); ++i) hp[i] = hp[i] / (1.0f + std::exp(-hp[i])) * up_[i];
+    for (int64_t i = 0; i < h.numel(); ++i) hp[i] = silu_f(hp[i]) * up_[i];
     const Tensor y = block_linear(h, down.select(0, e), td, int8);
     TORCH_CHECK(y.size(1) == H, "experts_decode: the down stack's rows must be x's width");
     const float* yp = y.data_ptr<float>();
