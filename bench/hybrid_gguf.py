@@ -55,7 +55,7 @@ def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[
     import transformers
 
     from shapes import SHAPES
-    from tiny import write_checkpoint
+    from tiny import as_released, write_checkpoint
     kw = dict(SHAPES[shape])
     model_type = kw.pop("model_type")
     if layers:
@@ -66,15 +66,7 @@ def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     path = write_checkpoint(model_type, out_dir, model=model)
-    if model_type == "granitemoehybrid":  # the layer types as the released checkpoints name them,
-        import json                       # the names llama.cpp's converter reads
-
-        cfg_path = os.path.join(path, "config.json")
-        with open(cfg_path) as f:
-            c = json.load(f)
-        c["layer_types"] = ["mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]
-        with open(cfg_path, "w") as f:
-            json.dump(c, f)
+    as_released(path, model_type)  # (Granite 4.0-H's layer names as the converter reads them)
     return path, model_type
 
 

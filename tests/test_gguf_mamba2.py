@@ -6,8 +6,6 @@ The converter hashes the tokenizer's pre-tokenizer to name it; the tiny test tok
 it knows, so it runs here with that one step answering "gpt-2" (the tiny tokenizer's rules: our
 GGUF tokenizer rebuilds it from the file). The tensor layouts are what these tests check.
 """
-import json
-import os
 
 import pytest
 
@@ -15,16 +13,6 @@ import models
 from engine.config import SamplingConfig
 from llama_cpp_tree import convert
 from parity import TOL, hf_logits, rand_ids, session
-
-def as_released(path: str, kind: str) -> None:
-    """config.json as the released Granite 4.0-H checkpoints write it (transformers 5 saves its own
-    layer-type names, which this converter does not read): "mamba" / "attention"."""
-    p = os.path.join(path, "config.json")
-    c = json.load(open(p))
-    if kind.startswith("granitemoehybrid"):
-        c["layer_types"] = ["mamba" if t == "linear_attention" else "attention" for t in c["layer_types"]]
-    json.dump(c, open(p, "w"))
-
 
 CASES = {  # case: (kind, HF config overrides, config.json's layer types as released or as transformers 5 saves them)
     "nemotron_h": ("nemotron_h", {}, True),
@@ -38,7 +26,7 @@ CASES = {  # case: (kind, HF config overrides, config.json's layer types as rele
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
-    from tiny import hf_model, write_checkpoint
+    from tiny import as_released, hf_model, write_checkpoint
     kind, over, released = CASES[request.param]
     hf = hf_model(kind, seed=2, **over)
     d = write_checkpoint(kind, str(tmp_path_factory.mktemp(request.param)), model=hf)
@@ -85,7 +73,7 @@ def test_q8_0_granite_gguf_runs_in_its_blocks(tmp_path):
     """A Q8_0 file kept quantized on the CPU (the Mamba2 and expert-free projections as blocks;
     the 3-D expert stacks and the conv dequantized) agrees with the same file dequantized, to
     the quantized kernels' activation rounding."""
-    from tiny import hf_model, write_checkpoint
+    from tiny import as_released, hf_model, write_checkpoint
     hf = hf_model("granitemoehybrid", seed=3, position_embedding_type="nope")
     d = write_checkpoint("granitemoehybrid", str(tmp_path / "hf"), model=hf)
     as_released(d, "granitemoehybrid")

@@ -64,7 +64,7 @@ def granite_q8_0(tmp_path, kind: str = "granitemoehybrid", **over):
     its blocks kept."""
     import models
     from llama_cpp_tree import convert
-    from test_gguf_mamba2 import as_released
+    from tiny import as_released
     from tiny import hf_model, write_checkpoint
     d = write_checkpoint(kind, str(tmp_path / "hf"), model=hf_model(kind, seed=3, **over))
     as_released(d, kind)

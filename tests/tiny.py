@@ -146,6 +146,18 @@ def hf_model(kind: str, seed: int = 0, **over):
     return model
 
 
+def as_released(path: str, kind: str) -> None:
+    """config.json as the released Granite 4.0-H checkpoints write it (transformers 5 saves its own
+    layer-type names, which llama.cpp's converter does not read): "mamba" / "attention"."""
+    p = os.path.join(path, "config.json")
+    with open(p) as f:
+        c = json.load(f)
+    if kind.startswith("granitemoehybrid"):
+        c["layer_types"] = ["mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]
+    with open(p, "w") as f:
+        json.dump(c, f)
+
+
 def write_checkpoint(kind: str, path: str, seed: int = 0, model=None, **over) -> str:
     model = model if model is not None else hf_model(kind, seed, **over)
     os.makedirs(path, exist_ok=True)
