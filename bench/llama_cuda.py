@@ -218,7 +218,8 @@ def ours_here(path: str, name: str, dtype: str, prompt: int, new: int, prefill: 
     load_s = time.perf_counter() - t0
     rec = bench_shape(name, device, dt, "auto", prompt, new, prefill, 1, model=loaded.model)
     return {"load_s": round(load_s, 1), "decode": rec["decode_tok_s"], "prefill": rec["prefill_tok_s"],
-            "read_gb": rec["active_gb"], "graph": rec["graph"]}
+            "read_gb": rec["active_gb"], "graph": rec["graph"], "prefill_path": rec["prefill_path"],
+            "prefill_ms": rec["prefill_ms"], "prefill_queued_ms": rec["prefill_queued_ms"]}
 
 
 def llama_bench(bin_dir: str, path: str, prompt: int, new: int, prefill: int) -> dict:
@@ -250,7 +251,8 @@ def compare(a) -> None:
             rounds.append((o, ref))
             print(f"  round {i + 1}: ours {o['decode']:.1f} / {o['prefill']:.1f} tok/s, llama.cpp {ref['decode']:.1f} / "
                   f"{ref['prefill']:.1f} (decode / prefill): {o['decode'] / ref['decode']:.2f}x, "
-                  f"{o['prefill'] / ref['prefill']:.2f}x", flush=True)
+                  f"{o['prefill'] / ref['prefill']:.2f}x; our prefill {o['prefill_path']}, ms a run "
+                  f"{o['prefill_ms']} (queued by {o['prefill_queued_ms']})", flush=True)
         med = lambda xs: statistics.median(list(xs))  # noqa: E731
         o_dec, o_pf = med(o["decode"] for o, _ in rounds), med(o["prefill"] for o, _ in rounds)
         r_dec, r_pf = med(r["decode"] for _, r in rounds), med(r["prefill"] for _, r in rounds)

@@ -1,11 +1,12 @@
 """Where a decode step's time goes: kernels per step and the top kernels by GPU time.
 
-    python bench/profile_step.py NAME [--compile on] [--steps 20] [--format bf16|Q4_K|AWQ|FP8]
+    python bench/profile_step.py NAME [--compile on] [--steps 20] [--format bf16|Q4_K|AWQ|FP8] [--gguf FILE]
 Profiles eager decode steps (the step a CUDA graph records) with torch.profiler and compares
 the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
 graph cannot remove, the busy time is what fusion must shrink. `--prefill N`: one N-token
 prefill instead, with the time the host took to queue it and the lines where it waited on the
-device (torch.cuda's sync debug mode). `--sequence N`: a decode step's first N kernels in launch
+device (torch.cuda's sync debug mode). `--gguf FILE`: that file's model, its quantized matrices
+kept (as chat loads it on CUDA), instead of NAME's random one (NAME then only labels the output). `--sequence N`: a decode step's first N kernels in launch
 order with their GPU times (one layer's launches, one by one). `--prefill N --host`: also where
 the host's time goes while it queues the prefill (cProfile, the costliest functions by their own
 time), and the host's microseconds a launch of a Triton GEMV against a torch op.
@@ -56,9 +57,12 @@ def sequence(prof, per: int, n: int) -> None:
         print(f"  #{i:3d} {us:7.2f} us  {ev[i].name[:60]}")
 
 
-def build(name: str, fmt: str, dev):
+def build(name: str, fmt: str, dev, gguf: str | None = None):
     """The shape's random model in `fmt`: bf16, or quant_bench's formats as the loader leaves them
-    on CUDA (the kernel plan bound: models/plan)."""
+    on CUDA (the kernel plan bound: models/plan); or the GGUF file's, loaded as chat loads it."""
+    if gguf:
+        import models
+        return models.load(gguf, device=dev, dtype=torch.bfloat16, quantized=True).model
     if fmt == "bf16":
         return random_model(name, dev, torch.bfloat16)
     from models import plan as kernel_plan
@@ -112,9 +116,9 @@ def host_profile(s, ids, top: int) -> None:
         print(f"  host time a call, {label}: {us:.1f} us")
 
 
-def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False) -> None:
+def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False, gguf: str | None = None) -> None:
     dev = torch.device("cuda")
-    model = build(name, fmt, dev)
+    model = build(name, fmt, dev, gguf)
     s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     for _ in range(2):
@@ -161,11 +165,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="kernels listed")
     ap.add_argument("--sequence", type=int, default=0, help="also list a step's first N kernels in order")
     ap.add_argument("--host", action="store_true", help="with --prefill: where the host's time goes")
+    ap.add_argument("--gguf", help="profile this GGUF's model (quantized matrices kept) instead of NAME's")
     a = ap.parse_args()
     if a.prefill:
-        return profile_prefill(a.name, a.prefill, a.format, a.top, a.host)
+        return profile_prefill(a.name, a.prefill, a.format, a.top, a.host, a.gguf)
     dev = torch.device("cuda")
-    model = build(a.name, a.format, dev)
+    model = build(a.name, a.format, dev, a.gguf)
     s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)
     s.prefill(list(range(1, 129)))
     for _ in range(5):
