@@ -148,7 +148,7 @@ def forced_drafts(c, turn, rates: list[float], rounds: int) -> None:
             off.append(plain.stats.decode_tps)
             on.append(spec.stats.decode_tps)
             kept.append(f"{spec.stats.accepted}/{spec.stats.drafted}")
-        session._drafter = PromptLookup
+        session._drafter = None
         a, b = statistics.median(off), statistics.median(on)
         print(f"acceptance {rate:.2f}: off {a:.1f} tok/s, forced drafts {b:.1f} tok/s: {b / a:.2f}x "
               f"(kept {', '.join(kept)}; replies identical)")

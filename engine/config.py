@@ -186,8 +186,8 @@ class EngineConfig(_Validated):
     threads: int = setting(0, _int(0, 1024, "0 (auto) or a number of threads"))
     # processes (one device each on CUDA) the model is split over: engine/tensor_parallel.py
     tensor_parallel: int = setting(1, _int(1, 64, "1 (one device) or a number of ranks, up to 64"))
-    # speculative decoding (engine/speculative.py): prompt-lookup drafts, verified exactly
-    speculative: str = setting("auto", _choice("auto", "off", "lookup"))
+    # speculative decoding (engine/speculative.py): prompt-lookup or MTP drafts, verified exactly
+    speculative: str = setting("auto", _choice("auto", "off", "lookup", "mtp"))
 
     def _check(self):
         if self.tensor_parallel > 1 and self.compile == "on":

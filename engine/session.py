@@ -31,7 +31,7 @@ from .graphs import PREFILL_BUCKETS, GraphedDecodeStep, PaddedPrefill, decode_kv
 from .link import Interrupted
 from .sampling import SAMPLER_VERSION, make_sampler, resolve_seed
 from . import steps
-from .speculative import Depth, PromptLookup
+from .speculative import Depth, Drafts, MtpDrafts, PromptLookup
 from .state import BASE, PROMPT, StateManager
 
 
@@ -125,7 +125,7 @@ class DecodeSession:
                  cpu_kernel: str = "auto", checkpoint_mib: int | str = "auto", checkpoint_host_mib: int | str = "auto",
                  verify_reuse: bool = False, link=None, speculative: str = "off"):
         """link: this rank's side of a tensor-parallel group (engine/tensor_parallel.py), or None.
-        speculative: auto | off | lookup (`set_speculative`)."""
+        speculative: auto | off | lookup | mtp (`set_speculative`)."""
         self.model = model
         self.link = link
         self.device, self.dtype = device, dtype
@@ -182,7 +182,9 @@ class DecodeSession:
         self.speculative = "off"
         self.speculative_note = ""  # why speculation does not run, where it was asked for
         self._spec_checked: bool | None = None  # the verify's self-check: passed, failed, not yet run
-        self._drafter, self._depth = PromptLookup, Depth()  # (a drafter for a prompt; the depth rule)
+        self._depth = Depth()  # the depth rule (engine/speculative.py)
+        self._drafter = None  # a drafter factory (prompt, expected) in place of the setting's (tests, benches)
+        self._mtp: MtpDrafts | None = None  # the MTP layer's drafts, where they run
         self.set_speculative(speculative)
 
     def _throwaway_forwards(self, steps: int) -> None:
@@ -226,22 +228,44 @@ class DecodeSession:
             return "the verify's rows differ from single steps on this machine (self-check)"
         return ""
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model holds a multi-token-prediction layer (models/architectures/mtp.py)."""
+        return getattr(self.model, "mtp", None) is not None
+
     def set_speculative(self, mode: str) -> None:
-        """auto: prompt-lookup drafts where the verify is exact (else off, `speculative_note` says
-        why); lookup: the same, required (ConfigError where unavailable); off. The first time
-        drafts could run, a self-check compares a verify's rows with single steps bit for bit
-        (`_self_check`)."""
-        if mode not in ("auto", "off", "lookup"):
-            raise ConfigError(f"speculative: {mode!r} is not valid; allowed: auto | off | lookup")
+        """auto: drafts where the verify is exact (else off, `speculative_note` says why): prompt
+        lookup, and the model's MTP layer where it has one; lookup / mtp: those drafts alone,
+        required (ConfigError where unavailable); off. The first time drafts could run, a
+        self-check compares a verify's rows with single steps bit for bit (`_self_check`)."""
+        if mode not in ("auto", "off", "lookup", "mtp"):
+            raise ConfigError(f"speculative: {mode!r} is not valid; allowed: auto | off | lookup | mtp")
+        if mode == "mtp" and not self.has_mtp:
+            raise ConfigError("speculative: mtp needs a model with a multi-token-prediction layer (this "
+                              "checkpoint has no mtp.* / nextn weights); use auto, lookup or off")
         why = "" if mode == "off" else self.speculation_unavailable()
         if not why and mode != "off" and self._spec_checked is None:
             self._spec_checked = self._self_check()
             why = self.speculation_unavailable() if self._spec_checked is not None else \
                 "no room in the context for the verify's self-check"
-        if why and mode == "lookup":
-            raise ConfigError(f"speculative: lookup is unavailable here ({why}); use auto or off")
+        if why and mode in ("lookup", "mtp"):
+            raise ConfigError(f"speculative: {mode} is unavailable here ({why}); use auto or off")
         self.speculative = mode
         self.speculative_note = why if mode == "auto" else ""
+        if self.speculating and mode != "lookup" and self.has_mtp and self._mtp is None:
+            self._mtp = MtpDrafts(self.model, self.max_context, self.device, self.dtype)
+            self._mtp.forget(self.state.length)  # (the rows fed before are not known)
+
+    @property
+    def _mtp_on(self) -> bool:
+        """Whether this session's drafts may come from the MTP layer now."""
+        return self._mtp is not None and self.speculating and self.speculative != "lookup"
+
+    def _drafts(self, prompt: list[int], expected: list[int] | None) -> Drafts:
+        if self._drafter is not None:
+            return Drafts(self._drafter(prompt, expected), None, lambda: self._ids[:self.state.length])
+        lookup = PromptLookup(prompt, expected) if self.speculative != "mtp" else None
+        return Drafts(lookup, self._mtp if self._mtp_on else None, lambda: self._ids[:self.state.length])
 
     @property
     def speculating(self) -> bool:
@@ -255,7 +279,9 @@ class DecodeSession:
         if self.speculative_note:
             return f"{self.speculative}: off here ({self.speculative_note})"
         d = self._depth
-        return (f"{self.speculative}: prompt-lookup drafts, up to {d.max_depth} a verify, depth from the "
+        source = {"lookup": "prompt-lookup drafts", "mtp": "the MTP layer's drafts"}.get(
+            self.speculative, "prompt-lookup drafts, else the MTP layer's" if self._mtp_on else "prompt-lookup drafts")
+        return (f"{self.speculative}: {source}, up to {d.max_depth} a verify, depth from the "
                 f"measured acceptance ({d.acceptance:.0%}) and verify cost")
 
     def _self_check(self, rows: int = 4) -> bool | None:
@@ -330,6 +356,8 @@ class DecodeSession:
         kv_len = decode_kv_len(start, self._kv_buckets) if decode else None if bucket is None else start + bucket
         self.state.begin_forward(len(ids), kv_len)
         del self._ids[start:]
+        if self._mtp_on:  # (this session's forwards only: the model may serve others)
+            self.model.hidden_sink = self._mtp.sink
         try:
             if decode and self.graph is not None:
                 logits = self.graph(ids[0], start)
@@ -346,6 +374,8 @@ class DecodeSession:
         except BaseException:
             self.state.invalidate()
             raise
+        finally:
+            self.model.hidden_sink = None
         self.state.advance(len(ids))
         self._ids.extend(ids)
         return logits
@@ -388,6 +418,8 @@ class DecodeSession:
     def reset(self) -> None:
         self.state.reset()
         self._ids.clear()
+        if self._mtp is not None:
+            self._mtp.forget(0)
 
     def rewind(self, n: int) -> None:
         self.state.rewind(n)
@@ -403,6 +435,8 @@ class DecodeSession:
             raise ValueError(f"its token ids are not ids of this model's {self.vocab_size}")
         self.state.load(tensors, len(ids))
         self._ids = list(ids)
+        if self._mtp is not None:
+            self._mtp.forget(len(ids))  # (its rows were not computed here)
 
     def rollback_to(self, n: int) -> int:
         """Bring the state back to at most n cached tokens, exactly (a KV rewind, or the newest
@@ -606,7 +640,7 @@ class DecodeSession:
         what the plain loop would have fed at a point (`excess`: the drafts after a token being
         yielded) are unfed before the next forward, at a stop, or where the reader stops reading
         (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
-        drafter, depth = self._drafter(prompt, expected), self._depth
+        drafter, depth = self._drafts(prompt, expected), self._depth
         excess, fed_to, t1, k, end = 0, None, None, 0, ""
 
         def unfeed_excess() -> None:
@@ -638,8 +672,8 @@ class DecodeSession:
                     mask.advance(token)
                 drafter.extend((token,))
                 room = min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)
-                drafts = drafter.propose(depth.choose(room))
-                started = time.perf_counter()
+                started = time.perf_counter()  # (the drafting is part of a verify's cost: the MTP layer's)
+                drafts = drafter.propose(depth.choose(room), token)
                 if not drafts:
                     row = self.step(token)[-1]
                     depth.observe_cost(1, time.perf_counter() - started)

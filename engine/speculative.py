@@ -13,6 +13,17 @@ tokens one forward yields.
   repeats its input. An index of each n-gram's latest position, kept as tokens arrive. In a
   replay (`chat replay`), the recorded reply is drafted first: a replay that reproduces its
   recording verifies it several tokens a forward.
+- `MtpDrafts`: drafts from the model's multi-token-prediction layer (Qwen3.5 / Qwen3-Next
+  checkpoints' `mtp.*`: models/architectures/mtp.py), chained as llama.cpp's draft-mtp chains
+  them: the layer's row at position p reads token p and the model's final-normed hidden row of
+  p - 1 (zeros where none is known: position 0, or rows fed before the drafts were switched on);
+  its greedy token is the draft for p + 1, and its own normed row the hidden row of the next
+  draft. The model's rows reach it through `CausalLM.hidden_sink`, which the session sets for
+  its own forwards only. Its cache holds a row per position; those whose tokens still match the
+  context are kept, the rest recomputed (after a verify: the kept drafts' rows, from the model's
+  rows rather than its own).
+- `Drafts`: a generation's source: prompt lookup, the MTP layer, or (auto) lookup where the
+  context repeats itself and the MTP layer elsewhere.
 - `Depth`: how many drafts to verify, from the measured acceptance (each draft's chance to be
   kept given the ones before it were) and the measured cost of a verify of each size against
   a one-token step: the depth that maximises expected tokens per second, 0 (a plain step)
@@ -23,6 +34,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
+
+import torch
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DEPTH = 7  # drafts a verify: 8 rows (the C++ step's row-exact linears take any count; beyond
@@ -72,6 +86,95 @@ class PromptLookup:
             if end is not None:
                 return toks[end:end + k]
         return []
+
+
+class MtpDrafts:
+    """The MTP layer's drafts for one session (the module docstring). `sink` is the model's
+    hidden_sink while the session feeds; `forget(n)` after the state came from elsewhere than
+    this session's forwards (a state file, a reset): rows below n are unknown."""
+
+    CATCH_UP_ROWS = 512  # rows the layer takes at a time when it catches up (a long prompt)
+
+    def __init__(self, model, max_context: int, device, dtype):
+        self.model, self.head = model, model.mtp
+        self.slots = max_context + MAX_DEPTH + 1  # (drafts run past the context's last position)
+        self.device = device
+        self.cache = self.head.new_cache(self.slots, device, torch.float32 if device.type == "cpu" else dtype)
+        self.rows = torch.zeros(0, model.config.hidden_size, dtype=torch.float32, device=device)
+        self.rows_from = 0  # the model's rows below this position are not known
+        self.ids: list[int] = []  # the token of each position whose MTP row the cache holds
+
+    def sink(self, positions: torch.Tensor, normed: torch.Tensor) -> None:
+        start, n = int(positions[0]), normed.shape[0]
+        if start + n > self.rows.shape[0]:  # (grown as the conversation grows: a row a position)
+            grown = torch.zeros(min(self.slots, max(start + n, 2 * self.rows.shape[0], 256)), self.rows.shape[1],
+                                dtype=torch.float32, device=self.device)
+            grown[:self.rows.shape[0]] = self.rows
+            self.rows = grown
+        self.rows[start:start + n] = normed
+        self.rows_from = min(self.rows_from, start)
+
+    def forget(self, length: int) -> None:
+        self.rows_from = length
+
+    def _hidden(self, start: int, stop: int) -> torch.Tensor:
+        """The model's rows of positions start - 1 .. stop - 2 (the inputs of positions start ..
+        stop - 1), zeros where unknown."""
+        out = torch.zeros(stop - start, self.rows.shape[1], dtype=torch.float32, device=self.device)
+        lo = max(start - 1, self.rows_from)
+        if lo < stop - 1:
+            out[lo - (start - 1):] = self.rows[lo:stop - 1]
+        return out
+
+    def _run(self, tokens: list[int], hidden: torch.Tensor, start: int) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(tokens), dtype=torch.long, device=self.device)
+        return self.head(self.model, ids, hidden, positions, self.cache)
+
+    def _greedy(self, normed: torch.Tensor) -> int:
+        return int(torch.argmax(self.head.logits(self.model, normed[-1:])[-1]))
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], token: int, k: int) -> list[int]:
+        """Up to k drafts for the tokens after `token`, which follows `context` (the cached tokens)."""
+        if k <= 0:
+            return []
+        n = len(context)
+        ids = context + [token]
+        m = 0  # the cache's rows that still hold these tokens' positions
+        limit = min(len(self.ids), n + 1)
+        while m < limit and self.ids[m] == ids[m]:
+            m += 1
+        if m == n + 1:  # (the row of `token` itself is there: run it again for its output row)
+            m = n
+        for start in range(m, n + 1, self.CATCH_UP_ROWS):
+            stop = min(n + 1, start + self.CATCH_UP_ROWS)
+            out = self._run(ids[start:stop], self._hidden(start, stop), start)
+        self.ids = ids
+        drafts = [self._greedy(out)]
+        while len(drafts) < k and n + len(drafts) < self.slots:
+            out = self._run(drafts[-1:], out[-1:], n + len(drafts))
+            drafts.append(self._greedy(out))
+        return drafts
+
+
+class Drafts:
+    """One generation's drafts: `lookup` (a PromptLookup), `mtp` (the session's MtpDrafts) or
+    both, lookup first (a repeat of the context, or a replay's expected reply, is nearly free and
+    usually right), the MTP layer where lookup has none. `cached()`: the session's cached tokens."""
+
+    def __init__(self, lookup: PromptLookup | None, mtp: MtpDrafts | None, cached: Callable[[], list[int]]):
+        self.lookup, self.mtp, self.cached = lookup, mtp, cached
+
+    def extend(self, ids) -> None:
+        if self.lookup is not None:
+            self.lookup.extend(ids)
+
+    def propose(self, k: int, token: int) -> list[int]:
+        drafts = self.lookup.propose(k) if self.lookup is not None else []
+        if not drafts and self.mtp is not None:
+            drafts = self.mtp.propose(self.cached(), token, k)
+        return drafts
 
 
 class Depth:

@@ -168,3 +168,38 @@ def write_checkpoint(kind: str, path: str, seed: int = 0, model=None, **over) ->
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2]}, f)
     return path
+
+
+def add_mtp(path: str, seed: int = 7) -> str:
+    """A multi-token-prediction layer for the tiny Qwen3.5 checkpoint at `path`, as the released
+    Qwen3.5 checkpoints hold one: `mtp.*` tensors in their own shard (model-mtp.safetensors, which
+    llama.cpp's converter reads too) shaped as the model's full-attention layer, random, and
+    `mtp_num_hidden_layers: 1` in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors") and f != "model-mtp.safetensors":
+            weights.update(load_file(os.path.join(path, f)))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    full = text["layer_types"].index("full_attention")
+    prefix = next(n for n in weights if f"layers.{full}." in n).split(f"layers.{full}.")[0]
+    g = torch.Generator().manual_seed(seed)
+    mtp = {}
+    for name, t in weights.items():
+        if name.startswith(f"{prefix}layers.{full}."):
+            mtp["mtp.layers.0." + name[len(f"{prefix}layers.{full}."):]] = t.clone()
+    hidden = text["hidden_size"]
+    mtp["mtp.fc.weight"] = torch.zeros(hidden, 2 * hidden)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{n}.weight"] = torch.zeros(hidden)
+    for name, t in mtp.items():  # new values throughout (norms near their zero centre)
+        scale = 0.1 if "norm" in name else (t.float().std().item() or 0.05)
+        mtp[name] = (torch.randn(t.shape, generator=g) * scale).to(t.dtype).contiguous()
+    save_file(mtp, os.path.join(path, "model-mtp.safetensors"), metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path

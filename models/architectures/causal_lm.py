@@ -40,6 +40,19 @@ class CausalLM(nn.Module):
 
     # whether the last cpu_decode_step attached the C++ library's per-linear kernels (GGUF blocks)
     cpu_block_kernels = False
+    # A session whose drafts come from the MTP layer (engine/speculative.py) sets this: called
+    # with each forward's positions [T] and the final norm's rows [T, hidden] (fp32) of all its
+    # rows, which the MTP layer reads. Only where such drafts run (the CPU): with it set, a
+    # forward adds the last branch before the final norm rather than in a fused kernel.
+    hidden_sink = None
+
+    def sink_hidden(self, x: "torch.Tensor | Residual", positions: torch.Tensor) -> torch.Tensor:
+        """x's rows, the last branch added, after handing their final norms to `hidden_sink`."""
+        if isinstance(x, Residual):
+            b = x.branch if isinstance(x.branch, torch.Tensor) else x.branch.materialize()
+            x = x.x + b
+        self.hidden_sink(positions, self.model.norm(x, torch.float32))
+        return x
 
     def offers_cpu_step(self) -> bool:
         """Whether the whole-step C++ kernel knows this architecture (llama.py's dense models and
@@ -113,6 +126,8 @@ class CausalLM(nn.Module):
         mask = None if live_only or from_zero or padded else causal_mask(positions, state.kv_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, positions, self.rope, cos, sin, state, mask)  # a Residual: see add_norm
+        if self.hidden_sink is not None and last is None:
+            x = self.sink_hidden(x, positions)
         if last is not None:
             h = add_norm(x, self.model.norm, out_dtype=torch.float32)[1]
             return head_logits(self.lm_head, h.index_select(0, last))

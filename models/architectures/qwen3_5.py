@@ -24,6 +24,7 @@ from .causal_conv import conv_prefill, conv_step
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
+from .mtp import MtpHead
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
@@ -70,6 +71,9 @@ class HybridConfig:
     # out_proj's columns in llama.cpp's tiled value-head order (a qwen35 GGUF's blocks, which
     # cannot be reordered: checkpoints._gguf_values); the layer then writes its heads that way
     linear_out_tiled: bool = False
+    # the multi-token-prediction layer (mtp.py): 1 where the checkpoint holds one (models.loader
+    # counts the `mtp.*` layers it holds; only the first is read, as llama.cpp reads one)
+    mtp_layers: int = 0
 
     @classmethod
     def from_hf(cls, c: dict, moe: bool = False) -> "HybridConfig":
@@ -103,7 +107,8 @@ class HybridConfig:
             moe_intermediate_size=c.get("moe_intermediate_size", 0),
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers,
-            linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)))
+            linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)),
+            mtp_layers=min(1, int(c.get("mtp_num_hidden_layers", 0))))
 
 
 class GatedRMSNorm(nn.Module):
@@ -344,6 +349,7 @@ class HybridForCausalLM(CausalLM):
         body = Body(cfg.vocab_size, cfg.hidden_size, [HybridLayer(cfg, i) for i in range(len(cfg.layer_types))],
                     RMSNorm(cfg.hidden_size, cfg.rms_eps, offset=1.0))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta, rotary_dim=cfg.rotary_dim))
+        self.mtp = MtpHead(cfg, HybridLayer) if cfg.mtp_layers else None
 
     cpu_step_kind = "hybrid"  # (models/kernels/cpu/hybrid_step.py)
 
@@ -360,9 +366,12 @@ class HybridForCausalLM(CausalLM):
         c = self.config
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
-                continue  # the vision tower and multi-token-prediction heads are not part of the text model
-            name = name.replace("model.language_model.", "model.")
+            if name.startswith(("model.visual.", "visual.")):
+                continue  # the vision tower is not part of the text model
+            name = name.replace("model.language_model.", "model.").replace("model.mtp.", "mtp.")
+            if name.startswith("mtp."):  # the MTP layer's where the model has one, its first layer's only
+                if self.mtp is None or (name.startswith("mtp.layers.") and not name.startswith("mtp.layers.0.")):
+                    continue
             if name.endswith("conv1d.weight") and t.dim() == 2:
                 t = t[:, None, :]
             if name.endswith("in_proj_qkvz.weight"):

@@ -406,6 +406,11 @@ _GGUF_LEAF_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj", "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+# a nextn (MTP) block's own tensors; its decoder layer's are named as the model's layers'
+_GGUF_MTP_NAMES = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                   "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "shared_head_norm.weight": "mtp.norm.weight"}
+# what some converters add to a nextn block and the Qwen MTP shares with the model: not read
+_GGUF_MTP_UNUSED = ("embed_tokens.", "shared_head_head.")
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next", "lfm2": "lfm2",
                "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
@@ -444,7 +449,15 @@ _LEAF_RE = re.compile(r"blk\.(\d+)\.(\w+(?:\.weight|\.bias)?)$")
 
 
 
-def _hf_name(name: str, model_type: str = "") -> str:
+def _hf_name(name: str, model_type: str = "", n_layers: int | None = None) -> str:
+    """The HF name of a GGUF tensor; a block at `n_layers` or past it (the nextn block a Qwen
+    hybrid's index keeps) is the MTP layer's."""
+    m = re.match(r"blk\.(\d+)\.(.+)$", name)
+    if n_layers is not None and m and int(m.group(1)) >= n_layers:
+        nextn = m.group(2).removeprefix("nextn.")
+        if nextn in _GGUF_MTP_NAMES:
+            return _GGUF_MTP_NAMES[nextn]
+        return "mtp." + _hf_name(f"blk.0.{m.group(2)}", model_type).removeprefix("model.")
     family = _GGUF_FAMILY_NAMES.get(model_type, {})
     if name in family:
         return family[name]
@@ -555,7 +568,8 @@ def _gguf_values(config: dict, tensors: dict) -> None:
         config["linear_out_proj_tiled"] = True
     for name in list(tensors):
         t = tensors[name]
-        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        if ((name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_"))  # (the MTP's enorm, hnorm)
+                and not name.endswith("linear_attn.norm.weight")):
             tensors[name] = t = t - 1.0
         elif name.endswith("A_log"):
             tensors[name] = t = torch.log(-t)
@@ -756,14 +770,14 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                                       f"(tensor {name!r}'s data runs past the end)")
             raw = data[offset:offset + n].view(dtype).reshape(shape)
             unpermute = None
-            model_type = index["config"]["model_type"]
+            model_type, n_layers = index["config"]["model_type"], index["config"]["num_hidden_layers"]
             if (model_type in _GGUF_PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight"))
                     and int(name.split(".")[1]) not in index["config"].get("qk_rows_as_hf", ())):
                 heads = index["config"]["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 unpermute = lambda a, h=heads: np.ascontiguousarray(unpermute_qk(a, h))  # noqa: E731
             if keep_quantized and gguf_tensors.keeps(ttype) and len(shape) in (2, 3):  # 3D: MoE experts
                 qt = gguf_tensors.GgufTensor(ttype, raw)
-                tensors[_hf_name(name, model_type)] = qt if unpermute is None else qt.permute_rows(unpermute)
+                tensors[_hf_name(name, model_type, n_layers)] = qt if unpermute is None else qt.permute_rows(unpermute)
                 continue
             if keep_quantized and len(shape) in (2, 3) and ttype not in (0, 1, 30):  # F32, F16, BF16
                 kind = gguf_type(ttype).name
@@ -775,7 +789,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                 w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable
             if unpermute is not None:
                 w = unpermute(w)
-            tensors[_hf_name(name, model_type)] = torch.from_numpy(np.ascontiguousarray(w))
+            tensors[_hf_name(name, model_type, n_layers)] = torch.from_numpy(np.ascontiguousarray(w))
         config = dict(index["config"])  # this load's own: _gguf_values may add to it
         _gguf_values(config, tensors)
     except CheckpointError:
@@ -837,10 +851,14 @@ def _gguf_index(path: str, reader) -> dict:
     blocks = a("block_count")
     if reader.tensors and blocks is not None and blocks > held:
         raise CheckpointError(f"{path}: {arch}.block_count is {blocks}, the file's tensors hold {held} blocks")
-    # multi-token-prediction blocks (llama.cpp's nextn layers) come after the model's own: skipped
+    # multi-token-prediction blocks (llama.cpp's nextn layers) come after the model's own: the
+    # first is the Qwen hybrids' MTP layer (`mtp.*`: models/architectures/mtp.py), the rest skipped
     n_layers = a("block_count") - a("nextn_predict_layers", 0)
+    mtp = (_GGUF_ARCHS[arch] in _HYBRIDS and n_layers < held
+           and f"blk.{n_layers}.nextn.eh_proj.weight" in {t.name for t in reader.tensors})
     own = [t for t in reader.tensors
-           if not ((m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= n_layers)]
+           if not ((m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= n_layers + mtp)
+           and not (mtp and t.name.startswith(tuple(f"blk.{n_layers}.nextn.{x}" for x in _GGUF_MTP_UNUSED)))]
     heads = a("attention.head_count")
     kv_heads = a("attention.head_count_kv", heads)
     hidden = a("embedding_length")
@@ -854,6 +872,8 @@ def _gguf_index(path: str, reader) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    if mtp:
+        config["mtp_num_hidden_layers"] = 1
     if config["model_type"] in _GGUF_FAMILY_CONFIG:
         _GGUF_FAMILY_CONFIG[config["model_type"]](config, a)
     if config["model_type"] in _MAMBA2_FAMILIES:
@@ -889,7 +909,7 @@ def _gguf_index(path: str, reader) -> dict:
     except TokenizerError as e:
         raise CheckpointError(f"{path}: {e}") from None
     for t in own:
-        _hf_name(t.name, config["model_type"])  # unknown tensor names fail now, not after caching
+        _hf_name(t.name, config["model_type"], n_layers)  # unknown tensor names fail now, not after caching
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
@@ -963,7 +983,7 @@ def _mamba2_hybrid_config(model_type: str, a, reader) -> dict:
             "residual_multiplier": a("residual_scale", 1.0), "logits_scaling": a("logit_scale", 1.0)}
 
 
-INDEX_VERSION = 5
+INDEX_VERSION = 6
 # Where a GGUF's index is cached: models.configure sets it from the engine's Environment
 # ($XDG_CACHE_HOME/chat/gguf-index: engine/config.py)
 INDEX_DIR = os.path.join(os.path.expanduser("~"), ".cache", "chat", "gguf-index")

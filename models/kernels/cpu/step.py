@@ -420,7 +420,10 @@ class CpuStep:
         model = self.model
         x = model.model.embed_tokens(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
-        return model.logits(self._run(x, cos, sin, state, []))
+        x = self._run(x, cos, sin, state, [])
+        if model.hidden_sink is not None:
+            model.sink_hidden(x, positions)
+        return model.logits(x)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
         """Logits [T, vocab] for T tokens fed at once at positions state.length.. (a speculative
@@ -436,7 +439,10 @@ class CpuStep:
         sin = torch.cat([s for _, s in tables])
         self._row_states = [torch.empty((n, *state.fixed(i)[name].shape), dtype=state.fixed(i)[name].dtype)
                             for i, names in self._fixed_layers for name in names]
-        return self._head_rows(self._run(x, cos, sin, state, self._row_states))
+        x = self._run(x, cos, sin, state, self._row_states)
+        if model.hidden_sink is not None:
+            model.sink_hidden(x, positions)
+        return self._head_rows(x)
 
     def fixed_after(self, rows: int) -> list[dict[str, torch.Tensor] | None]:
         """The fixed state after the first `rows` rows of the last verify, per layer as the state
