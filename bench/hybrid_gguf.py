@@ -4,10 +4,12 @@ converter and quantized by llama.cpp's own quantizer (Q4_K_M by default), then b
 on that file: ours against llama.cpp on the same file, thread count and prompt.
 
     python bench/hybrid_gguf.py --shape qwen3.5-0.8b [--llama-python PYTHON] [--type Q4_K_M]
-        [--layers N] [--out FILE] [--only-file] [-- cpu_bench.py's options]
+        [--layers N] [--mtp] [--out FILE] [--only-file] [-- cpu_bench.py's options]
 
 --layers N: the shape's first N layers (its layer types cut to them), for shapes too large to
-convert whole here (the default file name says so: bench-SHAPE-Nl.TYPE.gguf).
+convert whole here (the default file name says so: bench-SHAPE-Nl.TYPE.gguf). --mtp: a Qwen3.5
+shape with its multi-token-prediction layer (random, as tests/tiny.py add_mtp makes one; the
+converter writes it as the nextn block; bench-SHAPE-mtp.TYPE.gguf), for bench/spec_bench.py --mtp.
 
 The weights are random (transformers' initialisation, seed 0, saved in bf16); the tokenizer is the
 tests' tiny byte-level BPE (tests/tiny.py), the converter padding the vocabulary to the shape's
@@ -48,14 +50,14 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 """
 
 
-def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[str, str]:
+def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None, mtp: bool = False) -> tuple[str, str]:
     """The shape's random HF checkpoint (bf16) with the tests' tiny tokenizer: (its dir, model_type).
-    layers: that many of its layers instead of all."""
+    layers: that many of its layers instead of all; mtp: with an MTP layer."""
     import torch
     import transformers
 
     from shapes import SHAPES
-    from tiny import as_released, write_checkpoint
+    from tiny import add_mtp, as_released, write_checkpoint
     kw = dict(SHAPES[shape])
     model_type = kw.pop("model_type")
     if layers:
@@ -67,20 +69,22 @@ def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> tuple[
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     path = write_checkpoint(model_type, out_dir, model=model)
     as_released(path, model_type)  # (Granite 4.0-H's layer names as the converter reads them)
+    if mtp:
+        add_mtp(path)
     return path, model_type
 
 
 def build(shape: str, qtype: str, python: str | None, out: str, quantize: str | None = None,
-          layers: int | None = None) -> str:
+          layers: int | None = None, mtp: bool = False) -> str:
     """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp (Q8_0:
     by the converter itself, no llama-cpp-python needed): by llama-cpp-python's quantizer in
     `python`, or by the `quantize` binary (llama-quantize) where given. layers: as hf_checkpoint."""
     from llama_cpp_tree import convert
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
-        hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"), layers)
+        hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"), layers, mtp)
         direct = qtype == "Q8_0"
         f16 = convert(hf_dir, os.path.join(d, "f16.gguf"), "q8_0" if direct else "f16", pre=PRE.get(model_type, "qwen2"),
-                      options=CONVERT_OPTIONS.get(model_type, ()))
+                      options=() if mtp else CONVERT_OPTIONS.get(model_type, ()))
         if direct:
             os.replace(f16, out)
             return out
@@ -108,13 +112,14 @@ def main() -> None:
                    help="a Python that can import llama_cpp (its quantizer; Q8_0 needs none; cpu_bench's llama.cpp run)")
     p.add_argument("--out", default=None)
     p.add_argument("--layers", type=int, default=None, help="the shape with this many of its layers (its first ones)")
+    p.add_argument("--mtp", action="store_true", help="with the MTP layer (a Qwen3.5 shape)")
     p.add_argument("--only-file", action="store_true", help="write the file, do not benchmark")
     a = p.parse_args(argv)
-    depth = f"-{a.layers}l" if a.layers else ""
+    depth = (f"-{a.layers}l" if a.layers else "") + ("-mtp" if a.mtp else "")
     out = a.out or os.path.expanduser(f"~/.cache/chat/bench-{a.shape}{depth}.{a.type}.gguf")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     if not os.path.exists(out):
-        build(a.shape, a.type, a.llama_python, out, layers=a.layers)
+        build(a.shape, a.type, a.llama_python, out, layers=a.layers, mtp=a.mtp)
     import gguf
     counts: dict[str, int] = {}
     for t in gguf.GGUFReader(out).tensors:

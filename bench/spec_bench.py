@@ -3,7 +3,7 @@ one session: a copy-with-edit conversation (the user gives a paragraph and asks 
 word changed), greedy, the embedded model by default, on the CPU by default.
 
     python bench/spec_bench.py [--model smollm2] [--device cpu] [--rounds 3] [--temperature 0]
-                               [--acceptance 0,0.5,0.75,1] [--replay] [--cpu-int8 on]
+                               [--acceptance 0,0.5,0.75,1 [--mtp]] [--replay] [--cpu-int8 on]
 
 Each round runs the turn with `speculative: off` and then `lookup` (`/set speculative`, the live
 session's switch), from the same cached prefix (the turn is undone between them), and checks the
@@ -17,7 +17,9 @@ replay drafts the recorded reply. Prints each replay's seconds, the medians and 
 --acceptance: forced drafts instead of prompt lookup, for each rate A: the plain reply's own
 tokens, each replaced by a wrong one with probability 1 - A (seeded), so that the depth rule and
 the verify's cost are measured at a known acceptance (0: every draft wrong, where speculation
-must cost next to nothing).
+must cost next to nothing). With --mtp (a model with an MTP layer): `speculative: mtp`, the layer
+drafting as it does (its cost paid in full: the layer and the LM head a draft) and its tokens then
+replaced by the forced ones.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--max-new", default="200")
     ap.add_argument("--acceptance", default="", help="forced drafts at these rates, comma-separated")
+    ap.add_argument("--mtp", action="store_true", help="with --acceptance: the MTP layer drafts, its tokens forced")
     ap.add_argument("--replay", action="store_true", help="time chat replay of a recording, off and auto")
     ap.add_argument("--cpu-int8", choices=("off", "on"), default="off", help="the cpu_int8 setting")
     args = ap.parse_args()
@@ -74,7 +77,7 @@ def main() -> None:
         replays(c, args.rounds)
         return
     if args.acceptance:
-        forced_drafts(c, turn, [float(a) for a in args.acceptance.split(",")], args.rounds)
+        forced_drafts(c, turn, [float(a) for a in args.acceptance.split(",")], args.rounds, args.mtp)
         return
     rates = {"off": [], "lookup": []}
     for r in range(args.rounds):
@@ -118,8 +121,9 @@ def replays(c, rounds: int) -> None:
     print(f"median replay: off {off:.2f} s, auto {auto:.2f} s: {off / auto:.2f}x faster")
 
 
-def forced_drafts(c, turn, rates: list[float], rounds: int) -> None:
-    """Per acceptance rate: drafts from the plain reply, each wrong with probability 1 - rate."""
+def forced_drafts(c, turn, rates: list[float], rounds: int, mtp: bool = False) -> None:
+    """Per acceptance rate: drafts from the plain reply, each wrong with probability 1 - rate
+    (mtp: the MTP layer runs for each and its tokens are replaced)."""
     import random
 
     from engine.speculative import Depth, PromptLookup
@@ -137,13 +141,27 @@ def forced_drafts(c, turn, rates: list[float], rounds: int) -> None:
             return [t if self.rng.random() < self.rate else (t + 1 + self.rng.randrange(vocab - 1)) % vocab
                     for t in reply[at:at + k]]
 
+    if mtp:
+        c.set("speculative", "mtp")  # (the session's MtpDrafts, made once)
+        layer = session._mtp.propose
+
     for rate in rates:
         off, on, kept = [], [], []
         for r in range(rounds):
             rng = random.Random(r)
             session._depth = Depth()  # (each rate from the same start: no acceptance carried over)
-            session._drafter = lambda ctx, exp=None: Forced(ctx, rate=rate, rng=rng)
-            plain, spec = turn("off"), turn("lookup")
+            if mtp:
+                def propose(context, token, k, rate=rate, rng=rng, start=[]):
+                    if not start or len(context) < start[0]:
+                        start[:] = [len(context)]  # (the turn's first draft: the reply starts here)
+                    drafted = layer(context, token, k)
+                    at = len(context) + 1 - start[0]
+                    return [t if rng.random() < rate else (t + 1 + rng.randrange(vocab - 1)) % vocab
+                            for t in reply[at:at + len(drafted)]]
+                session._mtp.propose = propose
+            else:
+                session._drafter = lambda ctx, exp=None: Forced(ctx, rate=rate, rng=rng)
+            plain, spec = turn("off"), turn("mtp" if mtp else "lookup")
             assert plain.ids == spec.ids == reply, f"acceptance {rate}: the replies differ"
             off.append(plain.stats.decode_tps)
             on.append(spec.stats.decode_tps)

@@ -234,10 +234,13 @@ class DecodeSession:
         return getattr(self.model, "mtp", None) is not None
 
     def set_speculative(self, mode: str) -> None:
-        """auto: drafts where the verify is exact (else off, `speculative_note` says why): prompt
-        lookup, and the model's MTP layer where it has one; lookup / mtp: those drafts alone,
-        required (ConfigError where unavailable); off. The first time drafts could run, a
-        self-check compares a verify's rows with single steps bit for bit (`_self_check`)."""
+        """auto: prompt-lookup drafts where the verify is exact (else off, `speculative_note` says
+        why); lookup: the same, required (ConfigError where unavailable); mtp: prompt lookup where
+        the context repeats itself and the model's MTP layer elsewhere, required; off. auto leaves
+        the MTP layer out: the only exact verify is the CPU's, where a draft's pass over the LM head
+        costs more than its tokens save on the measured shapes (bench/spec_bench.py --mtp). The
+        first time drafts could run, a self-check compares a verify's rows with single steps bit
+        for bit (`_self_check`)."""
         if mode not in ("auto", "off", "lookup", "mtp"):
             raise ConfigError(f"speculative: {mode!r} is not valid; allowed: auto | off | lookup | mtp")
         if mode == "mtp" and not self.has_mtp:
@@ -252,20 +255,19 @@ class DecodeSession:
             raise ConfigError(f"speculative: {mode} is unavailable here ({why}); use auto or off")
         self.speculative = mode
         self.speculative_note = why if mode == "auto" else ""
-        if self.speculating and mode != "lookup" and self.has_mtp and self._mtp is None:
+        if self.speculating and mode == "mtp" and self._mtp is None:
             self._mtp = MtpDrafts(self.model, self.max_context, self.device, self.dtype)
             self._mtp.forget(self.state.length)  # (the rows fed before are not known)
 
     @property
     def _mtp_on(self) -> bool:
         """Whether this session's drafts may come from the MTP layer now."""
-        return self._mtp is not None and self.speculating and self.speculative != "lookup"
+        return self._mtp is not None and self.speculating and self.speculative == "mtp"
 
     def _drafts(self, prompt: list[int], expected: list[int] | None) -> Drafts:
         if self._drafter is not None:
             return Drafts(self._drafter(prompt, expected), None, lambda: self._ids[:self.state.length])
-        lookup = PromptLookup(prompt, expected) if self.speculative != "mtp" else None
-        return Drafts(lookup, self._mtp if self._mtp_on else None, lambda: self._ids[:self.state.length])
+        return Drafts(PromptLookup(prompt, expected), self._mtp if self._mtp_on else None, lambda: self._ids[:self.state.length])
 
     @property
     def speculating(self) -> bool:
@@ -279,8 +281,7 @@ class DecodeSession:
         if self.speculative_note:
             return f"{self.speculative}: off here ({self.speculative_note})"
         d = self._depth
-        source = {"lookup": "prompt-lookup drafts", "mtp": "the MTP layer's drafts"}.get(
-            self.speculative, "prompt-lookup drafts, else the MTP layer's" if self._mtp_on else "prompt-lookup drafts")
+        source = "prompt-lookup drafts, else the MTP layer's" if self._mtp_on else "prompt-lookup drafts"
         return (f"{self.speculative}: {source}, up to {d.max_depth} a verify, depth from the "
                 f"measured acceptance ({d.acceptance:.0%}) and verify cost")
 

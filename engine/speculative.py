@@ -22,8 +22,8 @@ tokens one forward yields.
   its own forwards only. Its cache holds a row per position; those whose tokens still match the
   context are kept, the rest recomputed (after a verify: the kept drafts' rows, from the model's
   rows rather than its own).
-- `Drafts`: a generation's source: prompt lookup, the MTP layer, or (auto) lookup where the
-  context repeats itself and the MTP layer elsewhere.
+- `Drafts`: a generation's source: prompt lookup, and with `speculative: mtp` the MTP layer
+  where lookup has none (the context does not repeat itself).
 - `Depth`: how many drafts to verify, from the measured acceptance (each draft's chance to be
   kept given the ones before it were) and the measured cost of a verify of each size against
   a one-token step: the depth that maximises expected tokens per second, 0 (a plain step)
@@ -41,7 +41,9 @@ import torch
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DEPTH = 7  # drafts a verify: 8 rows (the C++ step's row-exact linears take any count; beyond
 # this the copy task's gain flattens while a wrong guess costs more: bench/spec_bench.py)
-EXPLORE_EVERY = 32  # plain steps between tries of one draft where depth 0 is chosen
+EXPLORE_EVERY = 32  # plain steps between tries of one draft where depth 0 is chosen, times the
+# measured cost of such a try in steps (an MTP draft's costs a pass over the LM head and the
+# layer's catching up: bench/spec_bench.py --acceptance 0 --mtp), so trying costs ~1/32 of a step
 DECAY = 0.9  # the acceptance's memory, per verify
 COST_SAMPLES = 5  # timings a size's cost is the median of (the machine's noise is one-sided and bursty)
 MARGIN = 0.05  # a verify must promise this much over a plain step (timings are noisy: bench/spec_bench.py
@@ -159,9 +161,9 @@ class MtpDrafts:
 
 
 class Drafts:
-    """One generation's drafts: `lookup` (a PromptLookup), `mtp` (the session's MtpDrafts) or
-    both, lookup first (a repeat of the context, or a replay's expected reply, is nearly free and
-    usually right), the MTP layer where lookup has none. `cached()`: the session's cached tokens."""
+    """One generation's drafts: `lookup` (a PromptLookup) first (a repeat of the context, or a
+    replay's expected reply, is nearly free and usually right), then `mtp` (the session's
+    MtpDrafts, or None) where lookup has none. `cached()`: the session's cached tokens."""
 
     def __init__(self, lookup: PromptLookup | None, mtp: MtpDrafts | None, cached: Callable[[], list[int]]):
         self.lookup, self.mtp, self.cached = lookup, mtp, cached
@@ -224,7 +226,8 @@ class Depth:
 
     def choose(self, room: int) -> int:
         """Drafts to verify now, at most `room`: the depth of the most expected tokens per second,
-        0 where a plain step is best (but one draft every EXPLORE_EVERY plain steps)."""
+        0 where a plain step is best (but one draft every EXPLORE_EVERY plain steps, scaled by
+        what such a draft costs in steps)."""
         room = min(room, self.max_depth)
         if room <= 0:
             return 0
@@ -237,7 +240,7 @@ class Depth:
                 best, best_rate = k, rate
         if best == 0:
             self._plain_run += 1
-            if self._plain_run >= EXPLORE_EVERY:
+            if self._plain_run >= EXPLORE_EVERY * max(1.0, self.cost(2) / self.cost(1)):
                 self._plain_run = 0
                 return 1
         else:
