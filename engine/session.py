@@ -253,11 +253,13 @@ class DecodeSession:
                 "no room in the context for the verify's self-check"
         if why and mode in ("lookup", "mtp"):
             raise ConfigError(f"speculative: {mode} is unavailable here ({why}); use auto or off")
+        was = self._mtp_on
         self.speculative = mode
         self.speculative_note = why if mode == "auto" else ""
         if self.speculating and mode == "mtp" and self._mtp is None:
             self._mtp = MtpDrafts(self.model, self.max_context, self.device, self.dtype)
-            self._mtp.forget(self.state.length)  # (the rows fed before are not known)
+        if self._mtp_on and not was:
+            self._mtp.forget(self.state.length)  # (the rows fed while it was off are not known)
 
     @property
     def _mtp_on(self) -> bool:
@@ -265,9 +267,10 @@ class DecodeSession:
         return self._mtp is not None and self.speculating and self.speculative == "mtp"
 
     def _drafts(self, prompt: list[int], expected: list[int] | None) -> Drafts:
+        cached = lambda: self._ids[:self.state.length]  # noqa: E731
         if self._drafter is not None:
-            return Drafts(self._drafter(prompt, expected), None, lambda: self._ids[:self.state.length])
-        return Drafts(PromptLookup(prompt, expected), self._mtp if self._mtp_on else None, lambda: self._ids[:self.state.length])
+            return Drafts(self._drafter(prompt, expected), None, cached)
+        return Drafts(PromptLookup(prompt, expected), self._mtp if self._mtp_on else None, cached)
 
     @property
     def speculating(self) -> bool:

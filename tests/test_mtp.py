@@ -216,3 +216,15 @@ def test_show_names_the_source(lm):
     for mode in ("auto", "lookup"):
         s = session(lm, mode)
         assert s.speculation_text.startswith(f"{mode}: prompt-lookup drafts,") and s._mtp is None
+
+
+def test_rows_fed_while_off_are_not_read(lm):
+    """Switched off, the session hands the layer no rows: switched on again, those positions count
+    as unknown (zeros), not as the stale rows of whatever was fed there before."""
+    s = session(lm)
+    s.prefill(PROMPT)
+    assert s._mtp.rows_from == 0
+    s.set_speculative("off")
+    s.prefill([60, 61])
+    s.set_speculative("mtp")
+    assert s._mtp.rows_from == len(PROMPT) + 2
