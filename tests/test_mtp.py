@@ -228,3 +228,16 @@ def test_rows_fed_while_off_are_not_read(lm):
     s.prefill([60, 61])
     s.set_speculative("mtp")
     assert s._mtp.rows_from == len(PROMPT) + 2
+
+
+def test_the_plan_counts_no_mtp_reads_in_a_step(files):
+    """The MTP layer is planned (its linears bound like the model's) but a decode step reads none
+    of it: the plan's step bytes and KV bytes a token are those of the model without it."""
+    from models import plan
+    with_layer = models.load(files[0]).model
+    without = models.load(files[0]).model
+    without.mtp = None
+    for device in ("cpu", "cuda"):
+        a, b = plan.make(with_layer, device, torch.float32), plan.make(without, device, torch.float32)
+        assert len(a.choices) > len(b.choices)
+        assert (a.decode_bytes(), a.kv_bytes_per_token()) == (b.decode_bytes(), b.kv_bytes_per_token())

@@ -53,7 +53,7 @@ class Plan:
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes a decode step reads per token of context (the attention layers')."""
         return sum(2 * c.site.dims.get("kv_heads", 0) * c.site.dims.get("head_dim", 0) * self.kv_element_bytes
-                   for c in self.choices if c.site.op == "attention")
+                   for c in self.choices if c.site.op == "attention" and c.site.decode_share)
 
     def kernels(self) -> Counter:
         """How many op sites each kernel serves."""

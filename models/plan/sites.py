@@ -22,7 +22,8 @@ class Site:
     "AWQ", "FP8", "bfloat16" ...); `source`: the checkpoint's format it came from (the same
     unless the layout changed); n, k: output and input features (experts: of one expert's
     gate/up rows); `nbytes`: the bytes held; `decode_share`: the part of them a decode step
-    reads (1 for a linear, one row of an embedding, top_k / num_experts of routed experts);
+    reads (1 for a linear, one row of an embedding, top_k / num_experts of routed experts, 0
+    for the MTP layer's, which only drafts read);
     `dims`: a mixer's sizes (head_dim, heads, state) that its kernels' fit rules read."""
     name: str
     op: str
@@ -146,6 +147,9 @@ def collect(model: nn.Module) -> list[Site]:
         n, k = _features(m)
         op = "lm_head" if name == "lm_head" else "linear"
         sites.append(Site(name, op, fmt, m, n, k, held, 1.0, source))
+    for s in sites:  # the MTP layer (models/architectures/mtp.py) runs for drafts, not in a step
+        if s.name.startswith("mtp."):
+            s.decode_share = 0.0
     return sites
 
 
