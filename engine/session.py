@@ -133,6 +133,10 @@ class DecodeSession:
         self.verify_reuse = verify_reuse
         self.eos_ids = tuple(eos_ids)
         self._ids: list[int] = []  # the tokens in the written KV slots (state.written of them)
+        # speculative decoding (set_speculative, at the end: before it, forwards run without drafts)
+        self.speculative = "off"
+        self.speculative_note = ""  # why speculation does not run, where it was asked for
+        self._mtp: MtpDrafts | None = None  # the MTP layer's drafts, where they run
         self._generation = 0  # generate() calls so far
         self.last_stats = GenerationStats()
         self._device_masks: dict = {}  # output-format masks: CUDA buffers and graphs (engine/constraint.py)
@@ -179,12 +183,9 @@ class DecodeSession:
             self._precompile()
         if cuda_graph in ("on", "auto") and cuda:
             self.graph = GraphedDecodeStep(self._step_fn, self.state, device, self._kv_buckets)
-        self.speculative = "off"
-        self.speculative_note = ""  # why speculation does not run, where it was asked for
         self._spec_checked: bool | None = None  # the verify's self-check: passed, failed, not yet run
         self._depth = Depth()  # the depth rule (engine/speculative.py)
         self._drafter = None  # a drafter factory (prompt, expected) in place of the setting's (tests, benches)
-        self._mtp: MtpDrafts | None = None  # the MTP layer's drafts, where they run
         self.set_speculative(speculative)
 
     def _throwaway_forwards(self, steps: int) -> None:
