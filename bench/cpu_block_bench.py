@@ -18,6 +18,12 @@ bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch
 there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
 AVX2_ENV: cpu_bench.hold_to_isa).
 
+    python bench/cpu_block_bench.py --verify [--types ...] [--shapes ...] [--threads N] [--cpu-isa ...]
+
+times instead a speculative verify's products (block_linear_rows: each row's sums those of a
+one-row call, the weights read once) of 2, 3, 4 and 8 rows against one row's (block_linear), fp32
+and int8 inputs, the weights from DRAM: the cost of a verify of k drafts in steps of its linears.
+
     python bench/cpu_block_bench.py --mamba2 [48x64x128x1,128x64x128x8] [--threads N]
 
 times instead a Mamba2 mixer's one-token step between its projections (models/architectures/
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--cached", action="store_true")
     p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
+    p.add_argument("--verify", action="store_true", help="a verify's rows against one row (block_linear_rows)")
     p.add_argument("--mamba2", nargs="?", const="48x64x128x1,128x64x128x8", default=None,
                    help="a Mamba2 mixer's step instead: HEADSxHEAD_DIMxSTATExGROUPS, comma-separated")
     a = p.parse_args()
@@ -80,6 +87,9 @@ def main() -> None:
     step.load()
     if a.mamba2:
         mamba2_steps(a.mamba2)
+        return
+    if a.verify:
+        verify_rows(a.types, a.shapes)
         return
     block_linear = torch.ops.chat_cpu.block_linear
     modules: dict = {}
@@ -130,6 +140,36 @@ def main() -> None:
                 per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
             print(row + "".join(f"{times['fp32'] / times[v]:>10.2f}x" for v in variants[1:]) + f"{err:>13.1e}")
+
+def verify_rows(types: str, shapes: str) -> None:
+    """block_linear_rows of 2, 3, 4 and 8 rows against block_linear of one, per type and shape,
+    fp32 and int8 inputs, the weights cycled through copies that exceed the last-level cache."""
+    ops, gen, counts = torch.ops.chat_cpu, torch.Generator().manual_seed(0), (2, 3, 4, 8)
+    print(f"{torch.get_num_threads()} threads, cpu_isa: {step.isa_label()}; a verify of R rows in one-row calls' time")
+    print(f"{'type':6}{'shape':>14}{'inputs':>7}{'1 row us':>10}" + "".join(f"{f'{r} rows':>9}" for r in counts))
+    for name in types.split(","):
+        ggml = gguf_blocks.TYPES[name]
+        for shape in shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            blocks = random_blocks(name, n, k, gen)
+            copies = [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
+            for int8 in (False, True):
+                times = {}
+                for r in (1,) + counts:
+                    x = torch.randn(r, k, generator=gen)
+                    fn = ops.block_linear if r == 1 else ops.block_linear_rows
+                    for b in copies[:3]:
+                        fn(x, b, ggml, int8)
+                    best = float("inf")
+                    for _ in range(10):
+                        t0 = time.perf_counter()
+                        for b in copies:
+                            fn(x, b, ggml, int8)
+                        best = min(best, (time.perf_counter() - t0) / len(copies))
+                    times[r] = best
+                print(f"{name:6}{shape:>14}{'int8' if int8 else 'fp32':>7}{times[1] * 1e6:>10.1f}"
+                      + "".join(f"{times[r] / times[1]:>8.2f}x" for r in counts))
+
 
 def mamba2_steps(specs: str) -> None:
     """The Mamba2 mixers' one-token steps, torch form against the library's (module docstring)."""

@@ -209,6 +209,24 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
 // y[t, n] = sum_k x[t, k] W[n, k] for rows [n0, n1) of W and all T rows of x (T <= kMaxRows)
 constexpr int64_t kMaxRows = 8;
 
+// Tn rows of x in runs of up to kRunRows, each run's count a compile-time constant, so that a
+// kernel keeps a run's sums in registers (with a runtime count they live in memory: a verify's 2
+// rows cost twice a step's products; runs of 8 spill the K-quants' accumulators beside their
+// unpacked codes: bench/cpu_block_bench.py --verify); each row's operations are the one-row
+// kernel's whatever its run. f(std::integral_constant<int64_t, run>, t0).
+constexpr int64_t kRunRows = 4;
+template <typename F>
+void row_runs(int64_t Tn, F&& f) {
+  for (int64_t t0 = 0; t0 < Tn; t0 += kRunRows) {
+    switch (std::min(kRunRows, Tn - t0)) {
+      case 1: f(std::integral_constant<int64_t, 1>{}, t0); break;
+      case 2: f(std::integral_constant<int64_t, 2>{}, t0); break;
+      case 3: f(std::integral_constant<int64_t, 3>{}, t0); break;
+      default: f(std::integral_constant<int64_t, 4>{}, t0); break;
+    }
+  }
+}
+
 template <int64_t T>
 void gemv_rows(const float* x, int64_t Tn, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
                int64_t n0, int64_t n1, float* y) {
@@ -582,10 +600,18 @@ void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, in
   by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      if (Tn == 1)
+      if (Tn == 1) {
         gemv_rows_simd<T, 1, SimdAcc<1>>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
-      else
-        gemv_rows_simd<T, 0, SimdAcc<0>>(xp, xs.data(), Tn, K, wp, rb, N, n0, n1, yp);
+        return;
+      }
+      for (int64_t c0 = n0; c0 < n1; c0 += 16) {  // 16 rows of W (a few KB) against each run of x's rows
+        const int64_t c1 = std::min(n1, c0 + 16);
+        row_runs(Tn, [&](auto run, int64_t t0) {
+          constexpr int64_t R = decltype(run)::value;
+          gemv_rows_simd<T, R, SimdAcc<R>>(xp + t0 * K, xs.data() + t0 * (K / 32), R, K, wp, rb, N, c0, c1,
+                                           yp + t0 * N);
+        });
+      }
     });
   });
 #else
@@ -774,8 +800,12 @@ Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool in
       rows_by_chunk(N, Tn, [&](int64_t t, int64_t c0, int64_t c1) { gemv_rows_i8<T, 1>(rows, t, 1, wp, rb, N, c0, c1, yp); });
     } else {
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
-          gemv_rows_i8<T, 0>(rows, t0, std::min(kMaxRows, Tn - t0), wp, rb, N, n0, n1, yp);
+        for (int64_t c0 = n0; c0 < n1; c0 += kVerifyChunk) {  // 16 rows of W against each run (row_runs)
+          const int64_t c1 = std::min(n1, c0 + kVerifyChunk);
+          row_runs(Tn, [&](auto run, int64_t t0) {
+            gemv_rows_i8<T, decltype(run)::value>(rows, t0, decltype(run)::value, wp, rb, N, c0, c1, yp);
+          });
+        }
       });
     }
   });
