@@ -171,17 +171,21 @@ def check_layer_count(config: dict, names, source: str) -> None:
 _MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.layers\.(\d+)\.")
 
 
-def count_mtp_layers(config: dict, names) -> None:
-    """In place: the config's `mtp_num_hidden_layers` set to the multi-token-prediction layers the
-    checkpoint's tensors hold (`mtp.*`; 0 where they were stripped, as many quantized uploads
-    strip them, whatever the config says), so the model builds the MTP layer only with its weights."""
+def count_mtp_layers(config: dict, names, device: torch.device) -> None:
+    """In place: the config's MTP_LOADED set to the multi-token-prediction layers the checkpoint's
+    tensors hold (`mtp.*`; 0 where they were stripped, as many quantized uploads strip them,
+    whatever `mtp_num_hidden_layers` says), so the model builds the MTP layer only with its
+    weights; and only on the CPU, the one device with an exact verify for its drafts (elsewhere
+    its memory is saved). A config that does not pass here (a tensor-parallel rank's) has none."""
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    if not any(n in names for n in ("mtp.fc.weight", "model.mtp.fc.weight")):
+    if device.type != "cpu" or not any(n in names for n in ("mtp.fc.weight", "model.mtp.fc.weight")):
         held = 0
     else:
         held = max((int(m.group(1)) + 1 for n in names if (m := _MTP_LAYER.match(n))), default=0)
-    if held or cfg.get("mtp_num_hidden_layers"):
-        cfg["mtp_num_hidden_layers"] = held
+    cfg[MTP_LOADED] = held
+
+
+MTP_LOADED = "mtp_layers_loaded"  # (the config key count_mtp_layers sets: models/architectures/qwen3_5.py)
 
 
 @contextlib.contextmanager
@@ -388,7 +392,7 @@ def load(path_or_alias: str, device: torch.device | str = "cpu", dtype: torch.dt
     with _naming(path):
         hf_quant.collect(ckpt.tensors, ckpt.config)  # HF quantized linears: one tensor each
         check_layer_count(ckpt.config, ckpt.tensors, path)
-        count_mtp_layers(ckpt.config, ckpt.tensors)
+        count_mtp_layers(ckpt.config, ckpt.tensors, device)
         model, model_type = build_model(ckpt.config)  # on the meta device: nothing allocated
         materialize(model, ckpt.tensors, device, dtype, q4_blocks)  # every shape checked before a weight moves
     return LoadedModel(model, ckpt.tokenizer, ckpt.chat_template, ckpt.bos_token, ckpt.eos_token,

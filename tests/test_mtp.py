@@ -241,3 +241,17 @@ def test_the_plan_counts_no_mtp_reads_in_a_step(files):
         a, b = plan.make(with_layer, device, torch.float32), plan.make(without, device, torch.float32)
         assert len(a.choices) > len(b.choices)
         assert (a.decode_bytes(), a.kv_bytes_per_token()) == (b.decode_bytes(), b.kv_bytes_per_token())
+
+
+def test_the_layer_is_loaded_only_where_its_drafts_run(files):
+    """Only the CPU has an exact verify: a CUDA load leaves the layer out (its memory saved), and so
+    does a tensor-parallel rank's model, whose config never says it has one."""
+    from models import loader
+    from models.formats.checkpoints import load_hf_dir
+    ckpt = load_hf_dir(files[0], lazy=True)
+    for device, held in (("cpu", 1), ("cuda", 0)):
+        cfg = dict(ckpt.config)
+        loader.count_mtp_layers(cfg, ckpt.tensors, torch.device(device))
+        assert cfg[loader.MTP_LOADED] == held
+    full, _, _ = loader.sharding_plan(files[0], 2, dict(ckpt.config))
+    assert full.mtp is None

@@ -71,8 +71,8 @@ class HybridConfig:
     # out_proj's columns in llama.cpp's tiled value-head order (a qwen35 GGUF's blocks, which
     # cannot be reordered: checkpoints._gguf_values); the layer then writes its heads that way
     linear_out_tiled: bool = False
-    # the multi-token-prediction layer (mtp.py): 1 where the checkpoint holds one (models.loader
-    # counts the `mtp.*` layers it holds; only the first is read, as llama.cpp reads one)
+    # the multi-token-prediction layer (mtp.py): 1 where models.loader.count_mtp_layers found one
+    # to load (only the first is read, as llama.cpp reads one)
     mtp_layers: int = 0
 
     @classmethod
@@ -108,7 +108,7 @@ class HybridConfig:
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers,
             linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)),
-            mtp_layers=min(1, int(c.get("mtp_num_hidden_layers", 0))))
+            mtp_layers=min(1, int(c.get("mtp_layers_loaded", 0))))
 
 
 class GatedRMSNorm(nn.Module):
