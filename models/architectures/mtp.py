@@ -24,11 +24,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .layers import Linear, Residual, RMSNorm, add_norm, causal_mask, head_logits
+from .layers import Linear, RMSNorm, add_norm, causal_mask, head_logits
 
 
 class MtpCache:
-    """The MTP layer's keys and values ([KVH, slots, D] each, fp32) and how many slots it has."""
+    """The MTP layer's keys and values ([KVH, slots, D] each; fp32 on the CPU) and its slot count."""
 
     def __init__(self, kv_heads: int, head_dim: int, slots: int, device, dtype=torch.float32):
         self.slots = slots
@@ -85,8 +85,7 @@ class MtpHead(nn.Module):
         cos, sin = model.rope.cos_sin(positions, x.dtype)
         mask = causal_mask(positions, kv_len, x.dtype)
         x = self.layers[0](x, 0, positions, model.rope, cos, sin, _LayerState(cache, kv_len), mask)
-        return add_norm(x if isinstance(x, Residual) else Residual(x, torch.zeros_like(x)), self.norm,
-                        out_dtype=torch.float32)[1]
+        return add_norm(x, self.norm, out_dtype=torch.float32)[1]  # (x: a Residual, its branch added here)
 
     def logits(self, model, normed: torch.Tensor) -> torch.Tensor:
         """The draft logits [T, vocab] fp32 of the MTP's normed rows: the model's LM head."""
