@@ -125,21 +125,26 @@ def main() -> None:
                 wr = w.bfloat16().double() if v == "bf16" else w.double()
                 y = op(x, blocks, ggml, v).double()
                 err = max(err, float(((y - xr @ wr.t()).abs() / (xr.abs() @ wr.abs().t()).clamp_min(1e-30)).max()))
-                for b in copies[:3]:
-                    op(x, b, ggml, v)
-                best = float("inf")
-                for _ in range(10):
-                    t0 = time.perf_counter()
-                    for b in copies:
-                        op(x, b, ggml, v)
-                    best = min(best, (time.perf_counter() - t0) / len(copies))
-                times[v] = best
+                times[v] = best_pass(lambda b: op(x, b, ggml, v), copies)
             row = f"{name:6}{shape:>14}"
             for v in variants:
                 t = times[v]
                 per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
             print(row + "".join(f"{times['fp32'] / times[v]:>10.2f}x" for v in variants[1:]) + f"{err:>13.1e}")
+
+def best_pass(fn, copies: list) -> float:
+    """Seconds a call of fn over each of `copies` takes: the best of 10 passes, after 3 warm calls."""
+    for b in copies[:3]:
+        fn(b)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for b in copies:
+            fn(b)
+        best = min(best, (time.perf_counter() - t0) / len(copies))
+    return best
+
 
 def verify_rows(types: str, shapes: str) -> None:
     """block_linear_rows of 2, 3, 4 and 8 rows against block_linear of one, per type and shape,
@@ -158,15 +163,7 @@ def verify_rows(types: str, shapes: str) -> None:
                 for r in (1,) + counts:
                     x = torch.randn(r, k, generator=gen)
                     fn = ops.block_linear if r == 1 else ops.block_linear_rows
-                    for b in copies[:3]:
-                        fn(x, b, ggml, int8)
-                    best = float("inf")
-                    for _ in range(10):
-                        t0 = time.perf_counter()
-                        for b in copies:
-                            fn(x, b, ggml, int8)
-                        best = min(best, (time.perf_counter() - t0) / len(copies))
-                    times[r] = best
+                    times[r] = best_pass(lambda b: fn(x, b, ggml, int8), copies)
                 print(f"{name:6}{shape:>14}{'int8' if int8 else 'fp32':>7}{times[1] * 1e6:>10.1f}"
                       + "".join(f"{times[r] / times[1]:>8.2f}x" for r in counts))
 
