@@ -244,9 +244,6 @@ class DecodeSession:
         for bit (`_self_check`)."""
         if mode not in ("auto", "off", "lookup", "mtp"):
             raise ConfigError(f"speculative: {mode!r} is not valid; allowed: auto | off | lookup | mtp")
-        if mode == "mtp" and not self.has_mtp:
-            raise ConfigError("speculative: mtp needs a model with a multi-token-prediction layer (this "
-                              "checkpoint has no mtp.* / nextn weights); use auto, lookup or off")
         why = "" if mode == "off" else self.speculation_unavailable()
         if not why and mode != "off" and self._spec_checked is None:
             self._spec_checked = self._self_check()
@@ -254,6 +251,9 @@ class DecodeSession:
                 "no room in the context for the verify's self-check"
         if why and mode in ("lookup", "mtp"):
             raise ConfigError(f"speculative: {mode} is unavailable here ({why}); use auto or off")
+        if mode == "mtp" and not self.has_mtp:  # (where drafts could run: a dense hybrid on the CPU)
+            raise ConfigError("speculative: mtp needs a model with a multi-token-prediction layer (this "
+                              "checkpoint has no mtp.* / nextn weights); use auto, lookup or off")
         was = self._mtp_on
         self.speculative = mode
         self.speculative_note = why if mode == "auto" else ""

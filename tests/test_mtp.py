@@ -255,3 +255,14 @@ def test_the_layer_is_loaded_only_where_its_drafts_run(files):
         assert cfg[loader.MTP_LOADED] == held
     full, _, _ = loader.sharding_plan(files[0], 2, dict(ckpt.config))
     assert full.mtp is None
+
+
+def test_a_moe_hybrid_loads_without_its_layer(tmp_path):
+    """Qwen3.5-MoE's MTP layer holds a layer's experts and no exact verify serves its drafts (no
+    C++ step for the MoE hybrids): the checkpoint loads without it, and `mtp` says why."""
+    from tiny import add_mtp, write_checkpoint
+    d = add_mtp(write_checkpoint("qwen3_5_moe", str(tmp_path / "hf")))
+    lm = models.load(d)
+    assert lm.model.mtp is None
+    with pytest.raises(ConfigError, match="speculative: mtp is unavailable here"):
+        DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, speculative="mtp")
