@@ -266,3 +266,14 @@ def test_a_moe_hybrid_loads_without_its_layer(tmp_path):
     assert lm.model.mtp is None
     with pytest.raises(ConfigError, match="speculative: mtp is unavailable here"):
         DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, speculative="mtp")
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_property_mtp_generations_equal_a_cold_session(files, temperature):
+    """The checkpoint property test with `speculative: mtp`: Hypothesis's sends, /undo, /retry and
+    resets on one conversation, every reply a cold session's without drafts."""
+    from test_checkpoints import check_property, controller
+    c = controller(files[0], temperature=temperature, seed="3", speculative="mtp")
+    assert c.session.speculation_text.startswith("mtp:")
+    check_property(c, 10)
+    assert c.session._mtp.ids  # (the layer drafted)
