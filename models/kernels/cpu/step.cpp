@@ -210,10 +210,10 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
 constexpr int64_t kMaxRows = 8;
 
 // Tn rows of x in runs of up to kRunRows, each run's count a compile-time constant, so that a
-// kernel keeps a run's sums in registers (with a runtime count they live in memory: a verify's 2
-// rows cost twice a step's products; runs of 8 spill the K-quants' accumulators beside their
-// unpacked codes: bench/cpu_block_bench.py --verify); each row's operations are the one-row
-// kernel's whatever its run. f(std::integral_constant<int64_t, run>, t0).
+// kernel keeps a run's sums in registers (with a runtime count they live in memory and each extra
+// row of a verify costs nearly a row's whole product; runs of 8 spill the K-quants' accumulators
+// beside their unpacked codes: bench/cpu_block_bench.py --verify); each row's operations are the
+// one-row kernel's whatever its run. f(std::integral_constant<int64_t, run>, t0).
 constexpr int64_t kRunRows = 4;
 template <typename F>
 void row_runs(int64_t Tn, F&& f) {
