@@ -97,11 +97,13 @@ class MtpDrafts:
 
     CATCH_UP_ROWS = 512  # rows the layer takes at a time when it catches up (a long prompt)
 
-    def __init__(self, model, max_context: int, device, dtype):
+    def __init__(self, model, max_context: int, device, kv_dtype):
+        """kv_dtype: the layer's cache's (the session's attention caches', as llama.cpp keeps its
+        draft context's like its target's)."""
         self.model, self.head = model, model.mtp
         self.slots = max_context + MAX_DEPTH + 1  # (drafts run past the context's last position)
         self.device = device
-        self.cache = self.head.new_cache(self.slots, device, torch.float32 if device.type == "cpu" else dtype)
+        self.cache = self.head.new_cache(self.slots, device, kv_dtype)
         self.rows = torch.zeros(0, model.config.hidden_size, dtype=torch.float32, device=device)
         self.rows_from = 0  # the model's rows below this position are not known
         self.ids: list[int] = []  # the token of each position whose MTP row the cache holds
@@ -143,10 +145,13 @@ class MtpDrafts:
             return []
         n = len(context)
         ids = context + [token]
-        m = 0  # the cache's rows that still hold these tokens' positions
-        limit = min(len(self.ids), n + 1)
-        while m < limit and self.ids[m] == ids[m]:
-            m += 1
+        m = min(len(self.ids), n + 1)  # the cache's rows that still hold these tokens' positions
+        if self.ids[:m] != ids[:m]:  # (the longest equal prefix, by halves: list compares run in C)
+            lo, hi = 0, m
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.ids[:mid] == ids[:mid] else (lo, mid)
+            m = lo
         if m == n + 1:  # (the row of `token` itself is there: run it again for its output row)
             m = n
         for start in range(m, n + 1, self.CATCH_UP_ROWS):

@@ -169,7 +169,7 @@ def test_the_layers_cache_equals_one_computed_afresh(lm):
     list(s.generate(s.cached + [44, 45, 46], SamplingConfig(temperature=0.8, seed=2, max_new_tokens=20)))
     context, token = s.cached[:-1], s.cached[-1]
     kept = s._mtp.propose(context, token, 4)
-    fresh = MtpDrafts(lm.model, s.max_context, s.device, s.dtype)
+    fresh = MtpDrafts(lm.model, s.max_context, s.device, s.state.kv_dtype)
     fresh.rows, fresh.rows_from = s._mtp.rows, 0
     assert fresh.propose(context, token, 4) == kept
     n = len(context) + 1  # the positions whose rows both hold: the context's and the token's
