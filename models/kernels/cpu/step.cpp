@@ -211,18 +211,22 @@ constexpr int64_t kMaxRows = 8;
 
 // Tn rows of x in runs of up to kRunRows, each run's count a compile-time constant, so that a
 // kernel keeps a run's sums in registers (with a runtime count they live in memory and each extra
-// row of a verify costs nearly a row's whole product; runs of 8 spill the K-quants' accumulators
-// beside their unpacked codes: bench/cpu_block_bench.py --verify); each row's operations are the
-// one-row kernel's whatever its run. f(std::integral_constant<int64_t, run>, t0).
-constexpr int64_t kRunRows = 4;
+// row of a verify costs nearly a row's whole product: bench/cpu_block_bench.py --verify); each
+// row's operations are the one-row kernel's whatever its run. f(std::integral_constant<int64_t, run>, t0).
+constexpr int64_t kRunRows = 8;
 template <typename F>
 void row_runs(int64_t Tn, F&& f) {
+  static_assert(kRunRows == 8, "row_runs names each run length up to kRunRows");
   for (int64_t t0 = 0; t0 < Tn; t0 += kRunRows) {
     switch (std::min(kRunRows, Tn - t0)) {
       case 1: f(std::integral_constant<int64_t, 1>{}, t0); break;
       case 2: f(std::integral_constant<int64_t, 2>{}, t0); break;
       case 3: f(std::integral_constant<int64_t, 3>{}, t0); break;
-      default: f(std::integral_constant<int64_t, 4>{}, t0); break;
+      case 4: f(std::integral_constant<int64_t, 4>{}, t0); break;
+      case 5: f(std::integral_constant<int64_t, 5>{}, t0); break;
+      case 6: f(std::integral_constant<int64_t, 6>{}, t0); break;
+      case 7: f(std::integral_constant<int64_t, 7>{}, t0); break;
+      default: f(std::integral_constant<int64_t, 8>{}, t0); break;
     }
   }
 }
