@@ -20,6 +20,12 @@ llama.cpp is a benchmark reference, never a dependency: its sources are the llam
         otherwise: flash attention auto, CUDA graphs; tg `--new` tokens at depth `--prompt`, pp
         `--prefill` tokens). Prints each round and the medians, with ours / llama.cpp.
 
+    python bench/llama_cuda.py profile [--shapes qwen3.5-0.8b] [--type Q4_K_M] [--layers N] [--prefill 512]
+        [--top 15] [--dtype float16] [--bin DIR]
+        where our side's time goes on that same file, in compare's activations' dtype:
+        bench/profile_step.py's prefill profile (--gguf: the kernels, the GPU's busy time, the
+        host's syncs) in a child process.
+
 --layers N builds the shape with N of its layers (a multiple of a hybrid's attention interval):
 for shapes whose full depth does not fit the disk. Both engines read the same file, so the ratio
 compares; the tok/s are those of the N-layer model and the table says so.
@@ -265,6 +271,18 @@ def compare(a) -> None:
               f"(median of {a.rounds} rounds' ratios)", flush=True)
 
 
+def profile(a) -> None:
+    """profile_step.py --gguf FILE --prefill N on each shape's file (written as compare writes it)."""
+    bin_dir = _bin_dir(a.bin)
+    for shape in a.shapes.split(","):
+        path = gguf_file(shape, a.type, a.layers, bin_dir)
+        print(f"\n{shape}, {a.type} ({os.path.basename(path)}): our prefill of {a.prefill} tokens", flush=True)
+        r = subprocess.run([sys.executable, os.path.join(HERE, "profile_step.py"), shape, "--gguf", path,
+                            "--prefill", str(a.prefill), "--top", str(a.top), "--dtype", a.dtype])
+        if r.returncode != 0:
+            raise SystemExit(f"profile_step.py on {path} failed ({r.returncode})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -283,11 +301,21 @@ def main() -> None:
     c.add_argument("--rounds", type=int, default=3)
     c.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     c.add_argument("--bin", help="a folder with llama-bench and llama-quantize (default: the build here)")
+    f = sub.add_parser("profile")
+    f.add_argument("--shapes", default="qwen3.5-0.8b")
+    f.add_argument("--type", default="Q4_K_M")
+    f.add_argument("--layers", type=int, default=None)
+    f.add_argument("--prefill", type=int, default=512)
+    f.add_argument("--top", type=int, default=15)
+    f.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    f.add_argument("--bin", help="a folder with llama-bench and llama-quantize (default: the build here)")
     a = p.parse_args()
     if a.cmd == "pack":
         pack(a.sdist)
     elif a.cmd == "build":
         build(a.jobs, a.parts)
+    elif a.cmd == "profile":
+        profile(a)
     else:
         from hybrid_gguf import FTYPES
         if a.type not in FTYPES:

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: kernels per step and the top kernels by GPU time.
 
     python bench/profile_step.py NAME [--compile on] [--steps 20] [--format bf16|Q4_K|AWQ|FP8] [--gguf FILE]
+                                 [--dtype bfloat16|float16]
 Profiles eager decode steps (the step a CUDA graph records) with torch.profiler and compares
 the GPU busy time with the graph-replayed step's wall time: the gap is launch overhead that a
 graph cannot remove, the busy time is what fusion must shrink. `--prefill N`: one N-token
@@ -28,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from engine.session import DecodeSession  # noqa: E402
 from shapes import random_model  # noqa: E402
+
+DTYPE = [torch.bfloat16]  # the activations' dtype (--dtype)
 
 
 def top_kernels(prof, per: int, n: int = 8) -> None:
@@ -62,13 +65,13 @@ def build(name: str, fmt: str, dev, gguf: str | None = None):
     on CUDA (the kernel plan bound: models/plan); or the GGUF file's, loaded as chat loads it."""
     if gguf:
         import models
-        return models.load(gguf, device=dev, dtype=torch.bfloat16, quantized=True).model
+        return models.load(gguf, device=dev, dtype=DTYPE[0], quantized=True).model
     if fmt == "bf16":
-        return random_model(name, dev, torch.bfloat16)
+        return random_model(name, dev, DTYPE[0])
     from models import plan as kernel_plan
     from shapes import random_quantized_model
-    model = random_quantized_model(name, fmt, dev, torch.bfloat16)
-    kernel_plan.bind(model, dev, torch.bfloat16)
+    model = random_quantized_model(name, fmt, dev, DTYPE[0])
+    kernel_plan.bind(model, dev, DTYPE[0])
     return model
 
 
@@ -119,7 +122,7 @@ def host_profile(s, ids, top: int) -> None:
 def profile_prefill(name: str, n: int, fmt: str, top: int, host: bool = False, gguf: str | None = None) -> None:
     dev = torch.device("cuda")
     model = build(name, fmt, dev, gguf)
-    s = DecodeSession(model, max_context=n + 8, device=dev, dtype=torch.bfloat16, cuda_graph="off")
+    s = DecodeSession(model, max_context=n + 8, device=dev, dtype=DTYPE[0], cuda_graph="off")
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     for _ in range(2):
         s.reset()
@@ -166,12 +169,14 @@ def main() -> None:
     ap.add_argument("--sequence", type=int, default=0, help="also list a step's first N kernels in order")
     ap.add_argument("--host", action="store_true", help="with --prefill: where the host's time goes")
     ap.add_argument("--gguf", help="profile this GGUF's model (quantized matrices kept) instead of NAME's")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="the activations' dtype")
     a = ap.parse_args()
+    DTYPE[0] = getattr(torch, a.dtype)
     if a.prefill:
         return profile_prefill(a.name, a.prefill, a.format, a.top, a.host, a.gguf)
     dev = torch.device("cuda")
     model = build(a.name, a.format, dev, a.gguf)
-    s = DecodeSession(model, max_context=512, device=dev, dtype=torch.bfloat16, cuda_graph="on", compile=a.compile)
+    s = DecodeSession(model, max_context=512, device=dev, dtype=DTYPE[0], cuda_graph="on", compile=a.compile)
     s.prefill(list(range(1, 129)))
     for _ in range(5):
         s.step(7)
