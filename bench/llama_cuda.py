@@ -291,36 +291,31 @@ def main() -> None:
     b = sub.add_parser("build")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     b.add_argument("--parts", help="also write the build as parts of at most 15 MB into this folder")
-    c = sub.add_parser("compare")
-    c.add_argument("--shapes", default="smollm2-135m,qwen3.5-0.8b")
-    c.add_argument("--type", default="Q4_K_M")
-    c.add_argument("--layers", type=int, default=None)
+
+    def on_files(name: str, shapes: str):  # (compare and profile: the shapes' files, llama.cpp's build)
+        q = sub.add_parser(name)
+        q.add_argument("--shapes", default=shapes)
+        q.add_argument("--type", default="Q4_K_M")
+        q.add_argument("--layers", type=int, default=None)
+        q.add_argument("--prefill", type=int, default=512)
+        q.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+        q.add_argument("--bin", help="a folder with llama-bench and llama-quantize (default: the build here)")
+        return q
+    c = on_files("compare", "smollm2-135m,qwen3.5-0.8b")
     c.add_argument("--prompt", type=int, default=128)
     c.add_argument("--new", type=int, default=128)
-    c.add_argument("--prefill", type=int, default=512)
     c.add_argument("--rounds", type=int, default=3)
-    c.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    c.add_argument("--bin", help="a folder with llama-bench and llama-quantize (default: the build here)")
-    f = sub.add_parser("profile")
-    f.add_argument("--shapes", default="qwen3.5-0.8b")
-    f.add_argument("--type", default="Q4_K_M")
-    f.add_argument("--layers", type=int, default=None)
-    f.add_argument("--prefill", type=int, default=512)
-    f.add_argument("--top", type=int, default=15)
-    f.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    f.add_argument("--bin", help="a folder with llama-bench and llama-quantize (default: the build here)")
+    on_files("profile", "qwen3.5-0.8b").add_argument("--top", type=int, default=15)
     a = p.parse_args()
     if a.cmd == "pack":
         pack(a.sdist)
     elif a.cmd == "build":
         build(a.jobs, a.parts)
-    elif a.cmd == "profile":
-        profile(a)
     else:
         from hybrid_gguf import FTYPES
         if a.type not in FTYPES:
             raise SystemExit(f"llama_cuda: --type {a.type} is not one of {', '.join(sorted(FTYPES))}")
-        compare(a)
+        (profile if a.cmd == "profile" else compare)(a)
 
 
 if __name__ == "__main__":
