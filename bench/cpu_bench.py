@@ -192,6 +192,8 @@ def main() -> None:
                     help="ours and llama.cpp in turn this many times; medians and per-round ratios")
     ap.add_argument("--cpu-isa", choices=("native", "avx2"), default="native",
                     help="the cpu_isa setting; avx2 holds torch's kernels to AVX2 as well (above)")
+    ap.add_argument("--rows16", choices=("on", "off"), default="on",
+                    help="off: Q4_0 / Q4_1 without the rows16 layout (KernelConfig.cpu_rows16; the baseline)")
     args = ap.parse_args()
     hold_to_isa(args.cpu_isa)
     import models
@@ -211,7 +213,7 @@ def main() -> None:
     # Q4_0/Q4_1 in: blocks or int4 planes; `all` measures each value on auto's)
     eng = EngineConfig(cpu_kernel=args.cpu_kernel, compile=args.compile,
                        cpu_int8="auto" if args.cpu_int8 == "all" else args.cpu_int8)
-    lm = models.load(path, quantized=args.quantized == "auto", kernels=kernel_config(eng))
+    lm = models.load(path, quantized=args.quantized == "auto", kernels=kernel_config(eng).but(cpu_rows16=args.rows16 == "on"))
     load = time.perf_counter() - t0
     for threads in dict.fromkeys(t or physical_cores() for t in counts):  # (1 and all on one core: once)
         run_threads(args, path, threads, lm, load)
@@ -268,7 +270,7 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
     print(f"model {os.path.basename(path)}, {threads} threads, {args.clock} clock, prompt {len(ids)} tokens, decode {args.decode} "
           f"after {len(context)}, "
           f"quantized: {args.quantized}, compile: {args.compile}, cpu_kernel: {args.cpu_kernel}, "
-          f"cpu_isa: {models.cpu_isa_label()} "
+          f"cpu_isa: {models.cpu_isa_label()}, rows16: {args.rows16} "
           f"(session start {rounds[0][0][variants[0]]['session_s']:.1f} s)")
     print(f"bandwidth {bandwidths['read'] / 1e9:.1f} GB/s read (sums over 256 MiB; a 256 MiB copy: "
           f"{bandwidths['copy'] / 1e9:.1f} GB/s), {threads} threads; a decode step reads {step_bytes / 1e6:.1f} MB: "

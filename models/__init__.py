@@ -62,9 +62,12 @@ def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
     library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
     the C++ kernels on, in fp32, where cpu_int8 is on, or auto and the library runs its AVX2 forms.
-    There the blocks on int8 inputs decoded ahead of llama.cpp where the planes fell behind it; with
-    the AVX-512 forms the planes decode as fast and keep the replies nearer the fp32 model's
-    (bench/cpu_bench.py --cpu-isa avx2 | native and bench/numerics.py, the embedded model)."""
+    There the blocks on int8 inputs decoded ahead of llama.cpp where the planes fell behind it (and
+    the plan interleaves them: the rows16 products). With the AVX-512 forms auto keeps the planes
+    on fp32 inputs: the rows16 products decode faster (bench/cpu_bench.py --cpu-int8 on), but the
+    rounded inputs move the embedded model's near tie on tests/test_e2e_pty.py's question
+    ("The capital of France is Paris." becomes "L'Étoile, ..."), and its replies drift further
+    from the fp32 model's (bench/numerics.py)."""
     import torch
 
     from .kernels.cpu import step

@@ -310,7 +310,8 @@ def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here, monkeypat
     """`cpu_int8: auto` (the default): on for a K-quant mix (its layers' BlockLinears); for a
     Q4_1 file, off with the library's AVX-512 forms (its layers stay torch's int4 planes beside
     a Q8_0 head, as the embedded model's) and on with its AVX2 forms (the Q4_1 linears then kept
-    in their blocks); the plan and the session say which, and a recording keeps what auto chose."""
+    in their blocks, interleaved: rows16); the plan and the session say which, and a recording
+    keeps what auto chose."""
     import yaml
 
     from chat.runtime import open_runtime
@@ -329,6 +330,7 @@ def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here, monkeypat
         assert ("int8 inputs" in rt.session.decode_path) is on
         planes = any(isinstance(m, quant.Int4Linear) for m in model.modules())
         assert planes is (path == q41 and avx512)
+        assert ("rows16" in rt.loaded.plan.summary()) is (path == q41 and not avx512)
         script = tmp_path / "s.yaml"
         script.write_text(f"format: chat-transcript\nversion: 1\nmodel: {{source: {path}}}\n"
                           "sampling: {temperature: 0, max_new_tokens: 8}\nevents:\n  - user: one\n")

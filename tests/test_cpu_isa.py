@@ -61,7 +61,7 @@ def test_avx2_build_passes_the_kernel_tests():
     dequantized products, as the native build is tested; its verify rows against its steps, bit
     for bit (speculative decoding)."""
     files = ["tests/test_cpu_step.py", "tests/test_block_int8.py", "tests/test_block_quant.py", "tests/test_delta_cpu.py",
-             "tests/test_speculative.py", "tests/test_hybrid_step.py"]
+             "tests/test_speculative.py", "tests/test_hybrid_step.py", "tests/test_rows16.py"]
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
                        cwd=ROOT, capture_output=True, text=True, timeout=1500, env=dict(os.environ, CHAT_CPU_ISA="avx2"))
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]

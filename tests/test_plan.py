@@ -80,7 +80,7 @@ def test_every_op_has_a_rule_that_always_serves():
             assert rules and rules[-1].when == (), (op, device)
     known = {"gt", "le", "on", "off", "k", "not_k", "tied", "untied", "group", "not_group", "fits", "not_fits",
              "half", "fp32", "triton", "no_triton", "step", "no_step", "no_offer", "blocks", "int8", "head", "int4pack",
-             "planar", "attention_fits", "delta_fits", "ssd_fits"}
+             "planar", "attention_fits", "delta_fits", "ssd_fits", "rows16"}
     fields = set(KernelConfig.__dataclass_fields__)
     for rule in table.RULES:
         for cond in rule.when:
@@ -151,10 +151,11 @@ def test_chat_plan_on_the_embedded_model(chat_here):
     lines = out.splitlines()
     assert lines[0].startswith("kernel plan of ") and "on cpu, float32" in lines[0] and lines[1] == "step: C++ decode step"
     # (cpu_int8: auto, the default: torch's int4 planes, gate and up fused, with the library's
-    # AVX-512 forms; the Q4_1 blocks on rounded inputs with its AVX2 forms, as with cpu_int8: on)
+    # AVX-512 forms; the Q4_1 blocks on rounded inputs, interleaved 16 rows at a time, with its
+    # AVX2 forms, as with cpu_int8: on)
     from models.kernels.cpu import step
     planes = ("3072x576", "C++ step: int4 GEMV")
-    blocks = ("1536x576", "C++ step: block GEMV (int8 inputs)")
+    blocks = ("1536x576", "C++ step: rows16 GEMV (int8 inputs)")
     shape, kernel = planes if step.avx512_forms() else blocks
     assert any(line.startswith("linear ") and shape in line and kernel in line for line in lines)
     assert any(line.startswith("attention ") and "9 heads, 3 KV, d 64" in line for line in lines)

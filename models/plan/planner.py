@@ -17,7 +17,7 @@ from torch import nn
 from ..quant import hf_layers, layers as quant
 from .sites import Site, collect
 from .config import DEFAULT, KernelConfig
-from .table import DENSE, Rule, rules_for
+from .table import DENSE, ROWS16_LAYOUT, Rule, rules_for
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -165,6 +165,10 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         return isinstance(m, quant.Int4Linear)
     if name == "int8":
         return ctx.int8
+    if name == "rows16":
+        from ..quant import rows16
+        return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar
+                and not m.stored()[0].is_cuda and rows16.fits(m.ggml_type, m.out_features))
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):
@@ -215,6 +219,11 @@ def bind(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DE
     """Plan, then repack the weights whose rule names a layout (CUDA: once, after fusion), and
     return the plan of the model as it now is. The only code that repacks a loaded model."""
     plan = make(model, device, dtype, config)
+    if plan.device == "cpu":
+        made = [c.site.module.interleave() for c in plan.choices if c.layout in ROWS16_LAYOUT.values()]
+        if any(made):
+            plan = make(model, device, dtype, config)
+        return plan
     if plan.device == "cuda" and plan.step == "Triton kernels":
         # the embeddings' tables, once (a tied head shares its blocks with one), before any repack
         tables = {_blocks_key(e): e for e in model.modules() if isinstance(e, quant.BlockEmbedding) and not e.planar}

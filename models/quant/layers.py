@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import gguf_blocks
+from ..formats import gguf_tensors
 from ..formats.gguf_tensors import _PACK_ROWS, _TILE_ROWS, GROUP, GgufExperts, GgufTensor, QuantTensor
 from . import runs as run_layout
 
@@ -325,6 +326,11 @@ class BlockLinear(QuantLinear):
             return self.fp32_kernel(x2.contiguous(), blocks, ggml_type, self.int8_inputs)
         return None
 
+    # On the CPU, Q4_0 / Q4_1 blocks interleaved 16 rows at a time for the library's int8 products
+    # (quant/rows16.py), beside the blocks, which the other kernels read: made by the kernel plan at
+    # load (interleave()), read where int8_inputs
+    rows16: torch.Tensor | None = None
+
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
         self.ggml_type = ggml_type
@@ -333,10 +339,36 @@ class BlockLinear(QuantLinear):
         self.sizes = sizes or [blocks.shape[0]]
         self.register_buffer("blocks", blocks)
         self.register_parameter("bias", None)
+        self.mapped = None  # the file's mapped array under the blocks, where they are its pages
 
     @classmethod
     def from_gguf(cls, t: GgufTensor, device=None) -> "BlockLinear":
-        return cls(t.blocks().to(device) if device is not None else t.blocks(), t.ggml_type)
+        m = cls(t.blocks().to(device) if device is not None else t.blocks(), t.ggml_type)
+        if device is None or torch.device(device).type == "cpu":
+            m.mapped = t.raw
+        return m
+
+    def interleave(self) -> bool:
+        """Q4_0 / Q4_1 on the CPU in whole 16-row groups: the rows16 layout made (once), the blocks'
+        file pages handed back (nothing reads them while the products take int8 inputs; a later
+        fp32 product maps them in again). False where the layout does not fit."""
+        from . import rows16
+        if self.rows16 is not None:
+            return True
+        if self.planar or self.blocks.is_cuda or not rows16.fits(self.ggml_type, self.out_features):
+            return False
+        self.rows16 = rows16.interleave(self.blocks, self.ggml_type)
+        if self.mapped is not None:
+            gguf_tensors.release_pages(self.mapped)
+        return True
+
+    def int8_operand(self) -> tuple[torch.Tensor, int]:
+        """What the library's int8 products of this matrix read: the rows16 layout and its type
+        code where it is made, else the blocks and their GGUF type."""
+        from . import rows16
+        if self.rows16 is not None:
+            return self.rows16, rows16.CODE + self.ggml_type
+        return self.blocks, self.ggml_type
 
     @classmethod
     def concat(cls, parts: list["BlockLinear"]) -> "BlockLinear | None":
@@ -405,7 +437,11 @@ class BlockLinear(QuantLinear):
             return self.cuda_forward(x, out_dtype)
         x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = None if self.fp32_kernel is None else self.cpu_product(x2, self.blocks, self.ggml_type)
+        y = None
+        if self.fp32_kernel is not None and self.int8_inputs and self.rows16 is not None and x2.dtype == torch.float32:
+            y = self.fp32_kernel(x2.contiguous(), *self.int8_operand(), True)  # (any rows: rows16_int8.h)
+        elif self.fp32_kernel is not None:
+            y = self.cpu_product(x2, self.blocks, self.ggml_type)
         if y is None:
             y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
             rows = max(1, _DEQUANT_ELEMENTS // self.in_features)

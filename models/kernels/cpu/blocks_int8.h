@@ -39,6 +39,7 @@ struct Int8Rows {
   std::vector<float> dx, s32, dx8;  // dx8 (32-weight types, several rows): each dx 8 times, lane by lane
   std::vector<int16_t> bsums;
   std::vector<int32_t> init;
+  std::vector<int32_t> sum;  // (32-weight types) each block's sum(q): the tiled Q4_0's offset term
   int64_t K = 0, nb = 0;  // nb: scales a row (K / 256 or K / 32)
 };
 
@@ -88,6 +89,7 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   r.dx.resize(Tn * r.nb);
   r.s32.resize(Tn * r.nb);
   r.init.resize(Tn * K / 4);
+  r.sum.resize(Tn * r.nb);
   at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
   for (int64_t t = ta; t < tb; ++t)
     for (int64_t b = 0; b < r.nb; ++b) {
@@ -105,6 +107,7 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
       for (int l = 0; l < 8; ++l)
         r.init[t * K / 4 + 8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
       r.dx[t * r.nb + b] = fp16_rounded(d);
+      r.sum[t * r.nb + b] = sum;
       r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
     }
   });

@@ -589,6 +589,7 @@ Tensor block_linear_bf16(const Tensor& x, const Tensor& w, int64_t type) {
 }
 
 #include "blocks_int8.h"
+#include "rows16_int8.h"
 
 // y = x W^T for x [T, K] fp32 (T <= 8, xp) and W in GGUF blocks [N, row bytes] into yp
 void block_product(const float* xp, int64_t Tn, int64_t K, const uint8_t* wp, int64_t rb, int64_t N, int64_t type,
@@ -645,6 +646,10 @@ bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256;
 // itself; int8: on x~, x rounded to int8 as llama.cpp rounds it for that type (blocks_int8.h), any
 // T (prefill's rows kMaxRows at a time against each few rows of W, which stay in the caches)
 Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
+  if (type >= kRows16) {  // (Q4_0 / Q4_1 interleaved 16 rows at a time: int8 inputs only, rows16_int8.h)
+    TORCH_CHECK(int8, "block_linear: the rows16 layout takes int8 inputs");
+    return rows16_linear(x, w, type - kRows16);
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (int8 || x.size(0) <= kMaxRows),
               "block_linear: x must be [T <= 8, K] contiguous fp32 (any T with int8)");
   auto [K, N, Tn, rb, y, xp, wp, yp] = block_product_of(x, w, type, "block_linear");
@@ -787,7 +792,7 @@ void rows_by_chunk(int64_t N, int64_t Tn, F&& f) {  // f(t, c0, c1) for each row
 
 Tensor block_linear_rows(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear_rows: x must be [T, K] fp32");
-  if (x.size(0) == 1) return block_linear(x, w, type, int8);
+  if (x.size(0) == 1 || type >= kRows16) return block_linear(x, w, type, int8);
   auto [K, N, Tn, rb, y, xp, wp, yp] = block_product_of(x, w, type, "block_linear_rows");
   if (!int8) {  // (the decode's accumulators for several rows: each row's operations are the one-row ones)
     for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows)
@@ -851,6 +856,36 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   return y;
 }
 
+// block_linears_row for matrices all in rows16 (rows16_int8.h): x rounded once per type, the 16-row
+// groups of every matrix in one parallel region; each output block_linear's bits
+Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& codes) {
+  const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
+  std::vector<int64_t> start(parts + 1, 0), groups(parts + 1, 0);
+  for (int64_t i = 0; i < parts; ++i) {
+    TORCH_CHECK(check_rows16(ws[i], codes[i] - kRows16) == K, "block_linears_row: x has ", K, " columns, a matrix another");
+    start[i + 1] = start[i] + ws[i].size(0);
+    groups[i + 1] = groups[i] + ws[i].size(0) / kGroupRows;
+  }
+  Tensor y = at::empty({1, start[parts]}, x.options());
+#if defined(CHAT_ROWS16)
+  std::map<int64_t, Int8Rows> rounded;
+  for (int64_t c : codes)
+    if (!rounded.count(c)) rounded.emplace(c, quantize_rows(x.data_ptr<float>(), 1, K, c - kRows16));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups[parts], 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t i = 0; i < parts; ++i) {
+      const int64_t a = std::max(g0, groups[i]), b = std::min(g1, groups[i + 1]);
+      if (a < b)
+        rows16_product(rounded.at(codes[i]), 1, ws[i].data_ptr<uint8_t>(), codes[i] - kRows16, ws[i].size(0),
+                     a - groups[i], b - groups[i], yp + start[i]);
+    }
+  });
+#else
+  TORCH_CHECK(false, "block_linears_row: this build has no int8 dot product for the rows16 layout");
+#endif
+  return y;
+}
+
 // One row x [1, K] times several GGUF-block matrices that read it (q/k/v, gate/up kept apart: their
 // types may differ), outputs side by side in one parallel region, x rounded to int8 once per type
 // (or its 32-input sums made once): each output is the one-matrix call's (block_linear's) bits,
@@ -860,6 +895,13 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
 Tensor block_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& types, bool int8) {
   const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
   std::vector<int64_t> start(parts + 1, 0);
+  const int64_t rows16 = std::count_if(types.begin(), types.end(), [](int64_t t) { return t >= kRows16; });
+  if (rows16 == parts) return rows16_linears_row(x, ws, types);
+  if (rows16) {  // (a mix of layouts: each matrix on its own)
+    std::vector<Tensor> ys;
+    for (int64_t i = 0; i < parts; ++i) ys.push_back(block_linear(x, ws[i], types[i], int8));
+    return at::cat(ys, 1);
+  }
   for (int64_t i = 0; i < parts; ++i) {
     TORCH_CHECK(check_blocks(ws[i], types[i]) == K, "block_linears_row: x has ", K, " columns, a matrix another");
     start[i + 1] = start[i] + ws[i].size(0);

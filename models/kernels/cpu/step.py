@@ -36,7 +36,8 @@ from ...quant.layers import BlockEmbedding, BlockExperts, BlockLinear, Int4Linea
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
-           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h", "mamba2_step.h")]
+           for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h",
+                         "mamba2_step.h", "rows16_int8.h")]
 K_QUANTS = (12, 13, 14)  # GGMLQuantizationType Q4_K, Q5_K, Q6_K: int8 rows rounded per 256 weights
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 # Whether the library's kernels serve at all (the `cpu_kernel` setting reaches the planner and the
@@ -214,9 +215,11 @@ def _linear_params(m: torch.nn.Module) -> list[torch.Tensor | None]:
     if isinstance(m, Int4Linear):
         return [m.packed, m.scale_zero, m.bias]
     if isinstance(m, BlockLinear):  # GGUF blocks as stored: their type rides in the scale slot
-        # (+ INT8_INPUTS where the module rounds its input to int8: step.cpp's kInt8Inputs)
-        code = m.ggml_type + (INT8_INPUTS if m.int8_inputs else 0)
-        return [m.blocks, torch.tensor([code], dtype=torch.int64), m.bias]
+        # (+ INT8_INPUTS where the module rounds its input to int8: step.cpp's kInt8Inputs; then
+        # the rows16 layout where the plan made one, its code above the GGUF types')
+        w, code = m.int8_operand() if m.int8_inputs else (m.blocks, m.ggml_type)
+        code += INT8_INPUTS if m.int8_inputs else 0
+        return [w, torch.tensor([code], dtype=torch.int64), m.bias]
     return [m.weight, None, m.bias]
 
 
@@ -464,7 +467,8 @@ class CpuStep:
         rows = range(x.shape[0])
         if isinstance(head, BlockLinear) and head.fp32_kernel is not None:  # (BlockLinear.forward's, by rows)
             normed = torch.cat([norm(x[t:t + 1], torch.float32) for t in rows]).contiguous()
-            y = torch.ops.chat_cpu.block_linear_rows(normed, head.blocks, head.ggml_type, head.int8_inputs)
+            w, code = head.int8_operand() if head.int8_inputs else (head.blocks, head.ggml_type)
+            y = torch.ops.chat_cpu.block_linear_rows(normed, w, code, head.int8_inputs)
             return (y if head.bias is None else y + head.bias).float()
         if _q8_head(model) is not None or isinstance(head, Int4Linear):  # their kernels sum each row alike
             return head(torch.cat([norm(x[t:t + 1], torch.float32) for t in rows])).float()

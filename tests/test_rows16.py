@@ -1,0 +1,208 @@
+"""The rows16 layout (models/quant/rows16.py) and its int8 products (models/kernels/cpu/rows16_int8.h):
+Q4_0 / Q4_1 blocks interleaved 16 rows at a time, read by the library with the inputs rounded as
+llama.cpp rounds them (`cpu_int8`).
+
+Oracles: the layout against its inverse and the blocks' own bytes; the product against x~ W^T in
+fp64 (test_block_int8.py's rounding and tolerance); a row's bits the same in any run of rows (a
+decode, a verify's rows, a prefill) and on the AVX2 build as on the native one; through a model,
+the plan's interleaved matrices against the row-by-row block products, step by step, and the
+C++ step against the torch step on the same layout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from models.formats import gguf_blocks
+from models.quant import layers as quant
+from models.quant import rows16
+from test_block_int8 import rounded
+from test_block_quant import tiny_gguf
+from test_gguf_blocks import random_blocks as random_array
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TYPES = (Q.Q4_0, Q.Q4_1)
+
+
+def random_blocks(qtype, rows, blocks_per_row, seed) -> torch.Tensor:
+    return torch.from_numpy(random_array(qtype, rows, blocks_per_row, seed))
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    from models.kernels.cpu import step
+    step.load()
+    return torch.ops.chat_cpu
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_layout_is_the_blocks_rearranged(qtype):
+    blocks = random_blocks(qtype, 48, 8, seed=1)
+    r = rows16.interleave(blocks, qtype)
+    assert r.shape == blocks.shape and r.dtype == torch.uint8
+    assert torch.equal(rows16.deinterleave(r, qtype), blocks)
+    assert torch.equal(torch.sort(r.flatten()).values, torch.sort(blocks.flatten()).values)
+    head = 2 if qtype == Q.Q4_0 else 4
+    # group 1, block 2: the 16 rows' scales first, then quad 3's bytes of row 5 where the layout says
+    group = r[16:32].flatten()
+    block = group[2 * 16 * (head + 16):3 * 16 * (head + 16)]
+    rows = blocks[16:32, 2 * (head + 16):3 * (head + 16)]
+    assert torch.equal(block[:32], rows[:, :2].flatten())
+    assert torch.equal(block[16 * head + 3 * 64 + 5 * 4:16 * head + 3 * 64 + 6 * 4], rows[5, head + 12:head + 16])
+
+
+def test_layout_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="16-row groups"):
+        rows16.interleave(random_blocks(Q.Q4_1, 24, 2, seed=2), Q.Q4_1)
+    with pytest.raises(ValueError, match="no rows16 layout"):
+        rows16.interleave(random_blocks(Q.Q8_0, 16, 2, seed=2), Q.Q8_0)
+    assert rows16.fits(Q.Q4_0, 32) and not rows16.fits(Q.Q4_0, 40) and not rows16.fits(Q.Q5_0, 32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])
+def test_product_matches_the_definition(cpp, qtype, rows):
+    blocks = random_blocks(qtype, 64, 12, seed=3)  # 64 outputs, 384 inputs
+    w = gguf_blocks.dequantize(blocks, qtype).double()
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+    y = cpp.block_linear(x, rows16.interleave(blocks, qtype), rows16.CODE + qtype, True)
+    ref = rounded(x, qtype) @ w.T
+    bound = 1e-5 * (rounded(x, qtype).abs() @ w.abs().T) + 1e-6
+    assert (y.double() - ref).abs().le(bound).all(), (y.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_each_row_has_its_own_bits_in_any_run(cpp, qtype):
+    """A decode's row, a verify's rows (block_linear_rows) and a prefill's many (block_linear): each
+    row's sums in the same order, so the same bits."""
+    blocks = rows16.interleave(random_blocks(qtype, 96, 6, seed=4), qtype)
+    x = torch.randn(21, 192, generator=torch.Generator().manual_seed(5))
+    code = rows16.CODE + qtype
+    alone = torch.cat([cpp.block_linear(x[t:t + 1], blocks, code, True) for t in range(21)])
+    assert torch.equal(cpp.block_linear(x, blocks, code, True), alone)
+    for n in (2, 3, 8, 9):
+        assert torch.equal(cpp.block_linear_rows(x[:n].contiguous(), blocks, code, True), alone[:n])
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512-forms", "avx2-forms"])
+def test_auto_and_on_choose_rows16_where_they_round(tmp_path, monkeypatch, avx512):
+    """`cpu_int8: auto`: with the AVX2 forms a Q4_1 file's linears stay in their blocks, in rows16
+    (the row-by-row products with cpu_rows16 off); with the AVX-512 forms, torch's int4 planes on
+    fp32 inputs either way; `cpu_int8: on` takes rows16 on both."""
+    from models.kernels.cpu import step
+    from models.plan import KernelConfig
+    monkeypatch.setattr(step, "avx512_forms", lambda: avx512)
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_1)
+    for int8, on in ((None, True), (None, False), (True, True)):
+        lm = models.load(path, quantized=True, kernels=KernelConfig(cpu_int8=int8, cpu_rows16=on))
+        planes = any(isinstance(m, quant.Int4Linear) for m in lm.model.modules())
+        assert planes is (avx512 and int8 is None)
+        assert models.int8_by_default(lm.model) is not planes
+        assert ("rows16" in lm.plan.summary()) is (on and not planes)
+
+
+def test_int8_inputs_only(cpp):
+    blocks = rows16.interleave(random_blocks(Q.Q4_1, 16, 2, seed=6), Q.Q4_1)
+    with pytest.raises(RuntimeError, match="takes int8 inputs"):
+        cpp.block_linear(torch.randn(1, 64), blocks, rows16.CODE + Q.Q4_1, False)
+
+
+def _load(path, rows16_on: bool):
+    from engine.config import EngineConfig
+    from engine.device import kernel_config
+    kernels = kernel_config(EngineConfig(cpu_int8="on")).but(cpu_rows16=rows16_on)
+    lm = models.load(path, quantized=True, kernels=kernels)
+    models.use_int8_inputs(lm.model, True)
+    return lm
+
+
+@pytest.mark.parametrize("linear", TYPES, ids=lambda q: q.name)
+def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
+    """With cpu_int8 on, the plan puts a Q4_0 / Q4_1 file's linears in rows16 (cpu_rows16, the
+    default) and says so. Step by step from the same prefilled context: the C++ step against the
+    torch step whose linears take the same rows16 products (fp32 KV caches both; their norms and
+    attention sum in other orders, so an input within a hair of a rounding tie may move one code:
+    six of eight steps within 1e-4 x max |logit|, as test_block_int8.py allows), and both within
+    a rounding's reach of the row-by-row products'."""
+    from models.kernels.cpu import step as cpu_step
+    from test_block_quant import cpu_session
+    path = tiny_gguf(tmp_path, "llama", linear)
+    cpp, ref, plain = _load(path, True), _load(path, True), _load(path, False)
+    held = [m for m in cpp.model.modules() if isinstance(m, quant.BlockLinear)]
+    assert held and all(m.rows16 is not None for m in held)
+    assert "rows16 GEMV (int8 inputs)" in cpp.plan.summary()
+    assert not any(m.rows16 is not None for m in plain.model.modules() if isinstance(m, quant.BlockLinear))
+    assert "rows16" not in plain.plan.summary()
+    init = cpu_step.CpuStep.__init__
+
+    def fp32_cache(self, model):
+        init(self, model)
+        self.kv_dtype = torch.float32
+
+    prompt, steps = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+    agree = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_step.CpuStep, "__init__", fp32_cache)
+        for i, token in enumerate(steps):
+            context = prompt + steps[:i]
+            a, b, c = cpu_session(cpp, "on"), cpu_session(ref, "off"), cpu_session(plain, "on")
+            cpu_step.attach_block_kernels(ref.model)  # (cpu_kernel off took them off)
+            models.use_int8_inputs(ref.model, True)
+            for s in (a, b, c):
+                s.prefill(context)
+            got, want, rows = a.step(token)[-1], b.step(token)[-1], c.step(token)[-1]
+            scale = float(want.abs().max())
+            agree += float((got - want).abs().max()) <= 1e-4 * scale
+            assert float((got - rows).abs().max()) <= 0.05 * scale
+    assert agree >= 6
+
+
+def test_verify_rows_are_the_steps_bits(tmp_path):
+    """The C++ step's multi-token verify over rows16 matrices gives each row the one-token step's
+    logits bit for bit (speculative decoding's exactness rests on it)."""
+    from engine.session import DecodeSession
+    lm = _load(tiny_gguf(tmp_path, "llama", Q.Q4_1), True)
+    s = DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
+    s.prefill(list(range(3, 30)))
+    before = s.state.snapshot().fixed
+    steps = torch.stack([s.step(t)[-1] for t in (5, 9, 200, 7)])
+    s.state.unfeed(4, before)
+    rows = s._forward([5, 9, 200, 7], verify=True)
+    assert torch.equal(rows, steps)
+
+
+CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+from models.kernels.cpu import step
+step.select_isa(sys.argv[2]); step.load()
+from models.quant import rows16
+from test_gguf_blocks import random_blocks
+from gguf import GGMLQuantizationType as Q
+out = []
+for qtype in (Q.Q4_0, Q.Q4_1):
+    b = rows16.interleave(torch.from_numpy(random_blocks(qtype, 48, 10, seed=7)), qtype)
+    x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))
+    out.append(torch.ops.chat_cpu.block_linear(x, b, rows16.CODE + qtype, True).view(torch.int32).flatten().tolist())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not all(f in open("/proc/cpuinfo").read() for f in (" avx2", " fma", " f16c")),
+                    reason="needs an AVX2 CPU")
+def test_avx2_and_native_builds_give_the_same_bits():
+    """AVX-512 VNNI takes a group in one vector, AVX2 in two halves, with the same integers and the
+    same fp32 operations a row: the two builds' products are the same bits."""
+    outs = []
+    for isa in ("native", "avx2"):
+        p = subprocess.run([sys.executable, "-c", CHILD, ROOT, isa], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]
