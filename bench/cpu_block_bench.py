@@ -18,6 +18,10 @@ bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch
 there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
 AVX2_ENV: cpu_bench.hold_to_isa).
 
+With `--rows16`, Q4_0 / Q4_1 get a rows16 column too: the same int8 products on the blocks
+interleaved 16 rows at a time (models/quant/rows16.py), as the kernel plan holds such a file's
+linears by default.
+
     python bench/cpu_block_bench.py --verify [--types ...] [--shapes ...] [--threads N] [--cpu-isa ...]
 
 times instead a speculative verify's products (block_linear_rows: each row's sums those of a
@@ -47,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_bench import hold_to_isa  # noqa: E402
 from models.formats import gguf_blocks  # noqa: E402
 from models.quant import layers as quant  # noqa: E402
+from models.quant import rows16  # noqa: E402
 from models.kernels.cpu import step  # noqa: E402
 
 
@@ -77,6 +82,7 @@ def main() -> None:
     p.add_argument("--cached", action="store_true")
     p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
     p.add_argument("--verify", action="store_true", help="a verify's rows against one row (block_linear_rows)")
+    p.add_argument("--rows16", action="store_true", help="Q4_0 / Q4_1: the int8 products on the rows16 layout too")
     p.add_argument("--mamba2", nargs="?", const="48x64x128x1,128x64x128x8", default=None,
                    help="a Mamba2 mixer's step instead: HEADSxHEAD_DIMxSTATExGROUPS, comma-separated")
     a = p.parse_args()
@@ -95,6 +101,8 @@ def main() -> None:
     modules: dict = {}
 
     def op(x, blocks, ggml, variant):
+        if variant == "rows16":  # (blocks: an interleaved copy)
+            return block_linear(x, blocks, rows16.CODE + ggml, True)
         if variant == "bf16":
             return torch.ops.chat_cpu.block_linear_bf16(x, blocks, ggml)
         if variant == "int8" or x.shape[0] <= 8:
@@ -104,13 +112,13 @@ def main() -> None:
             modules[key] = quant.BlockLinear(blocks, ggml)
             step.attach_block_kernels(modules[key])
         return modules[key](x)
-    variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else [])
+    variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else []) + (["rows16"] if a.rows16 else [])
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}, "
           f"cpu_isa: {step.isa_label()}")
     rate = "GFLOP/s" if a.rows > 8 else "GB/s"  # (a prefill's rate: its arithmetic; a decode's: its bytes)
     print(f"{'type':6}{'shape':>14}" + "".join(f"{v + ' us':>10}{'Gw/s':>7}{rate:>8}" for v in variants)
-          + "".join(f"{v + '/fp32':>11}" for v in variants[1:]) + f"{'max rel err':>13}")
+          + "".join(f"{v + '/fp32':>12}" for v in variants[1:]) + f"{'max rel err':>13}")
     for name in a.types.split(","):
         ggml = gguf_blocks.TYPES[name]
         for shape in a.shapes.split(","):
@@ -121,17 +129,23 @@ def main() -> None:
             copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
             times, err = {}, 0.0
             for v in variants:
-                xr = step.int8_reference(x, ggml) if v == "int8" else x.bfloat16().double() if v == "bf16" else x.double()
+                if v == "rows16" and not rows16.fits(ggml, n):
+                    continue
+                held = [rows16.interleave(c, ggml) for c in copies] if v == "rows16" else copies
+                xr = step.int8_reference(x, ggml) if v in ("int8", "rows16") else \
+                    x.bfloat16().double() if v == "bf16" else x.double()
                 wr = w.bfloat16().double() if v == "bf16" else w.double()
-                y = op(x, blocks, ggml, v).double()
+                y = op(x, held[0], ggml, v).double()
                 err = max(err, float(((y - xr @ wr.t()).abs() / (xr.abs() @ wr.abs().t()).clamp_min(1e-30)).max()))
-                times[v] = best_pass(lambda b: op(x, b, ggml, v), copies)
+                times[v] = best_pass(lambda b: op(x, b, ggml, v), held)
+                del held
             row = f"{name:6}{shape:>14}"
             for v in variants:
-                t = times[v]
+                t = times.get(v, float("nan"))
                 per = 2 * a.rows * n * k if a.rows > 8 else blocks.numel()
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
-            print(row + "".join(f"{times['fp32'] / times[v]:>10.2f}x" for v in variants[1:]) + f"{err:>13.1e}")
+            print(row + "".join(f"{times['fp32'] / times.get(v, float('nan')):>11.2f}x" for v in variants[1:])
+                  + f"{err:>13.1e}")
 
 def best_pass(fn, copies: list) -> float:
     """Seconds a call of fn over each of `copies` takes: the best of 10 passes, after 3 warm calls."""
