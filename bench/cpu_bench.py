@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=("on", "off"), default="off")
     ap.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
                     help="the C++ decode step (auto/on) or the torch step (off)")
-    ap.add_argument("--cpu-int8", choices=("auto", "off", "on", "all"), default="auto",
+    ap.add_argument("--cpu-int8", choices=("auto", "off", "on", "wide", "all"), default="auto",
                     help="a GGUF's block products on rounded inputs (the cpu_int8 setting), or each value in turn")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python that can import llama_cpp")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
@@ -251,13 +251,13 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
     torch.set_num_threads(threads)
     ids = prompt_ids(lm.tokenizer, args.prompt_tokens)
     context = prompt_ids(lm.tokenizer, args.context)
-    variants = ["auto", "off", "on"] if args.cpu_int8 == "all" else [args.cpu_int8]
+    variants = ["auto", "off", "on", "wide"] if args.cpu_int8 == "all" else [args.cpu_int8]
     rounds = []  # (ours by variant, llama.cpp's or None) a round
     for _ in range(args.rounds):
         ours = {}
         for v in variants:
-            on = models.int8_by_default(lm.model) if v == "auto" else v == "on"
-            if not models.use_int8_inputs(lm.model, on) and v == "on":
+            mode = models.rounding_by_default(lm.model) if v == "auto" else v
+            if not models.use_int8_inputs(lm.model, mode != "off", wide=mode == "wide") and v in ("on", "wide"):
                 print("cpu_int8: the model holds no GGUF blocks on the CPU; it changes nothing", file=sys.stderr)
             ours[v] = dict(bench_ours(lm, ids, args.decode, args.repeats, args.compile, args.cpu_kernel, context),
                            load_s=load)
@@ -275,8 +275,8 @@ def run_threads(args, path: str, threads: int, lm, load: float) -> None:
     print(f"bandwidth {bandwidths['read'] / 1e9:.1f} GB/s read (sums over 256 MiB; a 256 MiB copy: "
           f"{bandwidths['copy'] / 1e9:.1f} GB/s), {threads} threads; a decode step reads {step_bytes / 1e6:.1f} MB: "
           f"floor {floor:.1f} tok/s")
-    auto = "on" if models.int8_by_default(lm.model) else "off"
-    names = {"auto": f"ours (auto: {auto})", "off": "ours (int8 off)", "on": "ours (int8 on)"}
+    names = {"auto": f"ours (auto: {models.rounding_by_default(lm.model)})", "off": "ours (int8 off)",
+             "on": "ours (int8 on)", "wide": "ours (wide)"}
     measured = all(ref for _, ref in rounds)
     if len(rounds) > 1:
         for i, (ours, ref) in enumerate(rounds, 1):

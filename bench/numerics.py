@@ -11,7 +11,7 @@ TF32 off). For each variant: the mean number of tokens before the first divergen
 reference (--tokens where none), the share of replies identical to it, and the first-token
 agreement. Ours run through `chat.runtime.open_runtime` with the settings a user gets
 (`ours-auto` = the defaults; `ours-dequantized` = fp32 with `quantized: off`, the file's weights
-dequantized at load; `ours-int8` = the defaults with `cpu_int8: on`, `ours-int8off` with it off;
+dequantized at load; `ours-int8` = the defaults with `cpu_int8: on`, `ours-int8off` with it off, `ours-wide` with `wide`;
 the others keep `cpu_int8` at its default, auto). `llama-cpp` is llama.cpp on the same file and the same prompt ids, greedy,
 in a child process of `--llama-python` (a Python that can import llama_cpp; never a
 dependency); `--reference` takes any variant as the reference (`llama-cpp` for a quantized file
@@ -209,14 +209,15 @@ def main() -> int:
         if v == "llama-cpp":
             return llama_cpp(args.llama_python, args.model, prompts, args.tokens)
         who, _, dt = v.partition("-")
-        if v in ("ours-int8", "ours-int8off"):
-            return ours(args.model, args.device, "float32", prompts, args.tokens, "auto", "on" if v == "ours-int8" else "off")
+        if v in ("ours-int8", "ours-int8off", "ours-wide"):
+            setting = {"ours-int8": "on", "ours-int8off": "off", "ours-wide": "wide"}[v]
+            return ours(args.model, args.device, "float32", prompts, args.tokens, "auto", setting)
         if who == "ours" and dt in OURS_DTYPES:
             return ours(args.model, args.device, OURS_DTYPES[dt], prompts, args.tokens,
                         "off" if dt == "dequantized" else "auto")
         if who == "hf" and dt in ("bf16", "fp16", "fp32"):
             return hf(args.model, args.device, dt, prompts, args.tokens)
-        raise SystemExit(f"unknown variant {v!r} (ours-auto|bf16|fp16|fp32|dequantized|int8|int8off, hf-bf16|fp16|fp32, llama-cpp)")
+        raise SystemExit(f"unknown variant {v!r} (ours-auto|bf16|fp16|fp32|dequantized|int8|int8off|wide, hf-bf16|fp16|fp32, llama-cpp)")
 
     t0 = time.perf_counter()
     ref, ref_what = run(args.reference)

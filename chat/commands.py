@@ -110,12 +110,16 @@ def _cpu_int8_lines(c) -> list[str]:
     if not rounding:
         return []
     setting, on = c.settings.engine.cpu_int8, bool(getattr(rt.loaded.model, "cpu_int8", False))
+    wide = bool(getattr(rt.loaded.model, "cpu_wide", False))
     why = ""
     if setting == "auto":
-        why = (" (the layers hold GGUF blocks, whose products on rounded inputs run faster here)" if on else
+        why = (" (the layers are Q4_0/Q4_1 in rows16, whose products on 16-bit inputs run as fast as on int8 "
+               "ones here and keep the fp32 model's replies)" if wide else
+               " (the layers hold GGUF blocks, whose products on rounded inputs run faster here)" if on else
                " (no layer's blocks gain from it here: only a Q8_0 head would round, beside int4-plane layers "
                "whose replies stay nearer the fp32 model's)")
-    return [f"cpu_int8: {setting}{_origin(c.settings.origin('cpu_int8'))} -> {'on' if on else 'off'}{why}: {rounding}"]
+    resolved = "wide" if wide else "on" if on else "off"
+    return [f"cpu_int8: {setting}{_origin(c.settings.origin('cpu_int8'))} -> {resolved}{why}: {rounding}"]
 
 
 def _show(app, arg):

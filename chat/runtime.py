@@ -96,11 +96,13 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
     report(f"loading {eng.model}" + (f" (rank 0 of {eng.tensor_parallel})" if group else ""))
     loaded = models.load(eng.model, device, dtype, quantized=keeps_blocks(eng, device), shard=shard,
                          kernels=kernel_config(eng))
-    if eng.cpu_int8 == "auto":
-        models.use_int8_inputs(loaded.model, models.int8_by_default(loaded.model))
-    elif eng.cpu_int8 == "on" and not models.use_int8_inputs(loaded.model, True):
-        report("cpu_int8: on changes nothing here: the model holds no GGUF blocks on the CPU "
+    rounding = models.rounding_by_default(loaded.model) if eng.cpu_int8 == "auto" else eng.cpu_int8
+    if not models.use_int8_inputs(loaded.model, rounding != "off", wide=rounding == "wide") and eng.cpu_int8 in ("on", "wide"):
+        report(f"cpu_int8: {eng.cpu_int8} changes nothing here: the model holds no GGUF blocks on the CPU "
                "(a GGUF file with quantized: auto on the CPU has them)")
+    elif eng.cpu_int8 == "wide" and not getattr(loaded.model, "cpu_wide", False):
+        report("cpu_int8: wide changes nothing here: no Q4_0/Q4_1 linears in whole 16-row groups "
+               "(the rows16 layout); the other blocks take fp32 inputs")
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))

@@ -438,6 +438,7 @@ def engine_info(rt) -> dict:
             "compile": rt.settings.engine.compile, "cpu_kernel": rt.settings.engine.cpu_kernel,
             # (auto as it resolved for this model and CPU: a replay elsewhere takes the same products)
             "cpu_int8": rt.settings.engine.cpu_int8 if rt.settings.engine.cpu_int8 != "auto" else
+            "wide" if getattr(rt.loaded.model, "cpu_wide", False) else
             "on" if getattr(rt.loaded.model, "cpu_int8", False) else "off",
             "max_context": rt.session.max_context}
     if rt.device.type == "cpu":  # (not a setting: a replay elsewhere names it where tokens differ)

@@ -171,9 +171,10 @@ class EngineConfig(_Validated):
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
     # a GGUF's block products on the CPU on rounded inputs: decode's rows in int8, as llama.cpp's
     # (models/kernels/cpu/blocks_int8.h), a prefill's many rows in bf16 where the CPU has AVX512-BF16;
-    # auto: on where the model's layers hold such blocks (models.int8_by_default: Q4_0/Q4_1 linears
-    # kept in blocks for it where the library runs its AVX2 forms, models._q4_blocks), off elsewhere
-    cpu_int8: str = setting("auto", _choice("auto", "off", "on"))
+    # wide: only a Q4_0/Q4_1 file's interleaved linears round, to 16 bits (rows16_int8.h), nearly
+    # the fp32 product; auto: wide for such a file, on where other layers hold blocks, off elsewhere
+    # (models.rounding_by_default)
+    cpu_int8: str = setting("auto", _choice("auto", "off", "on", "wide"))
     # what the C++ CPU library is built for: every instruction this CPU has, or the AVX2 level
     # (x86-64-v3, as llama.cpp's AVX2 build), or AVX-512 where the CPU has it (models/kernels/cpu/step.py)
     cpu_isa: str = setting("native", _choice("native", "avx2", "avx512"))

@@ -318,12 +318,14 @@ class DecodeSession:
         if self._step_fn is self.model:
             blocks = f" with GGUF blocks through the C++ per-linear kernels (built for {_cpu_isa_label()})" \
                 if getattr(self.model, "cpu_block_kernels", False) else ""
-            int8 = " on int8 inputs (cpu_int8)" if blocks and getattr(self.model, "cpu_int8", False) else ""
+            int8 = (" on 16-bit inputs (cpu_int8: wide)" if getattr(self.model, "cpu_wide", False) else
+                    " on int8 inputs (cpu_int8)") if blocks and getattr(self.model, "cpu_int8", False) else ""
             return "torch (eager)" + blocks + int8 + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
         if self._compiled:
             return "torch.compile"
-        return "C++ step (cpu_kernel)" + (", its GGUF blocks on int8 inputs (cpu_int8)"
-                                          if getattr(self.model, "cpu_int8", False) else "") \
+        rounded = ", its GGUF blocks on 16-bit inputs (cpu_int8: wide)" if getattr(self.model, "cpu_wide", False) \
+            else ", its GGUF blocks on int8 inputs (cpu_int8)"
+        return "C++ step (cpu_kernel)" + (rounded if getattr(self.model, "cpu_int8", False) else "") \
             + f"; built for {_cpu_isa_label()}"
 
     @property

@@ -15,13 +15,13 @@ from . import loader as _loader
 from .loader import (ALIASES, DEFAULT_ALIAS, REGISTRY, LoadedModel, build_model, config_plan, fuse,
                              local_model, materialize, native_dtype, read_checkpoint, resolve, sharding_plan,
                              text_config)
-from .quant.layers import cpu_rounding, int8_by_default, use_int8_inputs
+from .quant.layers import cpu_rounding, int8_by_default, rounding_by_default, use_int8_inputs
 from .kernels import CpuStepUnavailable, cpu_isa_label, cpu_step_built, select_cpu_isa
 from .plan import KernelConfig, Plan
 
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
-           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "cpu_rounding", "select_cpu_isa", "cpu_isa_label",
+           "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "rounding_by_default", "cpu_rounding", "select_cpu_isa", "cpu_isa_label",
            "CpuStepUnavailable", "KernelConfig", "Plan", "configure"]
 
 
@@ -61,19 +61,17 @@ def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, 
 def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
     library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
-    the C++ kernels on, in fp32, where cpu_int8 is on, or auto and the library runs its AVX2 forms.
-    There the blocks on int8 inputs decoded ahead of llama.cpp where the planes fell behind it (and
-    the plan interleaves them: the rows16 products). With the AVX-512 forms auto keeps the planes
-    on fp32 inputs: the rows16 products decode faster (bench/cpu_bench.py --cpu-int8 on), but the
-    rounded inputs move the embedded model's near tie on tests/test_e2e_pty.py's question
-    ("The capital of France is Paris." becomes "L'Étoile, ..."), and its replies drift further
-    from the fp32 model's (bench/numerics.py)."""
+    the C++ kernels on, in fp32, where cpu_int8 is on or wide, or auto and either the plan
+    interleaves them (cpu_rows16: auto then rounds their inputs to 16 bits, models.rounding_by_default)
+    or the library runs its AVX2 forms. The rows16 products decode and prefill ahead of the planes
+    on both instruction sets (bench/cpu_bench.py --cpu-int8 off | wide), and on 16-bit inputs the
+    replies stay the fp32 model's (tests/test_e2e_pty.py; int8 inputs moved its near tie)."""
     import torch
 
     from .kernels.cpu import step
     if torch.device(device).type != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not step.ENABLED:
         return False  # (the CPU's flags are not read for another device's load)
-    return config.cpu_int8 is True or (config.cpu_int8 is None and not step.avx512_forms())
+    return config.cpu_int8 is True or (config.cpu_int8 is None and (config.cpu_rows16 or not step.avx512_forms()))
 
 
 def cpu_step_pending(model, dtype) -> bool:

@@ -308,10 +308,9 @@ def test_the_setting_is_recorded_and_replayed(tmp_path, chat_here):
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512-forms", "avx2-forms"])
 def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here, monkeypatch, avx512):
     """`cpu_int8: auto` (the default): on for a K-quant mix (its layers' BlockLinears); for a
-    Q4_1 file, off with the library's AVX-512 forms (its layers stay torch's int4 planes beside
-    a Q8_0 head, as the embedded model's) and on with its AVX2 forms (the Q4_1 linears then kept
-    in their blocks, interleaved: rows16); the plan and the session say which, and a recording
-    keeps what auto chose."""
+    Q4_1 file, wide with the library's AVX-512 and AVX2 forms alike (its linears kept in their
+    blocks, interleaved: rows16, their inputs rounded to 16 bits; the Q8_0 head on fp32 inputs);
+    the plan and the session say which, and a recording keeps what auto chose."""
     import yaml
 
     from chat.runtime import open_runtime
@@ -321,23 +320,24 @@ def test_auto_rounds_where_the_layers_hold_blocks(tmp_path, chat_here, monkeypat
     kq = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
     q41 = tiny_gguf(tmp_path, "llama", Q.Q4_1, None, Q.Q8_0)
     assert load_settings(None).engine.cpu_int8 == "auto"
-    for path, on in ((kq, True), (q41, not avx512)):
+    for path, on in ((kq, True), (q41, True)):
         rt = open_runtime(load_settings(None, overrides={"model": str(path), "device": "cpu"}))
         model = rt.loaded.model
         assert models.int8_by_default(model) is on
         assert bool(getattr(model, "cpu_int8", False)) is on
-        assert ("int8" in rt.loaded.plan.summary()) is on
-        assert ("int8 inputs" in rt.session.decode_path) is on
-        planes = any(isinstance(m, quant.Int4Linear) for m in model.modules())
-        assert planes is (path == q41 and avx512)
-        assert ("rows16" in rt.loaded.plan.summary()) is (path == q41 and not avx512)
+        assert ("int8 inputs" in rt.loaded.plan.summary() or "rounded inputs" in rt.loaded.plan.summary()) is on
+        assert ("int8 inputs" in rt.session.decode_path) is (path == kq)
+        assert not any(isinstance(m, quant.Int4Linear) for m in model.modules())
+        assert ("rows16" in rt.loaded.plan.summary()) is (path == q41)
+        assert bool(getattr(model, "cpu_wide", False)) is (path == q41)
+        assert ("16-bit inputs" in rt.session.decode_path) is (path == q41)
         script = tmp_path / "s.yaml"
         script.write_text(f"format: chat-transcript\nversion: 1\nmodel: {{source: {path}}}\n"
                           "sampling: {temperature: 0, max_new_tokens: 8}\nevents:\n  - user: one\n")
         rec = tmp_path / "r.yaml"
         code, out, err = chat_here("run", script, "-o", rec)
         assert code == 0, err
-        assert yaml.safe_load(rec.read_text())["engine"]["cpu_int8"] == ("on" if on else "off")
+        assert yaml.safe_load(rec.read_text())["engine"]["cpu_int8"] == ("wide" if path == q41 else "on")
         code, out, err = chat_here("replay", rec)
         assert code == 0, err
 

@@ -150,14 +150,11 @@ def test_chat_plan_on_the_embedded_model(chat_here):
     assert code == 0 and err == "", err
     lines = out.splitlines()
     assert lines[0].startswith("kernel plan of ") and "on cpu, float32" in lines[0] and lines[1] == "step: C++ decode step"
-    # (cpu_int8: auto, the default: torch's int4 planes, gate and up fused, with the library's
-    # AVX-512 forms; the Q4_1 blocks on rounded inputs, interleaved 16 rows at a time, with its
-    # AVX2 forms, as with cpu_int8: on)
-    from models.kernels.cpu import step
+    # (cpu_int8: auto, the default: the Q4_1 blocks interleaved 16 rows at a time, their inputs
+    # rounded (to 16 bits: wide), as with cpu_int8: on; off: torch's int4 planes, gate and up fused)
     planes = ("3072x576", "C++ step: int4 GEMV")
-    blocks = ("1536x576", "C++ step: rows16 GEMV (int8 inputs)")
-    shape, kernel = planes if step.avx512_forms() else blocks
-    assert any(line.startswith("linear ") and shape in line and kernel in line for line in lines)
+    blocks = ("1536x576", "C++ step: rows16 GEMV (rounded inputs)")
+    assert any(line.startswith("linear ") and blocks[0] in line and blocks[1] in line for line in lines)
     assert any(line.startswith("attention ") and "9 heads, 3 KV, d 64" in line for line in lines)
     assert "a decode step reads 98.2 MB of weights, plus 23.0 KB of KV cache per token of context" in out
     assert "at most 509 tok/s at 50 GB/s (given)" in out  # 50e9 / 98.2e6

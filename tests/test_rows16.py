@@ -65,25 +65,42 @@ def test_layout_refuses_what_it_cannot_hold():
     assert rows16.fits(Q.Q4_0, 32) and not rows16.fits(Q.Q4_0, 40) and not rows16.fits(Q.Q5_0, 32)
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x~ in fp64 for 16-bit inputs (rows16_int8.h's quantize_wide): per 32, q = round(x 32767 /
+    max|x|) to the nearest, ties to even (the product and quotient in fp32), x~ = q max|x| / 32767."""
+    g = x.float().reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(g * inv).clamp(-32767, 32767)
+    return (q.double() * (amax / 32767.0).double()).reshape(x.shape)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])
-def test_product_matches_the_definition(cpp, qtype, rows):
+@pytest.mark.parametrize("width", ["int8", "wide"])
+def test_product_matches_the_definition(cpp, qtype, rows, width):
     blocks = random_blocks(qtype, 64, 12, seed=3)  # 64 outputs, 384 inputs
     w = gguf_blocks.dequantize(blocks, qtype).double()
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
-    y = cpp.block_linear(x, rows16.interleave(blocks, qtype), rows16.CODE + qtype, True)
-    ref = rounded(x, qtype) @ w.T
-    bound = 1e-5 * (rounded(x, qtype).abs() @ w.abs().T) + 1e-6
+    code = rows16.CODE + (rows16.WIDE if width == "wide" else 0) + qtype
+    y = cpp.block_linear(x, rows16.interleave(blocks, qtype), code, True)
+    xr = wide(x) if width == "wide" else rounded(x, qtype)
+    ref = xr @ w.T
+    bound = 1e-5 * (xr.abs() @ w.abs().T) + 1e-6
     assert (y.double() - ref).abs().le(bound).all(), (y.double() - ref).abs().max()
+    if width == "wide":  # (16 bits: within ~1e-4 of the product on x itself, where int8's error is ~1e-2)
+        exact = x.double() @ w.T
+        assert (y.double() - exact).abs().max() <= 1e-4 * (x.double().abs() @ w.abs().T).max()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_each_row_has_its_own_bits_in_any_run(cpp, qtype):
+@pytest.mark.parametrize("width", [0, rows16.WIDE], ids=["int8", "wide"])
+def test_each_row_has_its_own_bits_in_any_run(cpp, qtype, width):
     """A decode's row, a verify's rows (block_linear_rows) and a prefill's many (block_linear): each
     row's sums in the same order, so the same bits."""
     blocks = rows16.interleave(random_blocks(qtype, 96, 6, seed=4), qtype)
     x = torch.randn(21, 192, generator=torch.Generator().manual_seed(5))
-    code = rows16.CODE + qtype
+    code = rows16.CODE + width + qtype
     alone = torch.cat([cpp.block_linear(x[t:t + 1], blocks, code, True) for t in range(21)])
     assert torch.equal(cpp.block_linear(x, blocks, code, True), alone)
     for n in (2, 3, 8, 9):
@@ -91,20 +108,21 @@ def test_each_row_has_its_own_bits_in_any_run(cpp, qtype):
 
 
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512-forms", "avx2-forms"])
-def test_auto_and_on_choose_rows16_where_they_round(tmp_path, monkeypatch, avx512):
-    """`cpu_int8: auto`: with the AVX2 forms a Q4_1 file's linears stay in their blocks, in rows16
-    (the row-by-row products with cpu_rows16 off); with the AVX-512 forms, torch's int4 planes on
-    fp32 inputs either way; `cpu_int8: on` takes rows16 on both."""
+def test_auto_chooses_wide_inputs_on_rows16(tmp_path, monkeypatch, avx512):
+    """`cpu_int8: auto` keeps a Q4_1 file's linears in their blocks, in rows16, on either kernel
+    set, and rounds their inputs to 16 bits (models.rounding_by_default: wide); with cpu_rows16 off
+    the AVX-512 forms take torch's int4 planes (fp32 inputs: off) and the AVX2 forms the row-by-row
+    int8 products (on)."""
     from models.kernels.cpu import step
     from models.plan import KernelConfig
     monkeypatch.setattr(step, "avx512_forms", lambda: avx512)
     path = tiny_gguf(tmp_path, "llama", Q.Q4_1)
-    for int8, on in ((None, True), (None, False), (True, True)):
-        lm = models.load(path, quantized=True, kernels=KernelConfig(cpu_int8=int8, cpu_rows16=on))
+    for on in (True, False):
+        lm = models.load(path, quantized=True, kernels=KernelConfig(cpu_int8=None, cpu_rows16=on))
         planes = any(isinstance(m, quant.Int4Linear) for m in lm.model.modules())
-        assert planes is (avx512 and int8 is None)
-        assert models.int8_by_default(lm.model) is not planes
-        assert ("rows16" in lm.plan.summary()) is (on and not planes)
+        assert planes is (avx512 and not on)
+        assert ("rows16" in lm.plan.summary()) is on
+        assert models.rounding_by_default(lm.model) == ("wide" if on else "off" if planes else "on")
 
 
 def test_int8_inputs_only(cpp):
@@ -113,12 +131,12 @@ def test_int8_inputs_only(cpp):
         cpp.block_linear(torch.randn(1, 64), blocks, rows16.CODE + Q.Q4_1, False)
 
 
-def _load(path, rows16_on: bool):
+def _load(path, rows16_on: bool, wide: bool = False):
     from engine.config import EngineConfig
     from engine.device import kernel_config
     kernels = kernel_config(EngineConfig(cpu_int8="on")).but(cpu_rows16=rows16_on)
     lm = models.load(path, quantized=True, kernels=kernels)
-    models.use_int8_inputs(lm.model, True)
+    models.use_int8_inputs(lm.model, True, wide=wide)
     return lm
 
 
@@ -136,7 +154,7 @@ def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
     cpp, ref, plain = _load(path, True), _load(path, True), _load(path, False)
     held = [m for m in cpp.model.modules() if isinstance(m, quant.BlockLinear)]
     assert held and all(m.rows16 is not None for m in held)
-    assert "rows16 GEMV (int8 inputs)" in cpp.plan.summary()
+    assert "rows16 GEMV (rounded inputs)" in cpp.plan.summary()
     assert not any(m.rows16 is not None for m in plain.model.modules() if isinstance(m, quant.BlockLinear))
     assert "rows16" not in plain.plan.summary()
     init = cpu_step.CpuStep.__init__
@@ -163,11 +181,13 @@ def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
     assert agree >= 6
 
 
-def test_verify_rows_are_the_steps_bits(tmp_path):
+@pytest.mark.parametrize("wide", [False, True], ids=["int8", "wide"])
+def test_verify_rows_are_the_steps_bits(tmp_path, wide):
     """The C++ step's multi-token verify over rows16 matrices gives each row the one-token step's
     logits bit for bit (speculative decoding's exactness rests on it)."""
     from engine.session import DecodeSession
-    lm = _load(tiny_gguf(tmp_path, "llama", Q.Q4_1), True)
+    lm = _load(tiny_gguf(tmp_path, "llama", Q.Q4_1), True, wide)
+    assert all(m.wide_inputs is wide for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
     s = DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
     s.prefill(list(range(3, 30)))
     before = s.state.snapshot().fixed
@@ -175,6 +195,25 @@ def test_verify_rows_are_the_steps_bits(tmp_path):
     s.state.unfeed(4, before)
     rows = s._forward([5, 9, 200, 7], verify=True)
     assert torch.equal(rows, steps)
+
+
+@pytest.mark.parametrize("linear", TYPES, ids=lambda q: q.name)
+def test_wide_inputs_keep_the_fp32_steps(tmp_path, linear):
+    """`cpu_int8: wide`: the rows16 matrices' inputs rounded to 16 bits, the Q8_0 head's left in
+    fp32. The C++ step's logits stay within 1e-3 x max |logit| of its fp32-input step's, step after
+    step, with the same greedy tokens, where int8 inputs move them further."""
+    from test_block_quant import step_logits
+    lm = _load(tiny_gguf(tmp_path, "llama", linear), True, wide=True)
+    assert lm.model.cpu_wide and not any(m.int8_inputs for m in lm.model.modules() if isinstance(m, quant.Q8Linear))
+    wide_steps = step_logits(lm, "on")
+    models.use_int8_inputs(lm.model, False)
+    exact = step_logits(lm, "on")
+    models.use_int8_inputs(lm.model, True)
+    int8 = step_logits(lm, "on")
+    scale = float(exact.abs().max())
+    near = float((wide_steps - exact).abs().max())
+    assert near <= 1e-3 * scale and torch.equal(wide_steps.argmax(-1), exact.argmax(-1))
+    assert float((int8 - exact).abs().max()) > 3 * near
 
 
 CHILD = r"""
@@ -189,7 +228,9 @@ out = []
 for qtype in (Q.Q4_0, Q.Q4_1):
     b = rows16.interleave(torch.from_numpy(random_blocks(qtype, 48, 10, seed=7)), qtype)
     x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))
-    out.append(torch.ops.chat_cpu.block_linear(x, b, rows16.CODE + qtype, True).view(torch.int32).flatten().tolist())
+    for width in (0, rows16.WIDE):
+        y = torch.ops.chat_cpu.block_linear(x, b, rows16.CODE + width + qtype, True)
+        out.append(y.view(torch.int32).flatten().tolist())
 print(json.dumps(out))
 """
 

@@ -93,9 +93,10 @@ RULES: tuple[Rule, ...] = (
     # ---- linears on the CPU (the decode step is the C++ library's where it serves the model) ----
     R("linear", "cpu", ("*",), (("step",), ("int4pack",)), "C++ step: int4 GEMV",
       "within the C++ decode step (one call a token); rows packed at load"),
-    R("linear", "cpu", ("Q4_0", "Q4_1"), (("step",), ("int8",), ("rows16",)), "C++ step: rows16 GEMV (int8 inputs)",
-      "within the C++ decode step; cpu_int8: inputs rounded as llama.cpp's; 16 rows interleaved at load, "
-      "a dot product takes four codes of each (a prefill's rows on the same layout)", ROWS16_LAYOUT),
+    R("linear", "cpu", ("Q4_0", "Q4_1"), (("step",), ("int8",), ("rows16",)), "C++ step: rows16 GEMV (rounded inputs)",
+      "within the C++ decode step; cpu_int8: inputs rounded to 16 bits (wide, auto's choice here) or to int8 as "
+      "llama.cpp's; 16 rows interleaved at load, a dot product takes codes of each (a prefill's rows too)",
+      ROWS16_LAYOUT),
     R("linear", "cpu", GGUF, (("step",), ("int8",)), "C++ step: block GEMV (int8 inputs)",
       "within the C++ decode step; cpu_int8: input rows rounded to int8 as llama.cpp's (a prefill's "
       "many in bf16 where the CPU has AVX512-BF16)"),
@@ -103,8 +104,8 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", ("*",), (("step",),), "C++ step: fp32 GEMV", "within the C++ decode step"),
     R("linear", "cpu", ("*",), (("int4pack",),), "torch int4 mm",
       "Q4_0/Q4_1 rows packed at load for torch's int4 kernel (whole 16-row groups)"),
-    R("linear", "cpu", ("Q4_0", "Q4_1"), (("blocks",), ("int8",), ("rows16",)), "C++ rows16 GEMV (int8 inputs)",
-      "cpu_int8: inputs rounded as llama.cpp's CPU kernels round them; 16 rows interleaved at load",
+    R("linear", "cpu", ("Q4_0", "Q4_1"), (("blocks",), ("int8",), ("rows16",)), "C++ rows16 GEMV (rounded inputs)",
+      "cpu_int8: inputs rounded to 16 bits (wide) or to int8 as llama.cpp's; 16 rows interleaved at load",
       ROWS16_LAYOUT),
     R("linear", "cpu", GGUF, (("blocks",), ("int8",)), "C++ block GEMV (int8 inputs)",
       "cpu_int8: input rows rounded to int8 as llama.cpp's CPU kernels round them (a prefill's many "

@@ -330,6 +330,7 @@ class BlockLinear(QuantLinear):
     # (quant/rows16.py), beside the blocks, which the other kernels read: made by the kernel plan at
     # load (interleave()), read where int8_inputs
     rows16: torch.Tensor | None = None
+    wide_inputs = False  # with rows16 and int8_inputs: inputs rounded to 16 bits (`cpu_int8: wide`)
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, sizes: list[int] | None = None):
         super().__init__()
@@ -367,7 +368,7 @@ class BlockLinear(QuantLinear):
         code where it is made, else the blocks and their GGUF type."""
         from . import rows16
         if self.rows16 is not None:
-            return self.rows16, rows16.CODE + self.ggml_type
+            return self.rows16, rows16.CODE + (rows16.WIDE if self.wide_inputs else 0) + self.ggml_type
         return self.blocks, self.ggml_type
 
     @classmethod
@@ -677,33 +678,57 @@ class BlockEmbedding(nn.Module):
         return BlockLinear(self.blocks, self.ggml_type)
 
 
-def use_int8_inputs(model: nn.Module, on: bool) -> int:
+def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
     """The `cpu_int8` setting: where the C++ library reads a CPU module's GGUF blocks (a Q8_0 head
     as Q8Linear holds it included), round its input rows to int8 first, as llama.cpp's CPU kernels
     round theirs for that type (K-quants per 256 inputs, the 32-weight types per 32;
     models/kernels/cpu/blocks_int8.h), decode's rows and
     prefill's alike, or (off) take decode's rows in fp32 and prefill's through the dequantized fp32
-    GEMM. Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
+    GEMM. `wide` (`cpu_int8: wide`): only the rows16 matrices round, to 16 bits per 32 inputs
+    (rows16_int8.h: within 2^-16 of a block's largest input), the other modules take fp32 inputs.
+    Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
     n = 0
     for m in model.modules():
         if _cpu_blocks(m) or isinstance(m, Q8Linear):
-            m.int8_inputs = on
+            held = wide and isinstance(m, BlockLinear) and m.rows16 is not None
+            m.int8_inputs = on and (held or not wide)
+            if isinstance(m, BlockLinear):
+                m.wide_inputs = on and held
             n += 1
     model.cpu_int8 = on and n > 0  # (what the session's decode_path reports)
+    model.cpu_wide = on and wide and n > 0
     return n
+
+
+def rounding_by_default(model: nn.Module) -> str:
+    """`cpu_int8: auto`'s choice for a loaded model, as a setting's value: "wide" where the only
+    CPU blocks are rows16 matrices (a Q4_0/Q4_1 file's linears, the embedded model's): as fast as
+    int8 inputs there, and its replies stay the fp32 model's where int8 inputs moved them
+    (tests/test_e2e_pty.py's question); "on" where other layers hold blocks (int8_by_default);
+    else "off"."""
+    held = [m for m in model.modules() if _cpu_blocks(m)]
+    if held and all(isinstance(m, BlockLinear) and m.rows16 is not None for m in held):
+        return "wide"
+    return "on" if held else "off"
 
 
 def cpu_rounding(model) -> str:
     """What the C++ library's products of this CPU model's GGUF blocks take as inputs, in words
     (/show): decode's rows rounded to int8 as llama.cpp rounds them and each GGUF type's prefill
-    form (models/kernels/cpu/step.py's prefill_form, set with the kernels), or fp32 inputs; ""
-    where no module holds blocks the library's kernels read."""
+    form (models/kernels/cpu/step.py's prefill_form, set with the kernels; the rows16 matrices'
+    prefill on their own products), or with `cpu_int8: wide` the rows16 matrices' inputs rounded
+    to 16 bits and the others' fp32, or fp32 inputs; "" where no module holds blocks the library's
+    kernels read."""
     held = [m for m in model.modules() if isinstance(m, (BlockLinear, BlockExperts, Q8Linear))
             and getattr(m, "fp32_kernel", None) is not None]
     if not held:
         return ""
     if not any(m.int8_inputs for m in held):
         return "fp32 inputs (the blocks' exact products)"
+    if getattr(model, "cpu_wide", False):
+        names = sorted({gguf_blocks.type_name(m.ggml_type) for m in held if getattr(m, "wide_inputs", False)})
+        return (f"{', '.join(names)} inputs rounded to 16 bits per 32 (rows16), decode's and a prefill's; "
+                "the other products on fp32 inputs")
     words = {"bf16": "bf16 products", "int8": "int8 tiles", "fp32": "x itself by the fp32 GEMM"}
     forms: dict[str, str] = {}
     for m in held:
@@ -711,7 +736,8 @@ def cpu_rounding(model) -> str:
             continue
         types = m.types if isinstance(m, BlockExperts) else (m.ggml_type,)
         for t in types:
-            forms[gguf_blocks.type_name(t)] = words[m.form_of(t)]
+            rows16 = isinstance(m, BlockLinear) and m.rows16 is not None
+            forms[gguf_blocks.type_name(t)] = "rows16 int8 products" if rows16 else words[m.form_of(t)]
     by_form: dict[str, list[str]] = {}
     for name, form in sorted(forms.items()):
         by_form.setdefault(form, []).append(name)

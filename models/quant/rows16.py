@@ -6,7 +6,8 @@ Contract: `interleave(blocks, ggml_type)` takes a matrix's GGUF blocks [N, row b
 multiple of 16: `fits`) and returns the same bytes rearranged, [N, row bytes] uint8, a new tensor:
 for group g of 16 rows and block b, the 16 rows' fp16 scales, Q4_1's 16 fp16 minimums, then four
 quads of the 16 rows' 4 code bytes; `deinterleave` inverts it. `CODE` is added to the GGUF type
-where the library is handed this layout (rows16_int8.h's kRows16).
+where the library is handed this layout (rows16_int8.h's kRows16), and `WIDE` too where its inputs
+are rounded to 16 bits rather than 8.
 
 Why: the row-by-row kernels spend most of a block's instructions on its scalar scales; with 16 rows
 in the 32-bit lanes of one vector a dot product instruction takes four codes of each, and a decode
@@ -19,6 +20,7 @@ import torch
 
 Q4_0, Q4_1 = 2, 3  # GGMLQuantizationType
 CODE = 128  # rows16_int8.h's kRows16
+WIDE = 64  # + kWide: the products' inputs rounded to 16 bits (`cpu_int8: wide`)
 ROWS = 16
 LAYOUT = {Q4_0: "Q40X16", Q4_1: "Q41X16"}  # the layouts' names in the kernel plan
 _HEAD = {Q4_0: 2, Q4_1: 4}  # bytes of scale (and minimum) a block, before its 16 code bytes

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <type_traits>
 #include <map>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -646,9 +647,9 @@ bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256;
 // itself; int8: on x~, x rounded to int8 as llama.cpp rounds it for that type (blocks_int8.h), any
 // T (prefill's rows kMaxRows at a time against each few rows of W, which stay in the caches)
 Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
-  if (type >= kRows16) {  // (Q4_0 / Q4_1 interleaved 16 rows at a time: int8 inputs only, rows16_int8.h)
+  if (type >= kRows16) {  // (Q4_0 / Q4_1 interleaved 16 rows at a time: rounded inputs only, rows16_int8.h)
     TORCH_CHECK(int8, "block_linear: the rows16 layout takes int8 inputs");
-    return rows16_linear(x, w, type - kRows16);
+    return rows16_linear(x, w, (type - kRows16) % kWide, (type - kRows16) >= kWide);
   }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (int8 || x.size(0) <= kMaxRows),
               "block_linear: x must be [T <= 8, K] contiguous fp32 (any T with int8)");
@@ -856,28 +857,40 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   return y;
 }
 
-// block_linears_row for matrices all in rows16 (rows16_int8.h): x rounded once per type, the 16-row
-// groups of every matrix in one parallel region; each output block_linear's bits
+// block_linears_row for matrices all in rows16 (rows16_int8.h): x rounded once per type and
+// width, the 16-row groups of every matrix in one parallel region; each output block_linear's bits
 Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& codes) {
   const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
   std::vector<int64_t> start(parts + 1, 0), groups(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) {
-    TORCH_CHECK(check_rows16(ws[i], codes[i] - kRows16) == K, "block_linears_row: x has ", K, " columns, a matrix another");
+    TORCH_CHECK(check_rows16(ws[i], (codes[i] - kRows16) % kWide) == K, "block_linears_row: x has ", K,
+                " columns, a matrix another");
     start[i + 1] = start[i] + ws[i].size(0);
     groups[i + 1] = groups[i] + ws[i].size(0) / kGroupRows;
   }
   Tensor y = at::empty({1, start[parts]}, x.options());
 #if defined(CHAT_ROWS16)
+  const float* xp = x.data_ptr<float>();
   std::map<int64_t, Int8Rows> rounded;
-  for (int64_t c : codes)
-    if (!rounded.count(c)) rounded.emplace(c, quantize_rows(x.data_ptr<float>(), 1, K, c - kRows16));
+  std::optional<WideRows> wide;
+  for (int64_t c : codes) {
+    if (c - kRows16 >= kWide) {
+      if (!wide) wide = quantize_wide(xp, 1, K);
+    } else if (!rounded.count(c)) {
+      rounded.emplace(c, quantize_rows(xp, 1, K, c - kRows16));
+    }
+  }
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, groups[parts], 1, [&](int64_t g0, int64_t g1) {
     for (int64_t i = 0; i < parts; ++i) {
       const int64_t a = std::max(g0, groups[i]), b = std::min(g1, groups[i + 1]);
-      if (a < b)
-        rows16_product(rounded.at(codes[i]), 1, ws[i].data_ptr<uint8_t>(), codes[i] - kRows16, ws[i].size(0),
-                     a - groups[i], b - groups[i], yp + start[i]);
+      if (a >= b) continue;
+      const int64_t type = (codes[i] - kRows16) % kWide;
+      const uint8_t* wp = ws[i].data_ptr<uint8_t>();
+      if (codes[i] - kRows16 >= kWide)
+        rows16_product(*wide, 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
+      else
+        rows16_product(rounded.at(codes[i]), 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
     }
   });
 #else
