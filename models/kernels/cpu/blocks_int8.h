@@ -46,6 +46,28 @@ struct Int8Rows {
 // (Q8_0's 128: prefill's unsigned codes, gemm_rows_pairs; decode takes Q8_0's signs instead)
 inline int code_offset(int64_t type) { return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ8_0 ? 128 : 0; }
 
+// Each block of 32 inputs of x's Tn rows (the rows in parallel), rounded: f(t, b, amax, q, sum),
+// q[j] = x (top / max|x|) to the nearest, ties to even (the default mode), within +-top, sum = sum(q)
+template <typename Code, typename F>
+void each_rounded_block(const float* x, int64_t Tn, int64_t K, float top, F&& f) {
+  at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
+    for (int64_t t = ta; t < tb; ++t)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* g = x + t * K + 32 * b;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(g[j]));
+        const float inv = amax != 0.f ? top / amax : 0.f;
+        Code q[32];
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+          q[j] = static_cast<Code>(std::clamp(std::nearbyint(g[j] * inv), -top, top));
+          sum += q[j];
+        }
+        f(t, b, amax, q, sum);
+      }
+  });
+}
+
 Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   Int8Rows r;
   r.K = K;
@@ -90,26 +112,13 @@ Int8Rows quantize_rows(const float* x, int64_t Tn, int64_t K, int64_t type) {
   r.s32.resize(Tn * r.nb);
   r.init.resize(Tn * K / 4);
   r.sum.resize(Tn * r.nb);
-  at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
-  for (int64_t t = ta; t < tb; ++t)
-    for (int64_t b = 0; b < r.nb; ++b) {
-      const float* g = x + t * K + 32 * b;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(g[j]));
-      const float inv = amax != 0.f ? 127.0f / amax : 0.f, d = amax / 127.0f;
-      int8_t* q = r.q.data() + t * K + 32 * b;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const float v = std::nearbyint(g[j] * inv);  // (round to nearest, ties to even: the default mode)
-        q[j] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
-        sum += q[j];
-      }
-      for (int l = 0; l < 8; ++l)
-        r.init[t * K / 4 + 8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-      r.dx[t * r.nb + b] = fp16_rounded(d);
-      r.sum[t * r.nb + b] = sum;
-      r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
-    }
+  each_rounded_block<int8_t>(x, Tn, K, 127.f, [&](int64_t t, int64_t b, float amax, const int8_t* q, int sum) {
+    std::copy(q, q + 32, r.q.data() + t * K + 32 * b);
+    for (int l = 0; l < 8; ++l)
+      r.init[t * K / 4 + 8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+    r.dx[t * r.nb + b] = fp16_rounded(amax / 127.0f);
+    r.sum[t * r.nb + b] = sum;
+    r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
   });
   if (Tn > 1) {
     r.dx8.resize(Tn * r.nb * 8);

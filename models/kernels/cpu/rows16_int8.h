@@ -48,34 +48,21 @@ WideRows quantize_wide(const float* x, int64_t Tn, int64_t K) {
   r.sum.resize(Tn * r.nb);
   r.dx.resize(Tn * r.nb);
   r.s32.resize(Tn * r.nb);
-  at::parallel_for(0, Tn, 1, [&](int64_t ta, int64_t tb) {
-    for (int64_t t = ta; t < tb; ++t)
-      for (int64_t b = 0; b < r.nb; ++b) {
-        const float* g = x + t * K + 32 * b;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(g[j]));
-        const float inv = amax != 0.f ? 32767.0f / amax : 0.f;
-        int16_t q[32];
-        int sum = 0;
-        for (int j = 0; j < 32; ++j) {
-          q[j] = static_cast<int16_t>(std::clamp(std::nearbyint(g[j] * inv), -32767.f, 32767.f));
-          sum += q[j];
-        }
-        int32_t* w = r.words.data() + (t * r.nb + b) * 16;
-        const auto pair = [&](int a, int c) {
-          return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(q[a])) |
-                                      (static_cast<uint32_t>(static_cast<uint16_t>(q[c])) << 16));
-        };
-        for (int k = 0; k < 4; ++k) {
-          w[4 * k] = pair(4 * k, 4 * k + 2);
-          w[4 * k + 1] = pair(4 * k + 1, 4 * k + 3);
-          w[4 * k + 2] = pair(16 + 4 * k, 16 + 4 * k + 2);
-          w[4 * k + 3] = pair(16 + 4 * k + 1, 16 + 4 * k + 3);
-        }
-        r.sum[t * r.nb + b] = sum;
-        r.dx[t * r.nb + b] = amax / 32767.0f;
-        r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
-      }
+  each_rounded_block<int16_t>(x, Tn, K, 32767.f, [&](int64_t t, int64_t b, float amax, const int16_t* q, int sum) {
+    int32_t* w = r.words.data() + (t * r.nb + b) * 16;
+    const auto pair = [&](int a, int c) {
+      return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(q[a])) |
+                                  (static_cast<uint32_t>(static_cast<uint16_t>(q[c])) << 16));
+    };
+    for (int k = 0; k < 4; ++k) {
+      w[4 * k] = pair(4 * k, 4 * k + 2);
+      w[4 * k + 1] = pair(4 * k + 1, 4 * k + 3);
+      w[4 * k + 2] = pair(16 + 4 * k, 16 + 4 * k + 2);
+      w[4 * k + 3] = pair(16 + 4 * k + 1, 16 + 4 * k + 3);
+    }
+    r.sum[t * r.nb + b] = sum;
+    r.dx[t * r.nb + b] = amax / 32767.0f;
+    r.s32[t * r.nb + b] = r.dx[t * r.nb + b] * static_cast<float>(sum);
   });
   return r;
 }
