@@ -84,6 +84,7 @@ def kernel_config(cfg: EngineConfig, env: Environment | None = None):
     env = env or _configured or environment()
     return KernelConfig(cpu_kernel=cfg.cpu_kernel != "off" and cfg.compile == "off" and cfg.tensor_parallel == 1,
                         cpu_int8=None if cfg.cpu_int8 == "auto" else cfg.cpu_int8 in ("on", "wide"),
+                        cpu_wide=cfg.cpu_int8 == "wide",
                         triton=None if env.triton else False)
 
 

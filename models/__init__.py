@@ -71,7 +71,8 @@ def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     from .kernels.cpu import step
     if torch.device(device).type != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not step.ENABLED:
         return False  # (the CPU's flags are not read for another device's load)
-    return config.cpu_int8 is True or (config.cpu_int8 is None and (config.cpu_rows16 or not step.avx512_forms()))
+    return config.cpu_int8 is True or (config.cpu_int8 is None and
+                                        ((config.cpu_rows16 and step.rows16_forms()) or not step.avx512_forms()))
 
 
 def cpu_step_pending(model, dtype) -> bool:

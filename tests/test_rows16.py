@@ -125,6 +125,35 @@ def test_auto_chooses_wide_inputs_on_rows16(tmp_path, monkeypatch, avx512):
         assert models.rounding_by_default(lm.model) == ("wide" if on else "off" if planes else "on")
 
 
+def test_no_rows16_where_the_library_has_no_forms_for_it(tmp_path, monkeypatch):
+    """A CPU without AVX2 (FMA, F16C) gets a portable library with no rows16 products: the plan
+    leaves the blocks as they are (their row-by-row products), and auto rounds them to int8 as before."""
+    from models.kernels.cpu import step
+    from models.plan import KernelConfig
+    monkeypatch.setattr(step, "_cpu_flags", lambda: {"sse2", "avx"})
+    assert not step.rows16_forms()
+    lm = models.load(tiny_gguf(tmp_path, "llama", Q.Q4_1), quantized=True, kernels=KernelConfig(cpu_int8=None))
+    assert not any(isinstance(m, quant.Int4Linear) for m in lm.model.modules())
+    assert not any(m.rows16 is not None for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
+    assert "rows16" not in lm.plan.summary() and models.rounding_by_default(lm.model) == "on"
+
+
+def test_wide_on_a_file_without_rows16_rounds_nothing_and_says_so(tmp_path):
+    """`cpu_int8: wide` on a K-quant file: no rows16 matrices, so every product takes fp32 inputs;
+    the model, the plan and the session say so, and the runtime reports that the setting changed
+    nothing."""
+    from chat.runtime import open_runtime
+    from chat.settings import load_settings
+    from test_block_int8 import Q4_K_M
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_K, Q4_K_M, Q.Q6_K)
+    notes = []
+    rt = open_runtime(load_settings(None, overrides={"model": str(path), "device": "cpu", "cpu_int8": "wide"}),
+                      status=notes.append)
+    assert not rt.loaded.model.cpu_wide and not rt.loaded.model.cpu_int8
+    assert "int8 inputs" not in rt.loaded.plan.summary() and "16-bit" not in rt.session.decode_path
+    assert any(n.startswith("cpu_int8: wide changes nothing here") for n in notes), notes
+
+
 def test_int8_inputs_only(cpp):
     blocks = rows16.interleave(random_blocks(Q.Q4_1, 16, 2, seed=6), Q.Q4_1)
     with pytest.raises(RuntimeError, match="takes int8 inputs"):

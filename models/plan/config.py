@@ -44,6 +44,9 @@ class KernelConfig:
     # load (quant/rows16.py) for the library's rows16 products; False: the row-by-row block
     # products (bench/cpu_block_bench.py --rows16, bench/cpu_bench.py --rows16 off)
     cpu_rows16: bool = True
+    # `cpu_int8: wide`: only the rows16 matrices round their inputs (to 16 bits); the others' products
+    # take fp32 inputs (what the plan then names)
+    cpu_wide: bool = False
 
     def but(self, **changes) -> "KernelConfig":
         """This config with some fields changed (dataclasses.replace, checked)."""

@@ -126,6 +126,14 @@ def _kernel_format(site: Site) -> tuple[str, int | None]:
     return site.fmt, None
 
 
+def _rows16_fits(m: nn.Module, ctx: _Context) -> bool:
+    """A Q4_0 / Q4_1 CPU matrix of whole 16-row groups, cpu_rows16 on, the library's rows16 forms built here."""
+    from ..kernels.cpu import step
+    from ..quant import rows16
+    return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar and not m.stored()[0].is_cuda
+            and rows16.fits(m.ggml_type, m.out_features) and step.rows16_forms())
+
+
 def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
     name, *arg = cond
     m = site.module
@@ -163,12 +171,10 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         return site.op == "lm_head"
     if name == "int4pack":
         return isinstance(m, quant.Int4Linear)
-    if name == "int8":
-        return ctx.int8
+    if name == "int8":  # (with cpu_int8: wide only the rows16 matrices round: the others take fp32 inputs)
+        return ctx.int8 and (not ctx.config.cpu_wide or _rows16_fits(m, ctx))
     if name == "rows16":
-        from ..quant import rows16
-        return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar
-                and not m.stored()[0].is_cuda and rows16.fits(m.ggml_type, m.out_features))
+        return _rows16_fits(m, ctx)
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):

@@ -695,8 +695,9 @@ def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
             if isinstance(m, BlockLinear):
                 m.wide_inputs = on and held
             n += 1
-    model.cpu_int8 = on and n > 0  # (what the session's decode_path reports)
-    model.cpu_wide = on and wide and n > 0
+    # (what the session's decode_path and /show report: whether any product rounds, and how)
+    model.cpu_int8 = any(getattr(m, "int8_inputs", False) for m in model.modules())
+    model.cpu_wide = any(getattr(m, "wide_inputs", False) for m in model.modules())
     return n
 
 

@@ -99,6 +99,12 @@ def avx512_forms() -> bool:
     return _isa != "avx2" and "avx512f" in _cpu_flags()
 
 
+def rows16_forms() -> bool:
+    """Whether the library's rows16 products (rows16_int8.h) are built here: they need AVX2 with
+    FMA and F16C (its AVX2 forms) or AVX-512 VNNI; a portable build has none."""
+    return all(f in _cpu_flags() for f in ISA_NEEDS["avx2"])
+
+
 def bf16_gemm() -> bool:
     """Whether a prefill's block products may take bf16 GEMMs here (block_linear_bf16): the CPU
     multiplies bf16 natively (AVX512-BF16) and the library is not held to the AVX2 level."""
