@@ -103,7 +103,7 @@ def _origin(where: str) -> str:
 
 def _cpu_int8_lines(c) -> list[str]:
     """/show's cpu_int8 line on the CPU: the setting, what it resolved to and why (auto's rule,
-    models.int8_by_default), and what the library's block products take as inputs."""
+    models.rounding_by_default), and what the library's block products take as inputs."""
     import models
     rt = c.rt
     rounding = models.cpu_rounding(rt.loaded.model) if rt.device.type == "cpu" else ""
