@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--cpu-isa", choices=("native", "avx2"), default="native",
                     help="the cpu_isa setting; avx2 holds torch's kernels to AVX2 as well (above)")
     ap.add_argument("--rows16", choices=("on", "off"), default="on",
-                    help="off: Q4_0 / Q4_1 without the rows16 layout (KernelConfig.cpu_rows16; the baseline)")
+                    help="off: no matrix in the rows16 layout (KernelConfig.cpu_rows16; the baseline)")
     args = ap.parse_args()
     hold_to_isa(args.cpu_isa)
     import models

@@ -18,9 +18,9 @@ bf16 for bf16). `--cpu-isa avx2`: the library built for the AVX2 level and torch
 there too, as bench/cpu_bench.py --cpu-isa avx2 runs them (the process starts again with its
 AVX2_ENV: cpu_bench.hold_to_isa).
 
-With `--rows16`, Q4_0 / Q4_1 get a rows16 column too: the same int8 products on the blocks
-interleaved 16 rows at a time (models/quant/rows16.py), as the kernel plan holds such a file's
-linears by default.
+With `--rows16`, the rows16 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) get a rows16 column too: the
+same int8 products on the blocks interleaved 16 rows at a time (models/quant/rows16.py), as the
+kernel plan holds such a file's linears by default.
 
     python bench/cpu_block_bench.py --verify [--types ...] [--shapes ...] [--threads N] [--cpu-isa ...]
 
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--cached", action="store_true")
     p.add_argument("--cpu-isa", choices=("native", "avx2"), default="native")
     p.add_argument("--verify", action="store_true", help="a verify's rows against one row (block_linear_rows)")
-    p.add_argument("--rows16", action="store_true", help="Q4_0 / Q4_1: the int8 products on the rows16 layout too")
+    p.add_argument("--rows16", action="store_true", help="the rows16 types: the int8 products on the rows16 layout too")
     p.add_argument("--mamba2", nargs="?", const="48x64x128x1,128x64x128x8", default=None,
                    help="a Mamba2 mixer's step instead: HEADSxHEAD_DIMxSTATExGROUPS, comma-separated")
     a = p.parse_args()

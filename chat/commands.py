@@ -113,7 +113,7 @@ def _cpu_int8_lines(c) -> list[str]:
     wide = bool(getattr(rt.loaded.model, "cpu_wide", False))
     why = ""
     if setting == "auto":
-        why = (" (the layers are Q4_0/Q4_1 in rows16, whose products on 16-bit inputs run as fast as on int8 "
+        why = (" (the layers' blocks are all in rows16, whose products on 16-bit inputs run as fast as on int8 "
                "ones here and keep the fp32 model's replies)" if wide else
                " (the layers hold GGUF blocks, whose products on rounded inputs run faster here)" if on else
                " (no layer's blocks gain from it here: only a Q8_0 head would round, beside int4-plane layers "

@@ -171,9 +171,9 @@ class EngineConfig(_Validated):
     cpu_kernel: str = setting("auto", _choice("auto", "on", "off"))
     # a GGUF's block products on the CPU on rounded inputs: decode's rows in int8, as llama.cpp's
     # (models/kernels/cpu/blocks_int8.h), a prefill's many rows in bf16 where the CPU has AVX512-BF16;
-    # wide: only a Q4_0/Q4_1 file's interleaved linears round, to 16 bits (rows16_int8.h), nearly
-    # the fp32 product; auto: wide for such a file, on where other layers hold blocks, off elsewhere
-    # (models.rounding_by_default)
+    # wide: only the linears the plan interleaves (rows16: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) round, to 16
+    # bits (rows16_int8.h), nearly the fp32 product; auto: wide where every block is in rows16 (a
+    # Q4_0/Q4_1 file), on where other layers hold blocks, off elsewhere (models.rounding_by_default)
     cpu_int8: str = setting("auto", _choice("auto", "off", "on", "wide"))
     # what the C++ CPU library is built for: every instruction this CPU has, or the AVX2 level
     # (x86-64-v3, as llama.cpp's AVX2 build), or AVX-512 where the CPU has it (models/kernels/cpu/step.py)

@@ -179,6 +179,6 @@ def test_show_names_cpu_int8_and_why(tmp_path):
     from cli import run_chat
     p = run_chat("--temperature", "0", stdin="/show\n/exit\n", tmp_path=tmp_path)
     line = next(x for x in p.stdout.splitlines() if x.startswith("cpu_int8:"))
-    assert line.startswith("cpu_int8: auto -> wide (the layers are Q4_0/Q4_1 in rows16"), line
+    assert line.startswith("cpu_int8: auto -> wide (the layers' blocks are all in rows16"), line
     assert line.endswith("Q4_1 inputs rounded to 16 bits per 32 (rows16), decode's and a prefill's; "
                          "the other products on fp32 inputs"), line

@@ -1,6 +1,6 @@
 """The rows16 layout (models/quant/rows16.py) and its int8 products (models/kernels/cpu/rows16_int8.h):
-Q4_0 / Q4_1 blocks interleaved 16 rows at a time, read by the library with the inputs rounded as
-llama.cpp rounds them (`cpu_int8`).
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks interleaved 16 rows at a time, read by the library with the
+inputs rounded as llama.cpp rounds them (`cpu_int8`), or to 16 bits (`wide`).
 
 Oracles: the layout against its inverse and the blocks' own bytes; the product against x~ W^T in
 fp64 (test_block_int8.py's rounding and tolerance); a row's bits the same in any run of rows (a
@@ -27,7 +27,14 @@ from test_block_quant import tiny_gguf
 from test_gguf_blocks import random_blocks as random_array
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TYPES = (Q.Q4_0, Q.Q4_1)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+
+
+def planned(qtype) -> None:
+    """Skip where the kernel plan keeps this type row by row (Q8_0 with the AVX2 forms)."""
+    from models.kernels.cpu import step
+    if qtype not in step.rows16_types():
+        pytest.skip(f"the plan keeps {qtype.name} row by row with this library's forms")
 
 
 def random_blocks(qtype, rows, blocks_per_row, seed) -> torch.Tensor:
@@ -47,22 +54,34 @@ def test_layout_is_the_blocks_rearranged(qtype):
     r = rows16.interleave(blocks, qtype)
     assert r.shape == blocks.shape and r.dtype == torch.uint8
     assert torch.equal(rows16.deinterleave(r, qtype), blocks)
-    assert torch.equal(torch.sort(r.flatten()).values, torch.sort(blocks.flatten()).values)
-    head = 2 if qtype == Q.Q4_0 else 4
+    size = rows16.block_bytes(qtype)
+    head = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 6, Q.Q5_1: 8, Q.Q8_0: 2}[qtype]
+    if qtype in (Q.Q4_0, Q.Q4_1):  # (the fifth bits' words and Q8_0's codes are recoded)
+        assert torch.equal(torch.sort(r.flatten()).values, torch.sort(blocks.flatten()).values)
     # group 1, block 2: the 16 rows' scales first, then quad 3's bytes of row 5 where the layout says
     group = r[16:32].flatten()
-    block = group[2 * 16 * (head + 16):3 * 16 * (head + 16)]
-    rows = blocks[16:32, 2 * (head + 16):3 * (head + 16)]
+    block = group[2 * 16 * size:3 * 16 * size]
+    rows = blocks[16:32, 2 * size:3 * size]
     assert torch.equal(block[:32], rows[:, :2].flatten())
-    assert torch.equal(block[16 * head + 3 * 64 + 5 * 4:16 * head + 3 * 64 + 6 * 4], rows[5, head + 12:head + 16])
+    quad = block[16 * head + 3 * 64 + 5 * 4:16 * head + 3 * 64 + 6 * 4]
+    assert torch.equal(quad ^ 0x80 if qtype == Q.Q8_0 else quad, rows[5, head + 12:head + 16])
+    if qtype in (Q.Q5_0, Q.Q5_1):  # row 5's fifth bits: code 4 k + i's at bit 8 i + k, 16 + 4 k + i's at 8 i + 4 + k
+        at = 16 * (head - 4) + 5 * 4
+        word = int.from_bytes(bytes(block[at:at + 4].tolist()), "little")
+        qh = int.from_bytes(bytes(rows[5, head - 4:head].tolist()), "little")
+        for i in range(4):
+            for k in range(4):
+                assert (word >> (8 * i + k)) & 1 == (qh >> (4 * k + i)) & 1
+                assert (word >> (8 * i + 4 + k)) & 1 == (qh >> (16 + 4 * k + i)) & 1
 
 
 def test_layout_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="16-row groups"):
         rows16.interleave(random_blocks(Q.Q4_1, 24, 2, seed=2), Q.Q4_1)
     with pytest.raises(ValueError, match="no rows16 layout"):
-        rows16.interleave(random_blocks(Q.Q8_0, 16, 2, seed=2), Q.Q8_0)
-    assert rows16.fits(Q.Q4_0, 32) and not rows16.fits(Q.Q4_0, 40) and not rows16.fits(Q.Q5_0, 32)
+        rows16.interleave(random_blocks(Q.Q4_K, 16, 1, seed=2), Q.Q4_K)
+    assert rows16.fits(Q.Q4_0, 32) and not rows16.fits(Q.Q4_0, 40) and rows16.fits(Q.Q5_0, 32)
+    assert not rows16.fits(Q.Q6_K, 32)
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +144,31 @@ def test_auto_chooses_wide_inputs_on_rows16(tmp_path, monkeypatch, avx512):
         assert models.rounding_by_default(lm.model) == ("wide" if on else "off" if planes else "on")
 
 
+def test_rows16_types_by_kernel_set(monkeypatch):
+    """VNNI's forms take every rows16 type; the AVX2 forms leave Q8_0 to its row-by-row products."""
+    from models.kernels.cpu import step
+    monkeypatch.setattr(step, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
+    monkeypatch.setattr(step, "_isa", "native")
+    assert step.rows16_types() == TYPES
+    monkeypatch.setattr(step, "_isa", "avx2")
+    assert step.rows16_types() == (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+    monkeypatch.setattr(step, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(step, "_isa", "native")
+    assert Q.Q8_0 not in step.rows16_types()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_auto_takes_wide_inputs_where_every_block_is_in_rows16(tmp_path, qtype):
+    """A Q5_0 or Q8_0 file's linears all in rows16 (VNNI's forms: Q8_0 too): auto rounds their inputs
+    to 16 bits, as for Q4_1; where a type stays row by row (Q8_0 with the AVX2 forms), int8."""
+    from models.kernels.cpu import step
+    from models.plan import KernelConfig
+    lm = models.load(tiny_gguf(tmp_path, "llama", qtype), quantized=True, kernels=KernelConfig(cpu_int8=None))
+    held = [m for m in lm.model.modules() if isinstance(m, quant.BlockLinear)]
+    assert held and all((m.rows16 is not None) is (qtype in step.rows16_types()) for m in held)
+    assert models.rounding_by_default(lm.model) == ("wide" if qtype in step.rows16_types() else "on")
+
+
 def test_no_rows16_where_the_library_has_no_forms_for_it(tmp_path, monkeypatch):
     """A CPU without AVX2 (FMA, F16C) gets a portable library with no rows16 products: the plan
     leaves the blocks as they are (their row-by-row products), and auto rounds them to int8 as before."""
@@ -171,7 +215,7 @@ def _load(path, rows16_on: bool, wide: bool = False):
 
 @pytest.mark.parametrize("linear", TYPES, ids=lambda q: q.name)
 def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
-    """With cpu_int8 on, the plan puts a Q4_0 / Q4_1 file's linears in rows16 (cpu_rows16, the
+    """With cpu_int8 on, the plan puts a rows16 type's linears in rows16 (cpu_rows16, the
     default) and says so. Step by step from the same prefilled context: the C++ step against the
     torch step whose linears take the same rows16 products (fp32 KV caches both; their norms and
     attention sum in other orders, so an input within a hair of a rounding tie may move one code:
@@ -179,6 +223,7 @@ def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
     a rounding's reach of the row-by-row products'."""
     from models.kernels.cpu import step as cpu_step
     from test_block_quant import cpu_session
+    planned(linear)
     path = tiny_gguf(tmp_path, "llama", linear)
     cpp, ref, plain = _load(path, True), _load(path, True), _load(path, False)
     held = [m for m in cpp.model.modules() if isinstance(m, quant.BlockLinear)]
@@ -210,12 +255,15 @@ def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
     assert agree >= 6
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["int8", "wide"])
-def test_verify_rows_are_the_steps_bits(tmp_path, wide):
+@pytest.mark.parametrize("linear,wide", [(Q.Q4_1, False), (Q.Q4_1, True), (Q.Q5_0, False), (Q.Q8_0, True)],
+                         ids=["Q4_1-int8", "Q4_1-wide", "Q5_0-int8", "Q8_0-wide"])
+def test_verify_rows_are_the_steps_bits(tmp_path, linear, wide):
     """The C++ step's multi-token verify over rows16 matrices gives each row the one-token step's
     logits bit for bit (speculative decoding's exactness rests on it)."""
     from engine.session import DecodeSession
-    lm = _load(tiny_gguf(tmp_path, "llama", Q.Q4_1), True, wide)
+    planned(linear)
+    lm = _load(tiny_gguf(tmp_path, "llama", linear), True, wide)
+    assert all(m.rows16 is not None for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
     assert all(m.wide_inputs is wide for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
     s = DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
     s.prefill(list(range(3, 30)))
@@ -232,6 +280,7 @@ def test_wide_inputs_keep_the_fp32_steps(tmp_path, linear):
     fp32. The C++ step's logits stay within 1e-3 x max |logit| of its fp32-input step's, step after
     step, with the same greedy tokens, where int8 inputs move them further."""
     from test_block_quant import step_logits
+    planned(linear)
     lm = _load(tiny_gguf(tmp_path, "llama", linear), True, wide=True)
     assert lm.model.cpu_wide and not any(m.int8_inputs for m in lm.model.modules() if isinstance(m, quant.Q8Linear))
     wide_steps = step_logits(lm, "on")
@@ -254,7 +303,7 @@ from models.quant import rows16
 from test_gguf_blocks import random_blocks
 from gguf import GGMLQuantizationType as Q
 out = []
-for qtype in (Q.Q4_0, Q.Q4_1):
+for qtype in rows16.TYPES:
     b = rows16.interleave(torch.from_numpy(random_blocks(qtype, 48, 10, seed=7)), qtype)
     x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))
     for width in (0, rows16.WIDE):

@@ -40,8 +40,8 @@ class KernelConfig:
     # many in bf16); None (the engine's `auto`): where the model's layers hold such blocks
     # (quant.int8_by_default), as the engine then sets them (models.use_int8_inputs)
     cpu_int8: bool | None = False
-    # With int8 inputs, Q4_0 / Q4_1 linears of whole 16-row groups interleaved 16 rows at a time at
-    # load (quant/rows16.py) for the library's rows16 products; False: the row-by-row block
+    # With int8 inputs, 32-weight-block linears (step.rows16_types) of whole 16-row groups interleaved
+    # 16 rows at a time at load (quant/rows16.py) for the library's rows16 products; False: the row-by-row block
     # products (bench/cpu_block_bench.py --rows16, bench/cpu_bench.py --rows16 off)
     cpu_rows16: bool = True
     # `cpu_int8: wide`: only the rows16 matrices round their inputs (to 16 bits); the others' products

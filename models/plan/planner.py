@@ -127,11 +127,12 @@ def _kernel_format(site: Site) -> tuple[str, int | None]:
 
 
 def _rows16_fits(m: nn.Module, ctx: _Context) -> bool:
-    """A Q4_0 / Q4_1 CPU matrix of whole 16-row groups, cpu_rows16 on, the library's rows16 forms built here."""
+    """A CPU matrix of a rows16 type (quant/rows16.py) in whole 16-row groups, cpu_rows16 on, the
+    library's rows16 forms built here."""
     from ..kernels.cpu import step
     from ..quant import rows16
     return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar and not m.stored()[0].is_cuda
-            and rows16.fits(m.ggml_type, m.out_features) and step.rows16_forms())
+            and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in step.rows16_types())
 
 
 def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:

@@ -16,7 +16,8 @@ A rule's `when` is a tuple of conditions, each a tuple:
   ("no_offer",)                   the model's family has no C++ decode step at all
   ("blocks",)                     the C++ library's per-linear kernels serve its GGUF blocks
   ("int8",)                       cpu_int8: those kernels round their inputs (int8 rows; a prefill's in bf16)
-  ("rows16",)                     a Q4_0 / Q4_1 matrix of whole 16-row groups, on the CPU, with cpu_rows16 on
+  ("rows16",)                     a 32-weight-block matrix (ROWS16_LAYOUT's types) of whole 16-row groups, on
+                                  the CPU, with cpu_rows16 on
   ("head",)                       the op is the LM head
   ("int4pack",)                   the matrix is packed for torch's int4 kernel (quant.Int4Linear)
   ("planar",)                     routed experts held in the planar layouts (a GGUF's K-quant halves)
@@ -49,7 +50,8 @@ class Rule:
 R = Rule
 RUNS_LAYOUT = {"Q4_K": "Q4KR", "Q5_0": "Q50R", "Q5_1": "Q51R"}
 PLANAR_LAYOUT = {"Q4_K": "Q4KP", "Q5_K": "Q5KP", "Q6_K": "Q6KP"}
-ROWS16_LAYOUT = {"Q4_0": "Q40X16", "Q4_1": "Q41X16"}  # quant/rows16.py's LAYOUT
+# the GGUF types quant/rows16.py interleaves, and their layouts' names
+ROWS16_LAYOUT = {"Q4_0": "Q40X16", "Q4_1": "Q41X16", "Q5_0": "Q50X16", "Q5_1": "Q51X16", "Q8_0": "Q80X16"}
 
 RULES: tuple[Rule, ...] = (
     # ---- linears on CUDA (decode: one row; prefill: the kernels' matmul where it takes the format,
@@ -93,9 +95,10 @@ RULES: tuple[Rule, ...] = (
     # ---- linears on the CPU (the decode step is the C++ library's where it serves the model) ----
     R("linear", "cpu", ("*",), (("step",), ("int4pack",)), "C++ step: int4 GEMV",
       "within the C++ decode step (one call a token); rows packed at load"),
-    R("linear", "cpu", ("Q4_0", "Q4_1"), (("step",), ("int8",), ("rows16",)), "C++ step: rows16 GEMV (rounded inputs)",
-      "within the C++ decode step; cpu_int8: inputs rounded to 16 bits (wide, auto's choice here) or to int8 as "
-      "llama.cpp's; 16 rows interleaved at load, a dot product takes codes of each (a prefill's rows too)",
+    R("linear", "cpu", tuple(ROWS16_LAYOUT), (("step",), ("int8",), ("rows16",)), "C++ step: rows16 GEMV (rounded inputs)",
+      "within the C++ decode step; cpu_int8: inputs rounded to 16 bits (wide: auto's choice where every block "
+      "is in rows16) or to int8 as llama.cpp's; 16 rows interleaved at load, a dot product takes codes of each "
+      "(a prefill's rows too)",
       ROWS16_LAYOUT),
     R("linear", "cpu", GGUF, (("step",), ("int8",)), "C++ step: block GEMV (int8 inputs)",
       "within the C++ decode step; cpu_int8: input rows rounded to int8 as llama.cpp's (a prefill's "
@@ -104,7 +107,7 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", ("*",), (("step",),), "C++ step: fp32 GEMV", "within the C++ decode step"),
     R("linear", "cpu", ("*",), (("int4pack",),), "torch int4 mm",
       "Q4_0/Q4_1 rows packed at load for torch's int4 kernel (whole 16-row groups)"),
-    R("linear", "cpu", ("Q4_0", "Q4_1"), (("blocks",), ("int8",), ("rows16",)), "C++ rows16 GEMV (rounded inputs)",
+    R("linear", "cpu", tuple(ROWS16_LAYOUT), (("blocks",), ("int8",), ("rows16",)), "C++ rows16 GEMV (rounded inputs)",
       "cpu_int8: inputs rounded to 16 bits (wide) or to int8 as llama.cpp's; 16 rows interleaved at load",
       ROWS16_LAYOUT),
     R("linear", "cpu", GGUF, (("blocks",), ("int8",)), "C++ block GEMV (int8 inputs)",

@@ -326,7 +326,7 @@ class BlockLinear(QuantLinear):
             return self.fp32_kernel(x2.contiguous(), blocks, ggml_type, self.int8_inputs)
         return None
 
-    # On the CPU, Q4_0 / Q4_1 blocks interleaved 16 rows at a time for the library's int8 products
+    # On the CPU, 32-weight blocks interleaved 16 rows at a time for the library's int8 products
     # (quant/rows16.py), beside the blocks, which the other kernels read: made by the kernel plan at
     # load (interleave()), read where int8_inputs
     rows16: torch.Tensor | None = None
@@ -350,9 +350,10 @@ class BlockLinear(QuantLinear):
         return m
 
     def interleave(self) -> bool:
-        """Q4_0 / Q4_1 on the CPU in whole 16-row groups: the rows16 layout made (once), the blocks'
-        file pages handed back (nothing reads them while the products take int8 inputs; a later
-        fp32 product maps them in again). False where the layout does not fit."""
+        """A rows16 type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on the CPU in whole 16-row groups: the rows16
+        layout made (once), the blocks' file pages handed back (nothing reads them while the
+        products take int8 inputs; a later fp32 product maps them in again). False where the
+        layout does not fit."""
         from . import rows16
         if self.rows16 is not None:
             return True
@@ -703,10 +704,10 @@ def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
 
 def rounding_by_default(model: nn.Module) -> str:
     """`cpu_int8: auto`'s choice for a loaded model, as a setting's value: "wide" where the only
-    CPU blocks are rows16 matrices (a Q4_0/Q4_1 file's linears, the embedded model's): as fast as
-    int8 inputs there, and its replies stay the fp32 model's where int8 inputs moved them
-    (tests/test_e2e_pty.py's question); "on" where other layers hold blocks (int8_by_default);
-    else "off"."""
+    CPU blocks are rows16 matrices (a Q4_0/Q4_1 file's linears, the embedded model's; a Q5_0 or
+    Q8_0 file's where the plan interleaves them): as fast as int8 inputs there, and its replies
+    stay the fp32 model's where int8 inputs moved them (tests/test_e2e_pty.py's question); "on"
+    where other layers hold blocks (int8_by_default); else "off"."""
     held = [m for m in model.modules() if _cpu_blocks(m)]
     if held and all(isinstance(m, BlockLinear) and m.rows16 is not None for m in held):
         return "wide"

@@ -1,22 +1,24 @@
-// Q4_0 / Q4_1 products on int8 inputs over the blocks interleaved 16 rows at a time (the rows16
-// layout, written by models/quant/rows16.py): the `cpu_int8` products of those types, decode's row,
-// a verify's rows and a prefill's alike. Included by step.cpp inside its namespace, after
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 products on rounded inputs over the blocks interleaved 16 rows
+// at a time (the rows16 layout, written by models/quant/rows16.py): the `cpu_int8` products of those
+// types, decode's row, a verify's rows and a prefill's alike. Included by step.cpp inside its namespace, after
 // blocks_int8.h (Int8Rows, quantize_rows, CHAT_INLINE; step.cpp's kQ4_0 / kQ4_1, row_runs,
 // check_blocks).
 //
 // Layout: rows 16 g .. 16 g + 15 of W form group g, its blocks in order; block b of a group is
-// the 16 rows' fp16 scales d (32 bytes), Q4_1's 16 fp16 minimums m (32 bytes), then the 16 rows'
-// 16 code bytes in four quads: quad k holds, row after row, bytes 4k .. 4k + 3 of that row's
-// codes (low nibbles: codes 4k .. 4k + 3; high: 16 + 4k .. 16 + 4k + 3). 288 bytes a block of 16
-// rows for Q4_0, 320 for Q4_1: the blocks' own bytes. Each 32-bit lane of a quad is one row, so one
+// the 16 rows' fp16 scales d (32 bytes), Q4_1 / Q5_1's 16 fp16 minimums m (32 bytes), Q5_0 / Q5_1's
+// 16 words of fifth bits (64 bytes: bit 8i + k that of code 4k + i, bit 8i + 4 + k that of code
+// 16 + 4k + i), then the 16 rows' code bytes in quads: quad k holds, row after row, bytes 4k ..
+// 4k + 3 of that row's codes (the nibble types' four quads: low nibbles codes 4k .. 4k + 3, high
+// 16 + 4k .. 16 + 4k + 3; Q8_0's eight quads: codes 4k .. 4k + 3, their sign bits flipped, i.e.
+// unsigned with offset 128). The blocks' own bytes. Each 32-bit lane of a quad is one row, so one
 // dot product instruction takes four codes of 16 rows against four inputs broadcast, and the
 // scales load as vectors (the row-by-row kernels spend most of their instructions per block on
 // one row's scalar scales: bench/cpu_block_bench.py --rows16).
 //
 // Contract: blocks_int8.h's, the same integers: per row and block the integer sum u . q of the
-// codes against x~'s 32 inputs (Q4_0: less 8 sum(q), exact), scaled by d dx in fp32 and summed over
-// the blocks in order in one fp32 lane (fma), Q4_1's minimum terms m (dx sum(q)) in another, added
-// at the end. Each row's operations are the same whatever the run of rows it is computed in and
+// codes against x~'s 32 inputs (less the codes' zero times sum(q): Q4_0 8, Q5_0 16, Q8_0 128;
+// exact), scaled by d dx in fp32 and summed over the blocks in order in one fp32 lane (fma), Q4_1 /
+// Q5_1's minimum terms m (dx sum(q)) in another, added at the end. Each row's operations are the same whatever the run of rows it is computed in and
 // on either instruction set (AVX-512 VNNI takes a group in one vector, AVX2 in two halves of 8
 // rows), so decode, a verify's rows and a prefill's agree bit for bit, and the two builds too
 // (tests/test_rows16.py).
@@ -25,8 +27,20 @@ constexpr int64_t kGroupRows = 16;
 constexpr int64_t kRows16 = 128;  // a rows16 matrix's type code: kRows16 + the GGUF type (+ kWide: 16-bit inputs)
 constexpr int64_t kWide = 64;
 
-constexpr bool rows16_type(int64_t type) { return type == kQ4_0 || type == kQ4_1; }
-constexpr int64_t rows16_block_bytes(int64_t type) { return type == kQ4_1 ? 320 : 288; }
+constexpr bool rows16_type(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
+}
+// a block of 16 rows: the rows' blocks' own bytes
+constexpr int64_t rows16_block_bytes(int64_t type) {
+  return 16 * (type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : 34);
+}
+
+// A rows16 type code's GGUF type and width (kWide: 16-bit inputs)
+struct Rows16Code {
+  int64_t type;
+  bool wide;
+};
+constexpr Rows16Code rows16_code(int64_t code) { return {(code - kRows16) % kWide, code - kRows16 >= kWide}; }
 
 // x's rows rounded to 16 bits per 32 inputs ("wide" inputs: the `cpu_int8: wide` setting): q =
 // round(x 32767 / max|x|) to the nearest, ties to even, dx = max|x| / 32767 in fp32, x~ = q dx (an
@@ -70,27 +84,48 @@ WideRows quantize_wide(const float* x, int64_t Tn, int64_t K) {
 #if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
 #define CHAT_ROWS16 1
 
-// y[t0 + t, 16 g + r] for t < TN and groups [g0, g1): x~'s rows rounded for Q4_0 / Q4_1 (Q8_0 / Q8_1's
+// A type's rows16 block: where its fields start (scales at 0, then minimums, fifth bits) and its quads
+template <int64_t T>
+struct Rows16Of {
+  static constexpr bool kMin = T == kQ4_1 || T == kQ5_1, kFifth = T == kQ5_0 || T == kQ5_1;
+  static constexpr int64_t kM = 32, kQH = kMin ? 64 : 32, kQS = kQH + (kFifth ? 64 : 0);
+  static constexpr int64_t kBytes = rows16_block_bytes(T);
+  static constexpr int kOffset = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ8_0 ? 128 : 0;  // the codes' zero
+};
+
+// y[t0 + t, 16 g + r] for t < TN and groups [g0, g1): x~'s rows rounded for the type (Q8_0 / Q8_1's
 // rule: Int8Rows; or to 16 bits: WideRows, whose pairs of codes meet the weights' in 16-bit lanes)
 template <int64_t T, int64_t TN, typename Rows>
 void rows16_rows(const Rows& x, int64_t t0, const uint8_t* w, int64_t N, int64_t g0, int64_t g1, float* y) {
-  constexpr int64_t GB = rows16_block_bytes(T), QS = T == kQ4_1 ? 64 : 32;
+  using L = Rows16Of<T>;
+  constexpr int64_t GB = L::kBytes;
   constexpr bool kWide = std::is_same_v<Rows, WideRows>;
   const int64_t nb = x.nb, K = x.K;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * nb * GB;
 #if defined(CHAT_INT8_DOT)
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     __m512 acc[TN], accm[TN];
     for (int64_t t = 0; t < TN; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = gp + b * GB;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp)));
+      // lo[k]: the unsigned codes of inputs 4k .. 4k + 3, hi[k]: of 16 + 4k .. (a row a lane)
       __m512i lo[4], hi[4];
       for (int k = 0; k < 4; ++k) {
-        const __m512i v = _mm512_loadu_si512(bp + QS + 64 * k);
-        lo[k] = _mm512_and_si512(v, low);
-        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (T == kQ8_0) {
+          lo[k] = _mm512_loadu_si512(bp + L::kQS + 64 * k);
+          hi[k] = _mm512_loadu_si512(bp + L::kQS + 64 * (k + 4));
+        } else {
+          const __m512i v = _mm512_loadu_si512(bp + L::kQS + 64 * k);
+          lo[k] = _mm512_and_si512(v, low);
+          hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if constexpr (L::kFifth) {  // (rows16.py's _FIFTH: quad k's fifth bits to bit 4 of each byte)
+            const __m512i h = _mm512_loadu_si512(bp + L::kQH);
+            lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 4 - k), fifth));
+            hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_srli_epi32(h, k), fifth));
+          }
+        }
       }
       for (int64_t t = 0; t < TN; ++t) {
         const int64_t row = t0 + t;
@@ -115,36 +150,51 @@ void rows16_rows(const Rows& x, int64_t t0, const uint8_t* w, int64_t N, int64_t
           }
         }
         __m512i s = _mm512_add_epi32(s0, s1);
-        if constexpr (T == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * x.sum[row * nb + b]));
+        if constexpr (L::kOffset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(L::kOffset * x.sum[row * nb + b]));
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(x.dx[row * nb + b]));
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc[t]);
-        if constexpr (T == kQ4_1) {
-          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 32)));
+        if constexpr (L::kMin) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::kM)));
           accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s32[row * nb + b]), accm[t]);
         }
       }
     }
     for (int64_t t = 0; t < TN; ++t) {
-      const __m512 r = T == kQ4_1 ? _mm512_add_ps(acc[t], accm[t]) : acc[t];
+      const __m512 r = L::kMin ? _mm512_add_ps(acc[t], accm[t]) : acc[t];
       _mm512_storeu_ps(y + (t0 + t) * N + kGroupRows * g, r);
     }
 #else
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
     for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7: a quad's 32 bytes from 32 half
       __m256 acc[TN], accm[TN];
       for (int64_t t = 0; t < TN; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* bp = gp + b * GB;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * half)));
-        __m256i lo[4], hi[4];
+        __m256i lo[4], hi[4];  // (Q8_0 on int8 inputs: its signed codes, maddubs' pairs of unsigned ones would saturate)
         for (int k = 0; k < 4; ++k) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + QS + 64 * k + 32 * half));
-          lo[k] = _mm256_and_si256(v, low);
-          hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (T == kQ8_0) {
+            lo[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::kQS + 64 * k + 32 * half));
+            hi[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::kQS + 64 * (k + 4) + 32 * half));
+            if constexpr (!kWide) {
+              lo[k] = _mm256_xor_si256(lo[k], _mm256_set1_epi8(static_cast<char>(0x80)));
+              hi[k] = _mm256_xor_si256(hi[k], _mm256_set1_epi8(static_cast<char>(0x80)));
+            }
+          } else {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::kQS + 64 * k + 32 * half));
+            lo[k] = _mm256_and_si256(v, low);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (L::kFifth) {
+              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::kQH + 32 * half));
+              lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), fifth));
+              hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_srli_epi32(h, k), fifth));
+            }
+          }
         }
         for (int64_t t = 0; t < TN; ++t) {
           const int64_t row = t0 + t;
           __m256i s;
+          constexpr bool kOffset = L::kOffset != 0 && (T != kQ8_0 || kWide);  // (Q8_0's signed form has none)
           if constexpr (kWide) {  // (madd: dpwssd's 32-bit sums of two 16-bit products)
             const int32_t* q = x.words.data() + (row * nb + b) * 16;
             const __m256i even = _mm256_set1_epi32(0x00FF00FF);
@@ -160,29 +210,46 @@ void rows16_rows(const Rows& x, int64_t t0, const uint8_t* w, int64_t N, int64_t
             s = _mm256_add_epi32(s0, s1);
           } else {
             const int8_t* q = x.q.data() + row * K + 32 * b;
-            // pairs of code x input to 16 bits (at most 2 x 15 x 127), eight such sums to 16 bits
-            // (at most 30,480: no saturation), then to 32 bits: the same integers as dpbusd's
-            __m256i s16 = _mm256_setzero_si256();
-            for (int k = 0; k < 4; ++k) {
-              int32_t a, c;
-              std::memcpy(&a, q + 4 * k, 4);
-              std::memcpy(&c, q + 16 + 4 * k, 4);
-              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(a)));
-              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(c)));
+            const auto input = [&](int at) {
+              int32_t a;
+              std::memcpy(&a, q + at, 4);
+              return _mm256_set1_epi32(a);
+            };
+            if constexpr (T == kQ8_0) {  // |w| times q with w's signs, each pair to 32 bits (dpbusd's integers)
+              s = _mm256_setzero_si256();
+              for (int k = 0; k < 4; ++k) {
+                const __m256i a = input(4 * k), c = input(16 + 4 * k);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo[k], lo[k]),
+                                                                               _mm256_sign_epi8(a, lo[k])), ones));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(hi[k], hi[k]),
+                                                                               _mm256_sign_epi8(c, hi[k])), ones));
+              }
+            } else {
+              // pairs of code x input to 16 bits (at most 2 x 31 x 127), four such sums (Q4: eight)
+              // to 16 bits (at most 31,496: no saturation), then to 32 bits: dpbusd's integers
+              __m256i s16 = _mm256_setzero_si256(), t16 = _mm256_setzero_si256();
+              for (int k = 0; k < 4; ++k) {
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], input(4 * k)));
+                if constexpr (L::kFifth)
+                  t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(hi[k], input(16 + 4 * k)));
+                else
+                  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], input(16 + 4 * k)));
+              }
+              s = _mm256_madd_epi16(s16, ones);
+              if constexpr (L::kFifth) s = _mm256_add_epi32(s, _mm256_madd_epi16(t16, ones));
             }
-            s = _mm256_madd_epi16(s16, ones);
           }
-          if constexpr (T == kQ4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * x.sum[row * nb + b]));
+          if constexpr (kOffset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(L::kOffset * x.sum[row * nb + b]));
           const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(x.dx[row * nb + b]));
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[t]);
-          if constexpr (T == kQ4_1) {
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * half)));
+          if constexpr (L::kMin) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + L::kM + 16 * half)));
             accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s32[row * nb + b]), accm[t]);
           }
         }
       }
       for (int64_t t = 0; t < TN; ++t) {
-        const __m256 r = T == kQ4_1 ? _mm256_add_ps(acc[t], accm[t]) : acc[t];
+        const __m256 r = L::kMin ? _mm256_add_ps(acc[t], accm[t]) : acc[t];
         _mm256_storeu_ps(y + (t0 + t) * N + kGroupRows * g + 8 * half, r);
       }
     }
@@ -200,16 +267,19 @@ void rows16_product(const Rows& x, int64_t Tn, const uint8_t* w, int64_t type, i
     for (int64_t g = g0; g < g1; ++g)
       row_runs(Tn, [&](auto run, int64_t t0) { rows16_rows<T, decltype(run)::value, Rows>(x, t0, w, N, g, g + 1, y); });
   };
-  if (type == kQ4_0)
-    runs(std::integral_constant<int64_t, kQ4_0>{});
-  else
-    runs(std::integral_constant<int64_t, kQ4_1>{});
+  switch (type) {
+    case kQ4_0: return runs(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return runs(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return runs(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return runs(std::integral_constant<int64_t, kQ5_1>{});
+    default: return runs(std::integral_constant<int64_t, kQ8_0>{});
+  }
 }
 #endif
 
 // A rows16 matrix's checks: [N, row bytes] uint8 as the blocks were (N a multiple of 16); K returned
 int64_t check_rows16(const Tensor& w, int64_t type) {
-  TORCH_CHECK(rows16_type(type), "rows16: type ", type, " has no rows16 layout (Q4_0 and Q4_1 have)");
+  TORCH_CHECK(rows16_type(type), "rows16: type ", type, " has no rows16 layout (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 have)");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) % kGroupRows == 0,
               "rows16: [N, row bytes] uint8 with N a multiple of 16");
   return check_blocks(w, type);

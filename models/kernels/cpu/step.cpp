@@ -647,9 +647,9 @@ bool gemm_prefill(int64_t type, int64_t Tn) { return !k_type(type) && Tn >= 256;
 // itself; int8: on x~, x rounded to int8 as llama.cpp rounds it for that type (blocks_int8.h), any
 // T (prefill's rows kMaxRows at a time against each few rows of W, which stay in the caches)
 Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
-  if (type >= kRows16) {  // (Q4_0 / Q4_1 interleaved 16 rows at a time: rounded inputs only, rows16_int8.h)
+  if (type >= kRows16) {  // (blocks interleaved 16 rows at a time: rounded inputs only, rows16_int8.h)
     TORCH_CHECK(int8, "block_linear: the rows16 layout takes int8 inputs");
-    return rows16_linear(x, w, (type - kRows16) % kWide, (type - kRows16) >= kWide);
+    return rows16_linear(x, w, rows16_code(type).type, rows16_code(type).wide);
   }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (int8 || x.size(0) <= kMaxRows),
               "block_linear: x must be [T <= 8, K] contiguous fp32 (any T with int8)");
@@ -863,7 +863,7 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
   const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
   std::vector<int64_t> start(parts + 1, 0), groups(parts + 1, 0);
   for (int64_t i = 0; i < parts; ++i) {
-    TORCH_CHECK(check_rows16(ws[i], (codes[i] - kRows16) % kWide) == K, "block_linears_row: x has ", K,
+    TORCH_CHECK(check_rows16(ws[i], rows16_code(codes[i]).type) == K, "block_linears_row: x has ", K,
                 " columns, a matrix another");
     start[i + 1] = start[i] + ws[i].size(0);
     groups[i + 1] = groups[i] + ws[i].size(0) / kGroupRows;
@@ -874,10 +874,10 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
   std::map<int64_t, Int8Rows> rounded;
   std::optional<WideRows> wide;
   for (int64_t c : codes) {
-    if (c - kRows16 >= kWide) {
+    if (rows16_code(c).wide) {
       if (!wide) wide = quantize_wide(xp, 1, K);
     } else if (!rounded.count(c)) {
-      rounded.emplace(c, quantize_rows(xp, 1, K, c - kRows16));
+      rounded.emplace(c, quantize_rows(xp, 1, K, rows16_code(c).type));
     }
   }
   float* yp = y.data_ptr<float>();
@@ -885,9 +885,9 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
     for (int64_t i = 0; i < parts; ++i) {
       const int64_t a = std::max(g0, groups[i]), b = std::min(g1, groups[i + 1]);
       if (a >= b) continue;
-      const int64_t type = (codes[i] - kRows16) % kWide;
+      const auto [type, wide_inputs] = rows16_code(codes[i]);
       const uint8_t* wp = ws[i].data_ptr<uint8_t>();
-      if (codes[i] - kRows16 >= kWide)
+      if (wide_inputs)
         rows16_product(*wide, 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
       else
         rows16_product(rounded.at(codes[i]), 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);

@@ -32,6 +32,7 @@ import tempfile
 
 import torch
 
+from ...quant import rows16
 from ...quant.layers import BlockEmbedding, BlockExperts, BlockLinear, Int4Linear, Q8Embedding
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
@@ -103,6 +104,17 @@ def rows16_forms() -> bool:
     """Whether the library's rows16 products (rows16_int8.h) are built here: they need AVX2 with
     FMA and F16C (its AVX2 forms) or AVX-512 VNNI; a portable build has none."""
     return all(f in _cpu_flags() for f in ISA_NEEDS["avx2"])
+
+
+def rows16_types() -> tuple[int, ...]:
+    """The GGUF types the kernel plan puts in rows16 here: every rows16 type where the library has
+    AVX-512 VNNI's forms; with its AVX2 forms all but Q8_0, whose signed codes (a row's 32 in one
+    vector) multiply faster row by row there (bench/cpu_block_bench.py --rows16 --cpu-isa avx2);
+    none without them (rows16_forms)."""
+    if not rows16_forms():
+        return ()
+    vnni = _isa != "avx2" and "avx512_vnni" in _cpu_flags()
+    return rows16.TYPES if vnni else tuple(t for t in rows16.TYPES if t != rows16.Q8_0)
 
 
 def bf16_gemm() -> bool:
