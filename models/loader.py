@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from .sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
 from .formats import checkpoints, gguf_blocks, gguf_tensors, hf_quant
 from .formats.checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
+from .architectures.mtp import LOADED as MTP_LOADED
 from .quant import hf_layers, layers as quant
 
 # model_type → (module, flags passed to its from_hf_config)
@@ -183,9 +184,6 @@ def count_mtp_layers(config: dict, names, device: torch.device) -> None:
     else:
         held = max((int(m.group(1)) + 1 for n in names if (m := _MTP_LAYER.match(n))), default=0)
     cfg[MTP_LOADED] = held
-
-
-MTP_LOADED = "mtp_layers_loaded"  # (the config key count_mtp_layers sets: models/architectures/qwen3_5.py)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from .causal_conv import conv_prefill, conv_step
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
-from .mtp import MtpHead
+from .mtp import LOADED as MTP_LOADED, MtpHead
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
@@ -110,7 +110,7 @@ class HybridConfig:
             linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)),
             # (not for the MoE hybrids: no exact verify serves their drafts, and their MTP layer
             # holds a layer's experts)
-            mtp_layers=0 if moe_layers else min(1, int(c.get("mtp_layers_loaded", 0))))
+            mtp_layers=0 if moe_layers else min(1, int(c.get(MTP_LOADED, 0))))
 
 
 class GatedRMSNorm(nn.Module):

@@ -688,7 +688,7 @@ def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
     GEMM. `wide` (`cpu_int8: wide`): only the rows16 matrices round, to 16 bits per 32 inputs
     (rows16_int8.h: within 2^-16 of a block's largest input), the other modules take fp32 inputs.
     Returns how many modules hold CPU blocks (0: the setting changes nothing)."""
-    n = 0
+    n, rounds, widens = 0, False, False
     for m in model.modules():
         if _cpu_blocks(m) or isinstance(m, Q8Linear):
             held = wide and isinstance(m, BlockLinear) and m.rows16 is not None
@@ -696,9 +696,10 @@ def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
             if isinstance(m, BlockLinear):
                 m.wide_inputs = on and held
             n += 1
+        rounds |= bool(getattr(m, "int8_inputs", False))
+        widens |= bool(getattr(m, "wide_inputs", False))
     # (what the session's decode_path and /show report: whether any product rounds, and how)
-    model.cpu_int8 = any(getattr(m, "int8_inputs", False) for m in model.modules())
-    model.cpu_wide = any(getattr(m, "wide_inputs", False) for m in model.modules())
+    model.cpu_int8, model.cpu_wide = rounds, widens
     return n
 
 
