@@ -13,8 +13,8 @@ is added to the GGUF type where the library is handed this layout (rows16_int8.h
 `WIDE` too where its inputs are rounded to 16 bits rather than 8.
 
 Why not Q4_K: its scales come once a 256 weights, so its row-by-row products already read near the
-bandwidth; interleaved, its decode ran slower on both instruction sets (bench/cpu_block_bench.py
---types Q4_K --rows16, in a form that was not kept).
+bandwidth; interleaved, its decode ran slower on both instruction sets (bench/RESULTS.md, "The CPU
+step and its kernels").
 
 Why: the row-by-row kernels spend most of a block's instructions on its scalar scales; with 16 rows
 in the 32-bit lanes of one vector a dot product instruction takes four codes of each, and a decode
