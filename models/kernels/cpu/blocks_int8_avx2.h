@@ -37,22 +37,24 @@ struct AccK : RowsOf {
     std::fill_n(m, Tn, _mm256_setzero_ps());
   }
   float result(int64_t t) const { return hsum(v[t]) - hsum(m[t]); }
-  // super-block i: the codes u[8] (sub-block j: inputs 32 j ..) times q, each pair of products
-  // times the 16-bit scales s[j] lane by lane, summed as integers; by16 the 16 values that the 16
-  // sums of q per 16 inputs are multiplied by (Q6_K: its scales, subtracted 32 times; Q4_K / Q5_K:
-  // each sub-block's minimum twice)
-  template <bool Q6>
-  CHAT_INLINE void unit(const __m256i u[8], const __m256i s[8], __m256i by16, int64_t i, float d, float dmin) {
+  // super-block i: sub-block j's codes u (inputs 32 j ..) times q, each pair of products times
+  // the 16-bit scales s lane by lane, summed as integers, code(j, u, s) giving u and s as they are
+  // needed (sixteen such vectors made first would not stay in AVX2's 16 registers beside the sums:
+  // bench/cpu_block_bench.py --cpu-isa avx2); by16 the 16 values that the 16 sums of q per 16 inputs
+  // are multiplied by (Q6_K: its scales, subtracted 32 times; Q4_K / Q5_K: each sub-block's minimum
+  // twice)
+  template <bool Q6, typename Code>
+  CHAT_INLINE void unit(Code&& code, __m256i by16, int64_t i, float d, float dmin) {
     if constexpr (TN > 1) {
       // A whole tile: sub-block by sub-block, its codes and scales read once for the TN rows,
-      // whose integer sums stay in registers (AVX2 has 16: u[8] and s[8] beside TN sums and the
-      // accumulators would spill each product's operands, bench/cpu_block_bench.py --rows 512
-      // --cpu-isa avx2); the sums are the same integers, added in the same order per row
+      // whose integer sums stay in registers (bench/cpu_block_bench.py --rows 512 --cpu-isa avx2);
+      // the sums are the same integers, added in the same order per row
       __m256i isum[TN];
       for (int64_t t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
       const int8_t* q = x->q.data() + t0 * x->K + 256 * i;
       for (int j = 0; j < 8; ++j) {
-        const __m256i uj = u[j], sj = s[j];
+        __m256i uj, sj;
+        code(j, uj, sj);
         for (int64_t t = 0; t < TN; ++t)
           isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(
                                                   uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * x->K + 32 * j))), sj));
@@ -62,9 +64,12 @@ struct AccK : RowsOf {
       for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
         const int8_t* q = x->q.data() + (t0 + t) * x->K + 256 * i;
         __m256i isum = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j) {
+          __m256i uj, sj;
+          code(j, uj, sj);
           isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                            u[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), s[j]));
+                                            uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), sj));
+        }
         finish<Q6>(isum, by16, t, i, d, dmin);
       }
     }
@@ -99,47 +104,45 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     uint32_t sc[2], mn[2];
     scales_mins_k4(b + 4, sc, mn);
-    uint8_t scb[8];
-    std::memcpy(scb, sc, 8);
+    // the 8 scales as 16-bit lanes in both halves: sub-block j's broadcast by one byte shuffle (a
+    // scalar's broadcast takes three instructions: bench/cpu_block_bench.py --cpu-isa avx2)
+    const __m256i sc16 = _mm256_broadcastsi128_si256(
+        _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(sc[1]), static_cast<int>(sc[0]))));
     const __m128i mn8 = _mm_set_epi32(0, 0, static_cast<int>(mn[1]), static_cast<int>(mn[0]));
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));  // each sub-block's twice
     const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
-    const __m256i h = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-    __m256i u[8], s[8];
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (32 bytes' low nibbles) and 2p + 1 (high)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-      for (int e = 0; e < 2; ++e) {
-        const int j = 2 * p + e;
-        u[j] = _mm256_and_si256(e ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-        if constexpr (T == kQ5_K) {
-          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
-          u[j] = _mm256_or_si256(u[j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit),
-                                                        _mm256_set1_epi8(16)));
-        }
-        s[j] = _mm256_set1_epi16(scb[j]);
+    // sub-block j: the low (j even) or high nibbles of the 32 bytes at 32 (j / 2)
+    const auto code = [&](int j, __m256i& u, __m256i& s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+      u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+      if constexpr (T == kQ5_K) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+        u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16)));
       }
-    }
-    a.template unit<false>(u, s, mins, i, f16(b), f16(b + 2));
+      s = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * j)));
+    };
+    a.template unit<false>(code, mins, i, f16(b), f16(b + 2));
   } else if constexpr (T == kQ6_K) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i scales = _mm256_cvtepi8_epi16(ld(b + 192));  // 16, one a 16 codes
+    // sub-block k's two scales (a 16 codes each): the 32-bit lane k of `scales` everywhere, its low
+    // 16 bits kept in the low half, its high 16 in the high half
+    const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256i u[8], s[8];
-    for (int h = 0; h < 2; ++h) {
+    // sub-block k = 4 h + r: the unsigned 6-bit codes (offset 32) of inputs 32 k .., their low
+    // nibbles those of the 32 bytes at 64 h + 32 (r % 2) (high nibbles for r >= 2), their top two
+    // bits bits 2r, 2r + 1 of the 32 bytes at 128 + 32 h
+    const auto code = [&](int k, __m256i& u, __m256i& s) {
+      const int h = k / 4, r = k % 4;
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (r % 2)));
       const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      for (int c = 0; c < 2; ++c) {  // the 32 low-nibble bytes at 64 h + 32 c: sub-blocks r = c and c + 2
-        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * c));
-        for (int s2 = 0; s2 < 2; ++s2) {
-          const int r = c + 2 * s2, k = 4 * h + r;  // the unsigned 6-bit codes (offset 32) of inputs 32 k ..
-          const __m256i lo = s2 ? _mm256_srli_epi16(l, 4) : l;
-          const __m256i hi = r < 2 ? _mm256_slli_epi16(hb, 4 - 2 * r) : r == 2 ? hb : _mm256_srli_epi16(hb, 2);
-          u[k] = _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(lo, low), _mm256_andnot_si256(low, hi)),
-                                  _mm256_set1_epi8(0x3F));
-          s[k] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
-        }
-      }
-    }
-    a.template unit<true>(u, s, scales, i, f16(b + 208), 0.f);
+      const __m256i lo = r >= 2 ? _mm256_srli_epi16(l, 4) : l;
+      const __m256i hi = r < 2 ? _mm256_slli_epi16(hb, 4 - 2 * r) : r == 2 ? hb : _mm256_srli_epi16(hb, 2);
+      u = _mm256_and_si256(_mm256_or_si256(_mm256_and_si256(lo, low), _mm256_andnot_si256(low, hi)), _mm256_set1_epi8(0x3F));
+      s = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(k)), halves);
+    };
+    a.template unit<true>(code, scales, i, f16(b + 208), 0.f);
   }
 }
 #endif
