@@ -341,6 +341,18 @@ struct AccI8 : RowsOf {
   }
 };
 
+// Whether decode takes a type's rows of W two at a time (two chains of accumulators): not the
+// K-quants with the AVX2 forms, whose one row's codes, scales and sums already fill AVX2's 16
+// registers (two rows spilled them; a row at a time the LFM2-1.2B-like Q4_K_M decode ran faster:
+// bench/cpu_bench.py --cpu-isa avx2)
+#if defined(CHAT_INT8_DOT)
+template <int64_t T>
+constexpr bool kPairsOf = true;
+#else
+template <int64_t T>
+constexpr bool kPairsOf = !k_type(T);
+#endif
+
 // y[t, n] for x~'s rows [t0, t0 + Tn) (Tn <= kMaxRows) and W's rows [n0, n1); without kMins, Q4_K /
 // Q5_K's minimum terms left out (sum_terms)
 template <int64_t T, int64_t TN, bool kMins = true>
@@ -351,7 +363,7 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
   const int64_t units = x.nb, ub = block_shape(T).bytes;
   const int64_t Tn = TN ? TN : Tn_;
   int64_t n = n0;
-  if constexpr (TN == 1) {  // two rows at a time, the rows kAheadRows on prefetched (as gemv_rows_avx512)
+  if constexpr (TN == 1 && kPairsOf<T>) {  // two rows at a time, the rows kAheadRows on prefetched (as gemv_rows_avx512)
     for (; n + 2 <= n1; n += 2) {
       const uint8_t* b0 = w + n * row_bytes;
       const uint8_t* b1 = b0 + row_bytes;
@@ -376,7 +388,17 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
     const uint8_t* b = w + n * row_bytes;
     Acc a;
     a.start(x, Tn, t0);
-    for (int64_t i = 0; i < units; ++i) row_unit_i8<T>(b + i * ub, i, a);
+    if constexpr (TN == 1 && kq) {  // (a row at a time: its next rows prefetched as the pairs' are)
+      const char* ahead = reinterpret_cast<const char*>(b + kAheadRows * row_bytes);
+      const bool prefetch = n + kAheadRows + 1 <= n1;
+      for (int64_t i = 0; i < units; ++i) {
+        if (prefetch)
+          for (int64_t o = i * ub; o < (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        row_unit_i8<T>(b + i * ub, i, a);
+      }
+    } else {
+      for (int64_t i = 0; i < units; ++i) row_unit_i8<T>(b + i * ub, i, a);
+    }
     for (int64_t t = 0; t < Tn; ++t) y[(t0 + t) * N + n] = a.result(t);
   }
 }
