@@ -101,8 +101,8 @@ def _open(settings: Settings, device: torch.device, dtype: torch.dtype, report):
         report(f"cpu_int8: {eng.cpu_int8} changes nothing here: the model holds no GGUF blocks on the CPU "
                "(a GGUF file with quantized: auto on the CPU has them)")
     elif eng.cpu_int8 == "wide" and not getattr(loaded.model, "cpu_wide", False):
-        report("cpu_int8: wide changes nothing here: no Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 linears in whole 16-row "
-               "groups (the rows16 layout); the other blocks take fp32 inputs")
+        report("cpu_int8: wide changes nothing here: no linear in the rows16 layout (Q4_0/Q4_1/Q5_0/Q5_1 in "
+               "whole 16-row groups; Q8_0 with AVX-512 VNNI); the other blocks take fp32 inputs")
     report("allocating state" + (" and capturing the decode graph" if device.type == "cuda" else "")
            + ("; compiling the decode step (minutes the first time, less from Inductor's cache)"
               if eng.compile == "on" else ""))

@@ -705,12 +705,15 @@ def use_int8_inputs(model: nn.Module, on: bool, wide: bool = False) -> int:
 
 def rounding_by_default(model: nn.Module) -> str:
     """`cpu_int8: auto`'s choice for a loaded model, as a setting's value: "wide" where the only
-    CPU blocks are rows16 matrices (a Q4_0/Q4_1 file's linears, the embedded model's; a Q5_0 or
-    Q8_0 file's where the plan interleaves them): as fast as int8 inputs there, and its replies
-    stay the fp32 model's where int8 inputs moved them (tests/test_e2e_pty.py's question); "on"
-    where other layers hold blocks (int8_by_default); else "off"."""
+    CPU blocks are rows16 matrices of the types every kernel set interleaves (rows16.EVERYWHERE: a
+    Q4_0/Q4_1 file's linears, the embedded model's, or a Q5_0/Q5_1 file's; so a recording's choice
+    is the same on any CPU): as fast as int8 inputs there, and its replies stay the fp32 model's
+    where int8 inputs moved them (tests/test_e2e_pty.py's question); "on" where other layers hold
+    blocks (int8_by_default); else "off"."""
+    from . import rows16
     held = [m for m in model.modules() if _cpu_blocks(m)]
-    if held and all(isinstance(m, BlockLinear) and m.rows16 is not None for m in held):
+    if held and all(isinstance(m, BlockLinear) and m.rows16 is not None and m.ggml_type in rows16.EVERYWHERE
+                    for m in held):
         return "wide"
     return "on" if held else "off"
 

@@ -12,8 +12,8 @@ codes (Q8_0's with their sign bit flipped: unsigned, offset 128). `deinterleave`
 is added to the GGUF type where the library is handed this layout (rows16_int8.h's kRows16), and
 `WIDE` too where its inputs are rounded to 16 bits rather than 8.
 
-Why not Q4_K: its scales come once a 256 weights, so its row-by-row products already read near the
-bandwidth; interleaved, its decode ran slower on both instruction sets (bench/RESULTS.md, "The CPU
+Why not Q4_K: its fp16 scales come once a 256 weights (the 6-bit ones a 32, unpacked once a 256), so
+its row-by-row products already read near the bandwidth; interleaved, its decode ran slower on both instruction sets (bench/RESULTS.md, "The CPU
 step and its kernels").
 
 Why: the row-by-row kernels spend most of a block's instructions on its scalar scales; with 16 rows
@@ -34,6 +34,9 @@ _FIELDS = {Q4_0: (("d", 2),), Q4_1: (("d", 2), ("m", 2)), Q5_0: (("d", 2), ("qh"
            Q5_1: (("d", 2), ("m", 2), ("qh", 4)), Q8_0: (("d", 2),)}
 _CODES = {Q4_0: 16, Q4_1: 16, Q5_0: 16, Q5_1: 16, Q8_0: 32}
 TYPES = tuple(_FIELDS)
+# the types every kernel set's plan interleaves (models/kernels/cpu/step.py rows16_types: Q8_0 only
+# with VNNI's forms), so that what `cpu_int8: auto` chooses for a file does not depend on the CPU
+EVERYWHERE = (Q4_0, Q4_1, Q5_0, Q5_1)
 
 # The fifth bits' word: bit 8 i + k is code 4 k + i's (a low nibble's), bit 8 i + 4 + k code 16 + 4 k
 # + i's (a high nibble's), so that for quad k one shift and mask of 16 rows' words put each of its

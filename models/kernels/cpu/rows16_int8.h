@@ -1,7 +1,7 @@
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 products on rounded inputs over the blocks interleaved 16 rows
 // at a time (the rows16 layout, written by models/quant/rows16.py): the `cpu_int8` products of those
 // types, decode's row, a verify's rows and a prefill's alike. Included by step.cpp inside its namespace, after
-// blocks_int8.h (Int8Rows, quantize_rows, CHAT_INLINE; step.cpp's kQ4_0 / kQ4_1, row_runs,
+// blocks_int8.h (Int8Rows, quantize_rows, CHAT_INLINE; step.cpp's GGUF type codes, row_runs,
 // check_blocks).
 //
 // Layout: rows 16 g .. 16 g + 15 of W form group g, its blocks in order; block b of a group is
@@ -47,7 +47,7 @@ constexpr Rows16Code rows16_code(int64_t code) { return {(code - kRows16) % kWid
 // input within 2^-16 of its block's largest; int8's step is 2^-8). Per block, 16 words of two
 // int16 codes each, in the order the kernels' dot products take them: for quad k, codes
 // (4k, 4k + 2), (4k + 1, 4k + 3), (16 + 4k, 16 + 4k + 2), (16 + 4k + 1, 16 + 4k + 3); the
-// block's sum(q) and dx sum(q) beside (Q4_0's offset, Q4_1's minimum terms).
+// block's sum(q) and dx sum(q) beside (the codes' offsets, the minimum terms).
 struct WideRows {
   std::vector<int32_t> words, sum;
   std::vector<float> dx, s32;
@@ -257,7 +257,7 @@ void rows16_rows(const Rows& x, int64_t t0, const uint8_t* w, int64_t N, int64_t
   }
 }
 
-// y = x~ W^T for all Tn rows of x~, W in rows16 (type: Q4_0 or Q4_1), groups [g0, g1), each group's
+// y = x~ W^T for all Tn rows of x~, W in rows16 (type: a rows16_type), groups [g0, g1), each group's
 // bytes read once for runs of up to kRunRows rows (row_runs), which stay in the caches
 template <typename Rows>
 void rows16_product(const Rows& x, int64_t Tn, const uint8_t* w, int64_t type, int64_t N, int64_t g0, int64_t g1,

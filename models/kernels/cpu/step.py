@@ -114,7 +114,7 @@ def rows16_types() -> tuple[int, ...]:
     if not rows16_forms():
         return ()
     vnni = _isa != "avx2" and "avx512_vnni" in _cpu_flags()
-    return rows16.TYPES if vnni else tuple(t for t in rows16.TYPES if t != rows16.Q8_0)
+    return rows16.TYPES if vnni else rows16.EVERYWHERE
 
 
 def bf16_gemm() -> bool:
