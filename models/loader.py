@@ -22,8 +22,7 @@ from tokenizers import Tokenizer
 
 from .sharding import Shard, ShardingError, Slicer, install_collectives, local_head, untie_head
 from .formats import checkpoints, gguf_blocks, gguf_tensors, hf_quant
-from .formats.checkpoints import Checkpoint, CheckpointError, load_gguf, load_hf_dir
-from .architectures.mtp import LOADED as MTP_LOADED
+from .formats.checkpoints import MTP_LOADED, Checkpoint, CheckpointError, load_gguf, load_hf_dir
 from .quant import hf_layers, layers as quant
 
 # model_type → (module, flags passed to its from_hf_config)

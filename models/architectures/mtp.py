@@ -26,10 +26,6 @@ from torch import nn
 
 from .layers import Linear, RMSNorm, add_norm, causal_mask, head_logits
 
-# The config key that says how many MTP layers the checkpoint's tensors hold (set at load by
-# models/loader.py's count_mtp_layers; read by the families that build the layer)
-LOADED = "mtp_layers_loaded"
-
 
 class MtpCache:
     """The MTP layer's keys and values ([KVH, slots, D] each; fp32 on the CPU) and its slot count."""

@@ -24,7 +24,8 @@ from .causal_conv import conv_prefill, conv_step
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
-from .mtp import LOADED as MTP_LOADED, MtpHead
+from ..formats.checkpoints import MTP_LOADED
+from .mtp import MtpHead
 from .layers import (Linear, QKVProjections, Residual, RMSNorm, Rope, SwiGLU, add_norm, attend_cached,
                      cached_attention, fuse_linears)
 from .state_spec import AttentionState, FixedState, StateView
