@@ -343,8 +343,8 @@ struct AccI8 : RowsOf {
 
 // Whether decode takes a type's rows of W two at a time (two chains of accumulators): not the
 // K-quants with the AVX2 forms, whose one row's codes, scales and sums already fill AVX2's 16
-// registers (two rows spilled them; a row at a time the LFM2-1.2B-like Q4_K_M decode ran faster:
-// bench/cpu_bench.py --cpu-isa avx2)
+// registers (two rows spilled them: bench/cpu_block_bench.py --cached --threads 1 --cpu-isa avx2,
+// and the LFM2-1.2B-like Q4_K_M decode, bench/cpu_bench.py --cpu-isa avx2)
 #if defined(CHAT_INT8_DOT)
 template <int64_t T>
 constexpr bool kPairsOf = true;

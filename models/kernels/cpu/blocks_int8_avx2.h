@@ -40,38 +40,39 @@ struct AccK : RowsOf {
   // super-block i: sub-block j's codes u (inputs 32 j ..) times q, each pair of products times
   // the 16-bit scales s lane by lane, summed as integers, code(j, u, s) giving u and s as they are
   // needed (sixteen such vectors made first would not stay in AVX2's 16 registers beside the sums:
-  // bench/cpu_block_bench.py --cpu-isa avx2); by16 the 16 values that the 16 sums of q per 16 inputs
+  // bench/cpu_block_bench.py --cached --threads 1 --cpu-isa avx2); by16 the 16 values that the 16 sums of q per 16 inputs
   // are multiplied by (Q6_K: its scales, subtracted 32 times; Q4_K / Q5_K: each sub-block's minimum
   // twice)
   template <bool Q6, typename Code>
   CHAT_INLINE void unit(Code&& code, __m256i by16, int64_t i, float d, float dmin) {
-    if constexpr (TN > 1) {
-      // A whole tile: sub-block by sub-block, its codes and scales read once for the TN rows,
-      // whose integer sums stay in registers (bench/cpu_block_bench.py --rows 512 --cpu-isa avx2);
-      // the sums are the same integers, added in the same order per row
-      __m256i isum[TN];
-      for (int64_t t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
+    if constexpr (TN != 1) {
+      // A whole tile (or TN = 0: a prefill's last rows, Tn of them): sub-block by sub-block, its
+      // codes and scales made once for the rows, whose integer sums stay in registers
+      // (bench/cpu_block_bench.py --rows 512 --cpu-isa avx2); the sums are the same integers, added
+      // in the same order per row
+      constexpr int64_t kRows = TN ? TN : kMaxRows;
+      const int64_t rows = TN ? TN : Tn;
+      __m256i isum[kRows];
+      for (int64_t t = 0; t < rows; ++t) isum[t] = _mm256_setzero_si256();
       const int8_t* q = x->q.data() + t0 * x->K + 256 * i;
       for (int j = 0; j < 8; ++j) {
         __m256i uj, sj;
         code(j, uj, sj);
-        for (int64_t t = 0; t < TN; ++t)
+        for (int64_t t = 0; t < rows; ++t)
           isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(
                                                   uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * x->K + 32 * j))), sj));
       }
-      for (int64_t t = 0; t < TN; ++t) finish<Q6>(isum[t], by16, t, i, d, dmin);
-    } else {
-      for (int64_t t = 0; t < (TN ? TN : Tn); ++t) {
-        const int8_t* q = x->q.data() + (t0 + t) * x->K + 256 * i;
-        __m256i isum = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          __m256i uj, sj;
-          code(j, uj, sj);
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                            uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), sj));
-        }
-        finish<Q6>(isum, by16, t, i, d, dmin);
+      for (int64_t t = 0; t < rows; ++t) finish<Q6>(isum[t], by16, t, i, d, dmin);
+    } else {  // (one row: decode's)
+      const int8_t* q = x->q.data() + t0 * x->K + 256 * i;
+      __m256i isum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i uj, sj;
+        code(j, uj, sj);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                          uj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j))), sj));
       }
+      finish<Q6>(isum, by16, 0, i, d, dmin);
     }
   }
   // row t's super-block i: its integer sum scaled into v[t], the minimum (or Q6_K's 32) terms
@@ -105,7 +106,8 @@ CHAT_INLINE void row_unit_i8(const uint8_t* b, int64_t i, A& a) {
     uint32_t sc[2], mn[2];
     scales_mins_k4(b + 4, sc, mn);
     // the 8 scales as 16-bit lanes in both halves: sub-block j's broadcast by one byte shuffle (a
-    // scalar's broadcast takes three instructions: bench/cpu_block_bench.py --cpu-isa avx2)
+    // scalar's broadcast takes three instructions: bench/cpu_block_bench.py --cached --threads 1
+    // --cpu-isa avx2)
     const __m256i sc16 = _mm256_broadcastsi128_si256(
         _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(sc[1]), static_cast<int>(sc[0]))));
     const __m128i mn8 = _mm_set_epi32(0, 0, static_cast<int>(mn[1]), static_cast<int>(mn[0]));
