@@ -256,14 +256,18 @@ def test_the_plan_interleaves_and_the_steps_agree(tmp_path, linear):
     assert agree >= 6
 
 
-@pytest.mark.parametrize("linear,wide", [(Q.Q4_1, False), (Q.Q4_1, True), (Q.Q5_0, False), (Q.Q8_0, True)],
-                         ids=["Q4_1-int8", "Q4_1-wide", "Q5_0-int8", "Q8_0-wide"])
-def test_verify_rows_are_the_steps_bits(tmp_path, linear, wide):
+@pytest.mark.parametrize("linear,wide,types", [(Q.Q4_1, False, None), (Q.Q4_1, True, None), (Q.Q5_0, False, None),
+                                               (Q.Q8_0, True, None), (Q.Q5_0, False, {"attn_v.weight": Q.Q8_0})],
+                         ids=["Q4_1-int8", "Q4_1-wide", "Q5_0-int8", "Q8_0-wide", "Q5_0+Q8_0-int8"])
+def test_verify_rows_are_the_steps_bits(tmp_path, linear, wide, types):
     """The C++ step's multi-token verify over rows16 matrices gives each row the one-token step's
-    logits bit for bit (speculative decoding's exactness rests on it)."""
+    logits bit for bit (speculative decoding's exactness rests on it); with q/k/v of two types, the
+    step's joint product of the three (x rounded once for both) gives each its own call's bits."""
     from engine.session import DecodeSession
     planned(linear)
-    lm = _load(tiny_gguf(tmp_path, "llama", linear), True, wide)
+    if types:
+        planned(Q.Q8_0)
+    lm = _load(tiny_gguf(tmp_path, "llama", linear, types), True, wide)
     assert all(m.rows16 is not None for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
     assert all(m.wide_inputs is wide for m in lm.model.modules() if isinstance(m, quant.BlockLinear))
     s = DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")

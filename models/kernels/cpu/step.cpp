@@ -857,8 +857,8 @@ Tensor linear(const Tensor& x, const OptList& p, int64_t& at_) {
   return y;
 }
 
-// block_linears_row for matrices all in rows16 (rows16_int8.h): x rounded once per type and
-// width, the 16-row groups of every matrix in one parallel region; each output block_linear's bits
+// block_linears_row for matrices all in rows16 (rows16_int8.h): x rounded once per width, the
+// 16-row groups of every matrix in one parallel region; each output block_linear's bits
 Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& codes) {
   const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
   std::vector<int64_t> start(parts + 1, 0), groups(parts + 1, 0);
@@ -871,13 +871,15 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
   Tensor y = at::empty({1, start[parts]}, x.options());
 #if defined(CHAT_ROWS16)
   const float* xp = x.data_ptr<float>();
-  std::map<int64_t, Int8Rows> rounded;
+  // (every rows16 type rounds int8 inputs alike, Q8_0's rule: one rounding serves them all; only
+  // Int8Rows.init, which the rows16 products do not read, depends on the type)
+  std::optional<Int8Rows> rounded;
   std::optional<WideRows> wide;
   for (int64_t c : codes) {
     if (rows16_code(c).wide) {
       if (!wide) wide = quantize_wide(xp, 1, K);
-    } else if (!rounded.count(c)) {
-      rounded.emplace(c, quantize_rows(xp, 1, K, rows16_code(c).type));
+    } else if (!rounded) {
+      rounded = quantize_rows(xp, 1, K, rows16_code(c).type);
     }
   }
   float* yp = y.data_ptr<float>();
@@ -890,7 +892,7 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
       if (wide_inputs)
         rows16_product(*wide, 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
       else
-        rows16_product(rounded.at(codes[i]), 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
+        rows16_product(*rounded, 1, wp, type, ws[i].size(0), a - groups[i], b - groups[i], yp + start[i]);
     }
   });
 #else
