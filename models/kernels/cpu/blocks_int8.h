@@ -467,27 +467,36 @@ void gemm_rows_pairs(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* 
   }
 }
 
-// Prefill's minimum terms, for all of x~'s rows against W's as one fp32 GEMM, y += a b^T: Q4_K /
+#endif
+
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+// Prefill's minimum terms, for x~'s first Tn rows against W's as one fp32 GEMM, y += a b^T: Q4_K /
 // Q5_K's (a: dx sum(q) per 32-input sub-block, b: -dmin m), Q4_1 / Q5_1's (a: dx sum(q) per
-// block, b: m). Out of the integer loop, where they cost a few instructions a row of x, block and
-// row of W. (The code offsets stay in the integers: as an fp32 term apart, -offset dw dx sum(q),
-// they cancel against the codes' sum, 1e-5 of |x~| |W| off where a block's codes sit at the offset.)
+// block, b: m), Q6_K's offset (a: dx sum(q) per 16 inputs, b: -32 d scale). Out of the integer
+// loop, where they cost a few instructions a row of x, block and row of W. (The 32-weight types'
+// code offsets stay in the integers: as an fp32 term apart, -offset dw dx sum(q), they cancel
+// against the codes' sum, 1e-5 of |x~| |W| off where a block's codes sit at the offset.)
 void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t type, Tensor& y) {
-  const bool kq = k_type(type);
-  const int64_t subs = x.K / 32, ub = block_shape(type).bytes;
+  const bool kq = k_type(type), q6 = type == kQ6_K;
+  const int64_t span = q6 ? 16 : 32, subs = x.K / span, ub = block_shape(type).bytes;
   Tensor a = at::empty({Tn, subs}, y.options()), b = at::empty({N, subs}, y.options());
   float* ap = a.data_ptr<float>();
   float* bp = b.data_ptr<float>();
   for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t j = 0; j < subs; ++j)
-      ap[t * subs + j] = kq ? x.dx[t * x.nb + j / 8] * static_cast<float>(x.bsums[t * x.K / 16 + 2 * j] +
-                                                                          x.bsums[t * x.K / 16 + 2 * j + 1])
-                            : x.s32[t * x.nb + j];
+    for (int64_t j = 0; j < subs; ++j) {
+      const int16_t* bs = x.bsums.data() + t * x.K / 16;
+      ap[t * subs + j] = !kq ? x.s32[t * x.nb + j]
+                         : q6 ? x.dx[t * x.nb + j / 16] * static_cast<float>(bs[j])
+                              : x.dx[t * x.nb + j / 8] * static_cast<float>(bs[2 * j] + bs[2 * j + 1]);
+    }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t i = 0; i < (kq ? x.nb : subs); ++i) {
         const uint8_t* blk = w + n * row_bytes + i * ub;
-        if (kq) {
+        if (q6) {
+          const float d = f16(blk + 208);
+          for (int j = 0; j < 16; ++j) bp[n * subs + 16 * i + j] = -32.f * d * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
+        } else if (kq) {
           const float dmin = f16(blk + 2);
           uint32_t sc[2], mn[2];
           scales_mins_k4(blk + 4, sc, mn);
@@ -499,6 +508,8 @@ void sum_terms(const Int8Rows& x, int64_t Tn, const uint8_t* w, int64_t row_byte
         }
       }
   });
-  y.add_(at::mm(a, b.t()));
+  y.narrow(0, 0, Tn).add_(at::mm(a, b.t()));
 }
+
+#include "kquant_tiles_avx2.h"
 #endif

@@ -10,7 +10,9 @@
 // bits (madd: with ones, or with the K-quants' 16-bit sub-block scales, as VNNI's dpwssd does).
 // The 32-weight types' offsets start the sums (Int8Rows.init, lane for lane dpbusd's), Q6_K's 32
 // and the minimum terms come through the 16-input sums of q; every sum is scaled once in fp32.
-// Prefill runs these units over kMaxRows rows of x~ a row of W, the minimum terms inside.
+// A verify's rows (block_linear_rows) and a prefill's last Tn % kMaxRows run these units over up
+// to kMaxRows rows of x~ a row of W, the minimum terms inside; a prefill's whole tiles of the
+// K-quants take kquant_tiles_avx2.h's form.
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CHAT_INT8_DOT)
 #define CHAT_INT8_AVX2 1
@@ -25,7 +27,8 @@ CHAT_INLINE __m256i dot_signed(__m256i w, __m256i q) {  // |w| (-128 gives 0x80:
 }
 
 // The K-quants' accumulators: per row of x~, d dx (the super-block's integer sum) in 8 lanes, and
-// the minimum terms (Q4_K / Q5_K) in 8, subtracted. (kMins: always here; prefill has no sum_terms.)
+// the minimum terms (Q4_K / Q5_K) in 8, subtracted. (kMins: always here; sum_terms serves only
+// kquant_tiles_avx2.h's tiles.)
 template <int64_t TN, bool kMins = true>
 struct AccK : RowsOf {
   static constexpr int64_t R = TN ? TN : kMaxRows;

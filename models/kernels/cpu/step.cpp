@@ -710,13 +710,25 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
 #elif defined(CHAT_INT8_AVX2)
   by_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      if (Tn == 1) {
-        gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp);
-        return;
+    if (Tn == 1) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows_i8<T, 1>(rows, 0, 1, wp, rb, N, n0, n1, yp); });
+      return;
+    }
+    // the K-quants' whole tiles interleaved (kquant_tiles_avx2.h), their minimum terms apart; the
+    // last Tn % kMaxRows rows as below
+    int64_t tiled = 0;
+    if constexpr (k_type(T)) {
+      tiled = Tn / kMaxRows * kMaxRows;
+      if (tiled) {
+        const Int8Tiles xt = tile_rows(rows, tiled / kMaxRows);
+        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemm_k_tiles<T>(xt, wp, rb, N, n0, n1, yp); });
+        sum_terms(rows, tiled, wp, rb, N, T, y);
       }
+    }
+    if (tiled == Tn) return;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for (int64_t c0 = n0; c0 < n1; c0 += 16)  // 16 rows of W against every row of x~, as above
-        for (int64_t t0 = 0; t0 < Tn; t0 += kMaxRows) {
+        for (int64_t t0 = tiled; t0 < Tn; t0 += kMaxRows) {
           const int64_t c1 = std::min(n1, c0 + 16);
           if (Tn - t0 >= kMaxRows)
             gemv_rows_i8<T, kMaxRows>(rows, t0, kMaxRows, wp, rb, N, c0, c1, yp);

@@ -38,7 +38,7 @@ from ...quant.layers import BlockEmbedding, BlockExperts, BlockLinear, Int4Linea
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
            for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h",
-                         "mamba2_step.h", "rows16_int8.h")]
+                         "kquant_tiles_avx2.h", "mamba2_step.h", "rows16_int8.h")]
 K_QUANTS = (12, 13, 14)  # GGMLQuantizationType Q4_K, Q5_K, Q6_K: int8 rows rounded per 256 weights
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 # Whether the library's kernels serve at all (the `cpu_kernel` setting reaches the planner and the
