@@ -20,7 +20,8 @@ AVX2_ENV: cpu_bench.hold_to_isa).
 
 With `--rows16`, the rows16 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) get a rows16 column too: the
 same int8 products on the blocks interleaved 16 rows at a time (models/quant/rows16.py), as the
-kernel plan holds such a file's linears by default.
+kernel plan holds such a file's linears by default; and a wide column, the same layout on inputs
+rounded to 16 bits (`cpu_int8: wide`).
 
     python bench/cpu_block_bench.py --verify [--types ...] [--shapes ...] [--threads N] [--cpu-isa ...]
 
@@ -101,8 +102,8 @@ def main() -> None:
     modules: dict = {}
 
     def op(x, blocks, ggml, variant):
-        if variant == "rows16":  # (blocks: an interleaved copy)
-            return block_linear(x, blocks, rows16.CODE + ggml, True)
+        if variant in ("rows16", "wide"):  # (blocks: an interleaved copy)
+            return block_linear(x, blocks, rows16.CODE + ggml + (rows16.WIDE if variant == "wide" else 0), True)
         if variant == "bf16":
             return torch.ops.chat_cpu.block_linear_bf16(x, blocks, ggml)
         if variant == "int8" or x.shape[0] <= 8:
@@ -112,7 +113,7 @@ def main() -> None:
             modules[key] = quant.BlockLinear(blocks, ggml)
             step.attach_block_kernels(modules[key])
         return modules[key](x)
-    variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else []) + (["rows16"] if a.rows16 else [])
+    variants = ["fp32", "int8"] + (["bf16"] if a.rows > 8 and step.bf16_gemm() else []) + (["rows16", "wide"] if a.rows16 else [])
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {a.rows} row(s), weights {'cached' if a.cached else 'from DRAM'}, "
           f"cpu_isa: {step.isa_label()}")
@@ -129,11 +130,11 @@ def main() -> None:
             copies = [blocks] if a.cached else [blocks.clone() for _ in range(int(100e6 // blocks.numel()) + 1)]
             times, err = {}, 0.0
             for v in variants:
-                if v == "rows16" and not rows16.fits(ggml, n):
+                if v in ("rows16", "wide") and not rows16.fits(ggml, n):
                     continue
-                held = [rows16.interleave(c, ggml) for c in copies] if v == "rows16" else copies
-                xr = step.int8_reference(x, ggml) if v in ("int8", "rows16") else \
-                    x.bfloat16().double() if v == "bf16" else x.double()
+                held = [rows16.interleave(c, ggml) for c in copies] if v in ("rows16", "wide") else copies
+                xr = step.int8_reference(x, ggml) if v in ("int8", "rows16") else wide_reference(x) if v == "wide" \
+                    else x.bfloat16().double() if v == "bf16" else x.double()
                 wr = w.bfloat16().double() if v == "bf16" else w.double()
                 y = op(x, held[0], ggml, v).double()
                 err = max(err, float(((y - xr @ wr.t()).abs() / (xr.abs() @ wr.abs().t()).clamp_min(1e-30)).max()))
@@ -146,6 +147,15 @@ def main() -> None:
                 row += f"{t * 1e6:>10.1f}{n * k / t / 1e9:>7.1f}{per / t / 1e9:>8.1f}"
             print(row + "".join(f"{times['fp32'] / times.get(v, float('nan')):>11.2f}x" for v in variants[1:])
                   + f"{err:>13.1e}")
+
+def wide_reference(x: torch.Tensor) -> torch.Tensor:
+    """x~ in fp64 for 16-bit inputs (rows16_int8.h's quantize_wide: per 32, q = round(x 32767 /
+    max|x|), x~ = q max|x| / 32767), for the wide column's error."""
+    g = x.float().reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    return (torch.round(g * inv).clamp(-32767, 32767).double() * (amax / 32767.0).double()).reshape(x.shape)
+
 
 def best_pass(fn, copies: list) -> float:
     """Seconds a call of fn over each of `copies` takes: the best of 10 passes, after 3 warm calls."""
