@@ -191,23 +191,32 @@ void rows16_rows(const Rows& x, int64_t t0, const uint8_t* w, int64_t N, int64_t
             }
           }
         }
+        // 16-bit inputs (madd: dpwssd's 32-bit sums of two 16-bit products): quad by quad, its
+        // codes as 16-bit pairs made once for the TN rows, whose integer sums stay in registers
+        // (the same integers as row by row: bench/cpu_block_bench.py --rows16 --rows 512)
+        __m256i wsum[kWide ? TN : 1];
+        if constexpr (kWide) {
+          const __m256i even = _mm256_set1_epi32(0x00FF00FF);
+          for (int64_t t = 0; t < TN; ++t) wsum[t] = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            const __m256i le = _mm256_and_si256(lo[k], even), lodd = _mm256_and_si256(_mm256_srli_epi32(lo[k], 8), even);
+            const __m256i he = _mm256_and_si256(hi[k], even), hodd = _mm256_and_si256(_mm256_srli_epi32(hi[k], 8), even);
+            for (int64_t t = 0; t < TN; ++t) {
+              const int32_t* q = x.words.data() + ((t0 + t) * nb + b) * 16 + 4 * k;
+              const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(le, _mm256_set1_epi32(q[0])),
+                                                 _mm256_madd_epi16(lodd, _mm256_set1_epi32(q[1])));
+              const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(he, _mm256_set1_epi32(q[2])),
+                                                 _mm256_madd_epi16(hodd, _mm256_set1_epi32(q[3])));
+              wsum[t] = _mm256_add_epi32(wsum[t], _mm256_add_epi32(p, r));
+            }
+          }
+        }
         for (int64_t t = 0; t < TN; ++t) {
           const int64_t row = t0 + t;
           __m256i s;
           constexpr bool kOffset = L::kOffset != 0 && (T != kQ8_0 || kWide);  // (Q8_0's signed form has none)
-          if constexpr (kWide) {  // (madd: dpwssd's 32-bit sums of two 16-bit products)
-            const int32_t* q = x.words.data() + (row * nb + b) * 16;
-            const __m256i even = _mm256_set1_epi32(0x00FF00FF);
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int k = 0; k < 4; ++k) {
-              s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_and_si256(lo[k], even), _mm256_set1_epi32(q[4 * k])));
-              s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi32(lo[k], 8), even),
-                                                          _mm256_set1_epi32(q[4 * k + 1])));
-              s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_and_si256(hi[k], even), _mm256_set1_epi32(q[4 * k + 2])));
-              s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi32(hi[k], 8), even),
-                                                          _mm256_set1_epi32(q[4 * k + 3])));
-            }
-            s = _mm256_add_epi32(s0, s1);
+          if constexpr (kWide) {
+            s = wsum[t];
           } else {
             const int8_t* q = x.q.data() + row * K + 32 * b;
             const auto input = [&](int at) {
