@@ -363,20 +363,23 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
   const int64_t units = x.nb, ub = block_shape(T).bytes;
   const int64_t Tn = TN ? TN : Tn_;
   int64_t n = n0;
+  // decode's next rows towards the caches, kAheadRows on from `rows` rows at b: units [i0, i1) of
+  // them (the 32-weight types' whole rows at once; the K-quants' a unit at a time, as it computes)
+  const auto prefetch = [&](const uint8_t* b, int64_t rows, int64_t i0, int64_t i1) {
+    const char* ahead = reinterpret_cast<const char*>(b + kAheadRows * row_bytes);
+    for (int64_t o = rows * i0 * ub; o < rows * i1 * ub + (kq ? 64 : 0); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+  };
   if constexpr (TN == 1 && kPairsOf<T>) {  // two rows at a time, the rows kAheadRows on prefetched (as gemv_rows_avx512)
     for (; n + 2 <= n1; n += 2) {
       const uint8_t* b0 = w + n * row_bytes;
       const uint8_t* b1 = b0 + row_bytes;
-      const char* ahead = reinterpret_cast<const char*>(b0 + kAheadRows * row_bytes);
-      const bool prefetch = n + kAheadRows + 2 <= n1;
-      if (!kq && prefetch)
-        for (int64_t o = 0; o < 2 * row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      const bool ahead = n + kAheadRows + 2 <= n1;
+      if (!kq && ahead) prefetch(b0, 2, 0, units);
       Acc a0, a1;
       a0.start(x, Tn, t0);
       a1.start(x, Tn, t0);
       for (int64_t i = 0; i < units; ++i) {
-        if (kq && prefetch)
-          for (int64_t o = 2 * i * ub; o < 2 * (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        if (kq && ahead) prefetch(b0, 2, i, i + 1);
         row_unit_i8<T>(b0 + i * ub, i, a0);
         row_unit_i8<T>(b1 + i * ub, i, a1);
       }
@@ -389,11 +392,9 @@ void gemv_rows_i8(const Int8Rows& x, int64_t t0, int64_t Tn_, const uint8_t* w, 
     Acc a;
     a.start(x, Tn, t0);
     if constexpr (TN == 1 && kq) {  // (a row at a time: its next rows prefetched as the pairs' are)
-      const char* ahead = reinterpret_cast<const char*>(b + kAheadRows * row_bytes);
-      const bool prefetch = n + kAheadRows + 1 <= n1;
+      const bool ahead = n + kAheadRows + 1 <= n1;
       for (int64_t i = 0; i < units; ++i) {
-        if (prefetch)
-          for (int64_t o = i * ub; o < (i + 1) * ub + 64; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        if (ahead) prefetch(b, 1, i, i + 1);
         row_unit_i8<T>(b + i * ub, i, a);
       }
     } else {
