@@ -8,15 +8,15 @@ on that file: ours against llama.cpp on the same file, thread count and prompt.
 
 --layers N: the shape's first N layers (its layer types cut to them), for shapes too large to
 convert whole here (the default file name says so: bench-SHAPE-Nl.TYPE.gguf). --mtp: a Qwen3.5
-shape with its multi-token-prediction layer (random, as tests/tiny.py add_mtp makes one; the
+shape with its multi-token-prediction layer (random, as tests/support/tiny.py add_mtp makes one; the
 converter writes it as the nextn block; bench-SHAPE-mtp.TYPE.gguf), for bench/spec_bench.py --mtp.
 
 The weights are random (transformers' initialisation, seed 0, saved in bf16); the tokenizer is the
-tests' tiny byte-level BPE (tests/tiny.py), the converter padding the vocabulary to the shape's
+tests' tiny byte-level BPE (tests/support/tiny.py), the converter padding the vocabulary to the shape's
 size, so the embedding and the LM head have their published sizes. Speed and memory depend on the
 shapes and the types, not on the values. The file is written once (default
 ~/.cache/chat/bench-SHAPE.TYPE.gguf, atomically) and reused. llama.cpp's converter
-(tests/llama_cpp_tree.py) and quantizer (llama-cpp-python 0.3.36, in PYTHON) are bench-time
+(tests/support/llama_cpp_tree.py) and quantizer (llama-cpp-python 0.3.36, in PYTHON) are bench-time
 references, never dependencies.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 # llama.cpp's ftype names of the files people download
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
@@ -57,7 +56,7 @@ def hf_checkpoint(shape: str, out_dir: str, layers: int | None = None, mtp: bool
     import transformers
 
     from shapes import SHAPES
-    from tiny import add_mtp, as_released, write_checkpoint
+    from tests.support.tiny import add_mtp, as_released, write_checkpoint
     kw = dict(SHAPES[shape])
     model_type = kw.pop("model_type")
     if layers:
@@ -79,7 +78,7 @@ def build(shape: str, qtype: str, python: str | None, out: str, quantize: str | 
     """`out`: the shape's checkpoint converted (F16) and quantized to `qtype` by llama.cpp (Q8_0:
     by the converter itself, no llama-cpp-python needed): by llama-cpp-python's quantizer in
     `python`, or by the `quantize` binary (llama-quantize) where given. layers: as hf_checkpoint."""
-    from llama_cpp_tree import convert
+    from tests.support.llama_cpp_tree import convert
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as d:
         hf_dir, model_type = hf_checkpoint(shape, os.path.join(d, "hf"), layers, mtp)
         direct = qtype == "Q8_0"

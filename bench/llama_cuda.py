@@ -1,7 +1,7 @@
 """llama.cpp's own CUDA build beside ours: the same GGUF, the same GPU, one command.
 
 llama.cpp is a benchmark reference, never a dependency: its sources are the llama-cpp-python sdist's
-(tests/llama_cpp_tree.py's pin), built on the GPU machine for that GPU's architecture alone.
+(tests/support/llama_cpp_tree.py's pin), built on the GPU machine for that GPU's architecture alone.
 
     python bench/llama_cuda.py pack [--sdist FILE]
         here: the sources a build needs (ggml with its CPU and CUDA backends, src, include, common,
@@ -50,7 +50,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 DIR = os.path.join(ROOT, ".llama-cuda")
 SRC = os.path.join(DIR, "src.tar.gz")
@@ -81,7 +80,7 @@ def _wanted(rel: str) -> bool:
 
 def pack(sdist: str | None) -> str:
     """The build's sources out of the sdist (fetched with pip where not given) into SRC, atomically."""
-    from llama_cpp_tree import VERSION
+    from tests.support.llama_cpp_tree import VERSION
     with tempfile.TemporaryDirectory() as tmp:
         if sdist is None:
             r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",

@@ -4,7 +4,7 @@ weights: `python bench/load_peak.py [--device cuda] [--dtype bfloat16] [--decode
 Each shape is built as bench/shapes.py builds it (random weights, then `models.fuse`, the loader's
 own step) in this process; the line printed gives the bytes of its weights, the peak allocated
 while building and fusing, and their ratio (1.0 plus one module's fused matrices is the goal:
-tests/test_load_memory.py). With --decode N, a greedy decode of N tokens follows on one
+tests/engine/test_load_memory.py). With --decode N, a greedy decode of N tokens follows on one
 DecodeSession to show the model runs in what is left.
 """
 from __future__ import annotations

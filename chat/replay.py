@@ -231,7 +231,7 @@ def play(controller, transcript: Transcript, on_chunk=None, expect: bool = False
 
 
 # The margin the note on another CPU's recordings suggests (a seeded draw that went the other way
-# of a near tie moved its log-probability by ~0.01: tests/test_transcripts.py)
+# of a near tie moved its log-probability by ~0.01: tests/chat/test_transcripts.py)
 OTHER_CPU_TOLERANCE = 0.05
 
 

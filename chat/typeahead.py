@@ -9,7 +9,7 @@ them. Not a terminal, and no typeahead: nothing happens.
 Why: Enter ends the prompt while the terminal is still in raw mode; a Ctrl-C pressed in the next
 few tens of milliseconds (before prompt-toolkit gives the terminal back) reaches the queue as a
 byte, not as SIGINT, so the reply it was meant for ran to its end and the byte ended the next
-prompt instead (tests/test_e2e_pty.py presses Ctrl-C at random delays after Enter: an early one was lost).
+prompt instead (tests/e2e/test_e2e_pty.py presses Ctrl-C at random delays after Enter: an early one was lost).
 """
 from __future__ import annotations
 

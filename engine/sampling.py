@@ -52,7 +52,7 @@ def splitmix64(x: int) -> int:
 def uniform(seed: int, turn: int, index: int) -> float:
     """The draw's uniform in [0, 1): splitmix64 of the seed, the turn xored in and mixed, the index
     xored in and mixed; the top 53 bits as a double. Changing this changes every sampled recording:
-    it is pinned by tests/test_sampling.py and belongs to sampler version 2."""
+    it is pinned by tests/engine/test_sampling.py and belongs to sampler version 2."""
     h = splitmix64(seed & _M64)
     h = splitmix64(h ^ (turn & _M64))
     h = splitmix64(h ^ (index & _M64))

@@ -102,7 +102,7 @@ class GenerationStats:
 def on_cuda(device: torch.device) -> bool:
     """Whether the CUDA-only pieces of a session apply (bucketed decode, the kernel precompile, the
     graph): the one predicate, so that a CPU test can run the CUDA construction order with only
-    the device-specific pieces stubbed (tests/test_session_cuda_order.py)."""
+    the device-specific pieces stubbed (tests/engine/test_session_cuda_order.py)."""
     return device.type == "cuda"
 
 

@@ -4,8 +4,8 @@ torch.compile'd form (compile: on), or on the CPU the model's C++ step (cpu_kern
 `model.cpu_decode_step(dtype)`).
 
 Contract: every form is called as the model is, `fn(tokens, positions, state, ...)`, on the same
-state buffers, and gives the model's logits (the C++ step: as tests/test_cpu_step.py and
-tests/test_hybrid_step.py bound them). `kv_dtype` is the KV-cache dtype a form keeps where it
+state buffers, and gives the model's logits (the C++ step: as tests/kernels/test_cpu_step.py and
+tests/kernels/test_hybrid_step.py bound them). `kv_dtype` is the KV-cache dtype a form keeps where it
 keeps its own (the C++ step over 4-bit weights: fp16, half the bytes a long context's step reads),
 else None; `note` says why auto fell back to the torch step, for the front end to show. A setting
 that cannot hold here (cpu_kernel: on where no C++ step serves) is a ConfigError."""

@@ -65,7 +65,7 @@ def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
     interleaves them (cpu_rows16: auto then rounds their inputs to 16 bits, models.rounding_by_default)
     or the library runs its AVX2 forms. The rows16 products decode and prefill ahead of the planes
     on both instruction sets (bench/cpu_bench.py --cpu-int8 off | wide), and on 16-bit inputs the
-    replies stay the fp32 model's (tests/test_e2e_pty.py; int8 inputs moved its near tie)."""
+    replies stay the fp32 model's (tests/e2e/test_e2e_pty.py; int8 inputs moved its near tie)."""
     import torch
 
     from .kernels.cpu import step

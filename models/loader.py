@@ -366,7 +366,7 @@ def fuse(model: torch.nn.Module) -> None:
     """Concatenate projections that read the same input, once, after the weights are in place.
     Layer by layer: only the modules that fuse are held while it runs, so each module's parts are
     freed as soon as their fused form replaces them, and the peak is the weights plus one module's
-    fused matrices, not a second copy of the model (tests/test_load_memory.py)."""
+    fused matrices, not a second copy of the model (tests/engine/test_load_memory.py)."""
     fusers = [m for m in model.modules() if hasattr(m, "fuse")]
     for m in fusers:
         m.fuse()

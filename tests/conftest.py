@@ -1,10 +1,8 @@
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
 
 if os.environ.get("CHAT_CPU_ISA"):  # the C++ library's tests on another instruction set (test_cpu_isa.py)
@@ -17,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process und
     except ImportError:
         pass
     else:
-        from interpreted import PRELUDE
+        from tests.support.interpreted import PRELUDE
         exec(PRELUDE)  # (a loop over a runtime bound, under NumPy >= 2.4: interpreted.py)
 
 
@@ -45,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """One tiny random checkpoint directory per dense architecture, with its HF model."""
-    from tiny import hf_model, write_checkpoint
+    from tests.support.tiny import hf_model, write_checkpoint
 
     out = {}
     for kind in ("llama", "qwen2", "qwen3"):

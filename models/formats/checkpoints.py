@@ -787,7 +787,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> Checkpoint:
                 kind = gguf_type(ttype).name
                 widened[kind] = widened.get(kind, 0) + 1
             if raw.dtype == np.uint8 and gguf_blocks.dequantizes(ttype):
-                # (torch's form: gguf-py's values bit for bit, and faster: tests/test_gguf_blocks.py)
+                # (torch's form: gguf-py's values bit for bit, and faster: tests/formats/test_gguf_blocks.py)
                 w = gguf_blocks.dequantize(torch.from_numpy(raw), ttype).numpy()
             else:
                 w = np.array(dequantize(raw, gguf_type(ttype)), dtype=np.float32)  # owned, writable

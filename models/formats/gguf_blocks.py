@@ -3,7 +3,7 @@
 Contract: `dequantize(raw, ggml_type)` takes a tensor's blocks as stored (uint8 `[..., row bytes]`,
 on any device) and returns fp32 `[..., row weights]` equal bit for bit to gguf-py's
 `gguf.quants.dequantize`: the same single IEEE fp32 operations in the same order (no fused
-multiply-add; each product and sum rounded once, as numpy does). tests/test_gguf_blocks.py checks
+multiply-add; each product and sum rounded once, as numpy does). tests/formats/test_gguf_blocks.py checks
 every type on random blocks, extreme fp16 scales included.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ and the pre-tokenizer named by `tokenizer.ggml.pre` reproduced with the same reg
 byte-level rules. The Llama 3 pre-tokenizers also take a piece that is itself a token whole,
 before any merge (llama.cpp's ignore_merges; "Cửa Việt" → " Việt", not " Vi" "ệ" "t").
 An unknown tokenizer model or pre-tokenizer is an error, never a guess. Every pre-tokenizer here
-is checked against llama.cpp's own test vectors (tests/test_gguf_vocab.py).
+is checked against llama.cpp's own test vectors (tests/formats/test_gguf_vocab.py).
 """
 from __future__ import annotations
 

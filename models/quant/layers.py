@@ -6,7 +6,7 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   onto torch's groupwise int4 layout, w = (q - 8) * scale + zero: scale = d, zero = m + 8d
   (Q4_1) or 0 (Q4_0). `Int4Linear` runs `_weight_int4pack_mm_for_cpu`, which takes bf16
   activations and a bf16 scale/zero and returns bf16; that rounding is the only numeric change
-  from the dequantized path, and tests/test_quant.py bounds it (the tolerance is documented
+  from the dequantized path, and tests/formats/test_quant.py bounds it (the tolerance is documented
   there: tighter than llama.cpp's own distance from the fp32 path, bench/numerics.py).
 - A Q8_0 matrix (the embedding table, tied as the LM head) splits exactly into two 4-bit
   planes, q + 128 = 16 * hi + lo, so the head runs as two int4 matmuls (`Q8Linear`) with the
@@ -708,7 +708,7 @@ def rounding_by_default(model: nn.Module) -> str:
     CPU blocks are rows16 matrices of the types every kernel set interleaves (rows16.EVERYWHERE: a
     Q4_0/Q4_1 file's linears, the embedded model's, or a Q5_0/Q5_1 file's; so a recording's choice
     is the same on any CPU): as fast as int8 inputs there, and its replies stay the fp32 model's
-    where int8 inputs moved them (tests/test_e2e_pty.py's question); "on" where other layers hold
+    where int8 inputs moved them (tests/e2e/test_e2e_pty.py's question); "on" where other layers hold
     blocks (int8_by_default); else "off"."""
     from . import rows16
     held = [m for m in model.modules() if _cpu_blocks(m)]

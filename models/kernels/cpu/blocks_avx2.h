@@ -6,7 +6,7 @@
 // Contract: gemv_rows_avx512's, the dequantized product up to fp32 rounding order: per 32 weights
 // the integer codes (less the type's offset) widened to fp32 and multiplied with x, the
 // (sub-)block's scale applied to that partial sum (Q6_K: a scale per 16), the minimum terms of
-// Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x). tests/test_block_quant.py bounds it
+// Q4_1 / Q5_1 / Q4_K / Q5_K as m * (the block's sum of x). tests/kernels/test_block_quant.py bounds it
 // against the fp64 product as it bounds the AVX-512 form.
 //
 // Why: the portable loop (gemv_rows) dequantizes a block into a buffer and reads it back; on an

@@ -16,7 +16,7 @@
 // scales multiplied in (maddubs, then a 16-bit dot product with the scales: llama.cpp's form),
 // Q6_K's offset 32 and the minimum terms through the 16-input sums of q; the 32-weight types' per
 // block (VNNI, offsets such as Q4_0's 8 taken in the integers). Each is scaled once in fp32.
-// tests/test_block_int8.py bounds the result against x~ W^T in fp64.
+// tests/kernels/test_block_int8.py bounds the result against x~ W^T in fp64.
 //
 // Why: the fp32 product turns every code into a float (about a dozen vector instructions per 32
 // weights); an int8 dot product takes 32 codes in one, so decode of a K-quant file runs at

@@ -12,7 +12,7 @@
 //   - per value head the delta rule (gated_delta.step): S = exp(g) S; S += k ((v - k^T S) beta)^T;
 //     out = q^T S;
 //   - the gated norm: rms_norm(out, norm_w, eps) * SiLU(z) per head.
-// tests/test_delta_cpu.py compares it with the torch form over several steps from a non-zero state.
+// tests/kernels/test_delta_cpu.py compares it with the torch form over several steps from a non-zero state.
 //
 // Why: the torch form is dozens of small ops a layer, every delta layer of every token (a
 // Qwen3.5-0.8B-like file: bench/hybrid_gguf.py); here one call, the heads in parallel.

@@ -5,7 +5,7 @@ Contract: `HybridStep(model)(tokens, positions, state)` computes what `model(tok
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
 blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers: each DeltaNet
 layer's conv window and recurrent state updated in place, each attention layer's KV written at
-the token's position), up to float summation order: tests/test_hybrid_step.py compares logits,
+the token's position), up to float summation order: tests/kernels/test_hybrid_step.py compares logits,
 states and greedy tokens with the torch step. `verify` (speculative decoding) is CpuStep's: its
 rows are one-token steps bit for bit, and the DeltaNet states after each row are kept for the
 rollback of rejected drafts. `supports(model)` says which models it serves: Qwen3.5 without MoE

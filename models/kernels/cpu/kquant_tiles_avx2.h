@@ -6,7 +6,7 @@
 // the scales multiplied in, scaled once in fp32 (d dx), the minimum terms (Q4_K / Q5_K) and Q6_K's
 // offset 32 as one fp32 GEMM apart (sum_terms, as the VNNI prefill takes them). Not the decode's
 // bits (its fp32 sums run lane by lane, these once a super-block): a verify's rows, which must be
-// the decode's, take block_linear_rows. tests/test_block_int8.py bounds both against x~ W^T.
+// the decode's, take block_linear_rows. tests/kernels/test_block_int8.py bounds both against x~ W^T.
 //
 // The form: x~'s rows interleaved eight at a time, four inputs a row in turn (32 bytes: inputs
 // 4m .. 4m + 3 of the tile's eight rows), each four codes of a row of W broadcast against them, so

@@ -12,7 +12,7 @@
 //     S = exp(dt A) S + (dt x) B^T; y = S C + D x;
 //   - the gated norm (GroupedGatedRMSNorm): rms_norm over each group's channels of y * SiLU(z),
 //     times the weight.
-// Returns [1, H P]. tests/test_mamba2_cpu.py compares it with the torch form over several steps
+// Returns [1, H P]. tests/kernels/test_mamba2_cpu.py compares it with the torch form over several steps
 // from a non-zero state.
 //
 // Why: the torch form is about twenty dispatched ops a layer between the projections (split,

@@ -21,7 +21,7 @@
 // Q5_1's minimum terms m (dx sum(q)) in another, added at the end. Each row's operations are the same whatever the run of rows it is computed in and
 // on either instruction set (AVX-512 VNNI takes a group in one vector, AVX2 in two halves of 8
 // rows), so decode, a verify's rows and a prefill's agree bit for bit, and the two builds too
-// (tests/test_rows16.py).
+// (tests/kernels/test_rows16.py).
 
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kRows16 = 128;  // a rows16 matrix's type code: kRows16 + the GGUF type (+ kWide: 16-bit inputs)

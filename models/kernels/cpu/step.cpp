@@ -83,7 +83,7 @@ Tensor int4_mm(const Tensor& x, const Tensor& packed, const Tensor& sz) {
 
 // --- GGUF blocks read as stored (quant.BlockLinear): Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K ---------
 // Each block dequantizes to exactly gguf-py's fp32 values (the layouts are formats/gguf_blocks.py's;
-// tests/test_gguf_blocks.py compares block_dequant with it bit for bit), into a buffer the dot then
+// tests/formats/test_gguf_blocks.py compares block_dequant with it bit for bit), into a buffer the dot then
 // reads: y = x W^T in fp32, the dequantized product up to summation order.
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
@@ -565,7 +565,7 @@ constexpr int64_t kBf16Chunk = int64_t{1} << 20;
 // y = x W^T in bf16 products, for a prefill's many rows where rounded inputs are allowed (the
 // cpu_int8 setting) and the CPU multiplies bf16 natively (AVX512-BF16: models/kernels/cpu/step.py
 // bf16_gemm): x and the dequantized W rounded to bf16, the sums in fp32 by torch's bf16 GEMM
-// (oneDNN), its output rounded to bf16, then widened. tests/test_block_bf16.py bounds it against
+// (oneDNN), its output rounded to bf16, then widened. tests/kernels/test_block_bf16.py bounds it against
 // the fp64 product of the rounded operands.
 Tensor block_linear_bf16(const Tensor& x, const Tensor& w, int64_t type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_linear_bf16: x must be [T, K] fp32");
@@ -791,7 +791,7 @@ Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, con
 // those of a one-row call (the decode step's): the decode's accumulators over up to kMaxRows rows
 // (each row's operations the one-row ones; a block decoded once for all), or where a type's sums
 // would round otherwise, per 16 rows of W (a few KB, in the caches while the T rows pass over them)
-// the one-row kernel for each row of x. The decode's bits (tests/test_speculative.py), the weights
+// the one-row kernel for each row of x. The decode's bits (tests/engine/test_speculative.py), the weights
 // read from memory once rather than T times.
 constexpr int64_t kVerifyChunk = 16;
 
@@ -917,7 +917,7 @@ Tensor rows16_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const 
 // types may differ), outputs side by side in one parallel region, x rounded to int8 once per type
 // (or its 32-input sums made once): each output is the one-matrix call's (block_linear's) bits,
 // the same row kernels on the same rows of W; the forks and the rounding of the separate calls
-// saved (bench/cpu_bench.py, the decode of small GGUF models; tests/test_speculative.py compares
+// saved (bench/cpu_bench.py, the decode of small GGUF models; tests/engine/test_speculative.py compares
 // the decode's bits with a verify's rows, which take the separate calls).
 Tensor block_linears_row(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& types, bool int8) {
   const int64_t K = x.size(1), parts = static_cast<int64_t>(ws.size());
@@ -1493,7 +1493,7 @@ StepRows step_rows(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
 // Every row is computed as a one-token step at its position computes it, bit for bit: the norms,
 // RoPE, attention (over slots 0..its position) and SwiGLU row by row, the linears through
 // `linear`'s row-exact forms, a conv window shifted once per row in order. So T rows equal T
-// steps, with the weights read once (tests/test_speculative.py compares them).
+// steps, with the weights read once (tests/engine/test_speculative.py compares them).
 Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                   const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps,
                   const std::vector<Tensor>& row_windows) {

@@ -4,7 +4,7 @@ Contract: `CpuStep(model)(tokens, positions, state)` computes what `model(tokens
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
 blocks read as stored `BlockLinear`, or fp32 `Linear`; the same state buffers, written at the
 token's position), up to float summation order:
-tests/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
+tests/kernels/test_cpu_step.py compares the logits and the greedy tokens with the torch step. Supported:
 the dense GQA models (SmolLM2, Llama, Qwen2, Qwen3 with its per-head q/k norms) and LFM2 (its
 short-convolution layers update their conv window in the state in place, as the torch step
 does); `supports(model)` says.
@@ -326,7 +326,7 @@ def int8_reference(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     blocks of `ggml_type` (blocks_int8.h's contract, llama.cpp's rule): K-quants per 256 inputs
     (Q8_K: iscale = -127 / the input of largest |x|, q = min(127, round(iscale x)), x~ = q / iscale),
     the 32-weight types per 32 (q = round(x 127 / max|x|), x~ = q fp16(max|x| / 127)). For
-    benchmarks' error columns; tests/test_block_int8.py writes its own."""
+    benchmarks' error columns; tests/kernels/test_block_int8.py writes its own."""
     x = x.float()
     if ggml_type in K_QUANTS:
         g = x.reshape(x.shape[0], -1, 256)
@@ -414,7 +414,7 @@ class CpuStep:
         self.op = torch.ops.chat_cpu.llama_step
         # With 4-bit weights (activations already rounded to bf16 at every matmul) the KV cache
         # is kept in fp16, as llama.cpp keeps it: a long context's step reads half the bytes.
-        # (bf16 was tried: it changed a reply tests/test_quant.py guards.) fp32 weights keep an
+        # (bf16 was tried: it changed a reply tests/formats/test_quant.py guards.) fp32 weights keep an
         # fp32 cache, so that path stays the exact reference.
         quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
         self.kv_dtype = torch.float16 if quantized else torch.float32

@@ -11,7 +11,7 @@ before it waits on the previous kernel). Two forms (`takes16` picks; `form` forc
 - fp16 products (larger matrices on CUDA): each 16-weight run's sum is taken in fp16 pairs on
   inputs scaled by a power of two per run, then added in fp32; within 2^-8 of sum |x w| at worst
   for 16-bit inputs, ~4.4e-3 for the norm prologue's fp32 ones (one rounding more; a run whose
-  largest |x| is below 2^-123 counts as zero). tests/test_quant_kernels.py bounds it by 4e-3 of
+  largest |x| is below 2^-123 counts as zero). tests/kernels/test_quant_kernels.py bounds it by 4e-3 of
   sum |x w| (5e-3 with the prologue) and by 2e-3 of the output's rms.
 
 Why its own kernel (qlinear.py's generic one decoded FP8 as [rows, 32-weight runs] tiles with a

@@ -12,12 +12,12 @@ Contract:
 - `matmul(x, qw)` equals, for the weights W = code * block scale (hf_layers.Fp8Linear's
   dequantization), y[r, n] = sum_g s[g, r] ws[n // group, g] (q[r, g] . code[n, g]) over the
   128-wide groups g of K, rounded once to the output dtype; cuBLAS sums each group's FP8
-  products in the tensor cores (fewer bits than fp32 keep: tests/test_fp8_gemm.py bounds their
+  products in the tensor cores (fewer bits than fp32 keep: tests/kernels/test_fp8_gemm.py bounds their
   rms distance to `oracle`, the same sum in fp32) and scales and adds the groups in fp32.
 - What departs from the dequantize-then-bf16-GEMM form is the input's rounding to e4m3 (3
   mantissa bits: ~2.6% rms on a Gaussian row, against bf16's ~0.2%), as in those reference
   implementations; the decode GEMV (fp8.py) keeps the bf16 input, since one token reads the
-  weights whatever its type. tests/test_fp8_gemm.py bounds both against the fp32 product.
+  weights whatever its type. tests/kernels/test_fp8_gemm.py bounds both against the fp32 product.
 - Why: a 2k-token prefill of the 27B-like shape in FP8 ran slower than bf16 when each matrix was
   dequantized to bf16 and multiplied by cuBLAS in bf16 (bench/quant_bench.py): the
   dequantization writes twice the FP8 bytes, and the bf16 GEMM runs at half the FP8 tensor

@@ -1,7 +1,7 @@
 """Triton kernels for a mixture-of-experts MLP's one-token decode step (CUDA), with no host sync,
 and the last step of its grouped prefill.
 
-Contract (tests/test_moe_gpu.py and tests/test_moe_kernels.py compare them with the torch forms of
+Contract (tests/kernels/test_moe_kernels.py compares them with the torch forms of
 models/architectures/moe.py):
 - route(logits, top_k, renormalise): softmax over the router's logits in fp32 and the top k
   (ids and fp32 weights, renormalised to sum 1 where asked), in one program a token (decode's
@@ -350,7 +350,7 @@ def combine_add_rms_norm(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Ten
     """`combine` and the next residual add and RMSNorm in one launch: b = combine(ys, inv, weights,
     shared, shared_gate) (rounded to ys' dtype, as combine returns it), then base.add_rms_norm(x,
     b, norm_weight, eps, out_dtype=out_dtype)'s (x + b, rms_norm(x + b) * norm_weight), the same
-    bits as those two launches (tests/test_moe_gpu.py). x [T - first, H] contiguous in ys' dtype (the
+    bits as those two launches (tests/kernels/test_moe_kernels.py). x [T - first, H] contiguous in ys' dtype (the
     rows of tokens first .. T - 1, as combine's `first`); b is never written (the two launches wrote
     and read back T rows)."""
     k = weights.shape[1]

@@ -492,7 +492,7 @@ if triton is not None:
         of each 32-byte sector at a time for Q4KP's 32-weight groups). FLAT: the tile reshaped to
         [rows, NG G] before the store, whose contiguity Triton then sees whole (in the 4-D tile it
         sees only the G/8 words of m: 8-byte stores for Q4KP's 4). FLAT=False, the 4-D store, is
-        kept for bench/quant_bench.py --sweep-dequant and tests/test_qplanar.py only: the default
+        kept for bench/quant_bench.py --sweep-dequant and tests/kernels/test_qplanar.py only: the default
         tile (DEQUANT_TILE) stores flat."""
         GW: tl.constexpr = G // 8
         i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]

@@ -2,7 +2,7 @@
 
 Contract: `decode(bcx, state, weight, bias)` computes what lfm2.ShortConv.forward computes for
 T == 1 between its input projection and its output projection, C * conv_step(B * x), and moves
-the conv window by one in place (tests/test_gpu_shortconv.py compares the two; under
+the conv window by one in place (tests/kernels/test_shortconv_kernel.py compares the two; under
 TRITON_INTERPRET=1 the same test runs on the CPU). One program owns BLOCK channels, so no two
 programs touch the same state row. The product B * x is rounded to the state's dtype once, as
 the torch form rounds it; the conv and the output gate accumulate in fp32 and round once. The

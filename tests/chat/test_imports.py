@@ -1,0 +1,178 @@
+"""The layout's one direction, checked on the source: chat → engine → models, never back; inside
+models, formats → quant → kernels → architectures → plan and the loader, never back (docs/ARCHITECTURE.md); and no import cycle among our modules. Every import
+counts, those inside functions too (a cycle through a function-level import is still a cycle)."""
+import ast
+import os
+
+from tests.support.paths import ROOT
+
+PACKAGES = ("chat", "engine", "models")
+# (importer prefix, imported prefix): edges that must not exist
+FORBIDDEN = [("engine", "chat"), ("models", "chat"), ("models", "engine"),
+             ("models.kernels", "models.architectures"), ("models.kernels", "models.formats"),
+             ("models.kernels", "models.plan"), ("models.kernels", "models.loader"),
+             ("models.formats", "models.kernels"), ("models.formats", "models.plan"),
+             ("models.formats", "models.quant"), ("models.formats", "models.architectures"),
+             ("models.formats", "models.loader"), ("models.formats", "models.sharding"),
+             ("models.quant", "models.kernels"), ("models.quant", "models.architectures"),
+             ("models.quant", "models.plan"), ("models.quant", "models.loader"),
+             ("models.architectures", "models.plan"), ("models.architectures", "models.loader")]
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
+    return out
+
+
+def imports(name: str, path: str, known: set[str]) -> set[str]:
+    """The modules of ours that `name` imports (`from a import b` counts a.b where that is a module)."""
+    is_pkg = path.endswith("__init__.py")
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # a.b.c where only a.b is ours: count a.b
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports(m, p, known) for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def back_edges(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in g.items() for b in targets
+                  for src, dst in FORBIDDEN if _under(a, src) and _under(b, dst))
+
+
+def test_no_back_edges():
+    assert back_edges(graph()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_can_fail():
+    """The same checks on graphs with a planted cycle and a planted back-edge."""
+    g = graph()
+    assert "models.kernels" in g["models.architectures.causal_lm"]
+    planted = {k: set(v) for k, v in g.items()}
+    planted["models.kernels.cpu.step"].add("models.architectures.causal_lm")  # a kernel importing its caller
+    planted["models.architectures.causal_lm"].add("models.kernels.cpu.step")
+    assert ("models.kernels.cpu.step", "models.architectures.causal_lm") in back_edges(planted)
+    assert any("models.kernels.cpu.step" in c and "models.architectures.causal_lm" in c for c in cycles(planted))
+    planted["engine.session"].add("chat.repl")
+    assert ("engine.session", "chat.repl") in back_edges(planted)
+
+
+# Where the environment may be read: engine/config.py (the engine's and the models' variables) and
+# the front end's own folders and switches (chat/: XDG state and config folders, CHAT_* settings,
+# NO_COLOR)
+ENVIRONMENT_READERS = ("engine.config", "chat")
+
+
+def environment_reads(sources: dict[str, str]) -> list[str]:
+    """`module:line` of each os.environ / os.getenv / os.putenv use outside ENVIRONMENT_READERS."""
+    out = []
+    for name, path in sorted(sources.items()):
+        if any(_under(name, r) for r in ENVIRONMENT_READERS):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "environb")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                out.append((name, node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(out)]
+
+
+def test_the_environment_is_read_in_one_place():
+    assert environment_reads(modules()) == []
+
+
+def test_the_environment_check_can_fail(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import os\nFLAG = os.environ.get('CHAT_SOMETHING')\nOTHER = os.getenv('X')\n")
+    assert environment_reads({"models.kernels.planted": str(planted)}) == ["models.kernels.planted:2",
+                                                                           "models.kernels.planted:3"]
+    assert environment_reads({"chat.planted": str(planted)}) == []
+
+
+def test_tests_import_helpers_from_support_only(files: list[str] | None = None) -> None:
+    """The tests' own layout: a test module imports helpers from tests/support only, never from
+    another test module (whose tests would then run twice, or not at all, by collection order)."""
+    if files is None:
+        files = [os.path.join(folder, f) for folder, _, names in os.walk(os.path.join(ROOT, "tests"))
+                 for f in names if f.startswith("test_") and f.endswith(".py")]
+    bad = []
+    for path in sorted(files):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(m.rpartition(".")[2].startswith("test_") for m in mods):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not bad, f"test modules importing test modules (move the helper to tests/support): {bad}"
+
+
+def test_the_test_layout_check_can_fail(tmp_path):
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("from tests.kernels.test_block_int8 import inputs\n")
+    try:
+        test_tests_import_helpers_from_support_only([str(planted)])
+    except AssertionError as e:
+        assert "test_planted.py:1" in str(e)
+    else:
+        raise AssertionError("a planted import of a test module passed")

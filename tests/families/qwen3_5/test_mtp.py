@@ -1,0 +1,283 @@
+"""The Qwen3.5 multi-token-prediction layer (models/architectures/mtp.py) and its drafts
+(engine/speculative.py MtpDrafts, `speculative: mtp | auto`).
+
+The layer against llama.cpp's own draft-mtp on the same GGUF (its logits on every prompt row and
+its chained drafts; tests/support/llama_mtp.py, run where a Python with llama-cpp-python 0.3.36 is named
+by CHAT_LLAMA_PYTHON), the GGUF that llama.cpp's converter writes (the nextn block) against the
+HF directory it came from, and replies with MTP drafts against plain decoding token for token,
+greedy and sampled, in blocks and fp32, through rejections, rewinds and a state loaded from
+elsewhere; the layer's cache kept across verifies against one computed afresh.
+"""
+import json
+import os
+import random
+import subprocess
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import models
+from engine.config import ConfigError, SamplingConfig
+from engine.session import DecodeSession
+from engine.speculative import MtpDrafts
+from tests.support.paths import SUPPORT
+from tests.support.speculative import Always, kv_live
+
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=40)
+SAMPLED = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, min_p=0.0, seed=5, max_new_tokens=40)
+PROMPT = [5, 9, 17, 33, 40, 41, 42, 5, 9, 17]
+
+
+def with_mtp(path: str) -> str:
+    """A tiny Qwen3.5 checkpoint with an MTP layer; M-RoPE sections that fit its 4 rotary dims (for
+    llama.cpp's RoPE; text positions make every section the same rotation)."""
+    from tests.support.tiny import add_mtp, write_checkpoint
+    write_checkpoint("qwen3_5", path, seed=3)
+    add_mtp(path)
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c["rope_parameters"]["mrope_section"] = [1, 1, 0]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from tests.support.llama_cpp_tree import convert
+    d = tmp_path_factory.mktemp("mtp")
+    hf = with_mtp(str(d / "hf"))
+    return hf, convert(hf, str(d / "mtp.gguf"), "f32", pre="qwen2")
+
+
+def in_blocks(lm, qtype):
+    """lm with every linear of its layers and its MTP layer in GGUF blocks of qtype."""
+    from gguf import quants
+    from models.quant import layers as quant
+    for root in (lm.model.model.layers, lm.model.mtp):
+        for parent in list(root.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and child.weight.shape[1] % 32 == 0:
+                    raw = quants.quantize(child.weight.detach().numpy(), qtype)
+                    setattr(parent, name, quant.BlockLinear(torch.from_numpy(raw), int(qtype),
+                                                            getattr(child, "sizes", None)))
+    return lm
+
+
+def session(lm, mode="mtp", max_context=128):
+    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cpu"), dtype=torch.float32,
+                         cpu_kernel="on", speculative=mode)
+
+
+def reply(s, cfg, prompt=PROMPT):
+    return list(s.generate(prompt, cfg)), list(s.cached), s.state.length, kv_live(s)
+
+
+def same(a, b):
+    assert a[:3] == b[:3]
+    assert all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
+
+
+def mtp_rows(lm, prompt):
+    """Our model's final-normed rows of the prompt, the MTP logits of each prompt row (token p with
+    the row of p - 1), the next token and the 3 drafts after it."""
+    s = session(lm)
+    last = s.prefill(prompt)
+    m = s._mtp
+    out = m._run(prompt, m._hidden(0, len(prompt)), 0)
+    m.ids = []
+    nxt = int(last[-1].argmax())
+    return m.rows[:len(prompt)].clone(), m.head.logits(lm.model, out), nxt, m.propose(prompt, nxt, 3)
+
+
+def test_the_gguf_holds_the_hf_directorys_mtp_layer(files):
+    """llama.cpp's converter writes the MTP layer as the nextn block (its norms stored as 1 + w):
+    the GGUF's layer is the HF directory's, weight for weight, and drafts the same tokens."""
+    hf, path = files
+    a, b = models.load(hf), models.load(path)
+    assert a.model.mtp is not None and b.model.mtp is not None
+    sa, sb = a.model.mtp.state_dict(), b.model.mtp.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=1e-6, msg=k)
+    ra, rb = mtp_rows(a, PROMPT), mtp_rows(b, PROMPT)
+    torch.testing.assert_close(ra[1], rb[1], rtol=0, atol=1e-4)
+    assert ra[2:] == rb[2:]
+
+
+def test_the_drafts_are_llama_cpps(files):
+    """llama.cpp 0.3.36's draft-mtp on the same GGUF (tests/support/llama_mtp.py): the MTP logits of every
+    prompt row agree to fp32 rounding and the chained drafts are the same tokens."""
+    python = os.environ.get("CHAT_LLAMA_PYTHON")
+    if not python:
+        pytest.skip("CHAT_LLAMA_PYTHON names no Python with llama-cpp-python 0.3.36 (a reference only)")
+    _, path = files
+    p = subprocess.run([python, os.path.join(SUPPORT, "llama_mtp.py"), path, json.dumps({"prompt": PROMPT, "draft": 3})],
+                       capture_output=True, text=True, cwd="/", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ref = json.loads(p.stdout.strip().splitlines()[-1])
+    hidden, logits, nxt, drafts = mtp_rows(models.load(path), PROMPT)
+    torch.testing.assert_close(hidden, torch.tensor(ref["hidden"]), rtol=0, atol=2e-3)
+    ref_logits = torch.tensor(ref["mtp_logits"])
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-3 * ref_logits.abs().max().item())
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    assert (nxt, drafts) == (ref["next"], ref["drafts"])
+
+
+@pytest.fixture(scope="module", params=[None, Q.Q8_0], ids=["fp32", "Q8_0"])
+def lm(request, files):
+    lm = models.load(files[0])
+    return lm if request.param is None else in_blocks(lm, request.param)
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafts", ["layer", "right", "random"])
+def test_replies_equal_plain_decoding(lm, cfg, drafts):
+    """MTP drafts (the layer's own; or, to reach long accepted runs, the layer run and its tokens
+    replaced by the plain reply's, all or at random): the same tokens, cached ids, length and KV
+    as plain decoding, at depths 1 to 5."""
+    plain = reply(session(lm, "off"), cfg)
+    rng = random.Random(3)
+    for depth in (1, 2, 5):
+        s = session(lm)
+        s._depth = Always(depth)
+        if drafts != "layer":
+            propose = s._mtp.propose
+
+            def replaced(context, token, k, propose=propose):
+                got = propose(context, token, k)  # (the layer runs: its cache goes through the verifies)
+                at = len(context) + 1 - len(PROMPT)
+                right = plain[0][at:at + len(got)]
+                return [t if drafts == "right" or rng.random() < 0.6 else (t + 1) % 320 for t in right]
+            s._mtp.propose = replaced
+        got = reply(s, cfg)
+        same(got, plain)
+        assert s.last_stats.drafted > 0
+        if drafts == "right":
+            assert s.last_stats.accepted > s.last_stats.drafted // 2
+
+
+def test_the_layers_cache_equals_one_computed_afresh(lm):
+    """After replies with verifies, rejected drafts, a rollback and a second turn, the layer's
+    cache holds, at every position of the context, the keys and values of a layer that computes
+    every row afresh (the rows of rejected drafts recomputed), and drafts the same tokens."""
+    s = session(lm)
+    s._depth = Always(3)
+    list(s.generate(PROMPT, GREEDY))
+    s.rollback_to(len(PROMPT) + 7)
+    list(s.generate(s.cached + [44, 45, 46], SamplingConfig(temperature=0.8, seed=2, max_new_tokens=20)))
+    context, token = s.cached[:-1], s.cached[-1]
+    kept = s._mtp.propose(context, token, 4)
+    fresh = MtpDrafts(lm.model, s.max_context, s.device, s.state.kv_dtype)
+    fresh.rows, fresh.rows_from = s._mtp.rows, 0
+    assert fresh.propose(context, token, 4) == kept
+    n = len(context) + 1  # the positions whose rows both hold: the context's and the token's
+    # (the two computed their rows in other groupings, through other kernels of the blocks: fp32
+    # sums in another order, which a 16-bit cache may round one step apart; an fp32 cache keeps
+    # them within 1e-5)
+    rtol = 0.0 if s._mtp.cache.k.dtype == torch.float32 else torch.finfo(s._mtp.cache.k.dtype).eps
+    for a, b in ((s._mtp.cache.k, fresh.cache.k), (s._mtp.cache.v, fresh.cache.v)):
+        torch.testing.assert_close(a[:, :n], b[:, :n], rtol=rtol, atol=1e-5)
+
+
+def test_a_loaded_state_drafts_without_its_rows(lm, tmp_path):
+    """A state that came from a file (no rows of the model's were seen for it): drafts start from
+    zeros there, as llama.cpp's do at a sequence's start, and the reply is plain decoding's."""
+    a = session(lm, "off")
+    a.prefill(PROMPT)
+    ids, tensors = a.export_state()
+    plain = list(a.generate(PROMPT + [50, 51], GREEDY))
+    b = session(lm)
+    b._depth = Always(2)
+    b.load_state(ids, tensors)
+    assert b._mtp.rows_from == len(PROMPT)
+    assert list(b.generate(PROMPT + [50, 51], GREEDY)) == plain
+    assert b.last_stats.drafted > 0
+
+
+def test_stripped_weights_load_without_the_layer(tmp_path):
+    """A checkpoint whose config names an MTP layer but whose mtp.* weights were stripped (as many
+    uploads strip them) loads without one; `speculative: mtp` then says why in one line."""
+    from tests.support.tiny import write_checkpoint
+    d = write_checkpoint("qwen3_5", str(tmp_path / "hf"))
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    lm = models.load(d)
+    assert lm.model.mtp is None
+    with pytest.raises(ConfigError, match="speculative: mtp needs a model with a multi-token-prediction layer"):
+        session(lm)
+    assert "MTP" not in session(lm, "auto").speculation_text
+
+
+def test_show_names_the_source(lm):
+    """mtp: lookup where the context repeats, the layer elsewhere; auto leaves the layer out (the
+    CPU's verify: a draft's pass over the LM head costs more than its tokens save)."""
+    assert session(lm).speculation_text.startswith("mtp: prompt-lookup drafts, else the MTP layer's")
+    for mode in ("auto", "lookup"):
+        s = session(lm, mode)
+        assert s.speculation_text.startswith(f"{mode}: prompt-lookup drafts,") and s._mtp is None
+
+
+def test_rows_fed_while_off_are_not_read(lm):
+    """Switched off, the session hands the layer no rows: switched on again, those positions count
+    as unknown (zeros), not as the stale rows of whatever was fed there before."""
+    s = session(lm)
+    s.prefill(PROMPT)
+    assert s._mtp.rows_from == 0
+    s.set_speculative("off")
+    s.prefill([60, 61])
+    s.set_speculative("mtp")
+    assert s._mtp.rows_from == len(PROMPT) + 2
+
+
+def test_the_plan_counts_no_mtp_reads_in_a_step(files):
+    """The MTP layer is planned (its linears bound like the model's) but a decode step reads none
+    of it: the plan's step bytes and KV bytes a token are those of the model without it."""
+    from models import plan
+    with_layer = models.load(files[0]).model
+    without = models.load(files[0]).model
+    without.mtp = None
+    for device in ("cpu", "cuda"):
+        a, b = plan.make(with_layer, device, torch.float32), plan.make(without, device, torch.float32)
+        assert len(a.choices) > len(b.choices)
+        assert (a.decode_bytes(), a.kv_bytes_per_token()) == (b.decode_bytes(), b.kv_bytes_per_token())
+
+
+def test_the_layer_is_loaded_only_where_its_drafts_run(files):
+    """Only the CPU has an exact verify: a CUDA load leaves the layer out (its memory saved), and so
+    does a tensor-parallel rank's model, whose config never says it has one."""
+    from models import loader
+    from models.formats.checkpoints import load_hf_dir
+    ckpt = load_hf_dir(files[0], lazy=True)
+    for device, held in (("cpu", 1), ("cuda", 0)):
+        cfg = dict(ckpt.config)
+        loader.count_mtp_layers(cfg, ckpt.tensors, torch.device(device))
+        assert cfg[loader.MTP_LOADED] == held
+    full, _, _ = loader.sharding_plan(files[0], 2, dict(ckpt.config))
+    assert full.mtp is None
+
+
+def test_a_moe_hybrid_loads_without_its_layer(tmp_path):
+    """Qwen3.5-MoE's MTP layer holds a layer's experts and no exact verify serves its drafts (no
+    C++ step for the MoE hybrids): the checkpoint loads without it, and `mtp` says why."""
+    from tests.support.tiny import add_mtp, write_checkpoint
+    d = add_mtp(write_checkpoint("qwen3_5_moe", str(tmp_path / "hf")))
+    lm = models.load(d)
+    assert lm.model.mtp is None
+    with pytest.raises(ConfigError, match="speculative: mtp is unavailable here"):
+        DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, speculative="mtp")
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_property_mtp_generations_equal_a_cold_session(files, temperature):
+    """The checkpoint property test with `speculative: mtp`: Hypothesis's sends, /undo, /retry and
+    resets on one conversation, every reply a cold session's without drafts."""
+    from tests.support.checkpoints import check_property, controller
+    c = controller(files[0], temperature=temperature, seed="3", speculative="mtp")
+    assert c.session.speculation_text.startswith("mtp:")
+    check_property(c, 10)
+    assert c.session._mtp.ids  # (the layer drafted)
