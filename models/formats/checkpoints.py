@@ -169,12 +169,12 @@ def _read_json(path: str) -> dict:
 
 # --- config values ----------------------------------------------------------------------------
 
-# Sizes the architectures build tensors and loops from: integers (never bool, float or string)
-# from a lower bound to SIZE_LIMIT, so that no absurd value reaches torch or a Python loop.
 # The config key that says how many MTP layers the checkpoint's tensors hold (set at load by
 # models/loader.py's count_mtp_layers; read by the families that build the layer: qwen3_5.py)
 MTP_LOADED = "mtp_layers_loaded"
 
+# Sizes the architectures build tensors and loops from: integers (never bool, float or string)
+# from a lower bound to SIZE_LIMIT, so that no absurd value reaches torch or a Python loop.
 SIZE_LIMIT = 1 << 24
 _POSITIVE_SIZES = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",

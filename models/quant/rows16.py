@@ -13,8 +13,8 @@ is added to the GGUF type where the library is handed this layout (rows16_int8.h
 `WIDE` too where its inputs are rounded to 16 bits rather than 8.
 
 Why not Q4_K: its fp16 scales come once a 256 weights (the 6-bit ones a 32, unpacked once a 256), so
-its row-by-row products already read near the bandwidth; interleaved, its decode ran slower on both instruction sets (bench/RESULTS.md, "The CPU
-step and its kernels").
+its row-by-row products already read near the bandwidth; interleaved, its decode ran slower on both
+instruction sets (bench/RESULTS.md, "The CPU step and its kernels").
 
 Why: the row-by-row kernels spend most of a block's instructions on its scalar scales; with 16 rows
 in the 32-bit lanes of one vector a dot product instruction takes four codes of each, and a decode
