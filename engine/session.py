@@ -315,18 +315,25 @@ class DecodeSession:
         """What runs a decode step, in words (the REPL's /show)."""
         if self.graph is not None:
             return "CUDA graph of the eager step" + (" (Triton kernels)" if self._attends_live else "")
+        rounded = self._rounded_inputs()
         if self._step_fn is self.model:
-            blocks = f" with GGUF blocks through the C++ per-linear kernels (built for {_cpu_isa_label()})" \
-                if getattr(self.model, "cpu_block_kernels", False) else ""
-            int8 = (" on 16-bit inputs (cpu_int8: wide)" if getattr(self.model, "cpu_wide", False) else
-                    " on int8 inputs (cpu_int8)") if blocks and getattr(self.model, "cpu_int8", False) else ""
-            return "torch (eager)" + blocks + int8 + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
+            if not getattr(self.model, "cpu_block_kernels", False):
+                blocks = ""
+            else:
+                blocks = f" with GGUF blocks through the C++ per-linear kernels (built for {_cpu_isa_label()})" \
+                    + (f" {rounded}" if rounded else "")
+            return "torch (eager)" + blocks + (f"; {self.cpu_kernel_note}" if self.cpu_kernel_note else "")
         if self._compiled:
             return "torch.compile"
-        rounded = ", its GGUF blocks on 16-bit inputs (cpu_int8: wide)" if getattr(self.model, "cpu_wide", False) \
-            else ", its GGUF blocks on int8 inputs (cpu_int8)"
-        return "C++ step (cpu_kernel)" + (rounded if getattr(self.model, "cpu_int8", False) else "") \
+        return "C++ step (cpu_kernel)" + (f", its GGUF blocks {rounded}" if rounded else "") \
             + f"; built for {_cpu_isa_label()}"
+
+    def _rounded_inputs(self) -> str:
+        """How the CPU kernels round a GGUF block product's inputs, in words; "" where they take
+        fp32 (cpu_int8 off)."""
+        if not getattr(self.model, "cpu_int8", False):
+            return ""
+        return "on 16-bit inputs (cpu_int8: wide)" if getattr(self.model, "cpu_wide", False) else "on int8 inputs (cpu_int8)"
 
     @property
     def prefill_path(self) -> str:
