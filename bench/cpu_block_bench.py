@@ -36,6 +36,14 @@ mamba2.py's torch form against the library's mamba2_decode, which a Mamba2 hybri
 take with cpu_kernel on), each mixer given as heads x head size x state size x groups (the
 defaults: Granite 4.0-H-Tiny's and Nemotron-H-8B's), its projections 16 wide so that their cost
 is negligible; best of 5 passes of 200 steps, in alternation, from the same random states.
+
+    python bench/cpu_block_bench.py --experts [64x1536x512x6,128x2048x768x8] [--threads N]
+
+times instead a token's routed experts (quant.BlockExperts' decode, E experts of H x I, top k;
+the defaults: Granite-4.0-H-Tiny's and Qwen3-30B-A3B's) as a Q4_K_M file holds them (gate and up
+Q4_K, down Q6_K, random blocks): BlockExperts' per-expert loop (the baseline) against the
+library's experts_decode, on fp32 and on int8 inputs; the chosen experts drawn afresh each call
+(their weights from DRAM as a decode reads them), best of 5 passes of 100 calls, in alternation.
 """
 from __future__ import annotations
 
@@ -86,6 +94,8 @@ def main() -> None:
     p.add_argument("--rows16", action="store_true", help="the rows16 types: the int8 products on the rows16 layout too")
     p.add_argument("--mamba2", nargs="?", const="48x64x128x1,128x64x128x8", default=None,
                    help="a Mamba2 mixer's step instead: HEADSxHEAD_DIMxSTATExGROUPS, comma-separated")
+    p.add_argument("--experts", nargs="?", const="64x1536x512x6,128x2048x768x8", default=None,
+                   help="a token's routed experts instead: EXPERTSxHIDDENxWIDTHxTOP_K, comma-separated")
     a = p.parse_args()
     hold_to_isa(a.cpu_isa)
     step.select_isa(a.cpu_isa)
@@ -94,6 +104,9 @@ def main() -> None:
     step.load()
     if a.mamba2:
         mamba2_steps(a.mamba2)
+        return
+    if a.experts:
+        experts_calls(a.experts)
         return
     if a.verify:
         verify_rows(a.types, a.shapes)
@@ -221,6 +234,42 @@ def mamba2_steps(specs: str) -> None:
                     best[kernel] = min(best[kernel], (time.perf_counter() - t0) / 200)
         t_torch, t_lib = best.values()
         print(f"{spec:>18}{t_torch * 1e6:>10.1f}{t_lib * 1e6:>12.1f}{t_torch / t_lib:>7.2f}x", flush=True)
+
+
+def experts_calls(specs: str) -> None:
+    """A token's routed experts, the per-expert loop against experts_decode (module docstring)."""
+    from models.formats import gguf_tensors
+    print(f"{torch.get_num_threads()} threads, cpu_isa: {step.isa_label()}")
+    print(f"{'E x H x I x k':>20}{'inputs':>8}{'loop us':>10}{'library us':>12}{'ratio':>8}{'GB/s':>7}")
+    for spec in specs.split(","):
+        E, H, I, k = map(int, spec.split("x"))
+        gen = torch.Generator().manual_seed(0)
+
+        def stack(name, rows, cols):
+            b = random_blocks(name, E * rows, cols, gen)
+            return gguf_tensors.GgufTensor(int(gguf_blocks.TYPES[name]), b.numpy().reshape(E, rows, -1))
+        ex = quant.BlockExperts(gguf_tensors.GgufExperts(stack("Q4_K", I, H), stack("Q4_K", I, H), stack("Q6_K", H, I)))
+        step.attach_block_kernels(ex, norms=True)
+        kernel = ex.cpu_kernel
+        read = k * (2 * ex.gate_blocks[0].numel() + ex.down_blocks[0].numel())
+        x = torch.randn(1, H, generator=gen)
+        picks = [(torch.randperm(E, generator=gen)[:k][None], torch.softmax(torch.randn(1, k, generator=gen), -1))
+                 for _ in range(100)]
+        for int8 in (False, True):
+            quant.use_int8_inputs(ex, int8)
+            best = {None: float("inf"), kernel: float("inf")}
+            with torch.inference_mode():
+                for _ in range(5):
+                    for form in best:
+                        ex.cpu_kernel = form
+                        t0 = time.perf_counter()
+                        for idx, w in picks:
+                            ex(x, idx, w)
+                        best[form] = min(best[form], (time.perf_counter() - t0) / len(picks))
+            t_loop, t_lib = best.values()
+            print(f"{spec:>20}{'int8' if int8 else 'fp32':>8}{t_loop * 1e6:>10.1f}{t_lib * 1e6:>12.1f}"
+                  f"{t_loop / t_lib:>7.2f}x{read / t_lib / 1e9:>7.1f}", flush=True)
+        ex.cpu_kernel = kernel
 
 
 if __name__ == "__main__":
