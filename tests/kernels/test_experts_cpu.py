@@ -35,6 +35,13 @@ def test_one_call_is_the_per_expert_loop(cpp, kind, gate, int8):
         want = ex(x, idx, weights)
         ex.cpu_kernel = kernel
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    x, weights = torch.randn(1, 256, generator=gen), torch.softmax(torch.randn(1, 3, generator=gen), -1)
+    twice = torch.tensor([[4, 1, 4]])  # (an expert chosen twice counts twice, in either form)
+    got = ex(x, twice, weights)
+    kernel, ex.cpu_kernel = ex.cpu_kernel, None
+    want = ex(x, twice, weights)
+    ex.cpu_kernel = kernel
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     two = torch.randn(2, 256, generator=gen)  # (more than one row: the loop, whatever is attached)
     assert ex(two, torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5)).shape == (2, 256)
 

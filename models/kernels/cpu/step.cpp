@@ -743,13 +743,36 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
   return y;
 }
 
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+// Matrices m = 0 .. M-1 of `rows` rows each (W_m's blocks at w[m], of types[m]) against x~_m
+// (xs[m]), all in one parallel region: y_m = x~_m W_m^T into out + m * rows, each row's sums
+// those of block_linear's one-row kernel (gemv_rows_i8), the rows of every matrix shared out
+// between the threads as one range
+void matrices_rows_i8(const std::vector<const Int8Rows*>& xs, const std::vector<const uint8_t*>& w,
+                      const std::vector<int64_t>& types, int64_t rows, int64_t rb, float* out) {
+  const int64_t M = static_cast<int64_t>(w.size());
+  at::parallel_for(0, M * rows, 16, [&](int64_t a, int64_t b) {
+    while (a < b) {
+      const int64_t m = a / rows, n0 = a % rows, n1 = std::min(rows, n0 + (b - a));
+      by_type(types[m], [&](auto tc) {
+        gemv_rows_i8<decltype(tc)::value, 1>(*xs[m], 0, 1, w[m], rb, rows, n0, n1, out + m * rows);
+      });
+      a += n1 - n0;
+    }
+  });
+}
+#endif
+
 // One token's routed SwiGLU experts in GGUF blocks (quant.BlockExperts' decode): for each chosen
 // expert in ascending order, h = SiLU(x G_e^T) * (x U_e^T), y = h D_e^T, and out += y * weight,
 // each product block_linear's (on int8 inputs where `int8`): what BlockExperts' per-expert loop
 // computes with the same kernel calls, without its dozen dispatched ops an expert (the
 // experts' Python loop was about a fifth of a MoE hybrid's decode step: bench/cpu_bench.py,
-// a Granite-4.0-H-Tiny-like file). x [1, H] fp32; gate, up [E, I, row bytes], down [E, H, row
-// bytes] uint8; idx [1, k] int64; weights [1, k] fp32. Returns [1, H].
+// a Granite-4.0-H-Tiny-like file). On int8 inputs the chosen experts' gate and up rows are one
+// parallel region and their down rows a second, x rounded once (not two regions and two
+// roundings an expert, each region's start and end a wait of both threads: the same
+// benchmark); the same kernel a row, so the same bits. x [1, H] fp32; gate, up [E, I, row
+// bytes], down [E, H, row bytes] uint8; idx [1, k] int64; weights [1, k] fp32. Returns [1, H].
 Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down, int64_t tg,
                       int64_t tu, int64_t td, const Tensor& idx, const Tensor& weights, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && !x.is_cuda(),
@@ -770,6 +793,54 @@ Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, con
   Tensor out = at::zeros_like(xc);
   float* o = out.data_ptr<float>();
   const int64_t H = xc.size(1);
+#if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
+  const bool blocks = tg < kRows16 && tu < kRows16 && td < kRows16;
+  if (int8 && blocks && k > 0 && gate.is_contiguous() && up.is_contiguous() && down.is_contiguous()) {
+    const int64_t I = gate.size(1), rb_in = gate.size(2), rb_down = down.size(2);
+    TORCH_CHECK(check_blocks(gate.select(0, 0), tg) == H && up.size(1) == I && up.size(2) == rb_in &&
+                    check_blocks(up.select(0, 0), tu) == H,
+                "experts_decode: the gate and up stacks must be [E, I, row bytes] of x's width");
+    TORCH_CHECK(check_blocks(down.select(0, 0), td) == I && down.size(1) == H,
+                "experts_decode: the down stack must be [E, H, row bytes] of the experts' width");
+    const float* xp = xc.data_ptr<float>();
+    const Int8Rows xg = quantize_rows(xp, 1, H, tg);
+    const Int8Rows xu = tu == tg ? Int8Rows{} : quantize_rows(xp, 1, H, tu);
+    std::vector<const Int8Rows*> xs;
+    std::vector<const uint8_t*> w;
+    std::vector<int64_t> types;
+    for (int part = 0; part < 2; ++part)  // the gates of the chosen experts, then their ups
+      for (const auto& [e, _] : chosen) {
+        xs.push_back(part == 0 || tu == tg ? &xg : &xu);
+        w.push_back((part == 0 ? gate : up).data_ptr<uint8_t>() + e * I * rb_in);
+        types.push_back(part == 0 ? tg : tu);
+      }
+    std::vector<float> gu(2 * k * I);
+    matrices_rows_i8(xs, w, types, I, rb_in, gu.data());
+    std::vector<Int8Rows> hs(k);
+    std::vector<float> h(I);
+    for (int64_t j = 0; j < k; ++j) {
+      const float* g = gu.data() + j * I;
+      const float* u = gu.data() + (k + j) * I;
+      for (int64_t i = 0; i < I; ++i) h[i] = silu_f(g[i]) * u[i];
+      hs[j] = quantize_rows(h.data(), 1, I, td);
+    }
+    xs.clear();
+    w.clear();
+    types.assign(k, td);
+    for (int64_t j = 0; j < k; ++j) {
+      xs.push_back(&hs[j]);
+      w.push_back(down.data_ptr<uint8_t>() + chosen[j].first * H * rb_down);
+    }
+    std::vector<float> ys(k * H);
+    matrices_rows_i8(xs, w, types, H, rb_down, ys.data());
+    for (int64_t j = 0; j < k; ++j) {  // in ascending expert order, as the loop below adds them
+      const float* yp = ys.data() + j * H;
+      const float wj = chosen[j].second;
+      for (int64_t i = 0; i < H; ++i) o[i] += yp[i] * wj;
+    }
+    return out;
+  }
+#endif
   for (int64_t j = 0; j < k; ++j) {
     const int64_t e = chosen[j].first;
     Tensor h = block_linear(xc, gate.select(0, e), tg, int8);
