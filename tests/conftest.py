@@ -40,6 +40,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture
+def chat_here(capsys, monkeypatch):
+    """`chat ...` in this process (no interpreter start): (exit status, stdout, stderr)."""
+    from chat.__main__ import main
+    from tests.support.paths import ROOT
+    monkeypatch.chdir(ROOT)
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """One tiny random checkpoint directory per dense architecture, with its HF model."""

@@ -28,17 +28,10 @@ TINY = os.path.join(ROOT, "tests", "golden", "tiny-llama")
 
 
 @pytest.fixture
-def chat_here(capsys, monkeypatch):
-    """`chat ...` in this process: (exit status, stdout, stderr)."""
-    from chat.__main__ import main
-    monkeypatch.chdir(ROOT)
+def chat_here(chat_here, monkeypatch):
+    """conftest's, with a state folder of these tests' own."""
     monkeypatch.setenv("XDG_STATE_HOME", str(os.path.join(os.environ.get("TMPDIR", "/tmp"), "chat-domains-state")))
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-    return run
+    return chat_here
 
 
 def one_line_error(code: int, err: str, *needles: str, status: int = 2) -> str:

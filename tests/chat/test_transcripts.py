@@ -26,19 +26,6 @@ def chat(*args, timeout=300):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.fixture
-def chat_here(capsys, monkeypatch):
-    """`chat ...` in this process (no interpreter start): (exit status, stdout, stderr)."""
-    from chat.__main__ import main
-    monkeypatch.chdir(ROOT)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-    return run
-
-
 def junit_cases(path) -> dict:
     """{file name: (status, text)} from a JUnit file; status "passed", "failure" or "error"."""
     root = ET.parse(path).getroot()

@@ -27,20 +27,6 @@ from tests.support.blocks import inputs, rounded
 from tests.support.blocks import K_QUANTS
 
 
-@pytest.fixture
-def chat_here(capsys, monkeypatch):
-    """`chat ...` in this process: (exit status, stdout, stderr)."""
-    from chat.__main__ import main
-    from tests.support.paths import ROOT
-    monkeypatch.chdir(ROOT)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-    return run
-
-
 @pytest.fixture(scope="module")
 def cpp():
     from models.kernels.cpu import step

@@ -133,18 +133,6 @@ def test_a_tiny_hybrid_lists_its_mixers(tmp_path):
         == len(lm.model.model.layers)
 
 
-@pytest.fixture
-def chat_here(capsys):
-    """`chat ...` in this process: (exit status, stdout, stderr)."""
-    from chat.__main__ import main
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-    return run
-
-
 def test_chat_plan_on_the_embedded_model(chat_here):
     code, out, err = chat_here("plan", "smollm2", "--bandwidth", "50")
     assert code == 0 and err == "", err
