@@ -17,10 +17,12 @@ def cpp():
     return step
 
 
-@pytest.mark.parametrize("kind,gate,int8", [("Q6_K", "Q4_K", False), ("Q6_K", "Q4_K", True),
-                                            ("Q8_0", "Q8_0", True), ("Q8_0", "Q4_K", False)])
-def test_one_call_is_the_per_expert_loop(cpp, kind, gate, int8):
-    ex = quant.BlockExperts(gguf_experts(6, 256, 256, kind, gate_type=gate, seed=4))
+@pytest.mark.parametrize("kind,gate,up,int8", [("Q6_K", "Q4_K", None, False), ("Q6_K", "Q4_K", None, True),
+                                               ("Q8_0", "Q8_0", None, True), ("Q8_0", "Q4_K", None, False),
+                                               ("Q4_K", "Q4_K", "Q6_K", True), ("Q6_K", "Q8_0", "Q4_K", True)])
+def test_one_call_is_the_per_expert_loop(cpp, kind, gate, up, int8):
+    # (gate and up of other types, so other row lengths: a mix a file may hold)
+    ex = quant.BlockExperts(gguf_experts(6, 256, 256, kind, gate_type=gate, up_type=up, seed=4))
     cpp.attach_block_kernels(ex, norms=True)
     assert ex.cpu_kernel is torch.ops.chat_cpu.experts_decode
     quant.use_int8_inputs(ex, int8)

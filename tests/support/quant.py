@@ -53,9 +53,9 @@ def gguf_repack(fmt):
     return {"Q4_K": planar.repack_q4k, "Q5_K": planar.repack_q5k, "Q6_K": planar.repack_q6k}[fmt]
 
 
-def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K"):
+def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K", up_type=None):
     """A layer's routed experts as a GGUF stores them (gguf_tensors.GgufExperts): gate and up [E, I, H]
-    in `gate_type`, down [E, H, I] in `down_type` (K-quants: Q6_K as a Q4_K_M file's down experts;
+    in `gate_type` (up in `up_type` where given), down [E, H, I] in `down_type` (K-quants: Q6_K as a Q4_K_M file's down experts;
     or Q8_0, gguf-py's quantization of random weights)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q, quants
@@ -70,7 +70,8 @@ def gguf_experts(E, I, H, down_type="Q4_K", seed=0, gate_type="Q4_K"):
         else:
             raw = random_k_blocks(qtype, E * rows, cols, 0.05, seed=seed + s)
         return gguf_tensors.GgufTensor(int(qtype), raw.reshape(E, rows, -1))
-    return gguf_tensors.GgufExperts(t(Q[gate_type], I, H, 0), t(Q[gate_type], I, H, 1), t(Q[down_type], H, I, 2))
+    return gguf_tensors.GgufExperts(t(Q[gate_type], I, H, 0), t(Q[up_type or gate_type], I, H, 1),
+                                    t(Q[down_type], H, I, 2))
 
 
 def weight(kind, n, k, seed, device, group=128):

@@ -744,18 +744,24 @@ Tensor block_linear(const Tensor& x, const Tensor& w, int64_t type, bool int8) {
 }
 
 #if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
-// Matrices m = 0 .. M-1 of `rows` rows each (W_m's blocks at w[m], of types[m]) against x~_m
-// (xs[m]), all in one parallel region: y_m = x~_m W_m^T into out + m * rows, each row's sums
-// those of block_linear's one-row kernel (gemv_rows_i8), the rows of every matrix shared out
-// between the threads as one range
-void matrices_rows_i8(const std::vector<const Int8Rows*>& xs, const std::vector<const uint8_t*>& w,
-                      const std::vector<int64_t>& types, int64_t rows, int64_t rb, float* out) {
-  const int64_t M = static_cast<int64_t>(w.size());
+// One of the matrices below: x~ against W's blocks (type, row bytes)
+struct RowsOfMatrix {
+  const Int8Rows* x;
+  const uint8_t* w;
+  int64_t type, rb;
+};
+
+// Matrices m = 0 .. M-1 of `rows` rows each against their x~, all in one parallel region: y_m =
+// x~_m W_m^T into out + m * rows, each row's sums those of block_linear's one-row kernel
+// (gemv_rows_i8), the rows of every matrix shared out between the threads as one range
+void matrices_rows_i8(const std::vector<RowsOfMatrix>& ms, int64_t rows, float* out) {
+  const int64_t M = static_cast<int64_t>(ms.size());
   at::parallel_for(0, M * rows, 16, [&](int64_t a, int64_t b) {
     while (a < b) {
       const int64_t m = a / rows, n0 = a % rows, n1 = std::min(rows, n0 + (b - a));
-      by_type(types[m], [&](auto tc) {
-        gemv_rows_i8<decltype(tc)::value, 1>(*xs[m], 0, 1, w[m], rb, rows, n0, n1, out + m * rows);
+      const RowsOfMatrix& r = ms[m];
+      by_type(r.type, [&](auto tc) {
+        gemv_rows_i8<decltype(tc)::value, 1>(*r.x, 0, 1, r.w, r.rb, rows, n0, n1, out + m * rows);
       });
       a += n1 - n0;
     }
@@ -796,26 +802,20 @@ Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, con
 #if defined(CHAT_INT8_DOT) || defined(CHAT_INT8_AVX2)
   const bool blocks = tg < kRows16 && tu < kRows16 && td < kRows16;
   if (int8 && blocks && k > 0 && gate.is_contiguous() && up.is_contiguous() && down.is_contiguous()) {
-    const int64_t I = gate.size(1), rb_in = gate.size(2), rb_down = down.size(2);
-    TORCH_CHECK(check_blocks(gate.select(0, 0), tg) == H && up.size(1) == I && up.size(2) == rb_in &&
-                    check_blocks(up.select(0, 0), tu) == H,
+    const int64_t I = gate.size(1), rb_gate = gate.size(2), rb_up = up.size(2), rb_down = down.size(2);
+    TORCH_CHECK(check_blocks(gate.select(0, 0), tg) == H && up.size(1) == I && check_blocks(up.select(0, 0), tu) == H,
                 "experts_decode: the gate and up stacks must be [E, I, row bytes] of x's width");
     TORCH_CHECK(check_blocks(down.select(0, 0), td) == I && down.size(1) == H,
                 "experts_decode: the down stack must be [E, H, row bytes] of the experts' width");
     const float* xp = xc.data_ptr<float>();
     const Int8Rows xg = quantize_rows(xp, 1, H, tg);
     const Int8Rows xu = tu == tg ? Int8Rows{} : quantize_rows(xp, 1, H, tu);
-    std::vector<const Int8Rows*> xs;
-    std::vector<const uint8_t*> w;
-    std::vector<int64_t> types;
-    for (int part = 0; part < 2; ++part)  // the gates of the chosen experts, then their ups
-      for (const auto& [e, _] : chosen) {
-        xs.push_back(part == 0 || tu == tg ? &xg : &xu);
-        w.push_back((part == 0 ? gate : up).data_ptr<uint8_t>() + e * I * rb_in);
-        types.push_back(part == 0 ? tg : tu);
-      }
+    std::vector<RowsOfMatrix> ms;
+    for (const auto& [e, _] : chosen) ms.push_back({&xg, gate.data_ptr<uint8_t>() + e * I * rb_gate, tg, rb_gate});
+    for (const auto& [e, _] : chosen)  // (then their ups)
+      ms.push_back({tu == tg ? &xg : &xu, up.data_ptr<uint8_t>() + e * I * rb_up, tu, rb_up});
     std::vector<float> gu(2 * k * I);
-    matrices_rows_i8(xs, w, types, I, rb_in, gu.data());
+    matrices_rows_i8(ms, I, gu.data());
     std::vector<Int8Rows> hs(k);
     std::vector<float> h(I);
     for (int64_t j = 0; j < k; ++j) {
@@ -824,15 +824,10 @@ Tensor experts_decode(const Tensor& x, const Tensor& gate, const Tensor& up, con
       for (int64_t i = 0; i < I; ++i) h[i] = silu_f(g[i]) * u[i];
       hs[j] = quantize_rows(h.data(), 1, I, td);
     }
-    xs.clear();
-    w.clear();
-    types.assign(k, td);
-    for (int64_t j = 0; j < k; ++j) {
-      xs.push_back(&hs[j]);
-      w.push_back(down.data_ptr<uint8_t>() + chosen[j].first * H * rb_down);
-    }
+    ms.clear();
+    for (int64_t j = 0; j < k; ++j) ms.push_back({&hs[j], down.data_ptr<uint8_t>() + chosen[j].first * H * rb_down, td, rb_down});
     std::vector<float> ys(k * H);
-    matrices_rows_i8(xs, w, types, H, rb_down, ys.data());
+    matrices_rows_i8(ms, H, ys.data());
     for (int64_t j = 0; j < k; ++j) {  // in ascending expert order, as the loop below adds them
       const float* yp = ys.data() + j * H;
       const float wj = chosen[j].second;
