@@ -14,6 +14,12 @@ import models
 
 
 QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# byte offsets of each type's fp16 fields within a block
+FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2],
+           Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+EXTREMES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00],
+                    dtype=np.uint16)  # 0, -0, subnormals, min normal, ±max, ±1
 
 
 def random_blocks(qtype, rows, blocks_per_row, seed):
@@ -103,18 +109,6 @@ def lfm2_in_blocks(tmp_path, qtype):
                 raw = quants.quantize(child.weight.detach().numpy(), qtype)
                 setattr(parent, name, quant.BlockLinear(torch.from_numpy(raw), int(qtype), getattr(child, "sizes", None)))
     return lm
-
-
-# byte offsets of each type's fp16 fields within a block
-FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2],
-           Q.Q5_K: [0, 2], Q.Q6_K: [208]}
-
-
-EXTREMES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00],
-                    dtype=np.uint16)  # 0, -0, subnormals, min normal, ±max, ±1
-
-
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def blocks32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
