@@ -378,22 +378,38 @@ class HybridForCausalLM(CausalLM):
             if name.endswith("conv1d.weight") and t.dim() == 2:
                 t = t[:, None, :]
             if name.endswith("in_proj_qkvz.weight"):
+                # per key head: q, k, v (r heads), z (r heads) rows; to all q, all k, all v, and z
                 base = name[: -len("in_proj_qkvz.weight")]
-                r, h = c.lin_v_heads // c.lin_k_heads, t.shape[-1]
-                w = t.view(c.lin_k_heads, 2 * c.lin_k_dim + 2 * r * c.lin_v_dim, h)
-                q, k, v, z = w.split([c.lin_k_dim, c.lin_k_dim, r * c.lin_v_dim, r * c.lin_v_dim], dim=1)
-                out[base + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, h) for x in (q, k, v)])
-                out[base + "in_proj_z.weight"] = z.reshape(-1, h)
+                r = c.lin_v_heads // c.lin_k_heads
+                q, k, v, z = _head_rows(c.lin_k_heads, [c.lin_k_dim, c.lin_k_dim, r * c.lin_v_dim, r * c.lin_v_dim])
+                out[base + "in_proj_qkv.weight"] = _take_rows(t, torch.cat([q, k, v]))
+                out[base + "in_proj_z.weight"] = _take_rows(t, z)
                 continue
             if name.endswith("in_proj_ba.weight"):
                 base = name[: -len("in_proj_ba.weight")]
                 r = c.lin_v_heads // c.lin_k_heads
-                b, a = t.view(c.lin_k_heads, 2 * r, -1).split([r, r], dim=1)
-                out[base + "in_proj_b.weight"] = b.reshape(c.lin_v_heads, -1)
-                out[base + "in_proj_a.weight"] = a.reshape(c.lin_v_heads, -1)
+                b, a = _head_rows(c.lin_k_heads, [r, r])
+                out[base + "in_proj_b.weight"] = _take_rows(t, b)
+                out[base + "in_proj_a.weight"] = _take_rows(t, a)
                 continue
             out[name] = t
         return stack_experts(out)
+
+
+def _head_rows(heads: int, sizes: list[int]) -> list[torch.Tensor]:
+    """A fused weight whose rows run head by head, each head's parts of `sizes` rows in turn: for
+    each part, its rows' indices across the heads (head-major)."""
+    per, starts = sum(sizes), torch.tensor([0, *sizes]).cumsum(0)
+    return [torch.cat([h * per + torch.arange(int(starts[i]), int(starts[i + 1])) for h in range(heads)])
+            for i in range(len(sizes))]
+
+
+def _take_rows(t, rows: torch.Tensor):
+    """Rows `rows` of a weight: a tensor's, or a GGUF matrix's blocks as stored (whole rows of
+    blocks: exact; a Qwen3-Next GGUF loaded with its blocks kept)."""
+    if isinstance(t, torch.Tensor):
+        return t[rows]
+    return t.permute_rows(lambda a: a[rows.numpy()].copy())
 
 
 def from_hf_config(c: dict, flags: dict) -> HybridForCausalLM:

@@ -75,12 +75,15 @@ def test_value_heads_are_reordered_back(converted):
     assert torch.equal(z, ref)
 
 
-def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, tmp_path):
-    """Kept Q8_0 blocks take the value-head reorder by whole rows; the model stays within the
-    quantized tolerance of the same file dequantized (a wrong row order is far outside it)."""
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_q8_0_hybrid_moe_keeps_its_blocks_with_value_heads_reordered(converted, tmp_path, kind):
+    """Kept Q8_0 blocks take the value-head reorder by whole rows (and Qwen3-Next's fused qkvz and
+    ba rows their split into Qwen3.5's layout: a GGUF loaded with its blocks failed there); the
+    model stays within the quantized tolerance of the same file dequantized (a wrong row order is
+    far outside it)."""
     from tests.support.llama_cpp_tree import convert
     from models.quant import layers as quant
-    hf_dir, _ = converted["qwen3_5_moe"]
+    hf_dir, _ = converted[kind]
     path = convert(hf_dir, str(tmp_path / "q8.gguf"), "q8_0", pre="qwen2", options=("--no-mtp",))
     q, ref = models.load(path, quantized=True), models.load(path)
     assert any(isinstance(m, quant.BlockLinear) for m in q.model.modules())
