@@ -225,6 +225,14 @@ def _no_init():
             c.reset_parameters = fn
 
 
+def _outer_ones(shape: torch.Size, t) -> bool:
+    """Whether `shape` is t's shape with outer dims of 1 in front: a GGUF tensor whose outer
+    dims of 1 ggml dropped (llama.cpp's quantizer writes a [1, hidden] gate, Qwen3-Next's and
+    Qwen3.5-MoE's shared_expert_gate, as [hidden]), which a reshape restores."""
+    k = len(shape) - len(t.shape)
+    return isinstance(t, torch.Tensor) and k > 0 and tuple(shape[:k]) == (1,) * k and tuple(shape[k:]) == tuple(t.shape)
+
+
 def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype,
                 q4_blocks: bool = False) -> None:
     """Fill a meta-device model with checkpoint tensors (HF names), then rebuild derived buffers
@@ -260,6 +268,9 @@ def materialize(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device
                 raise CheckpointError(f"experts {name!r} have shapes {tuple(t.gate.shape)}, {tuple(t.up.shape)}, "
                                       f"{tuple(t.down.shape)}, expected {(e, i2 // 2, h)} and {(e, h, i2 // 2)}")
         elif expected[name] != t.shape:
+            if _outer_ones(expected[name], t):
+                tensors[name] = t = t.reshape(expected[name])
+                continue
             raise CheckpointError(f"weight {name!r} is {tuple(t.shape)} in the checkpoint, but the config makes it "
                                   f"{tuple(expected[name])}")
     model.n_params = sum(t.numel() if name in grouped else int(np.prod(t.shape)) for name, t in tensors.items())

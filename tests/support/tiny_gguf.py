@@ -123,10 +123,11 @@ def _merges(tok) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def requantize(src: str, dst: str, types: dict[str, Q]) -> str:
+def requantize(src: str, dst: str, types: dict[str, Q], flat: tuple[str, ...] = ()) -> str:
     """A copy of the GGUF file `src` (metadata and tensors) with the F32 tensors whose names end
     with a key of `types` quantized to its type (gguf-py's quantizers: Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0), e.g. a converter's F32 output with its experts in 4 bits."""
+    Q8_0), e.g. a converter's F32 output with its experts in 4 bits. The tensors whose names end
+    with one of `flat` lose their outer dims of 1, as llama.cpp's quantizer writes them."""
     from gguf import GGUFReader, GGUFValueType
     r = GGUFReader(src)
     w = GGUFWriter(dst, r.fields["general.architecture"].contents())
@@ -138,6 +139,9 @@ def requantize(src: str, dst: str, types: dict[str, Q]) -> str:
         w.add_key_value(key, field.contents(), vtype, sub_type=sub)
     for t in r.tensors:
         data = np.asarray(t.data)
+        if t.name.endswith(flat):
+            while data.ndim > 1 and data.shape[0] == 1:
+                data = data[0]
         qtype = next((q for suffix, q in types.items() if t.name.endswith(suffix)), None)
         if qtype is not None and t.tensor_type == Q.F32:
             w.add_tensor(t.name, quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), raw_dtype=qtype)

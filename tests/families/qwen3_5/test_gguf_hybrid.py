@@ -158,6 +158,20 @@ def test_value_head_projections_keep_their_blocks(converted, q8_hybrid):
     assert list(session(q).generate(ids, greedy)) == list(session(ref).generate(ids, greedy))
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_a_shared_expert_gate_stored_flat_loads(converted, kind, tmp_path):
+    """llama.cpp's quantizer writes the [1, hidden] shared-expert gate as [hidden] (ggml drops
+    outer dims of 1): such a file loads to the model the converter's file loads."""
+    from gguf import GGUFReader
+
+    from tests.support.tiny_gguf import requantize
+    path = requantize(converted[kind][1], str(tmp_path / "flat.gguf"), {}, flat=("ffn_gate_inp_shexp.weight",))
+    assert [len(t.shape) for t in GGUFReader(path).tensors if t.name.endswith("ffn_gate_inp_shexp.weight")][0] == 1
+    ids = rand_ids(24, 5)
+    got, want = models.load(path, quantized=True), models.load(converted[kind][1], quantized=True)
+    assert torch.equal(session(got).prefill(ids, all_logits=True), session(want).prefill(ids, all_logits=True))
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
 def test_4bit_moe_gguf_keeps_its_experts_quantized_and_mapped(converted, kind, tmp_path):
     """The converter's file with its experts requantized to Q4_0: on the CPU the experts stay the
