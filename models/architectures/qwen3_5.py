@@ -357,7 +357,7 @@ class HybridForCausalLM(CausalLM):
     cpu_step_kind = "hybrid"  # (models/kernels/cpu/hybrid_step.py)
 
     def offers_cpu_step(self) -> bool:
-        return not self.config.moe_layers  # (the C++ step has no MoE MLP)
+        return True  # (routed experts too where they are GGUF blocks: hybrid_step.supports)
 
     def state_spec(self):
         c = self.config

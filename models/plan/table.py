@@ -119,7 +119,7 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", ("*",), (("off", "cpu_kernel"),), "torch",
       "cpu_kernel: off (or compile: on, or a tensor-parallel rank): torch's forms"),
     R("linear", "cpu", ("*",), (("no_offer",),), "torch",
-      "no C++ decode step for this family (its Gated DeltaNet, Mamba2 or MoE layers run in torch)"),
+      "no C++ decode step for this family (its Mamba2 or MoE layers run in torch)"),
     R("linear", "cpu", ("*",), (), "torch", "no C++ kernel serves this format or dtype here"),
 
     # ---- routed experts ----
@@ -128,6 +128,8 @@ RULES: tuple[Rule, ...] = (
     R("experts", "cuda", ("*",), (("half",),), "Triton expert GEMVs (prefill: grouped GEMM)",
       "only the chosen experts' rows read"),
     R("experts", "cuda", ("*",), (), "torch (per expert)", "fp32 keeps torch's exact forms"),
+    R("experts", "cpu", ("*",), (("step",),), "C++ step: chosen experts (experts_decode)",
+      "within the C++ decode step: only the chosen experts' blocks read, the router's top k in the step"),
     R("experts", "cpu", ("*",), (("blocks",),), "C++ block GEMV per chosen expert",
       "only the chosen experts' blocks read from the mapping; a token's experts in one call (experts_decode)"),
     R("experts", "cpu", ("*",), (), "torch (per chosen expert)", "no C++ kernel serves these experts here"),

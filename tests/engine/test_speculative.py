@@ -18,10 +18,8 @@ from engine.config import ConfigError, SamplingConfig
 from engine.session import DecodeSession
 from engine.speculative import Depth, PromptLookup
 from models.kernels.cpu import step as cpu_step
-from tests.support.blocks import Q4_K_M, tiny_gguf
-from tests.support.blocks import lfm2_in_blocks
-from tests.support.hybrid import tiny as tiny_hybrid
-from tests.support.blocks import QUANTIZED, random_blocks
+from tests.support.blocks import QUANTIZED, Q4_K_M, lfm2_in_blocks, random_blocks, tiny_gguf
+from tests.support.hybrid import q8_0_gguf, tiny as tiny_hybrid
 from tests.support.speculative import Always, kv_live
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=48)
@@ -36,7 +34,8 @@ GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0,
          ("llama", Q.Q4_K, Q4_K_M, Q.Q6_K, True), ("qwen2", Q.Q5_0, None, Q.Q8_0, True),
          ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True),
          ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True),
-         ("olmo_hybrid", Q.Q8_0, None, None, False)]
+         ("olmo_hybrid", Q.Q8_0, None, None, False),
+         ("qwen3_5_moe", Q.Q8_0, None, None, False), ("qwen3_5_moe", Q.Q8_0, None, None, True)]
 IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
 
@@ -47,6 +46,8 @@ def gguf_lm(request, tmp_path_factory):
         lm = lfm2_in_blocks(tmp_path_factory.mktemp("spec"), linear)
     elif kind in ("qwen3_5", "olmo_hybrid"):  # (DeltaNet layers: conv windows and recurrent states rolled back alike)
         lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0, kind=kind)
+    elif kind == "qwen3_5_moe":  # (routed experts in GGUF blocks: each verify row routes on its own)
+        lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind, ("--no-mtp",))
     else:
         lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
     if int8:

@@ -83,16 +83,24 @@ def library_step_is_torch_step(layer, states: dict, x: torch.Tensor, op, written
     assert not torch.equal(st_got[written], states[written])  # (the step wrote the state in place)
 
 
-def granite_q8_0(tmp_path, kind: str = "granitemoehybrid", **over):
-    """A tiny Granite 4.0-H checkpoint of `kind` as a Q8_0 GGUF (llama.cpp's converter), loaded with
-    its blocks kept."""
+def q8_0_gguf(tmp_path, kind: str, options: tuple[str, ...] = (), **over):
+    """A tiny checkpoint of `kind` as a Q8_0 GGUF (llama.cpp's converter, with `options`), loaded
+    with its blocks kept; the file written once a tmp_path."""
     import models
     from tests.support.llama_cpp_tree import convert
     from tests.support.tiny import as_released
     from tests.support.tiny import hf_model, write_checkpoint
-    d = write_checkpoint(kind, str(tmp_path / "hf"), model=hf_model(kind, seed=3, **over))
-    as_released(d, kind)
-    return models.load(convert(d, str(tmp_path / "q8.gguf"), "q8_0", pre="gpt-2"), quantized=True)
+    path = tmp_path / f"{kind}.q8.gguf"
+    if not path.exists():
+        d = write_checkpoint(kind, str(tmp_path / f"{kind}-hf"), model=hf_model(kind, seed=3, **over))
+        as_released(d, kind)
+        convert(d, str(path), "q8_0", pre="gpt-2", options=options)
+    return models.load(str(path), quantized=True)
+
+
+def granite_q8_0(tmp_path, kind: str = "granitemoehybrid", **over):
+    """A tiny Granite 4.0-H checkpoint of `kind` as a Q8_0 GGUF, loaded with its blocks kept."""
+    return q8_0_gguf(tmp_path, kind, **over)
 
 
 def decode_logits_with_op(lm, cls, op, on: bool) -> torch.Tensor:

@@ -1,6 +1,7 @@
-// The CPU decode step of the DeltaNet hybrids with dense MLPs: Qwen3.5 (qwen3_5.HybridForCausalLM
-// without MoE: Gated DeltaNet layers and gated full-attention layers) and OLMo-Hybrid (its DeltaNet
-// layers and post-norm OLMo-3 attention layers), each layer with a SwiGLU MLP, all in one call.
+// The CPU decode step of the DeltaNet hybrids: Qwen3.5, Qwen3.5-MoE and Qwen3-Next
+// (qwen3_5.HybridForCausalLM: Gated DeltaNet layers and gated full-attention layers, each with a
+// SwiGLU MLP or routed experts in GGUF blocks beside a gated shared expert) and OLMo-Hybrid (its
+// DeltaNet layers and post-norm OLMo-3 attention layers, SwiGLU MLPs), all in one call.
 // Included by step.cpp inside its namespace, after llama_step (linear, linears, rms_norm, rope,
 // attention and delta_decode are step.cpp's and delta_step.h's). The contract is in
 // hybrid_step.py.
@@ -18,6 +19,42 @@
 // live states at the end rather than one a row.
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// A layer's routed experts (moe.SparseMoe over quant.BlockExperts), each row of x on its own as
+// a one-token step computes it: h = norm(x); the router's logits, their softmax over all experts
+// in fp32 and the top k (renormalised to sum 1 where norm_topk), by the same ATen ops as the torch
+// form; the chosen experts through experts_decode; where the layer has a shared expert (shared
+// parts > 0), + sigmoid(h . g) times its SwiGLU; x += the sum. params: the post-attention norm
+// weight (offset added), the router [E, hidden] fp32, the gate/up/down stacks [E, rows, row
+// bytes], their types [tg, tu, td, int8 inputs] (int64); then (shared) its gate/up linears,
+// down_proj and the gate's weight [1, hidden].
+void moe_mlp(Tensor& x, Tensor& h, const OptList& params, int64_t& at_, int64_t shared_parts, double eps,
+             int64_t top_k, bool norm_topk) {
+  const int64_t Tn = x.size(0), hidden = x.size(1);
+  const float* norm = params.get(at_++).value().data_ptr<float>();
+  for (int64_t t = 0; t < Tn; ++t)
+    rms_norm(x.data_ptr<float>() + t * hidden, norm, h.data_ptr<float>() + t * hidden, hidden, eps);
+  const Tensor router = params.get(at_++).value(), gate = params.get(at_++).value(), up = params.get(at_++).value(),
+               down = params.get(at_++).value(), types = params.get(at_++).value();
+  const int64_t* ty = types.data_ptr<int64_t>();
+  TORCH_CHECK(types.numel() == 4 && router.size(1) == hidden && top_k >= 1 && top_k <= router.size(0),
+              "hybrid_step: a routed-experts layer's router or expert types");
+  Tensor branch = at::empty_like(x);
+  for (int64_t t = 0; t < Tn; ++t) {
+    const Tensor row = h.narrow(0, t, 1);
+    const Tensor probs = at::softmax(at::linear(row, router), -1);
+    auto [w, idx] = at::topk(probs, top_k, -1);
+    if (norm_topk) w = w / w.sum(-1, true);
+    branch.narrow(0, t, 1).copy_(experts_decode(row, gate, up, down, ty[0], ty[1], ty[2], idx, w, ty[3] != 0));
+  }
+  if (shared_parts > 0) {
+    const Tensor s = linear(swiglu_rows(linears(h, params, at_, shared_parts).contiguous()), params, at_);
+    const Tensor g = params.get(at_++).value();
+    for (int64_t t = 0; t < Tn; ++t)  // (the gate a row at a time, as linear() takes an fp32 weight)
+      branch.narrow(0, t, 1).add_(at::sigmoid(at::linear(h.narrow(0, t, 1), g)) * s.narrow(0, t, 1));
+  }
+  add_rows(x, branch);
+}
 
 // An OLMo-Hybrid attention layer (olmo_hybrid.OlmoHybridLayer): q and k RMS-normed over all their
 // heads together, RoPE over the first R dims (R = 0: NoPE), the attention, o_proj; its output and
@@ -62,12 +99,14 @@ void olmo_attention_layer(Tensor& x, Tensor& attn, const float* cos, const float
   }
 }
 
-// meta: H, KVH, D, rotary (0: none), nk, nv, dk, dv, out_tiled (0/1), then per layer (kind: 1
-// DeltaNet, 0 Qwen3.5's gated attention, 2 OLMo-3's post-norm attention; its input linears'
-// count; its gate/up linears' count). params per layer: the input
+// meta: H, KVH, D, rotary (0: none), nk, nv, dk, dv, out_tiled (0/1), top_k, norm_topk (0/1),
+// then per layer (kind: 1 DeltaNet, 0 Qwen3.5's gated attention, 2 OLMo-3's post-norm attention;
+// its input linears' count; its gate/up linears' count, the shared expert's in a routed layer;
+// routed: 1 where the MLP is routed experts, moe_mlp's). params per layer: the input
 // norm weight (offset added), the input linears (3 entries each); DeltaNet: conv weight [C, 1, K],
 // neg_A, dt_bias, q_norm_w, k_norm_w, norm weight, out_proj; attention: q/k norm weights (offset
-// added), o_proj; then the post norm weight (offset added), gate/up linears, down_proj. caches
+// added), o_proj; then the post norm weight (offset added), gate/up linears, down_proj (or
+// moe_mlp's params). caches
 // per layer: DeltaNet conv window [C, K-1] and recurrent [nv, dk, dv]; attention k, v.
 Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, const OptList& params,
                    const std::vector<Tensor>& caches, const std::vector<int64_t>& meta, int64_t pos, double eps,
@@ -75,14 +114,19 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
   const int64_t H = meta[0], KVH = meta[1], D = meta[2], R = meta[3];
   const int64_t nk = meta[4], nv = meta[5], dk = meta[6], dv = meta[7];
   const bool tiled = meta[8] != 0;
-  const int64_t layers = (static_cast<int64_t>(meta.size()) - 9) / 3;
+  const int64_t top_k = meta[9];
+  const bool norm_topk = meta[10] != 0;
+  constexpr int64_t kGlobal = 11, kPerLayer = 4;
+  const int64_t layers = (static_cast<int64_t>(meta.size()) - kGlobal) / kPerLayer;
   const int64_t hidden = x_in.size(1), Tn = x_in.size(0);
   const int64_t key_dim = nk * dk, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
   TORCH_CHECK(D <= 512 && R <= D && R % 2 == 0 && nv % nk == 0, "hybrid_step: head sizes not supported");
   auto [scale, cs, cos, sin, x, h, attn, xs, hs] = step_rows(x_in, cos_t, sin_t, H, D, "hybrid_step");
   int64_t at_ = 0, ci = 0, si = 0;  // the next param, cache, row_states entry
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t kind = meta[9 + 3 * l], in_parts = meta[10 + 3 * l], gu_parts = meta[11 + 3 * l];
+    const int64_t* lm = meta.data() + kGlobal + kPerLayer * l;
+    const int64_t kind = lm[0], in_parts = lm[1], gu_parts = lm[2];
+    const bool routed = lm[3] != 0;
     if (kind == 2) {  // OLMo-3 attention, post-norm: x += norm(attn(x)); x += norm(mlp(x))
       olmo_attention_layer(x, attn, cos, sin, cs, params, at_, caches, ci, pos, eps, H, KVH, D, R, scale,
                            in_parts, gu_parts);
@@ -159,7 +203,10 @@ Tensor hybrid_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t,
       branch = linear(attn, params, at_);
     }
     add_rows(x, branch);
-    residual_mlp(x, h, params, at_, gu_parts, eps);
+    if (routed)
+      moe_mlp(x, h, params, at_, gu_parts, eps, top_k, norm_topk);
+    else
+      residual_mlp(x, h, params, at_, gu_parts, eps);
   }
   return x;
 }

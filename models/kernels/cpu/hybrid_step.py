@@ -1,5 +1,5 @@
-"""The CPU decode step of the DeltaNet hybrids with dense MLPs in C++ (hybrid_step.h, built into
-step.cpp's library): Qwen3.5 and OLMo-Hybrid.
+"""The CPU decode step of the DeltaNet hybrids in C++ (hybrid_step.h, built into step.cpp's
+library): Qwen3.5, Qwen3.5-MoE and Qwen3-Next (routed experts in GGUF blocks), and OLMo-Hybrid.
 
 Contract: `HybridStep(model)(tokens, positions, state)` computes what `model(tokens, positions,
 state)` computes for one token on the CPU in fp32 (the same weights: 4-bit `Int4Linear`, GGUF
@@ -8,9 +8,10 @@ layer's conv window and recurrent state updated in place, each attention layer's
 the token's position), up to float summation order: tests/kernels/test_hybrid_step.py compares logits,
 states and greedy tokens with the torch step. `verify` (speculative decoding) is CpuStep's: its
 rows are one-token steps bit for bit, and the DeltaNet states after each row are kept for the
-rollback of rejected drafts. `supports(model)` says which models it serves: Qwen3.5 without MoE
-layers (Qwen3-Next and Qwen3.5-MoE keep the torch step and its per-linear kernels) and OLMo-Hybrid
-(its attention layers post-norm, q and k normed over all heads, RoPE or none).
+rollback of rejected drafts. `supports(model)` says which models it serves: Qwen3.5, and Qwen3.5-MoE
+and Qwen3-Next where their routed experts are GGUF blocks (quant.BlockExperts: a GGUF loaded with
+its blocks; other experts keep the torch step and its per-linear kernels), and OLMo-Hybrid (its
+attention layers post-norm, q and k normed over all heads, RoPE or none).
 
 Why: the torch step of a DeltaNet layer is a dozen dispatched ops around its projections and the
 library's delta_decode, and an attention layer's as many again; here the whole token is one call.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.layers import BlockLinear, Int4Linear
+from ...quant.layers import BlockExperts, BlockLinear, Int4Linear
 from . import step as cpu_step
 
 
@@ -48,18 +49,40 @@ def _attention_params(attn, ins) -> list:
     return _params(ins) + [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()] + cpu_step._linear_params(attn.o_proj)
 
 
+def _routed(mlp) -> bool:
+    """A routed-experts MLP (moe.SparseMoe), as against a SwiGLU one."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _routed_ok(mlp) -> bool:
+    """Routed experts the step reads: GGUF blocks, an fp32 router, a shared expert (where there is
+    one) of linears it reads and an fp32 gate row."""
+    if not isinstance(mlp.experts, BlockExperts) or mlp.gate.weight.dtype != torch.float32:
+        return False
+    if not hasattr(mlp, "shared_expert"):
+        return True
+    se, g = mlp.shared_expert, mlp.shared_expert_gate
+    parts = cpu_step._parts(se, "gate_up_proj", ("gate_proj", "up_proj")) + [se.down_proj]
+    return (all(cpu_step._linear_ok(m) for m in parts) and isinstance(g, torch.nn.Linear)
+            and g.weight.dtype == torch.float32 and g.bias is None)
+
+
 def supports(model) -> bool:
-    """Whether a Qwen3.5 hybrid has what the step reads: no MoE layer, 4-bit, GGUF-block or fp32
-    linears, fp32 norms and DeltaNet parameters, head sizes the attention loops take."""
+    """Whether a Qwen3.5 hybrid has what the step reads: 4-bit, GGUF-block or fp32 linears, routed
+    experts in GGUF blocks (_routed_ok), fp32 norms and DeltaNet parameters, head sizes the
+    attention loops take."""
     cfg = model.config
-    if getattr(cfg, "num_experts", 0) or cfg.head_dim > 512 or model.rope.rotary_dim % 2:
+    if cfg.head_dim > 512 or model.rope.rotary_dim % 2:
         return False
     for layer in model.model.layers:
         olmo = _olmo_attention(layer)
         norms = [layer.post_attention_layernorm] + ([layer.post_feedforward_layernorm] if olmo else
                                                     [layer.input_layernorm])
         mlp = layer.mlp
-        if not hasattr(mlp, "down_proj"):  # (a SwiGLU MLP)
+        if _routed(mlp):
+            if olmo or not _routed_ok(mlp):
+                return False
+        elif not hasattr(mlp, "down_proj"):  # (a SwiGLU MLP)
             return False
         if layer.linear:
             lin = layer.linear_attn
@@ -71,12 +94,29 @@ def supports(model) -> bool:
             attn = layer.self_attn
             linears = _qkv(attn) + [attn.o_proj]
             norms += [attn.q_norm, attn.k_norm]
-        gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-        if not all(cpu_step._linear_ok(m) for m in linears + gu + [mlp.down_proj]):
+        mlp_linears = [] if _routed(mlp) else cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj")) + [mlp.down_proj]
+        if not all(cpu_step._linear_ok(m) for m in linears + mlp_linears):
             return False
         if any(n.weight.dtype != torch.float32 or n.eps != cfg.rms_eps for n in norms):
             return False
     return True
+
+
+def _mlp_params(mlp) -> tuple[list, list]:
+    """(the gate/up linears, the MLP's params as the step reads them after its norm): a SwiGLU's
+    gate/up linears and down_proj; routed experts' router, stacks and their types [gate, up, down,
+    int8 inputs], then the shared expert's gate/up linears, down_proj and gate row (moe_mlp)."""
+    if not _routed(mlp):
+        gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        return gu, _params(gu) + cpu_step._linear_params(mlp.down_proj)
+    ex = mlp.experts
+    types = torch.tensor([*ex.types, int(ex.int8_inputs)], dtype=torch.int64)
+    params = [mlp.gate.weight, ex.gate_blocks, ex.up_blocks, ex.down_blocks, types]
+    if not hasattr(mlp, "shared_expert"):
+        return [], params
+    se = mlp.shared_expert
+    gu = cpu_step._parts(se, "gate_up_proj", ("gate_proj", "up_proj"))
+    return gu, params + _params(gu) + cpu_step._linear_params(se.down_proj) + [mlp.shared_expert_gate.weight]
 
 
 def serves(model, dtype: torch.dtype) -> bool:
@@ -94,17 +134,18 @@ class HybridStep(cpu_step.CpuStep):
         first = next(layer.linear_attn for layer in model.model.layers if layer.linear)
         nope = any(_olmo_attention(layer) and not layer.self_attn.rope for layer in model.model.layers)
         meta = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0 if nope else model.rope.rotary_dim,
-                first.nk, first.nv, first.dk, first.dv, int(first.out_tiled)]
+                first.nk, first.nv, first.dk, first.dv, int(first.out_tiled), max(1, getattr(cfg, "experts_per_tok", 0)),
+                int(getattr(cfg, "norm_topk_prob", True))]
         params: list[torch.Tensor | None] = []
         for layer in model.model.layers:
             mlp = layer.mlp
-            gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-            mlp_params = _params(gu) + cpu_step._linear_params(mlp.down_proj)
+            routed = _routed(mlp)
+            gu, mlp_params = _mlp_params(mlp)
             if _olmo_attention(layer):  # (no norm in front; one after the attention, one after the MLP)
                 ins = _qkv(layer.self_attn)
                 params += _attention_params(layer.self_attn, ins) + [layer.post_attention_layernorm.fused_weight()]
                 params += mlp_params + [layer.post_feedforward_layernorm.fused_weight()]
-                meta += [2, len(ins), len(gu)]
+                meta += [2, len(ins), len(gu), 0]
                 continue
             params.append(layer.input_layernorm.fused_weight())
             if layer.linear:
@@ -116,7 +157,7 @@ class HybridStep(cpu_step.CpuStep):
                 ins = _qkv(layer.self_attn)
                 params += _attention_params(layer.self_attn, ins)
             params += [layer.post_attention_layernorm.fused_weight()] + mlp_params
-            meta += [int(layer.linear), len(ins), len(gu)]
+            meta += [int(layer.linear), len(ins), len(gu), int(routed)]
         self.params = [p.detach() if p is not None else None for p in params]
         self.meta = meta
         self.eps = float(cfg.rms_eps)

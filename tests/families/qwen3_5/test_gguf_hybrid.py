@@ -102,11 +102,10 @@ def q8_hybrid(converted, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybrid, kind, tmp_path):
-    """The GGUF blocks on the CPU take the library's kernels: through the whole C++ step (the Q8_0
-    qwen3_5) or, where it does not serve (MoE: the qwen3_5_moe with Q4_0 experts read by
-    BlockExperts), the per-linear kernels: a session's decode steps and prefill equal, to the
-    quantized tolerance, the torch forms on a second load of the file; cpu_kernel off detaches
-    them again."""
+    """The GGUF blocks on the CPU take the library's kernels through the whole C++ step (the Q8_0
+    qwen3_5, and the qwen3_5_moe with Q4_0 experts read by BlockExperts, its routed layers the
+    step's moe_mlp): a session's decode steps and prefill equal, to the quantized tolerance, the
+    torch forms on a second load of the file; cpu_kernel off detaches them again."""
     from gguf import GGMLQuantizationType as Q
 
     from models.quant import layers as quant
@@ -115,10 +114,8 @@ def test_block_linears_read_through_the_cpu_librarys_kernels(converted, q8_hybri
         requantize(converted[kind][1], str(tmp_path / "q4-experts.gguf"), {"_exps.weight": Q.Q4_0})
     lm, reference = models.load(path, quantized=True), models.load(path, quantized=True)
     s = DecodeSession(lm.model, max_context=128, device=torch.device("cpu"), dtype=torch.float32, cpu_kernel="on")
-    if kind == "qwen3_5":  # (a dense hybrid: the whole C++ step, which attaches the same kernels)
-        assert s.decode_path.startswith("C++ step") and not lm.model.cpu_block_kernels
-    else:
-        assert lm.model.cpu_block_kernels and "C++ per-linear kernels" in s.decode_path
+    # (the whole C++ step, which attaches the same kernels)
+    assert s.decode_path.startswith("C++ step") and not lm.model.cpu_block_kernels
     kinds = (quant.BlockExperts,) if kind == "qwen3_5_moe" else (quant.BlockLinear,)
     kept = [m for m in lm.model.modules() if isinstance(m, kinds)]
     assert kept and all(m.fp32_kernel is not None and m.dequant_kernel is not None for m in kept)
