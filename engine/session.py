@@ -220,7 +220,7 @@ class DecodeSession:
             if on_cuda(self.device):
                 return "no exact multi-token verify on CUDA yet (the C++ CPU step has one)"
             return ("no exact multi-token verify for this decode path (the C++ CPU step of the dense "
-                    "GQA models, LFM2, Qwen3.5 and OLMo-Hybrid has one)")
+                    "GQA models, LFM2 and the DeltaNet and Mamba2 hybrids has one)")
         if self.state.has_fixed_state and getattr(self._step_fn, "fixed_after", None) is None:
             return "this model's recurrent state has no rollback of rejected drafts yet"
         if self.link is not None:

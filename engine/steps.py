@@ -79,5 +79,6 @@ def _cpu_kernel_step(model, dtype: torch.dtype, required: bool) -> DecodeStep:
         return DecodeStep(step)
     if required and not getattr(model, "cpu_block_kernels", False):  # (its GGUF blocks on the C++ library: served)
         raise ConfigError("cpu_kernel: on, but this model has no CPU decode kernel (the dense GQA "
-                          "models, LFM2, Qwen3.5 and OLMo-Hybrid in float32 have one); use cpu_kernel: auto or off")
+                          "models, LFM2 and the DeltaNet and Mamba2 hybrids in float32 have one); use "
+                          "cpu_kernel: auto or off")
     return DecodeStep(model)

@@ -198,10 +198,15 @@ class GraniteHybridLayer(nn.Module):
 
 
 class GraniteHybridForCausalLM(CausalLM):
+    cpu_step_kind = "mamba2"  # (models/kernels/cpu/mamba2_hybrid_step.py)
+
     def __init__(self, cfg: GraniteHybridConfig):
         layers = [GraniteHybridLayer(cfg, i) for i in range(len(cfg.layer_types))]
         body = Body(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
+
+    def offers_cpu_step(self) -> bool:
+        return True  # (the step then checks the weights it would read: mamba2_hybrid_step.supports)
 
     def state_spec(self):
         return [layer.state(self.config) for layer in self.model.layers]
@@ -211,8 +216,7 @@ class GraniteHybridForCausalLM(CausalLM):
         m = self.config.embedding_multiplier
         return x if m == 1.0 else x * m
 
-    def logits(self, x) -> torch.Tensor:
-        out = super().logits(x)
+    def scale_logits(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.config.logits_scaling == 1.0 else out / self.config.logits_scaling
 
     def checkpoint_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -161,10 +161,15 @@ class NemotronHLayer(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
+    cpu_step_kind = "mamba2"  # (models/kernels/cpu/mamba2_hybrid_step.py)
+
     def __init__(self, cfg: NemotronHConfig):
         body = Body(cfg.vocab_size, cfg.hidden_size, [NemotronHLayer(cfg, i) for i in range(len(cfg.layer_types))],
                     RMSNorm(cfg.hidden_size, cfg.rms_eps))
         super().__init__(cfg, body, Rope(cfg.head_dim, cfg.rope_theta))
+
+    def offers_cpu_step(self) -> bool:
+        return True  # (the step then checks the weights it would read: mamba2_hybrid_step.supports)
 
     def state_spec(self):
         return [layer.state(self.config) for layer in self.model.layers]

@@ -32,10 +32,11 @@ def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True,
 
 
 def _step_module(model):
-    """The module of the C++ step for this model's architecture: Qwen3.5's hybrid or the dense GQA
-    models' (and LFM2's)."""
-    from .cpu import hybrid_step, step
-    return hybrid_step if getattr(model, "cpu_step_kind", "dense") == "hybrid" else step
+    """The module of the C++ step for this model's architecture (its `cpu_step_kind`): the DeltaNet
+    hybrids', the Mamba2 hybrids' or the dense GQA models' (and LFM2's)."""
+    from .cpu import hybrid_step, mamba2_hybrid_step, step
+    kinds = {"hybrid": hybrid_step, "mamba2": mamba2_hybrid_step}
+    return kinds.get(getattr(model, "cpu_step_kind", "dense"), step)
 
 
 def cpu_step_serves(model, dtype: torch.dtype) -> bool:
@@ -93,8 +94,8 @@ def cpu_kernels_off(model) -> None:
 
 
 def cpu_decode_step(model, dtype: torch.dtype):
-    """The C++ one-token step for this model (dense GQA, LFM2, Qwen3.5's dense hybrid: the model's
-    `cpu_step_kind` names which), or None where it does not serve it (the caller then attaches
+    """The C++ one-token step for this model (dense GQA, LFM2, the DeltaNet and Mamba2 hybrids: the
+    model's `cpu_step_kind` names which), or None where it does not serve it (the caller then attaches
     the per-linear kernels: `cpu_block_kernels`). Raises CpuStepUnavailable where it would serve
     but cannot be built or loaded here."""
     from .cpu import step
@@ -102,6 +103,6 @@ def cpu_decode_step(model, dtype: torch.dtype):
     if not module.serves(model, dtype):
         return None
     try:
-        return module.HybridStep(model) if module is not step else step.CpuStep(model)
+        return module.STEP(model)
     except step.Unavailable as e:
         raise CpuStepUnavailable(str(e)) from None

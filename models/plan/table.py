@@ -119,7 +119,7 @@ RULES: tuple[Rule, ...] = (
     R("linear", "cpu", ("*",), (("off", "cpu_kernel"),), "torch",
       "cpu_kernel: off (or compile: on, or a tensor-parallel rank): torch's forms"),
     R("linear", "cpu", ("*",), (("no_offer",),), "torch",
-      "no C++ decode step for this family (its Mamba2 or MoE layers run in torch)"),
+      "no C++ decode step for this family (its MoE layers run in torch)"),
     R("linear", "cpu", ("*",), (), "torch", "no C++ kernel serves this format or dtype here"),
 
     # ---- routed experts ----
@@ -151,6 +151,7 @@ RULES: tuple[Rule, ...] = (
     R("mamba2", "cuda", ("*",), (("triton",), ("half",), ("ssd_fits",)), "Triton SSD step",
       "conv, scan update and gate in one launch"),
     R("mamba2", "cuda", ("*",), (), "torch recurrent step", "head or state sizes the kernel does not take"),
+    R("mamba2", "cpu", ("*",), (("step",),), "C++ step: Mamba2 mixer", "within the C++ decode step"),
     R("mamba2", "cpu", ("*",), (("blocks",),), "torch step: C++ mamba2_decode",
       "the torch step with the library's per-linear kernels (no C++ step for this model)"),
     R("mamba2", "cpu", ("*",), (), "torch recurrent step", "no C++ step for this model"),

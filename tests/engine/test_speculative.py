@@ -35,7 +35,8 @@ GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0,
          ("lfm2", Q.Q4_0, None, None, False), ("lfm2", Q.Q8_0, None, None, True),
          ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True),
          ("olmo_hybrid", Q.Q8_0, None, None, False),
-         ("qwen3_5_moe", Q.Q8_0, None, None, False), ("qwen3_5_moe", Q.Q8_0, None, None, True)]
+         ("qwen3_5_moe", Q.Q8_0, None, None, False), ("qwen3_5_moe", Q.Q8_0, None, None, True),
+         ("granitemoehybrid_e5", Q.Q8_0, None, None, False), ("nemotron_h", Q.Q8_0, None, None, True)]
 IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
 
@@ -48,6 +49,8 @@ def gguf_lm(request, tmp_path_factory):
         lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0, kind=kind)
     elif kind == "qwen3_5_moe":  # (routed experts in GGUF blocks: each verify row routes on its own)
         lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind, ("--no-mtp",))
+    elif kind in ("granitemoehybrid_e5", "nemotron_h"):  # (Mamba2 conv windows and ssm states rolled back)
+        lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind)
     else:
         lm = models.load(tiny_gguf(tmp_path_factory.mktemp("spec"), kind, linear, types, embed), quantized=True)
     if int8:
@@ -363,7 +366,7 @@ def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith(
         "speculative: lookup is unavailable here (no exact multi-token verify for this decode path (the C++ "
-        "CPU step of the dense GQA models, LFM2, Qwen3.5 and OLMo-Hybrid has one)); use auto or off")
+        "CPU step of the dense GQA models, LFM2 and the DeltaNet and Mamba2 hybrids has one)); use auto or off")
 
 
 def test_a_recording_replays_with_it_on_and_off(tmp_path):

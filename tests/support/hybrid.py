@@ -104,14 +104,16 @@ def granite_q8_0(tmp_path, kind: str = "granitemoehybrid", **over):
 
 
 def decode_logits_with_op(lm, cls, op, on: bool) -> torch.Tensor:
-    """A CPU session's one-token forwards after an 8-token prefill, the library's kernels on the
-    model's blocks (cpu_kernel auto): the `cls` modules through their library `op`, or (off) their
-    torch form."""
+    """A CPU session's one-token forwards of the torch model after an 8-token prefill, the
+    library's per-linear kernels on the model's blocks (as the torch step takes them where no whole
+    C++ step serves): the `cls` modules through their library `op`, or (off) their torch form."""
     from engine.session import DecodeSession
+    from models.kernels.cpu import step as cpu_step
     from tests.support.parity import rand_ids
     modules = [m for m in lm.model.modules() if isinstance(m, cls)]
     ids = rand_ids(12, 7)
     s = DecodeSession(lm.model, max_context=64, device=torch.device("cpu"), dtype=torch.float32)
+    cpu_step.attach_block_kernels(lm.model, norms=True)
     assert modules and all(m.cpu_kernel is op for m in modules)
     if not on:
         for m in modules:

@@ -24,12 +24,13 @@ inline float sigmoid_f(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 // a one-token step computes it: h = norm(x); the router's logits, their softmax over all experts
 // in fp32 and the top k (renormalised to sum 1 where norm_topk), by the same ATen ops as the torch
 // form; the chosen experts through experts_decode; where the layer has a shared expert (shared
-// parts > 0), + sigmoid(h . g) times its SwiGLU; x += the sum. params: the post-attention norm
-// weight (offset added), the router [E, hidden] fp32, the gate/up/down stacks [E, rows, row
-// bytes], their types [tg, tu, td, int8 inputs] (int64); then (shared) its gate/up linears,
-// down_proj and the gate's weight [1, hidden].
+// parts > 0), + sigmoid(h . g) times its SwiGLU (shared_gated; else the SwiGLU itself, Granite
+// 4.0-H's shared MLP); x += the sum times `scale` (Granite's residual multiplier; 1: none). params:
+// the post-attention norm weight (offset added), the router [E, hidden] fp32, the gate/up/down
+// stacks [E, rows, row bytes], their types [tg, tu, td, int8 inputs] (int64); then (shared) its
+// gate/up linears, down_proj and (shared_gated) the gate's weight [1, hidden].
 void moe_mlp(Tensor& x, Tensor& h, const OptList& params, int64_t& at_, int64_t shared_parts, double eps,
-             int64_t top_k, bool norm_topk) {
+             int64_t top_k, bool norm_topk, bool shared_gated = true, double scale = 1.0) {
   const int64_t Tn = x.size(0), hidden = x.size(1);
   const float* norm = params.get(at_++).value().data_ptr<float>();
   for (int64_t t = 0; t < Tn; ++t)
@@ -49,10 +50,15 @@ void moe_mlp(Tensor& x, Tensor& h, const OptList& params, int64_t& at_, int64_t 
   }
   if (shared_parts > 0) {
     const Tensor s = linear(swiglu_rows(linears(h, params, at_, shared_parts).contiguous()), params, at_);
-    const Tensor g = params.get(at_++).value();
-    for (int64_t t = 0; t < Tn; ++t)  // (the gate a row at a time, as linear() takes an fp32 weight)
-      branch.narrow(0, t, 1).add_(at::sigmoid(at::linear(h.narrow(0, t, 1), g)) * s.narrow(0, t, 1));
+    if (shared_gated) {
+      const Tensor g = params.get(at_++).value();
+      for (int64_t t = 0; t < Tn; ++t)  // (the gate a row at a time, as linear() takes an fp32 weight)
+        branch.narrow(0, t, 1).add_(at::sigmoid(at::linear(h.narrow(0, t, 1), g)) * s.narrow(0, t, 1));
+    } else {
+      branch.add_(s);
+    }
   }
+  if (scale != 1.0) branch.mul_(static_cast<float>(scale));
   add_rows(x, branch);
 }
 

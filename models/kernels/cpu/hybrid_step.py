@@ -173,3 +173,6 @@ class HybridStep(cpu_step.CpuStep):
     def _run(self, x, cos, sin, state, row_states: list[torch.Tensor]) -> torch.Tensor:
         return self.op(x, cos, sin, self.params, self._state_tensors(state), self.meta, state.length, self.eps,
                        self.lin_eps, self.beta_scale, row_states)
+
+
+STEP = HybridStep

@@ -20,10 +20,13 @@
 // gate and the grouped norm), every Mamba2 layer of every token; here one call, the heads in
 // parallel (bench/cpu_block_bench.py --mamba2).
 
-Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tensor& conv_w_,
-                     const std::optional<Tensor>& conv_b_, const Tensor& ssm, const Tensor& A_, const Tensor& dt_bias_,
-                     const Tensor& D_, const Tensor& norm_w_, double norm_eps, double dt_min, double dt_max, int64_t H,
-                     int64_t P, int64_t N, int64_t G) {
+// conv_out, ssm_out: where the updated states go (null: in place, into conv_state and ssm; else
+// those are only read: a verify's row chains its states through buffers of its own,
+// mamba2_hybrid_step.h). The same operations either way.
+Tensor mamba2_decode_to(const Tensor& zxbcdt_, const Tensor& conv_state, const Tensor& conv_w_,
+                        const std::optional<Tensor>& conv_b_, const Tensor& ssm, const Tensor& A_, const Tensor& dt_bias_,
+                        const Tensor& D_, const Tensor& norm_w_, double norm_eps, double dt_min, double dt_max, int64_t H,
+                        int64_t P, int64_t N, int64_t G, float* conv_out, float* ssm_out) {
   const int64_t inner = H * P, C = inner + 2 * G * N;
   for (const Tensor* t : {&zxbcdt_, &conv_state, &conv_w_, &ssm, &A_, &dt_bias_, &D_, &norm_w_})
     TORCH_CHECK(t->scalar_type() == at::kFloat && !t->is_cuda(), "mamba2_decode: fp32 CPU tensors");
@@ -48,14 +51,15 @@ Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tens
   // the conv's step and SiLU, the window shifted
   std::vector<float> xbc(C);
   float* cs = conv_state.data_ptr<float>();
-  conv_step_silu(xin, cs, cs, conv_w.data_ptr<float>(), conv_b.defined() ? conv_b.data_ptr<float>() : nullptr, C, K,
+  conv_step_silu(xin, cs, conv_out ? conv_out : cs, conv_w.data_ptr<float>(), conv_b.defined() ? conv_b.data_ptr<float>() : nullptr, C, K,
                  xbc.data());
   const float* x = xbc.data();
   const float* B = x + inner;
   const float* Cm = B + G * N;
   Tensor out = at::empty({1, inner}, zx.options());
   float* y = out.data_ptr<float>();
-  float* S = ssm.data_ptr<float>();
+  const float* S0 = ssm.data_ptr<float>();
+  float* S1 = ssm_out ? ssm_out : ssm.data_ptr<float>();
   const float *Ap = A.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>(), *Dp = D.data_ptr<float>();
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
   const int64_t rep = H / G;
@@ -67,11 +71,12 @@ Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tens
       const float* b = B + (h / rep) * N;
       const float* c = Cm + (h / rep) * N;
       for (int64_t p = 0; p < P; ++p) {
-        float* row = S + (h * P + p) * N;
+        const float* prev = S0 + (h * P + p) * N;
+        float* row = S1 + (h * P + p) * N;
         const float xdt = dt * x[h * P + p];
         // the update, then the read by step.cpp's lane-wise dot: one loop with the read's running
         // sum in it is a chain of dependent adds the compiler may not vectorise
-        for (int64_t n = 0; n < N; ++n) row[n] = row[n] * decay + xdt * b[n];
+        for (int64_t n = 0; n < N; ++n) row[n] = prev[n] * decay + xdt * b[n];
         y[h * P + p] = dot(row, c, N) + Dp[h] * x[h * P + p];
       }
     }
@@ -83,4 +88,12 @@ Tensor mamba2_decode(const Tensor& zxbcdt_, const Tensor& conv_state, const Tens
   const float* nw = norm_w.data_ptr<float>();
   for (int64_t k = 0; k < G; ++k) rms_norm(g.data() + k * gsize, nw + k * gsize, y + k * gsize, gsize, norm_eps);
   return out;
+}
+
+Tensor mamba2_decode(const Tensor& zxbcdt, const Tensor& conv_state, const Tensor& conv_w,
+                     const std::optional<Tensor>& conv_b, const Tensor& ssm, const Tensor& A, const Tensor& dt_bias,
+                     const Tensor& D, const Tensor& norm_w, double norm_eps, double dt_min, double dt_max, int64_t H,
+                     int64_t P, int64_t N, int64_t G) {
+  return mamba2_decode_to(zxbcdt, conv_state, conv_w, conv_b, ssm, A, dt_bias, D, norm_w, norm_eps, dt_min, dt_max, H, P,
+                          N, G, nullptr, nullptr);
 }

@@ -1625,6 +1625,7 @@ Tensor llama_step(const Tensor& x_in, const Tensor& cos_t, const Tensor& sin_t, 
 }
 
 #include "hybrid_step.h"
+#include "mamba2_hybrid_step.h"
 
 // y = x W^T for W [N, K] in Q8_0 blocks (int8 codes, one fp32 scale per 32 of a row) and fp32 rows
 #if defined(CHAT_FLASH_DECODE) && !defined(__AVX512F__)
@@ -1795,6 +1796,9 @@ TORCH_LIBRARY(chat_cpu, m) {
         "float eps, Tensor[] row_windows) -> Tensor", &llama_step);
   m.def("hybrid_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, int pos, "
         "float eps, float lin_eps, float beta_scale, Tensor[] row_states) -> Tensor", &hybrid_step);
+  m.def("mamba2_hybrid_step(Tensor x, Tensor cos, Tensor sin, Tensor?[] params, Tensor[] caches, int[] meta, "
+        "int pos, float eps, float scale, float q_scale, float mix_eps, float dt_min, float dt_max, "
+        "Tensor[] row_states) -> Tensor", &mamba2_hybrid_step);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int live, float scale) -> Tensor",
         &decode_attention);
 }

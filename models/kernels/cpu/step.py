@@ -38,7 +38,7 @@ from ...quant.layers import BlockEmbedding, BlockExperts, BlockLinear, Int4Linea
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step.cpp")
 HEADERS = [os.path.join(os.path.dirname(SOURCE), name)  # what SOURCE includes
            for name in ("blocks_avx2.h", "blocks_int8.h", "blocks_int8_avx2.h", "delta_step.h", "hybrid_step.h",
-                         "kquant_tiles_avx2.h", "mamba2_step.h", "rows16_int8.h")]
+                         "kquant_tiles_avx2.h", "mamba2_hybrid_step.h", "mamba2_step.h", "rows16_int8.h")]
 K_QUANTS = (12, 13, 14)  # GGMLQuantizationType Q4_K, Q5_K, Q6_K: int8 rows rounded per 256 weights
 INT8_INPUTS = 256  # step.cpp's kInt8Inputs
 # Whether the library's kernels serve at all (the `cpu_kernel` setting reaches the planner and the
@@ -439,7 +439,7 @@ class CpuStep:
         if tokens.shape[0] != 1:
             raise ValueError("CpuStep decodes one token; prefill runs the model itself")
         model = self.model
-        x = model.model.embed_tokens(tokens)
+        x = model.embed(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
         x = self._run(x, cos, sin, state, [])
         if model.hidden_sink is not None:
@@ -454,7 +454,7 @@ class CpuStep:
         head's rows through the library's row-exact forms (llama_step's contract)."""
         model = self.model
         n = tokens.shape[0]
-        x = torch.cat([model.model.embed_tokens(tokens[t:t + 1]) for t in range(n)])
+        x = torch.cat([model.embed(tokens[t:t + 1]) for t in range(n)])
         tables = [model.rope.cos_sin(positions[t:t + 1], x.dtype) for t in range(n)]
         cos = torch.cat([c for c, _ in tables])
         sin = torch.cat([s for _, s in tables])
@@ -487,10 +487,13 @@ class CpuStep:
             normed = torch.cat([norm(x[t:t + 1], torch.float32) for t in rows]).contiguous()
             w, code = head.int8_operand() if head.int8_inputs else (head.blocks, head.ggml_type)
             y = torch.ops.chat_cpu.block_linear_rows(normed, w, code, head.int8_inputs)
-            return (y if head.bias is None else y + head.bias).float()
+            return model.scale_logits((y if head.bias is None else y + head.bias).float())
         if _q8_head(model) is not None or isinstance(head, Int4Linear):  # their kernels sum each row alike
-            return head(torch.cat([norm(x[t:t + 1], torch.float32) for t in rows])).float()
+            return model.scale_logits(head(torch.cat([norm(x[t:t + 1], torch.float32) for t in rows])).float())
         return torch.cat([model.logits(x[t:t + 1]) for t in rows])  # (an fp32 GEMM's rows are not)
+
+
+STEP = CpuStep
 
 if __name__ == "__main__":
     sys.exit(main())
