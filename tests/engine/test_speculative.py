@@ -36,6 +36,7 @@ GGUFS = [("llama", Q.Q4_0, None, Q.Q8_0, False), ("qwen2", Q.Q4_1, None, Q.Q8_0,
          ("qwen3_5", Q.Q4_0, None, None, False), ("qwen3_5", Q.Q8_0, None, None, True),
          ("olmo_hybrid", Q.Q8_0, None, None, False),
          ("qwen3_5_moe", Q.Q8_0, None, None, False), ("qwen3_5_moe", Q.Q8_0, None, None, True),
+         ("qwen3_next", Q.Q8_0, None, None, True),
          ("granitemoehybrid_e5", Q.Q8_0, None, None, False), ("nemotron_h", Q.Q8_0, None, None, True)]
 IDS = [f"{k}-{q.name}-head_{e.name if e else 'tied'}{'-int8' if i8 else ''}" for k, q, t, e, i8 in GGUFS]
 
@@ -47,8 +48,10 @@ def gguf_lm(request, tmp_path_factory):
         lm = lfm2_in_blocks(tmp_path_factory.mktemp("spec"), linear)
     elif kind in ("qwen3_5", "olmo_hybrid"):  # (DeltaNet layers: conv windows and recurrent states rolled back alike)
         lm = tiny_hybrid(tmp_path_factory.mktemp("spec"), linear, tiled=linear == Q.Q4_0, kind=kind)
-    elif kind == "qwen3_5_moe":  # (routed experts in GGUF blocks: each verify row routes on its own)
-        lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind, ("--no-mtp",))
+    elif kind in ("qwen3_5_moe", "qwen3_next"):  # (routed experts in GGUF blocks: each verify row routes on its own)
+        # (every layer routed: llama.cpp's converter maps no dense MLP in a Qwen3-Next)
+        over = {"mlp_only_layers": []} if kind == "qwen3_next" else {}
+        lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind, ("--no-mtp",), **over)
     elif kind in ("granitemoehybrid_e5", "nemotron_h"):  # (Mamba2 conv windows and ssm states rolled back)
         lm = q8_0_gguf(tmp_path_factory.mktemp("spec"), kind)
     else:
