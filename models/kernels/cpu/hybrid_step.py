@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.layers import BlockExperts, BlockLinear, Int4Linear
+from ...quant.layers import BlockExperts
 from . import step as cpu_step
 
 
@@ -164,8 +164,7 @@ class HybridStep(cpu_step.CpuStep):
         self.lin_eps = float(first.norm.eps)
         self.beta_scale = float(first.beta_scale)
         self.op = torch.ops.chat_cpu.hybrid_step
-        quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
-        self.kv_dtype = torch.float16 if quantized else torch.float32  # (as CpuStep's)
+        self.kv_dtype = cpu_step.kv_dtype_of(model)
         self._caches = (None, [])
         self._fixed_layers = [(i, ("conv", "recurrent")) for i, layer in enumerate(model.model.layers) if layer.linear]
         self._row_states = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.layers import BlockExperts, BlockLinear, Int4Linear
+from ...quant.layers import BlockExperts
 from . import step as cpu_step
 from .hybrid_step import _params, _qkv
 
@@ -139,8 +139,7 @@ class Mamba2HybridStep(cpu_step.CpuStep):
         self.q_scale = float(q_scale)
         self.dt_limit = tuple(float(v) for v in cfg.dt_limit)
         self.op = torch.ops.chat_cpu.mamba2_hybrid_step
-        quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
-        self.kv_dtype = torch.float16 if quantized else torch.float32  # (as CpuStep's)
+        self.kv_dtype = cpu_step.kv_dtype_of(model)
         self._caches = (None, [])
         self._fixed_layers = [(i, ("conv", "ssm")) for i, layer in enumerate(model.model.layers)
                               if layer.kind == "mamba"]

@@ -379,6 +379,15 @@ def detach_block_kernels(model) -> None:
             m.__dict__.pop(name, None)
 
 
+def kv_dtype_of(model) -> torch.dtype:
+    """The KV cache's dtype under a C++ step of this model. With 4-bit weights (activations already
+    rounded to bf16 at every matmul) or GGUF blocks, fp16, as llama.cpp keeps it: a long context's
+    step reads half the bytes. (bf16 was tried: it changed a reply tests/formats/test_quant.py
+    guards.) fp32 weights keep an fp32 cache, so that path stays the exact reference."""
+    quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
+    return torch.float16 if quantized else torch.float32
+
+
 class CpuStep:
     """The decode step (one token) through the C++ library; call as the model is called."""
 
@@ -412,12 +421,7 @@ class CpuStep:
         self.meta = meta
         self.eps = float(cfg.rms_eps)
         self.op = torch.ops.chat_cpu.llama_step
-        # With 4-bit weights (activations already rounded to bf16 at every matmul) the KV cache
-        # is kept in fp16, as llama.cpp keeps it: a long context's step reads half the bytes.
-        # (bf16 was tried: it changed a reply tests/formats/test_quant.py guards.) fp32 weights keep an
-        # fp32 cache, so that path stays the exact reference.
-        quantized = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.model.layers.modules())
-        self.kv_dtype = torch.float16 if quantized else torch.float32
+        self.kv_dtype = kv_dtype_of(model)
         self._caches: tuple[object, list[torch.Tensor]] = (None, [])  # (state, its KV tensors)
         # the layers whose fixed state a verify keeps after each row, and its tensors' names
         self._fixed_layers = [(i, ("conv",)) for i, layer in enumerate(model.model.layers) if _short_conv(layer)]
