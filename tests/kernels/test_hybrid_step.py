@@ -4,29 +4,16 @@ fp32 weights, GGUF blocks on fp32 and int8 inputs, DeltaNet value heads in the t
 attention with RoPE and without, routed experts with a gated shared expert, logits step after step
 and the states left behind, greedy and sampled replies."""
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
 import models
 from engine.config import SamplingConfig
-from engine.session import DecodeSession
 from models.kernels.cpu import hybrid_step
-from tests.support.hybrid import tiny
+from tests.support.hybrid import STEP_PROMPT as PROMPT, cpu_session as session, tiny
+from tests.support.hybrid import steps_after_prompt as steps
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=24)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=77, max_new_tokens=24)
-PROMPT, TOKENS = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
-
-
-def session(lm, kernel):
-    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
-                         cpu_kernel=kernel)
-
-
-def steps(s):
-    s.prefill(PROMPT)
-    logits = torch.stack([s.step(t)[-1] for t in TOKENS])
-    return logits, [t.clone() for t in s.state.fixed_tensors()]
 
 
 @pytest.mark.parametrize("kind,qtype,int8,tiled,nope", [

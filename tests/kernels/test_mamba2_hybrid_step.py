@@ -10,28 +10,16 @@ import torch
 
 import models
 from engine.config import SamplingConfig
-from engine.session import DecodeSession
 from models.architectures import granitemoehybrid, nemotron_h
 from models.kernels.cpu import mamba2_hybrid_step, step as cpu_step
-from tests.support.hybrid import granite_q8_0, q8_0_gguf
+from tests.support.hybrid import STEP_PROMPT as PROMPT, cpu_session as session, granite_q8_0, q8_0_gguf
+from tests.support.hybrid import steps_after_prompt as steps
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=24)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.0, seed=77, max_new_tokens=24)
-PROMPT, TOKENS = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
 FAMILY = {"granitemoehybrid": granitemoehybrid.GraniteHybridForCausalLM,
           "granitemoehybrid_e5": granitemoehybrid.GraniteHybridForCausalLM,
           "nemotron_h": nemotron_h.NemotronHForCausalLM}
-
-
-def session(lm, kernel):
-    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
-                         cpu_kernel=kernel)
-
-
-def steps(s):
-    s.prefill(PROMPT)
-    logits = torch.stack([s.step(t)[-1] for t in TOKENS])
-    return logits, [t.clone() for t in s.state.fixed_tensors()]
 
 
 def close(got, want, tol, atol=1e-5):

@@ -8,6 +8,25 @@ import torch
 import models
 
 
+# what the C++ steps' tests feed: a prompt, then one token at a time
+STEP_PROMPT, STEP_TOKENS = list(range(3, 40)), [5, 9, 200, 7, 7, 31, 4, 100]
+
+
+def cpu_session(lm, kernel: str):
+    """A CPU fp32 session over the loaded model with `cpu_kernel: kernel`."""
+    from engine.session import DecodeSession
+    return DecodeSession(lm.model, max_context=256, device=torch.device("cpu"), dtype=torch.float32,
+                         cpu_kernel=kernel)
+
+
+def steps_after_prompt(s) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the logits of STEP_TOKENS' one-token steps after a prefill of STEP_PROMPT, the fixed states
+    left behind)."""
+    s.prefill(STEP_PROMPT)
+    logits = torch.stack([s.step(t)[-1] for t in STEP_TOKENS])
+    return logits, [t.clone() for t in s.state.fixed_tensors()]
+
+
 def tiny(tmp_path, qtype=None, tiled=False, kind="qwen3_5", nope=False):
     """A tiny Qwen3.5 (3 DeltaNet layers around a gated attention one) or OLMo-Hybrid (`nope`: its
     attention without RoPE), its layers' linears as GGUF blocks of qtype (quantized by gguf-py)
