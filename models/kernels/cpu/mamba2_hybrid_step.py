@@ -95,6 +95,16 @@ def serves(model, dtype: torch.dtype) -> bool:
     return cpu_step.ENABLED and dtype == torch.float32 and supports(model)
 
 
+def _input_parts(kind: int, m) -> int:
+    """The block's input linears' count in meta: an attention's q/k/v (one fused or three), a
+    SwiGLU's or the routed block's shared gate/up (one fused or two); 1 for the others."""
+    if kind == ATTENTION:
+        return len(_qkv(m))
+    if kind in (SWIGLU, ROUTED):
+        return len(_gate_up(m.shared_mlp if kind == ROUTED else m))
+    return 1
+
+
 def _block_params(kind: int, norm, m) -> list:
     """A block's params after its kind: mamba2_hybrid_step.h's list."""
     if kind == ROUTED:
@@ -127,9 +137,7 @@ class Mamba2HybridStep(cpu_step.CpuStep):
         q_scale = 1.0
         for kind, norm, m in _blocks(model):
             params += _block_params(kind, norm, m)
-            parts = {ATTENTION: lambda: len(_qkv(m)), SWIGLU: lambda: len(_gate_up(m)),
-                     ROUTED: lambda: len(_gate_up(m.shared_mlp))}.get(kind, lambda: 1)()
-            meta += [kind, parts]
+            meta += [kind, _input_parts(kind, m)]
             if kind == ATTENTION:
                 q_scale = m.q_scale
         self.params = [p.detach() if p is not None else None for p in params]
