@@ -171,17 +171,22 @@ def check_layer_count(config: dict, names, source: str) -> None:
 _MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.layers\.(\d+)\.")
 
 
-def count_mtp_layers(config: dict, names, device: torch.device) -> None:
+def count_mtp_layers(config: dict, tensors: dict, device: torch.device) -> None:
     """In place: the config's MTP_LOADED set to the multi-token-prediction layers the checkpoint's
     tensors hold (`mtp.*`; 0 where they were stripped, as many quantized uploads strip them,
     whatever `mtp_num_hidden_layers` says), so the model builds the MTP layer only with its
-    weights; and only on the CPU, the one device with an exact verify for its drafts (elsewhere
-    its memory is saved). A config that does not pass here (a tensor-parallel rank's) has none."""
+    weights; and only where an exact verify serves its drafts (elsewhere its memory is saved):
+    the CPU, and for a MoE hybrid a GGUF whose experts stay in their blocks (the C++ step reads
+    only those; its MTP layer holds a layer's experts). A config that does not pass here (a
+    tensor-parallel rank's) has none."""
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    if device.type != "cpu" or not any(n in names for n in ("mtp.fc.weight", "model.mtp.fc.weight")):
+    dense_experts = (int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
+                     and not any(isinstance(t, gguf_tensors.GgufExperts) for t in tensors.values()))
+    if (device.type != "cpu" or dense_experts
+            or not any(n in tensors for n in ("mtp.fc.weight", "model.mtp.fc.weight"))):
         held = 0
     else:
-        held = max((int(m.group(1)) + 1 for n in names if (m := _MTP_LAYER.match(n))), default=0)
+        held = max((int(m.group(1)) + 1 for n in tensors if (m := _MTP_LAYER.match(n))), default=0)
     cfg[MTP_LOADED] = held
 
 

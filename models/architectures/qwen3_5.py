@@ -109,9 +109,8 @@ class HybridConfig:
             shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), moe_layers=moe_layers,
             linear_out_tiled=bool(c.get("linear_out_proj_tiled", False)),
-            # (not for the MoE hybrids: no exact verify serves their drafts, and their MTP layer
-            # holds a layer's experts)
-            mtp_layers=0 if moe_layers else min(1, int(c.get(MTP_LOADED, 0))))
+            # (models.loader.count_mtp_layers: only where an exact verify serves its drafts)
+            mtp_layers=min(1, int(c.get(MTP_LOADED, 0))))
 
 
 class GatedRMSNorm(nn.Module):
