@@ -30,11 +30,14 @@ PROMPT = [5, 9, 17, 33, 40, 41, 42, 5, 9, 17]
 
 
 def with_mtp(path: str, kind: str = "qwen3_5") -> str:
-    """A tiny Qwen3.5 (or Qwen3.5-MoE) checkpoint with an MTP layer; M-RoPE sections that fit its 4
-    rotary dims (for llama.cpp's RoPE; text positions make every section the same rotation)."""
+    """A tiny Qwen3.5 (Qwen3.5-MoE, Qwen3-Next) checkpoint with an MTP layer; Qwen3.5's M-RoPE
+    sections that fit its 4 rotary dims (for llama.cpp's RoPE; text positions make every section
+    the same rotation); Qwen3-Next's every layer MoE (as its converter requires)."""
     from tests.support.tiny import add_mtp, write_checkpoint
-    write_checkpoint(kind, path, seed=3)
+    write_checkpoint(kind, path, seed=3, **({"mlp_only_layers": []} if kind == "qwen3_next" else {}))
     add_mtp(path)
+    if kind == "qwen3_next":
+        return path
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
     c["rope_parameters"]["mrope_section"] = [1, 1, 0]
@@ -106,15 +109,22 @@ def test_the_gguf_holds_the_hf_directorys_mtp_layer(files):
     assert ra[2:] == rb[2:]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_the_drafts_are_llama_cpps(files, moe_files, kind):
+def test_the_drafts_are_llama_cpps(files):
     """llama.cpp 0.3.36's draft-mtp on the same GGUF (tests/support/llama_mtp.py): the MTP logits of every
-    prompt row agree to fp32 rounding and the chained drafts are the same tokens. The MoE hybrid's
-    file is Q8_0 (its experts stay blocks only so), read on int8 inputs as llama.cpp reads it."""
+    prompt row agree to fp32 rounding and the chained drafts are the same tokens."""
+    drafts_against_llama_cpp(files[1], "dense")
+
+
+def test_the_moe_drafts_are_llama_cpps(moe_files):
+    """The same for the MoE hybrids (Qwen3.5-MoE, Qwen3-Next): their file is Q8_0 (the experts stay
+    blocks only so), read on int8 inputs as llama.cpp reads it."""
+    drafts_against_llama_cpp(moe_files[2], "moe")
+
+
+def drafts_against_llama_cpp(path: str, kind: str) -> None:
     python = os.environ.get("CHAT_LLAMA_PYTHON")
     if not python:
         pytest.skip("CHAT_LLAMA_PYTHON names no Python with llama-cpp-python 0.3.36 (a reference only)")
-    path = files[1] if kind == "dense" else moe_files[2]
     p = subprocess.run([python, os.path.join(SUPPORT, "llama_mtp.py"), path, json.dumps({"prompt": PROMPT, "draft": 3})],
                        capture_output=True, text=True, cwd="/", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -267,13 +277,13 @@ def test_the_layer_is_loaded_only_where_its_drafts_run(files):
     assert full.mtp is None
 
 
-@pytest.fixture(scope="module")
-def moe_files(tmp_path_factory):
-    """A tiny Qwen3.5-MoE checkpoint with an MTP layer (its MLP routed experts) and llama.cpp's
-    conversions of it: f32, and Q8_0 (the nextn block's experts in blocks)."""
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def moe_files(request, tmp_path_factory):
+    """A tiny Qwen3.5-MoE (or Qwen3-Next) checkpoint with an MTP layer (its MLP routed experts) and
+    llama.cpp's conversions of it: f32, and Q8_0 (the nextn block's experts in blocks)."""
     from tests.support.llama_cpp_tree import convert
     d = tmp_path_factory.mktemp("mtp-moe")
-    hf = with_mtp(str(d / "hf"), "qwen3_5_moe")
+    hf = with_mtp(str(d / "hf"), request.param)
     return hf, convert(hf, str(d / "f32.gguf"), "f32", pre="qwen2"), convert(hf, str(d / "q8.gguf"), "q8_0", pre="qwen2")
 
 
@@ -338,3 +348,4 @@ def test_property_mtp_generations_equal_a_cold_session(files, temperature):
     assert c.session.speculation_text.startswith("mtp:")
     check_property(c, 10)
     assert c.session._mtp.ids  # (the layer drafted)
+
