@@ -258,7 +258,7 @@ class DecodeSession:
         self.speculative = mode
         self.speculative_note = why if mode == "auto" else ""
         if self.speculating and mode == "mtp" and self._mtp is None:
-            self._mtp = MtpDrafts(self.model, self.max_context, self.device, self.state.kv_dtype)
+            self._mtp = MtpDrafts(self.model, self.max_context, self.device, self.state.kv_dtype, self.eos_ids)
         if self._mtp_on and not was:
             self._mtp.forget(self.state.length)  # (the rows fed while it was off are not known)
 

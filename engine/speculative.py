@@ -18,7 +18,9 @@ tokens one forward yields.
   them: the layer's row at position p reads token p and the model's final-normed hidden row of
   p - 1 (zeros where none is known: position 0, or rows fed before the drafts were switched on);
   its greedy token is the draft for p + 1, and its own normed row the hidden row of the next
-  draft. The model's rows reach it through `CausalLM.hidden_sink`, which the session sets for
+  draft. The greedy token is chosen among the LM head's first rows, the conversation's tokens
+  and the stop ids where the vocabulary is large (models/architectures/mtp.py DraftHead): the
+  head's pass is most of a draft's cost on the CPU. The model's rows reach it through `CausalLM.hidden_sink`, which the session sets for
   its own forwards only. Its cache holds a row per position; those whose tokens still match the
   context are kept, the rest recomputed (after a verify: the kept drafts' rows, from the model's
   rows rather than its own).
@@ -37,6 +39,8 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
+
+from models.architectures.mtp import DRAFT_ROWS, DraftHead
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DEPTH = 7  # drafts a verify: 8 rows (the C++ step's row-exact linears take any count; beyond
@@ -97,10 +101,14 @@ class MtpDrafts:
 
     CATCH_UP_ROWS = 512  # rows the layer takes at a time when it catches up (a long prompt)
 
-    def __init__(self, model, max_context: int, device, kv_dtype):
+    def __init__(self, model, max_context: int, device, kv_dtype, stop_ids=(), draft_rows: int | None = DRAFT_ROWS):
         """kv_dtype: the layer's cache's (the session's attention caches', as llama.cpp keeps its
-        draft context's like its target's)."""
+        draft context's like its target's). draft_rows: the LM head's first rows a draft is chosen
+        among, beside the conversation's tokens and `stop_ids` (models/architectures/mtp.py
+        DraftHead; None: the whole head, as llama.cpp's draft-mtp)."""
         self.model, self.head = model, model.mtp
+        self.vocab = DraftHead(model.lm_head, draft_rows)
+        self.vocab.add(stop_ids)
         self.slots = max_context + MAX_DEPTH + 1  # (drafts run past the context's last position)
         self.device = device
         self.cache = self.head.new_cache(self.slots, device, kv_dtype)
@@ -136,7 +144,7 @@ class MtpDrafts:
         return self.head(self.model, ids, hidden, positions, self.cache)
 
     def _greedy(self, normed: torch.Tensor) -> int:
-        return int(torch.argmax(self.head.logits(self.model, normed[-1:])[-1]))
+        return self.vocab.greedy(normed[-1:])
 
     @torch.inference_mode()
     def propose(self, context: list[int], token: int, k: int) -> list[int]:
@@ -154,6 +162,7 @@ class MtpDrafts:
             m = lo
         if m == n + 1:  # (the row of `token` itself is there: run it again for its output row)
             m = n
+        self.vocab.add(ids[m:])  # (the conversation's tokens are draftable: a reply quotes its context)
         for start in range(m, n + 1, self.CATCH_UP_ROWS):
             stop = min(n + 1, start + self.CATCH_UP_ROWS)
             out = self._run(ids[start:stop], self._hidden(start, stop), start)

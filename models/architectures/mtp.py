@@ -15,7 +15,9 @@ model's LM head, the logits of the token after t_p + 1: that is llama.cpp's grap
 (src/models/qwen35.cpp, the "draft-mtp" speculative type) term for term, position for position.
 
 What it computes only proposes tokens: the session verifies every draft against the model itself
-(engine/speculative.py), so its numerics decide acceptance, never a reply.
+(engine/speculative.py), so its numerics decide acceptance, never a reply. That is also why a
+draft may be chosen among fewer rows of the LM head than the model's (`DraftHead`): a pass over a
+large vocabulary's head is most of a draft's cost on the CPU.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..quant.layers import BlockLinear
 from .layers import Linear, RMSNorm, add_norm, causal_mask, head_logits
 
 
@@ -90,3 +93,78 @@ class MtpHead(nn.Module):
     def logits(self, model, normed: torch.Tensor) -> torch.Tensor:
         """The draft logits [T, vocab] fp32 of the MTP's normed rows: the model's LM head."""
         return head_logits(model.lm_head, normed)
+
+
+# The head's rows a draft is chosen among where the vocabulary has at least 4x as many: its first
+# DRAFT_ROWS ids (a BPE vocabulary's ids follow its merges' order, most frequent first: Qwen3.5's
+# first 32,768 hold ~92% of the tokens of English prose and Python, ~97% with the tokens already in
+# the same text; FR-Spec, Zhao et al. 2025, restricts its drafts' head alike), the tokens of the
+# conversation and the stop ids. A draft outside them is only a rejected draft.
+# (bench/spec_bench.py --acceptance ... --mtp)
+DRAFT_ROWS = 32768
+
+
+class DraftHead:
+    """The LM head a draft's greedy token is chosen with: `rows` first rows of `head` (a view of
+    its weights: nothing copied) and the rows of the ids `add` names beyond them (dequantized
+    once to fp32), or the whole head where it has fewer than 4x `rows` rows (or no row view:
+    `BlockLinear.first_rows`, a Linear's weight). `greedy(normed)`: the argmax over those rows of
+    the last normed row's logits."""
+
+    def __init__(self, head: nn.Module, rows: int | None = DRAFT_ROWS):
+        self.head = head
+        self.prefix = _first_rows(head, rows) if rows and 4 * rows <= _out_rows(head) else None
+        self.rows = rows if self.prefix is not None else _out_rows(head)
+        self.extra_ids: list[int] = []  # ids past the prefix, in the order their rows were added
+        self._extra_rows: list[torch.Tensor] = []
+        self._extra: torch.Tensor | None = None  # [len(extra_ids), hidden] fp32
+
+    def add(self, ids) -> None:
+        """Make these ids draftable (the conversation's tokens, the stop ids)."""
+        if self.prefix is None:
+            return
+        known = set(self.extra_ids)
+        for t in dict.fromkeys(int(t) for t in ids):
+            if self.rows <= t < _out_rows(self.head) and t not in known:
+                self.extra_ids.append(t)
+                self._extra_rows.append(_row(self.head, t))
+                known.add(t)
+                self._extra = None
+
+    def greedy(self, normed: torch.Tensor) -> int:
+        row = normed[-1:]
+        if self.prefix is None:
+            return int(torch.argmax(head_logits(self.head, row)[-1]))
+        logits = head_logits(self.prefix, row)[-1]
+        best = int(torch.argmax(logits))
+        if self.extra_ids:
+            if self._extra is None:
+                self._extra = torch.cat(self._extra_rows)
+            extra = self._extra @ row[-1].float()
+            j = int(torch.argmax(extra))
+            if extra[j] > logits[best]:
+                return self.extra_ids[j]
+        return best
+
+
+def _out_rows(head: nn.Module) -> int:
+    return int(head.out_features)
+
+
+def _first_rows(head: nn.Module, n: int) -> nn.Module | None:
+    if getattr(head, "bias", None) is not None:  # (Qwen's heads have none)
+        return None
+    if isinstance(head, BlockLinear):
+        return head.first_rows(n)
+    if isinstance(head, Linear):
+        sub = Linear(head.in_features, n, bias=False, device="meta")
+        sub.weight = nn.Parameter(head.weight[:n], requires_grad=False)
+        return sub
+    return None
+
+
+def _row(head: nn.Module, t: int) -> torch.Tensor:
+    """Row t of the head's weight in fp32 ([1, hidden])."""
+    if isinstance(head, BlockLinear):
+        return head.dequantize_rows(t, t + 1).float()
+    return head.weight[t:t + 1].float()

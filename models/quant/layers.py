@@ -31,6 +31,7 @@ shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -363,6 +364,21 @@ class BlockLinear(QuantLinear):
         if self.mapped is not None:
             gguf_tensors.release_pages(self.mapped)
         return True
+
+    def first_rows(self, n: int) -> "BlockLinear | None":
+        """Its first n rows as a BlockLinear over views of these weights (nothing copied), with the
+        same kernels and rounding (instance attributes, set by the kernel plan); None where the
+        weights are not row-major blocks on the CPU, or n is not a whole number of rows16 groups."""
+        from . import rows16
+        if self.planar or self.blocks.is_cuda or (self.rows16 is not None and n % rows16.ROWS):
+            return None
+        sub = copy.copy(self)
+        sub._buffers = {"blocks": self.blocks[:n]}
+        sub._parameters = {"bias": None if self.bias is None else nn.Parameter(self.bias[:n], requires_grad=False)}
+        sub.out_features, sub.sizes, sub.mapped = n, [n], None
+        if self.rows16 is not None:
+            sub.rows16 = self.rows16[:n]
+        return sub
 
     def int8_operand(self) -> tuple[torch.Tensor, int]:
         """What the library's int8 products of this matrix read: the rows16 layout and its type

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 import models
 from engine.config import ConfigError, SamplingConfig
 from engine.session import DecodeSession
-from engine.speculative import MtpDrafts
+from engine.speculative import MtpDrafts, PromptLookup
 from tests.support.paths import SUPPORT
 from tests.support.speculative import Always, kv_live
 
@@ -349,3 +349,18 @@ def test_property_mtp_generations_equal_a_cold_session(files, temperature):
     check_property(c, 10)
     assert c.session._mtp.ids  # (the layer drafted)
 
+
+def test_replies_with_drafts_over_a_reduced_head_are_plain_decodings(files, monkeypatch):
+    """Drafts chosen among the head's first 64 rows and the conversation's ids (DraftHead): greedy
+    and sampled replies, cached ids, lengths and caches equal plain decoding's."""
+    lm = models.load(files[0])
+    init = MtpDrafts.__init__
+    monkeypatch.setattr(MtpDrafts, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "draft_rows": 64}))
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, k: [])  # (every draft the layer's)
+    prompt = [5, 200, 17, 250, 40, 300, 42, 99, 7]  # (ids past the 64 rows: draftable once seen)
+    for cfg in (GREEDY, SAMPLED):
+        plain = reply(session(lm, "off"), cfg, prompt)
+        s = session(lm)
+        assert s._mtp.vocab.prefix is not None and s._mtp.vocab.rows == 64
+        same(reply(s, cfg, prompt), plain)
+        assert s.last_stats.drafted > 0 and len(s._mtp.vocab.extra_ids) > 0
