@@ -31,22 +31,15 @@ def _in_projections(lin) -> list:
     return [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]
 
 
-def _qkv(attn) -> list:
-    return cpu_step._parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-
-
 def _olmo_attention(layer) -> bool:
     """An OLMo-Hybrid attention layer (post-norm, q/k normed over all heads)."""
     return not layer.linear and hasattr(layer, "post_feedforward_layernorm")
 
 
-def _params(linears) -> list:
-    return [p for m in linears for p in cpu_step._linear_params(m)]
-
-
 def _attention_params(attn, ins) -> list:
     """q/k/v linears, the q and k norms' weights (their offsets added), o_proj: as the step reads them."""
-    return _params(ins) + [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()] + cpu_step._linear_params(attn.o_proj)
+    return (cpu_step.linears_params(ins) + [attn.q_norm.fused_weight(), attn.k_norm.fused_weight()]
+            + cpu_step._linear_params(attn.o_proj))
 
 
 def _routed(mlp) -> bool:
@@ -92,7 +85,7 @@ def supports(model) -> bool:
                 return False
         else:
             attn = layer.self_attn
-            linears = _qkv(attn) + [attn.o_proj]
+            linears = cpu_step.qkv_linears(attn) + [attn.o_proj]
             norms += [attn.q_norm, attn.k_norm]
         mlp_linears = [] if _routed(mlp) else cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj")) + [mlp.down_proj]
         if not all(cpu_step._linear_ok(m) for m in linears + mlp_linears):
@@ -108,7 +101,7 @@ def _mlp_params(mlp) -> tuple[list, list]:
     int8 inputs], then the shared expert's gate/up linears, down_proj and gate row (moe_mlp)."""
     if not _routed(mlp):
         gu = cpu_step._parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-        return gu, _params(gu) + cpu_step._linear_params(mlp.down_proj)
+        return gu, cpu_step.linears_params(gu) + cpu_step._linear_params(mlp.down_proj)
     ex = mlp.experts
     types = torch.tensor([*ex.types, int(ex.int8_inputs)], dtype=torch.int64)
     params = [mlp.gate.weight, ex.gate_blocks, ex.up_blocks, ex.down_blocks, types]
@@ -116,7 +109,8 @@ def _mlp_params(mlp) -> tuple[list, list]:
         return [], params
     se = mlp.shared_expert
     gu = cpu_step._parts(se, "gate_up_proj", ("gate_proj", "up_proj"))
-    return gu, params + _params(gu) + cpu_step._linear_params(se.down_proj) + [mlp.shared_expert_gate.weight]
+    return gu, (params + cpu_step.linears_params(gu) + cpu_step._linear_params(se.down_proj)
+                + [mlp.shared_expert_gate.weight])
 
 
 def serves(model, dtype: torch.dtype) -> bool:
@@ -142,7 +136,7 @@ class HybridStep(cpu_step.CpuStep):
             routed = _routed(mlp)
             gu, mlp_params = _mlp_params(mlp)
             if _olmo_attention(layer):  # (no norm in front; one after the attention, one after the MLP)
-                ins = _qkv(layer.self_attn)
+                ins = cpu_step.qkv_linears(layer.self_attn)
                 params += _attention_params(layer.self_attn, ins) + [layer.post_attention_layernorm.fused_weight()]
                 params += mlp_params + [layer.post_feedforward_layernorm.fused_weight()]
                 meta += [2, len(ins), len(gu), 0]
@@ -151,10 +145,11 @@ class HybridStep(cpu_step.CpuStep):
             if layer.linear:
                 lin = layer.linear_attn
                 ins = _in_projections(lin)
-                params += _params(ins) + [lin.conv1d.weight.contiguous(), lin.neg_A, lin.dt_bias32, lin.q_norm_w,
-                                          lin.k_norm_w, lin.norm.weight] + cpu_step._linear_params(lin.out_proj)
+                params += cpu_step.linears_params(ins)
+                params += [lin.conv1d.weight.contiguous(), lin.neg_A, lin.dt_bias32, lin.q_norm_w,
+                           lin.k_norm_w, lin.norm.weight] + cpu_step._linear_params(lin.out_proj)
             else:
-                ins = _qkv(layer.self_attn)
+                ins = cpu_step.qkv_linears(layer.self_attn)
                 params += _attention_params(layer.self_attn, ins)
             params += [layer.post_attention_layernorm.fused_weight()] + mlp_params
             meta += [int(layer.linear), len(ins), len(gu), int(routed)]

@@ -23,7 +23,6 @@ import torch
 
 from ...quant.layers import BlockExperts
 from . import step as cpu_step
-from .hybrid_step import _params, _qkv
 
 # the block kinds of mamba2_hybrid_step.h's meta
 MAMBA, ATTENTION, SWIGLU, RELU_SQUARED, ROUTED = 1, 2, 3, 4, 5
@@ -54,7 +53,7 @@ def _linears(kind: int, m) -> list:
     if kind == MAMBA:
         return [m.in_proj, m.out_proj]
     if kind == ATTENTION:
-        return _qkv(m) + [m.o_proj]
+        return cpu_step.qkv_linears(m) + [m.o_proj]
     if kind == SWIGLU:
         return _gate_up(m) + [m.down_proj]
     if kind == RELU_SQUARED:
@@ -99,7 +98,7 @@ def _input_parts(kind: int, m) -> int:
     """The block's input linears' count in meta: an attention's q/k/v (one fused or three), a
     SwiGLU's or the routed block's shared gate/up (one fused or two); 1 for the others."""
     if kind == ATTENTION:
-        return len(_qkv(m))
+        return len(cpu_step.qkv_linears(m))
     if kind in (SWIGLU, ROUTED):
         return len(_gate_up(m.shared_mlp if kind == ROUTED else m))
     return 1
@@ -112,14 +111,14 @@ def _block_params(kind: int, norm, m) -> list:
         types = torch.tensor([*ex.types, int(ex.int8_inputs)], dtype=torch.int64)
         shared = m.shared_mlp
         return ([norm.weight, moe.router.weight, ex.gate_blocks, ex.up_blocks, ex.down_blocks, types]
-                + _params(_gate_up(shared)) + cpu_step._linear_params(shared.down_proj))
+                + cpu_step.linears_params(_gate_up(shared)) + cpu_step._linear_params(shared.down_proj))
     params = [norm.weight]
     if kind == MAMBA:
         bias = m.conv1d.bias.detach() if m.conv1d.bias is not None else None
         return (params + cpu_step._linear_params(m.in_proj)
                 + [m.conv1d.weight[:, 0].contiguous(), bias, m.A, m.dt_bias32, m.D32, m.norm.weight]
                 + cpu_step._linear_params(m.out_proj))
-    return params + _params(_linears(kind, m))
+    return params + cpu_step.linears_params(_linears(kind, m))
 
 
 class Mamba2HybridStep(cpu_step.CpuStep):

@@ -251,6 +251,16 @@ def _parts(module, fused: str, names: tuple[str, ...]) -> list:
     return [getattr(module, fused)] if hasattr(module, fused) else [getattr(module, n) for n in names]
 
 
+def qkv_linears(attn) -> list:
+    """An attention's q/k/v linears as the steps read them: one fused, or three."""
+    return _parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+
+def linears_params(linears) -> list:
+    """The parameters of these linears, one after another, as the steps take them."""
+    return [p for m in linears for p in _linear_params(m)]
+
+
 def _short_conv(layer):
     """The layer's short convolution (LFM2's conv layers: in_proj, conv, out_proj), else None."""
     return layer.conv if getattr(layer, "attention", True) is False and hasattr(layer, "conv") else None
@@ -259,7 +269,7 @@ def _short_conv(layer):
 def _projections(layer) -> tuple[list, list]:
     """A layer's q/k/v linears (one fused or three; none in a conv layer) and its gate/up linears
     (one fused or two)."""
-    qkv = [] if _short_conv(layer) else _parts(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+    qkv = [] if _short_conv(layer) else qkv_linears(layer.self_attn)
     return qkv, _parts(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
