@@ -179,8 +179,9 @@ def count_mtp_layers(config: dict, tensors: dict, device: torch.device) -> None:
     the CPU, and for a MoE hybrid a GGUF whose experts stay in their blocks (the C++ step reads
     only those; its MTP layer holds a layer's experts). A config that does not pass here (a
     tensor-parallel rank's) has none."""
+    from .architectures.moe import num_experts
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    dense_experts = (int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
+    dense_experts = (num_experts(cfg) > 0
                      and not any(isinstance(t, gguf_tensors.GgufExperts) for t in tensors.values()))
     if (device.type != "cpu" or dense_experts
             or not any(n in tensors for n in ("mtp.fc.weight", "model.mtp.fc.weight"))):
