@@ -3,7 +3,7 @@ one session: a copy-with-edit conversation (the user gives a paragraph and asks 
 word changed), greedy, the embedded model by default, on the CPU by default.
 
     python bench/spec_bench.py [--model smollm2] [--device cpu] [--rounds 3] [--temperature 0]
-                               [--acceptance 0,0.5,0.75,1 [--mtp]] [--replay] [--cpu-int8 on]
+                               [--acceptance 0,0.5,0.75,1 [--mtp]] [--replay] [--cpu-int8 auto]
 
 Each round runs the turn with `speculative: off` and then `lookup` (`/set speculative`, the live
 session's switch), from the same cached prefix (the turn is undone between them), and checks the
@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--acceptance", default="", help="forced drafts at these rates, comma-separated")
     ap.add_argument("--mtp", action="store_true", help="with --acceptance: the MTP layer drafts, its tokens forced")
     ap.add_argument("--replay", action="store_true", help="time chat replay of a recording, off and auto")
-    ap.add_argument("--cpu-int8", choices=("off", "on"), default="off", help="the cpu_int8 setting")
+    ap.add_argument("--cpu-int8", choices=("auto", "off", "on", "wide"), default="auto",
+                    help="the cpu_int8 setting (auto: the chat's default)")
     args = ap.parse_args()
     from chat.controller import ChatController
     from chat.runtime import open_runtime
