@@ -96,11 +96,10 @@ class MtpHead(nn.Module):
 
 
 # The head's rows a draft is chosen among where the vocabulary has at least 4x as many: its first
-# DRAFT_ROWS ids (a BPE vocabulary's ids follow its merges' order, most frequent first: Qwen3.5's
-# first 32,768 hold ~92% of the tokens of English prose and Python, ~97% with the tokens already in
-# the same text; FR-Spec, Zhao et al. 2025, restricts its drafts' head alike), the tokens of the
-# conversation and the stop ids. A draft outside them is only a rejected draft.
-# (bench/spec_bench.py --acceptance ... --mtp)
+# DRAFT_ROWS ids (a BPE vocabulary's ids follow its merges' order, most frequent first; FR-Spec,
+# Zhao et al. 2025, restricts its drafts' head alike), the tokens of the conversation and the stop
+# ids. Which share of real text that set holds: bench/draft_vocab.py; what a draft then costs:
+# bench/spec_bench.py --acceptance ... --mtp. A draft outside the set is only a rejected draft.
 DRAFT_ROWS = 32768
 
 
