@@ -143,8 +143,12 @@ class CausalLM(nn.Module):
         """The final norm and the LM head over the residual stream's rows: fp32 logits [T, vocab],
         the norm's output and the head's sums kept in fp32 whatever the model's dtype (a bf16
         rounding of logits near 25 is 0.125: near ties would flip)."""
-        return self.scale_logits(head_logits(self.lm_head, add_norm(x, self.model.norm, defer=True,
-                                                                    out_dtype=torch.float32)[1]))
+        return self.normed_logits(add_norm(x, self.model.norm, defer=True, out_dtype=torch.float32)[1])
+
+    def normed_logits(self, h) -> torch.Tensor:
+        """The logits of rows the final norm gave (fp32 rows, or a deferred NormedRow on CUDA), as
+        `logits` takes them on."""
+        return self.scale_logits(head_logits(self.lm_head, h))
 
     def scale_logits(self, out: torch.Tensor) -> torch.Tensor:
         """The head's fp32 sums as the model's logits (a family that scales them overrides this;

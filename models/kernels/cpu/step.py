@@ -456,9 +456,11 @@ class CpuStep:
         x = model.embed(tokens)
         cos, sin = model.rope.cos_sin(positions, x.dtype)
         x = self._run(x, cos, sin, state, [])
-        if model.hidden_sink is not None:
-            model.sink_hidden(x, positions)
-        return model.logits(x)
+        if model.hidden_sink is None:
+            return model.logits(x)
+        normed = model.model.norm(x, torch.float32)  # (model.logits' norm on the CPU, once for both)
+        model.hidden_sink(positions, normed)
+        return model.normed_logits(normed)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
         """Logits [T, vocab] for T tokens fed at once at positions state.length.. (a speculative
@@ -475,9 +477,12 @@ class CpuStep:
         self._row_states = [torch.empty((n, *state.fixed(i)[name].shape), dtype=state.fixed(i)[name].dtype)
                             for i, names in self._fixed_layers for name in names]
         x = self._run(x, cos, sin, state, self._row_states)
+        # the final norm a row at a time, as the one-token step norms its row (CausalLM.logits on the
+        # CPU: add_norm is the norm), once for the head and the MTP layer's rows both
+        normed = torch.cat([model.model.norm(x[t:t + 1], torch.float32) for t in range(x.shape[0])])
         if model.hidden_sink is not None:
-            model.sink_hidden(x, positions)
-        return self._head_rows(x)
+            model.hidden_sink(positions, normed)
+        return self._head_rows(normed)
 
     def fixed_after(self, rows: int) -> list[dict[str, torch.Tensor] | None]:
         """The fixed state after the first `rows` rows of the last verify, per layer as the state
@@ -490,21 +495,20 @@ class CpuStep:
             out[i] = {name: next(kept)[rows - 1] for name in names}
         return out
 
-    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """model.logits of each row (the final norm, then the head, as layers.head_logits takes a
-        CPU head: its module's own product in fp32), the head's rows in one call where its kernel
-        sums each row as a one-row call does."""
+    def _head_rows(self, normed: torch.Tensor) -> torch.Tensor:
+        """model.normed_logits of each final-normed row (the head as layers.head_logits takes a CPU
+        head: its module's own product in fp32), the head's rows in one call where its kernel sums
+        each row as a one-row call does."""
         model = self.model
-        head, norm = model.lm_head, model.model.norm
-        rows = range(x.shape[0])
+        head = model.lm_head
         if isinstance(head, BlockLinear) and head.fp32_kernel is not None:  # (BlockLinear.forward's, by rows)
-            normed = torch.cat([norm(x[t:t + 1], torch.float32) for t in rows]).contiguous()
             w, code = head.int8_operand() if head.int8_inputs else (head.blocks, head.ggml_type)
-            y = torch.ops.chat_cpu.block_linear_rows(normed, w, code, head.int8_inputs)
+            y = torch.ops.chat_cpu.block_linear_rows(normed.contiguous(), w, code, head.int8_inputs)
             return model.scale_logits((y if head.bias is None else y + head.bias).float())
         if _q8_head(model) is not None or isinstance(head, Int4Linear):  # their kernels sum each row alike
-            return model.scale_logits(head(torch.cat([norm(x[t:t + 1], torch.float32) for t in rows])).float())
-        return torch.cat([model.logits(x[t:t + 1]) for t in rows])  # (an fp32 GEMM's rows are not)
+            return model.scale_logits(head(normed).float())
+        # (an fp32 GEMM's rows are not)
+        return torch.cat([model.normed_logits(normed[t:t + 1]) for t in range(normed.shape[0])])
 
 
 STEP = CpuStep

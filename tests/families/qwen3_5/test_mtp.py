@@ -364,3 +364,21 @@ def test_replies_with_drafts_over_a_reduced_head_are_plain_decodings(files, monk
         assert s._mtp.vocab.prefix is not None and s._mtp.vocab.rows == 64
         same(reply(s, cfg, prompt), plain)
         assert s.last_stats.drafted > 0 and len(s._mtp.vocab.extra_ids) > 0
+
+
+def test_a_verify_hands_the_layer_the_rows_steps_would(lm):
+    """The model's final-normed rows the MTP layer reads: a verify of several tokens hands over
+    each row bit for bit as the one-token steps feeding them would (each row normed on its own, as
+    the step norms its one)."""
+    tokens = [7, 19, 3, 44, 12]
+    rows = []
+    for verify in (False, True):
+        s = session(lm)
+        s.prefill(PROMPT)
+        if verify:
+            s._forward(tokens, verify=True)
+        else:
+            for t in tokens:
+                s.step(t)
+        rows.append(s._mtp.rows[len(PROMPT):len(PROMPT) + len(tokens)].clone())
+    assert torch.equal(rows[0], rows[1])
