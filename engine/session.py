@@ -285,7 +285,12 @@ class DecodeSession:
         if self.speculative_note:
             return f"{self.speculative}: off here ({self.speculative_note})"
         d = self._depth
-        source = "prompt-lookup drafts, else the MTP layer's" if self._mtp_on else "prompt-lookup drafts"
+        source = "prompt-lookup drafts"
+        if self._mtp_on:
+            vocab = self._mtp.vocab
+            source += ", else the MTP layer's" + (
+                f" (chosen among the head's first {vocab.rows:,} rows and the conversation's tokens)"
+                if vocab.prefix is not None else "")
         return (f"{self.speculative}: {source}, up to {d.max_depth} a verify, depth from the "
                 f"measured acceptance ({d.acceptance:.0%}) and verify cost")
 

@@ -364,6 +364,9 @@ def test_replies_with_drafts_over_a_reduced_head_are_plain_decodings(files, monk
         assert s._mtp.vocab.prefix is not None and s._mtp.vocab.rows == 64
         same(reply(s, cfg, prompt), plain)
         assert s.last_stats.drafted > 0 and len(s._mtp.vocab.extra_ids) > 0
+        assert "(chosen among the head's first 64 rows and the conversation's tokens)" in s.speculation_text
+    monkeypatch.setattr(MtpDrafts, "__init__", init)
+    assert "chosen among" not in session(lm).speculation_text  # (320 rows: the whole head)
 
 
 def test_a_verify_hands_the_layer_the_rows_steps_would(lm):
