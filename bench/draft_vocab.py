@@ -47,7 +47,8 @@ def main() -> None:
     args = p.parse_args()
     r = gguf.GGUFReader(vocab_files(args.vocab)[0])
     tokens = _field(r, "tokenizer.ggml.tokens")
-    tok = gguf_tokenizer.build(tokens, _field(r, "tokenizer.ggml.token_type"), _field(r, "tokenizer.ggml.merges") or [],
+    tok = gguf_tokenizer.build(tokens, _field(r, "tokenizer.ggml.token_type"),
+                               _field(r, "tokenizer.ggml.merges") or [],
                                _field(r, "tokenizer.ggml.pre"), _field(r, "tokenizer.ggml.model"))
     kinds = {"files": args.files} if args.files else {
         "prose": sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")],

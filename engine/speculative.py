@@ -20,10 +20,10 @@ tokens one forward yields.
   its greedy token is the draft for p + 1, and its own normed row the hidden row of the next
   draft. The greedy token is chosen among the LM head's first rows, the conversation's tokens
   and the stop ids where the vocabulary is large (models/architectures/mtp.py DraftHead): the
-  head's pass is most of a draft's cost on the CPU. The model's rows reach it through `CausalLM.hidden_sink`, which the session sets for
-  its own forwards only. Its cache holds a row per position; those whose tokens still match the
-  context are kept, the rest recomputed (after a verify: the kept drafts' rows, from the model's
-  rows rather than its own).
+  head's pass is most of a draft's cost on the CPU. The model's rows reach it through
+  `CausalLM.hidden_sink`, which the session sets for its own forwards only. Its cache holds a
+  row per position; those whose tokens still match the context are kept, the rest recomputed
+  (after a verify: the kept drafts' rows, from the model's rows rather than its own).
 - `Drafts`: a generation's source: prompt lookup, and with `speculative: mtp` the MTP layer
   where lookup has none (the context does not repeat itself).
 - `Depth`: how many drafts to verify, from the measured acceptance (each draft's chance to be

@@ -147,7 +147,7 @@ class DraftHead:
 
 
 def _out_rows(head: nn.Module) -> int:
-    return int(head.out_features)
+    return int(getattr(head, "out_features", 0))  # (0: a head of another form, used whole)
 
 
 def _first_rows(head: nn.Module, n: int) -> nn.Module | None:
