@@ -4,6 +4,7 @@ word changed), greedy, the embedded model by default, on the CPU by default.
 
     python bench/spec_bench.py [--model smollm2] [--device cpu] [--rounds 3] [--temperature 0]
                                [--acceptance 0,0.5,0.75,1 [--mtp]] [--replay] [--cpu-int8 auto]
+                               [--threads N] [--clock wall|cpu]
 
 Each round runs the turn with `speculative: off` and then `lookup` (`/set speculative`, the live
 session's switch), from the same cached prefix (the turn is undone between them), and checks the
@@ -20,6 +21,11 @@ the verify's cost are measured at a known acceptance (0: every draft wrong, wher
 must cost next to nothing). With --mtp (a model with an MTP layer): `speculative: mtp`, the layer
 drafting as it does (its cost paid in full: the layer and the LM head a draft) and its tokens then
 replaced by the forced ones.
+
+--clock cpu: each reply's decode timed by the process's CPU time (from its first streamed piece
+to its end) instead of the generation's wall-clock stats; with --threads 1, a measure of one
+core's work that other processes on a shared machine barely move (as bench/cpu_bench.py --clock;
+--replay times the wall clock only).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +60,8 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="time chat replay of a recording, off and auto")
     ap.add_argument("--cpu-int8", choices=("auto", "off", "on", "wide"), default="auto",
                     help="the cpu_int8 setting (auto: the chat's default)")
+    ap.add_argument("--threads", type=int, default=0, help="the threads setting (0: the chat's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     from chat.controller import ChatController
     from chat.runtime import open_runtime
@@ -61,7 +70,8 @@ def main() -> None:
 
     settings = load_settings(env={}, overrides={"model": args.model, "device": args.device, "seed": "1234",
                                                 "temperature": args.temperature, "max_new_tokens": args.max_new,
-                                                "speculative": "off", "cpu_int8": args.cpu_int8})
+                                                "speculative": "off", "cpu_int8": args.cpu_int8,
+                                                **({"threads": str(args.threads)} if args.threads else {})})
     rt = open_runtime(settings)
     c = ChatController(rt, rt.settings)
     print(f"{args.model} on {rt.device}: decode step {c.session.decode_path}")
@@ -69,8 +79,12 @@ def main() -> None:
     def turn(mode: str):
         c.set("speculative", mode)
         result = TurnResult([])
+        first = None
         for _ in c.send(ASK + PARAGRAPH, result):
-            pass
+            if first is None:
+                first = time.process_time()
+        if args.clock == "cpu" and first is not None:  # (the stats' decode time, on the CPU clock)
+            result.stats.decode_seconds = time.process_time() - first
         c.undo()
         return result
 
