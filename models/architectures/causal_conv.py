@@ -2,7 +2,7 @@
 last K-1 inputs (the conv state of LFM2's short convolutions, Mamba2's and Gated DeltaNet's conv;
 the engine's StateManager owns the window). `conv_prefill` takes T inputs, `conv_step` one; both
 leave the window as the next call expects it (oldest input first). On CUDA conv_prefill hands the
-inputs to kernels/cuda/conv.py's kernel (the layers' decode steps run step kernels of their own).
+inputs to the conv kernel (ops.recurrent.causal_conv) (the layers' decode steps run step kernels of their own).
 A step is the window times the weights, summed: mkldnn's depthwise conv1d is slow for one position
 on the CPU (a hybrid GGUF's decode: bench/hybrid_gguf.py).
 
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cuda import conv as cuda_conv
+from ..ops import recurrent as recurrent_ops
 
 
 def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """Causal depthwise conv of T inputs continuing from the window `state` (updated in place).
     x: [T, C]; state: [C, K-1] (the last K-1 inputs, oldest first); weight: [C, K]. Returns [T, C]."""
-    if cuda_conv.usable(x, weight):  # one kernel, no copy of the window
-        return cuda_conv.causal_conv(x, state, weight, bias)
+    if recurrent_ops.conv_serves(x, weight):  # one kernel, no copy of the window
+        return recurrent_ops.causal_conv(x, state, weight, bias)
     # K shifted rows of the window times a column of weights each, summed in fp32 (the bias
     # first) and rounded once: bit for bit conv1d's depthwise form on the CPU (measured, fp32 and
     # bf16, with and without a bias), and faster (a hybrid GGUF's prompt: bench/hybrid_gguf.py)

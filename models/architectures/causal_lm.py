@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import cpu_block_kernels, cpu_blocks_served, cpu_decode_step, cpu_kernels_off
-from ..kernels import cpu_step_serves as step_serves
-from ..kernels.cuda import base as cuda_base
+from ..ops import attention as attention_ops, cpu as cpu_ops, serving
 from .layers import Linear, Residual, Rope, add_norm, causal_mask, head_logits
 from .state_spec import StateView
 
@@ -64,33 +62,31 @@ class CausalLM(nn.Module):
         its GGUF blocks on the CPU then take the library's per-linear kernels, attached here
         (`cpu_block_kernels` says whether). Raises kernels.CpuStepUnavailable where either would
         serve but the library cannot be built or loaded here."""
-        step = cpu_decode_step(self, dtype) if self.offers_cpu_step() else None
+        step = cpu_ops.decode_step(self, dtype) if self.offers_cpu_step() else None
         if step is not None:
             return step
-        self.cpu_block_kernels = cpu_block_kernels(self, dtype)
+        self.cpu_block_kernels = cpu_ops.block_kernels(self, dtype)
         return None
 
     def cpu_step_serves(self, dtype) -> bool:
         """Whether decode in `dtype` would run the C++ step or its per-linear kernels (built or not yet)."""
-        return (self.offers_cpu_step() and step_serves(self, dtype)) or cpu_blocks_served(self, dtype)
+        return (self.offers_cpu_step() and cpu_ops.step_serves(self, dtype)) or cpu_ops.blocks_served(self, dtype)
 
     def cpu_kernels_off(self) -> None:
         """The per-linear kernels detached (a session with cpu_kernel off)."""
-        cpu_kernels_off(self)
+        cpu_ops.kernels_off(self)
         self.cpu_block_kernels = False
 
     def decode_attends_live(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether an eager one-token forward on `device` in `dtype` runs the Triton attention,
         which reads the live length from `positions` (so `state.kv_len` buckets change nothing)."""
-        return cuda_base.serves(device, dtype) and cuda_base.attention_fits(self.config.head_dim)
+        return serving.serves(device, dtype) and attention_ops.decode_fits(self.config.head_dim)
 
     def kernel_precompile(self, device: torch.device, dtype: torch.dtype):
         """A context inside which forwards on `device` in `dtype` compile their Triton kernels in
-        parallel instead of running them (cuda_base.precompiling), or None where no kernels
-        serve them or this Triton cannot (then they compile one by one at their first launch)."""
-        if cuda_base.serves(device, dtype) and cuda_base.can_precompile():
-            return cuda_base.precompiling()
-        return None
+        parallel instead of running them, or None where no kernels serve them or this Triton
+        cannot (then they compile one by one at their first launch)."""
+        return serving.precompile_context(device, dtype)
 
     @property
     def max_position(self) -> int:
@@ -118,7 +114,7 @@ class CausalLM(nn.Module):
         # one token over exactly the live slots (the CPU), or the fused CUDA attention (it reads
         # the live length from `positions`): no mask
         live_only = tokens.shape[0] == 1 and (state.kv_len == state.length + 1
-                                              or cuda_base.attention_usable(x, self.config.head_dim))
+                                              or attention_ops.decode_serves(x, self.config.head_dim))
         # a prompt from position 0 attends with is_causal (attend_cached): no mask either
         from_zero = state.length == 0 and state.kv_len == tokens.shape[0]
         # a padded prefill where the model pads (the kernel that reads the start from `positions`)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cuda import scan as cuda_scan
+from ..ops import recurrent as recurrent_ops
 
 
 def example_inputs(T: int, H: int, dk: int, dv: int, device, seed: int = 6) -> tuple[torch.Tensor, ...]:
@@ -52,7 +52,7 @@ def step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_terms(q, k, v, g, beta, chunk: int) -> tuple[torch.Tensor, ...]:
-    """The per-chunk terms of `chunked` in torch (cuda_scan.prepare computes the same in one
+    """The per-chunk terms of `chunked` in torch (recurrent_ops.scan_prepare computes the same in one
     kernel), fp32: (system [H, n, C, C]: (k_beta k^T) * decay, whose strict lower triangle is A
     of (I + A) u = v_beta; intra [H, n, C, C]: (q k^T) * decay; v_beta [H, n, C, dv]; k_cum:
     k_beta * exp(cum), q_dec: q * exp(cum), k_dec: k * exp(cum_last - cum) [H, n, C, dk];
@@ -80,7 +80,7 @@ def chunk_terms(q, k, v, g, beta, chunk: int) -> tuple[torch.Tensor, ...]:
             k * (cum[..., -1:] - cum).exp()[..., None], cum[..., -1].exp())
 
 
-# Whether a fused prefill takes cuda_scan.solve (bench/ab_prefill.py's nosolve variants: torch's trsm)
+# Whether a fused prefill takes recurrent_ops.scan_solve (bench/ab_prefill.py's nosolve variants: torch's trsm)
 FUSED_SOLVE = True
 
 
@@ -88,23 +88,23 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, fused: bool 
     """Prefill: the same rule with the WY/UT transform inside chunks and a scan across them.
     q and k may also come with Hk key heads, Hk dividing H (not repeated yet: value head h reads
     key head h // (H / Hk)). `fused` (CUDA): the chunks' terms in one Triton kernel
-    (cuda_scan.prepare, reading q, k and v where they lie), the triangular solve and its products
-    in a second (cuda_scan.solve, 64-token chunks) and the scan in a third (cuda_scan.chunk_scan);
+    (recurrent_ops.scan_prepare, reading q, k and v where they lie), the triangular solve and its products
+    in a second (recurrent_ops.scan_solve, 64-token chunks) and the scan in a third (recurrent_ops.chunk_scan);
     else torch throughout."""
-    fused = fused and cuda_scan.scan_fits(chunk, k.shape[-1], v.shape[-1])
-    terms = cuda_scan.prepare(q, k, v, g.float(), beta.float(), chunk) if fused else \
+    fused = fused and recurrent_ops.scan_fits(chunk, k.shape[-1], v.shape[-1])
+    terms = recurrent_ops.scan_prepare(q, k, v, g.float(), beta.float(), chunk) if fused else \
         chunk_terms(q, k, v, g, beta, chunk)
     return _solve_and_scan(terms, state, q.shape[0], chunk, fused)
 
 
 def chunked_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale: float, state: torch.Tensor,
                 chunk: int = 64) -> torch.Tensor:
-    """`chunked`'s fused form (CUDA, where cuda_scan.scan_fits) from what the layer has before normalising: q, k
+    """`chunked`'s fused form (CUDA, where recurrent_ops.scan_fits) from what the layer has before normalising: q, k
     [T, Hk, dk] as the conv left them, a and b its decay and beta projections [T, H], neg_a and
-    dt_bias [H] fp32: cuda_scan.prepare_raw computes l2norm(q) / sqrt(dk), l2norm(k),
+    dt_bias [H] fp32: recurrent_ops.scan_prepare_raw computes l2norm(q) / sqrt(dk), l2norm(k),
     g = neg_a softplus(a + dt_bias) and beta = sigmoid(b) beta_scale inside (qwen3_5.GatedDeltaNet's
     torch form of them: ~10 elementwise kernels a layer)."""
-    terms = cuda_scan.prepare_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale, chunk)
+    terms = recurrent_ops.scan_prepare_raw(q, k, v, a, b, neg_a, dt_bias, beta_scale, chunk)
     return _solve_and_scan(terms, state, q.shape[0], chunk, True)
 
 
@@ -115,15 +115,15 @@ def _solve_and_scan(terms: tuple, state: torch.Tensor, T: int, chunk: int, fused
     # (the solver reads only the strict lower triangle; unitriangular supplies the identity).
     # One triangular solve for (I + A)^-1 (C right-hand sides), then two matmuls: a quarter of
     # the solver's work of solving for u and w directly (dk + dv right-hand sides)
-    if fused and FUSED_SOLVE and cuda_scan.solve_fits(chunk):  # the solve and both products in one kernel
-        u, w = cuda_scan.solve(system, v_beta, k_cum)
+    if fused and FUSED_SOLVE and recurrent_ops.scan_solve_fits(chunk):  # the solve and both products in one kernel
+        u, w = recurrent_ops.scan_solve(system, v_beta, k_cum)
     else:
         eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
         inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
         u, w = inv @ v_beta, inv @ k_cum
     n = system.shape[1]
     if fused:
-        out = cuda_scan.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
+        out = recurrent_ops.chunk_scan(u, w, q_dec, k_dec, intra, chunk_decay, state)
         return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1)
     S = state.clone()
     out = torch.empty_like(v_beta)

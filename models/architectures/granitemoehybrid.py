@@ -7,7 +7,7 @@ the stream, logits divided by `logits_scaling`. The model declares each layer's 
 engine's StateManager owns it. Checkpoint names (`input_linear`, `output_linear`, `router.layer`)
 map to ours in `checkpoint_names`; the experts and router are moe.py's (their top-k softmax,
 renormalised, is the softmax over the top-k logits); on CUDA a one-token step runs them through
-kernels/cuda/moe.py (routing in one launch, the experts in two, as the Qwen MoE models), and a
+ops.experts (routing in one launch, the experts in two, as the Qwen MoE models), and a
 multi-token forward as two grouped GEMMs.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, linear as cuda_linear, moe as cuda_moe
+from ..ops import experts as experts_ops, linear as linear_ops, serving
 from .causal_lm import Body, CausalLM
 from . import layers
 from .layers import FusedLinear, Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
@@ -115,9 +115,9 @@ class RoutedExperts(nn.Module):
         once. Quantized experts add and scale in torch. x may be a NormedRow (one token on CUDA:
         the layer's norm in the router GEMV's prologue, which writes the normed row the experts
         read)."""
-        row = isinstance(x, cuda_linear.NormedRow)
+        row = linear_ops.is_row(x)
         ex = self.experts
-        if not (cuda_base.usable(x) and moe.decode_serves(ex)):
+        if not (serving.one_row(x) and moe.decode_serves(ex)):
             x = x.materialize() if row else x
             idx, weights = self.router(x)
             # many tokens: grouped GEMMs where they serve (moe.py)
@@ -126,11 +126,11 @@ class RoutedExperts(nn.Module):
         fused = layers.FUSED_SCALE and isinstance(ex, Experts)
         parts = shared_parts(shared_mlp, ex) if fused and SHARED_AS_EXPERTS else None
         if parts is not None:
-            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate_up=parts[0],
-                                    shared_down=parts[1], scale=scale)
+            return experts_ops.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate_up=parts[0],
+                                       shared_down=parts[1], scale=scale)
         shared = shared_mlp(x)
         if fused and shared.dtype == x.dtype and shared.is_contiguous():
-            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, scale=scale)
+            return experts_ops.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, scale=scale)
         out = moe.decode_experts(x, ex, idx, weights) + shared
         return out * scale
 

@@ -4,9 +4,9 @@ All ops take one sequence (batch 1): activations are [T, hidden]. Attention writ
 keys/values into the engine's preallocated buffers at `positions` and attends over the first
 `kv_len` slots with a causal mask built from `positions`, so the same code runs a prefill, an
 eager decode step and a CUDA-graph decode step (which passes a fixed bucket of slots: see
-engine/graphs.py). On CUDA, one-token forwards use the Triton kernels of cuda_base.py and
-cuda_attention.py where Triton is installed (the attention then reads only the live slots and
-needs no mask); everywhere else the torch forms here run.
+engine/graphs.py). On CUDA, one-token forwards run the Triton kernels through models/ops where
+Triton is installed (the attention then reads only the live slots and needs no mask); everywhere
+else the torch forms here run.
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..quant.layers import BlockLinear, Int4Linear, QuantLinear
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base, linear as cuda_linear
-from ..kernels.cuda import prefill_attention as cuda_prefill_attention
-from ..kernels.cuda import qlinear  # noqa: F401  (sets QuantLinear.kernels: the quantized linears' CUDA forms)
-from ..kernels.cuda import qruns
+from ..ops import attention as attention_ops, linear as linear_ops, norm as norm_ops, serving
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +76,7 @@ class Residual(NamedTuple):
 
 
 def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
-             out_dtype: torch.dtype | None = None) -> "tuple[torch.Tensor, torch.Tensor | cuda_linear.NormedRow]":
+             out_dtype: torch.dtype | None = None) -> "tuple[torch.Tensor, torch.Tensor | linear_ops.NormedRow]":
     """(the residual stream, norm(stream)), adding a pending branch first. `defer` (for callers
     whose normed row goes only into Linear layers): on the fused CUDA path the norm is returned
     as a NormedRow, computed in the prologue of the GEMV that reads it (one launch fewer), and
@@ -93,13 +90,10 @@ def add_norm(x: "torch.Tensor | Residual", norm: RMSNorm, defer: bool = False,
             if done is not None:
                 return done
         b = b.materialize()
-    if (cuda_base.prefill_usable(s) and (b is None or s.dtype == b.dtype)
-            and (norm.offset != 0.0 or norm.weight.dtype == s.dtype)):
-        if defer and s.shape[0] == 1:
-            row = cuda_linear.NormedRow(s, b, norm.fused_weight(), norm.eps, out_dtype)
-            return row.stream, row
-        if b is not None and s.is_contiguous() and b.is_contiguous():  # any number of rows
-            return cuda_base.add_rms_norm(s, b, norm.fused_weight(), norm.eps, out_dtype=out_dtype)
+    if norm.offset != 0.0 or norm.weight.dtype == s.dtype:
+        done = norm_ops.add_rms_norm(s, b, norm.fused_weight(), norm.eps, defer, out_dtype)
+        if done is not None:
+            return done
     x = s if b is None else s + b
     return x, norm(x, out_dtype)
 
@@ -177,22 +171,16 @@ class SwiGLU(nn.Module):
         fused = getattr(self, "gate_up_proj", None)
         if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
             # the dequant-GEMV computes silu(gate) * up, and the down's int8 input where it reads one
-            int8_out = qruns.reads_int8(self.down_proj, cuda_linear.row_dtype(x), "pair")
+            int8_out = linear_ops.reads_int8(self.down_proj, linear_ops.row_dtype(x), "pair")
             return self.down_proj(fused.gemv_swiglu(x, int8_out=int8_out))
-        if isinstance(fused, FusedLinear) and cuda_base.usable(x):
+        if isinstance(fused, FusedLinear) and serving.one_row(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
-            x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
-            return self.down_proj(cuda_linear.gemv(x, self.gate_up_proj.weight, swiglu=True))
-        if isinstance(x, cuda_linear.NormedRow):
-            x = x.materialize()
+            x = x if linear_ops.is_row(x) else x.contiguous()
+            return self.down_proj(linear_ops.gemv(x, self.gate_up_proj.weight, swiglu=True))
+        x = linear_ops.as_tensor(x)
         if hasattr(self, "gate_up_proj"):
-            gu = self.gate_up_proj(x)
-            if cuda_base.prefill_usable(gu) and gu.dim() == 2 and gu.is_contiguous():
-                return self.down_proj(cuda_base.silu_mul(gu))  # one kernel, not silu's and mul's
-            gate, up = gu.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(linear_ops.silu_mul(self.gate_up_proj(x)))  # CUDA: one kernel, not silu's and mul's
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class QKVProjections(nn.Module):
@@ -216,16 +204,10 @@ class QKVProjections(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose one-token CUDA forward is the
-    Triton GEMV of cuda_linear.py: cuBLAS's one-row kernels leave much of the bandwidth unused."""
+    Triton GEMV (linear_ops.dense): cuBLAS's one-row kernels leave much of the bandwidth unused."""
 
-    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
-        if isinstance(x, cuda_linear.NormedRow):
-            if x.dtype != self.weight.dtype:
-                return F.linear(x.materialize(), self.weight, self.bias)
-            return cuda_linear.gemv(x, self.weight, self.bias)
-        if cuda_base.usable(x) and x.dtype == self.weight.dtype and x.is_contiguous():
-            return cuda_linear.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: "torch.Tensor | linear_ops.NormedRow") -> torch.Tensor:
+        return linear_ops.dense(x, self.weight, self.bias)
 
 
 # False: a branch's residual multiplier (Granite's) as torch's product after the GEMV or expert
@@ -233,7 +215,7 @@ class Linear(nn.Linear):
 FUSED_SCALE = True
 
 
-def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", scale: float) -> torch.Tensor:
+def scaled_linear(linear: nn.Module, x: "torch.Tensor | linear_ops.NormedRow", scale: float) -> torch.Tensor:
     """linear(x) * scale, rounded as that product is (the output in its dtype, then scaled and
     rounded again). A plain Linear's one-row CUDA GEMV scales in its epilogue: one launch, not
     two (Granite's residual multiplier on each branch). Modules with forward hooks (tensor
@@ -242,8 +224,8 @@ def scaled_linear(linear: nn.Module, x: "torch.Tensor | cuda_linear.NormedRow", 
         return linear(x)
     if (FUSED_SCALE and type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
             and not nn.modules.module._global_forward_hooks and x.dtype == linear.weight.dtype
-            and (isinstance(x, cuda_linear.NormedRow) or (cuda_base.usable(x) and x.is_contiguous()))):
-        return cuda_linear.gemv(x, linear.weight, linear.bias, scale=scale)
+            and linear_ops.gemv_serves(x, linear.weight.dtype)):
+        return linear_ops.gemv(x, linear.weight, linear.bias, scale=scale)
     return linear(x) * scale
 
 
@@ -266,7 +248,7 @@ class FusedLinear(Linear):
 HEAD_CHUNK_ELEMENTS = 16 << 20
 
 
-def head_logits(head: nn.Module, h: "torch.Tensor | cuda_linear.NormedRow") -> torch.Tensor:
+def head_logits(head: nn.Module, h: "torch.Tensor | linear_ops.NormedRow") -> torch.Tensor:
     """The LM head's logits in fp32: h (the final norm's rows, fp32, or a NormedRow of one that
     yields fp32) times the head's weight, accumulated in fp32 and never rounded to a half dtype,
     so that greedy decoding compares fp32 values. Half weights are read as they are stored: the
@@ -276,11 +258,9 @@ def head_logits(head: nn.Module, h: "torch.Tensor | cuda_linear.NormedRow") -> t
     if isinstance(head, QuantLinear) and head.cuda_serves(h):  # fp32 sums from the quantized weights
         return head(h, out_dtype=torch.float32)
     if not isinstance(head, Linear) or w is None:
-        return head(h.materialize() if isinstance(h, cuda_linear.NormedRow) else h).float()
-    if isinstance(h, cuda_linear.NormedRow) or (
-            h.shape[0] == 1 and cuda_base.serves(h.device, w.dtype) and not torch.compiler.is_compiling()):
-        return cuda_linear.gemv(h if isinstance(h, cuda_linear.NormedRow) else h.contiguous(), w, head.bias,
-                                 out_dtype=torch.float32)
+        return head(linear_ops.as_tensor(h)).float()
+    if linear_ops.head_gemv_serves(h, w.dtype):
+        return linear_ops.gemv(h if linear_ops.is_row(h) else h.contiguous(), w, head.bias, out_dtype=torch.float32)
     h = h.float()
     if w.dtype == torch.float32:
         return F.linear(h, w, head.bias)
@@ -336,10 +316,10 @@ def rope_and_attend(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Returns [T, H*D]."""
     if rope is not None:
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    if cuda_base.attention_usable(x, q.shape[-1]):
+    if attention_ops.decode_serves(x, q.shape[-1]):
         kv[0].index_copy_(1, positions, k.to(kv[0].dtype))
         kv[1].index_copy_(1, positions, v.to(kv[1].dtype))
-        return cuda_attention.decode(q.contiguous(), kv[0], kv[1], positions)
+        return attention_ops.decode(q.contiguous(), kv[0], kv[1], positions)
     return cached_attention(q, k, v, positions, kv[0], kv[1], kv_len, mask)
 
 
@@ -353,7 +333,7 @@ def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if T > 1 and _triton_prefill_takes(q, k_cache, v_cache):
         # from position 0 or over a cached prefix alike: one kernel, no mask
         # (bench/prefill_attention_sweep.py)
-        return cuda_prefill_attention.causal(q, k_cache, v_cache, kv_len - T if positions is None else positions)
+        return attention_ops.prefill_causal(q, k_cache, v_cache, kv_len - T if positions is None else positions)
     keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
     if keys.dtype != q.dtype:  # caches kept narrower than the activations (fp16 on the CPU)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -401,7 +381,7 @@ TRITON_PREFILL_ATTENTION = True
 
 
 def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Where prefills attend by cuda_prefill_attention.causal: `_triton_prefill_sizes` for q's
+    """Where prefills attend by attention_ops.prefill_causal: `_triton_prefill_sizes` for q's
     device, dtype and head size and the caches' dtype, outside torch.compile, rows of D
     contiguous, and whole groups of query heads per key head."""
     return (_triton_prefill_sizes(q.device, q.dtype, q.shape[-1], k_cache.dtype) and v_cache.dtype == q.dtype
@@ -410,26 +390,19 @@ def _triton_prefill_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _triton_prefill_sizes(device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> bool:
-    """The Triton kernels serve the device and dtype (cuda_base.serves), the caches hold that
-    dtype, head sizes up to 256 (the kernel's tiles' shared memory), and the GPU is sm_90 or newer
-    (measured there; older GPUs keep flash)."""
-    return (TRITON_PREFILL_ATTENTION and cuda_base.serves(device, dtype) and head_dim <= 256 and kv_dtype == dtype
-            and _sm90(device.index))
+    """TRITON_PREFILL_ATTENTION on and attention_ops.prefill_sizes: the device and dtype served,
+    caches of that dtype, head sizes up to 256, sm_90 or newer."""
+    return TRITON_PREFILL_ATTENTION and attention_ops.prefill_sizes(device, dtype, head_dim, kv_dtype)
 
 
 def padded_prefill_serves(device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> bool:
     """Whether every prefill of an attention layer on `device` in `dtype` attends by
-    cuda_prefill_attention.causal with its start read from the positions (attend_cached given
+    attention_ops.prefill_causal with its start read from the positions (attend_cached given
     them) and writes its keys and values by qk_rope_kv_write: then it builds no mask and reads no
     host length, and pad tokens after the prompt change none of the prompt's rows (a causal
     query never sees a later key). _triton_prefill_takes' conditions on the model's sizes (the
     strides and head groups hold for the model's own tensors), and qk_rope_kv_write's head size."""
-    return _triton_prefill_sizes(device, dtype, head_dim, kv_dtype) and cuda_base.fits(head_dim, least=16)
-
-
-@functools.cache
-def _sm90(index: "int | None") -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return _triton_prefill_sizes(device, dtype, head_dim, kv_dtype) and attention_ops.rope_fits(head_dim)
 
 
 def _flash_takes(q: torch.Tensor) -> bool:

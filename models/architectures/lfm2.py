@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
+from ..ops import recurrent as recurrent_ops, serving
 from .causal_lm import Body, CausalLM
 from .causal_conv import conv_prefill, conv_step
 from .layers import Linear, Residual, RMSNorm, Rope, SwiGLU, add_norm
@@ -93,9 +93,9 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         bcx = self.in_proj(x)
         weight, window = self.conv.weight[:, 0], st["conv"]
-        if cuda_base.usable(bcx) and bcx.is_contiguous():
+        if serving.one_row(bcx) and bcx.is_contiguous():
             # the gate, the conv, the window's shift and the output gate in one launch
-            return self.out_proj(cuda_shortconv.decode(bcx, window, weight, self.conv.bias))
+            return self.out_proj(recurrent_ops.shortconv_step(bcx, window, weight, self.conv.bias))
         b, c, xs = bcx.chunk(3, dim=-1)
         form = conv_step if bcx.shape[0] == 1 else conv_prefill
         return self.out_proj(c * form(b * xs, window, weight, self.conv.bias).to(c.dtype))

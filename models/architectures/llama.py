@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..sharding import Plan, Split, divisible, expert_splits
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base, qruns
+from ..ops import attention as attention_ops, linear as linear_ops
 from .causal_lm import Body, CausalLM
 from . import moe
 from .moe import SparseMoe, num_experts, stack_experts
@@ -87,15 +87,15 @@ class Attention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        if cuda_base.rope_usable(x, D):
+        if attention_ops.rope_serves(x, D):
             # one kernel for the q/k norms, RoPE and the KV write; two for a one-token attention
             qkv = self.project_joint(x)
             norms = (self.q_norm.fused_weight(), self.k_norm.fused_weight()) if hasattr(self, "q_norm") else None
-            q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
+            q = attention_ops.rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], H, KVH, norm_weights=norms,
                                             eps=self.q_norm.eps if norms else 0.0)
-            if cuda_base.attention_usable(x, D):
-                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions,
-                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype, "merge")))
+            if attention_ops.decode_serves(x, D):
+                return self.o_proj(attention_ops.decode(q, kv[0], kv[1], positions,
+                                                        int8_out=linear_ops.reads_int8(self.o_proj, x.dtype, "merge")))
             return self.o_proj(attend_cached(q, kv[0], kv[1], kv_len, mask, positions))
         if hasattr(self, "qkv_proj") and not hasattr(self, "q_norm"):
             qkv = self.qkv_proj(x)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cuda import base as cuda_base, conv as cuda_conv, ssd as cuda_ssd
+from ..ops import recurrent as recurrent_ops, serving
 from .causal_conv import conv_prefill, conv_step
 from .layers import Linear, scaled_linear
 from .state_spec import FixedState
@@ -79,7 +79,7 @@ def step(x, dt, A, B, C, D, state: torch.Tensor) -> torch.Tensor:
 def chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64, fused: bool = False) -> torch.Tensor:
     """Prefill: inside each chunk the output is a masked quadratic form (C_l B_s^T weighted by the
     decay from s to l); across chunks the state is carried by a scan of `T / chunk` steps.
-    `fused`: the scan as one Triton kernel (cuda_ssd.chunk_scan, CUDA) instead of the loop."""
+    `fused`: the scan as one Triton kernel (recurrent_ops.ssd_chunk_scan, CUDA) instead of the loop."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     x32 = x.float()
@@ -106,8 +106,8 @@ def chunked(x, dt, A, B, C, D, state: torch.Tensor, chunk: int = 64, fused: bool
     chunk_states = xdt.transpose(-1, -2) @ (Bh * (cum[..., -1:] - cum).exp()[..., None])   # [H, n, P, N]
     C_dec = Ch * cum.exp()[..., None]
     chunk_decay = cum[..., -1].exp()                                    # [H, n]
-    if fused and cuda_ssd.scan_fits(chunk, P, N):
-        cuda_ssd.chunk_scan(out, C_dec, chunk_states, chunk_decay, state)
+    if fused and recurrent_ops.ssd_scan_fits(chunk, P, N):
+        recurrent_ops.ssd_chunk_scan(out, C_dec, chunk_states, chunk_decay, state)
     else:
         S = state.clone()
         for i in range(n):
@@ -168,9 +168,9 @@ class Mamba2Mixer(nn.Module):
         """out_scale: the output times it (layers.scaled_linear: in the out projection's GEMV)."""
         zxbcdt = self.in_proj(h)
         T, dtype = zxbcdt.shape[0], zxbcdt.dtype
-        if cuda_base.usable(zxbcdt) and cuda_ssd.decode_fits(self.P, self.N):
+        if serving.one_row(zxbcdt) and recurrent_ops.ssd_step_fits(self.P, self.N):
             # the conv, the scan step and the gated norm in three kernels
-            out = cuda_ssd.decode(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
+            out = recurrent_ops.ssd_step(zxbcdt.contiguous(), st["conv"], self.conv1d.weight, self.conv1d.bias, st["ssm"],
                                   self.A, self.dt_bias32, self.D32, self.norm.weight, self.norm.eps, self.dt_limit,
                                   self.H, self.P, self.N, self.G)
             return scaled_linear(self.out_proj, out, out_scale)
@@ -183,8 +183,8 @@ class Mamba2Mixer(nn.Module):
             return scaled_linear(self.out_proj, out, out_scale)
         z, xBC, dt = zxbcdt.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state = st["conv"]
-        if cuda_conv.usable(xBC, self.conv1d.weight):  # one kernel, read where the projection left it
-            xBC = cuda_conv.causal_conv(xBC, conv_state, self.conv1d.weight, self.conv1d.bias, silu=True)
+        if recurrent_ops.conv_serves(xBC, self.conv1d.weight):  # one kernel, read where the projection left it
+            xBC = recurrent_ops.causal_conv(xBC, conv_state, self.conv1d.weight, self.conv1d.bias, silu=True)
         else:  # continues the stream
             xBC = F.silu((conv_step if T == 1 else conv_prefill)(xBC, conv_state, self.conv1d.weight[:, 0],
                                                                  self.conv1d.bias))
@@ -196,7 +196,7 @@ class Mamba2Mixer(nn.Module):
         if T == 1:
             y = step(x, dt, self.A, B, C, self.D32, ssm)
         elif PREFILL_FORM == "chunked":
-            y = chunked(x, dt, self.A, B, C, self.D32, ssm, self.chunk, fused=cuda_base.prefill_usable(zxbcdt))
+            y = chunked(x, dt, self.A, B, C, self.D32, ssm, self.chunk, fused=serving.rows(zxbcdt))
         else:
             y = naive(x, dt, self.A, B, C, self.D32, ssm)
         return scaled_linear(self.out_proj, self.norm(y.reshape(T, self.inner), z, dtype), out_scale)

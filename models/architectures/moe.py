@@ -8,11 +8,11 @@ weights into it. The layer takes [T, H] and returns [T, H]; routing weights stay
 Forms, each tested against the next (tests/kernels/test_moe_kernels.py, tests/engine/test_gpu.py): the per-expert
 loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorted by expert
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
-on the CPU), and on CUDA in half precision the Triton decode of kernels/cuda/moe.py (routing and
+on the CPU), and on CUDA in half precision the Triton decode of ops.experts (routing and
 the chosen experts read on the device: three launches and the shared expert's, inside the graph).
 A CUDA prefill in half precision routes with the decode's kernel too, a program a token, sorts the
-pairs by expert in three launches (kernels/cuda/moe.py's sort_pairs, the stable argsort's order),
-and through grouped.py's GEMMs hands its combine to the next add_norm (PendingCombine: the combine,
+pairs by expert in three launches (ops.experts.sort_pairs, the stable argsort's order),
+and through the grouped GEMMs hands its combine to the next add_norm (PendingCombine: the combine,
 the residual add and the RMSNorm in one launch).
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.layers import PlanarExperts
-from ..kernels.cuda import base as cuda_base, grouped as cuda_grouped, linear as cuda_linear, moe as cuda_moe, qplanar
+from ..ops import experts as experts_ops, linear as linear_ops, serving
 from .layers import FusedLinear, Linear, SwiGLU
 
 # Test-only switch: the multi-token form of the experts ("grouped" where it serves, or "loop").
 EXPERTS_FORM = "grouped"
 # False: the CUDA grouped prefill through torch._grouped_mm over a sorted copy of the rows, not
-# grouped.py's GEMMs (slower: bench/moe_prefill_sweep.py, bench/ab_prefill.py)
+# the grouped GEMMs of ops.experts (slower: bench/moe_prefill_sweep.py, bench/ab_prefill.py)
 TRITON_GROUPED = True
 
 
@@ -77,27 +77,27 @@ class Experts(nn.Module):
         """The T*k (token, expert) pairs sorted by expert, two grouped GEMMs over the experts'
         row ranges (offsets computed on the device), then each token's k results summed in
         slot order (a fixed order: no atomics). On CUDA the sort is three launches
-        (cuda_moe.sort_pairs: the same order), the GEMMs grouped.py's (x's rows read in place,
-        the SwiGLU in the first's epilogue; else x's rows copied into the sorted order for
-        torch._grouped_mm, then cuda_base.silu_mul), and the weighted sum one kernel (cuda_moe.combine).
+        (experts_ops.sort_pairs: the same order), the GEMMs experts_ops.grouped_* (x's rows read in
+        place, the SwiGLU in the first's epilogue; else x's rows copied into the sorted order for
+        torch._grouped_mm, then the silu_mul kernel), and the weighted sum one kernel (experts_ops.combine).
         `shared` and `shared_gate` (CUDA only: SparseMoe.forward's prefill): a shared expert's
-        output and its gate's logits, added in combine's sum. `defer`: grouped.py's form returns
+        output and its gate's logits, added in combine's sum. `defer`: the grouped GEMMs' form returns
         the combine not run yet (PendingCombine: the next add_norm runs it in its own launch)."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
-        cuda = cuda_base.prefill_usable(x)
+        cuda = serving.rows(x)
         if cuda and x.stride(-1) != 1:
             x = x.contiguous()
-        if cuda and TRITON_GROUPED and cuda_grouped.fits(x.shape[1], self.down_proj.shape[2]) \
+        if cuda and TRITON_GROUPED and experts_ops.grouped_fits(x.shape[1], self.down_proj.shape[2]) \
                 and self.gate_up_proj.is_contiguous() and self.down_proj.is_contiguous():
             # the sort without the rows' copy, the GEMMs reading x's rows in place, SwiGLU in the first's epilogue
-            src, inv, starts, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E, copy=False)
-            h = cuda_grouped.gate_up(x, src, starts, offs, self.gate_up_proj)
-            ys = cuda_grouped.down(h, starts, offs, self.down_proj)
+            src, inv, starts, offs = experts_ops.sort_pairs(x, idx.contiguous(), E, copy=False)
+            h = experts_ops.grouped_gate_up(x, src, starts, offs, self.gate_up_proj)
+            ys = experts_ops.grouped_down(h, starts, offs, self.down_proj)
             pending = PendingCombine(ys, inv, weights.float().contiguous(), shared, shared_gate)
             return pending if defer else pending.materialize()
         if cuda:  # the sort in three launches (no radix sort)
-            xs, inv, offs = cuda_moe.sort_pairs(x, idx.contiguous(), E)
+            xs, inv, offs = experts_ops.sort_pairs(x, idx.contiguous(), E)
         else:
             assert shared is None
             flat = idx.reshape(-1)
@@ -110,22 +110,22 @@ class Experts(nn.Module):
             xs = x[order // k]
         gu = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
         if cuda:
-            h = cuda_base.silu_mul(gu)
+            h = linear_ops.silu_mul_kernel(gu)
         else:
             gate, up = gu.chunk(2, dim=-1)
             h = F.silu(gate) * up
         ys = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         if cuda:
-            return cuda_moe.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
+            return experts_ops.combine(ys, inv, weights.float().contiguous(), shared, shared_gate)
         y = torch.empty_like(ys)
         y[order] = ys
         return (y.view(T, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
 
 class PendingCombine:
-    """A grouped CUDA prefill's branch whose last launch (cuda_moe.combine: each token's weighted
+    """A grouped CUDA prefill's branch whose last launch (experts_ops.combine: each token's weighted
     sum of its experts' rows) has not run: `Residual.branch` as add_norm takes it, which runs it
-    with the residual add and the next RMSNorm in one launch (cuda_moe.combine_add_rms_norm: the
+    with the residual add and the next RMSNorm in one launch (experts_ops.combine_add_rms_norm: the
     same bits as combine and then add_rms_norm). Anything else takes materialize()'s tensor.
     `first`: the branch of tokens first .. T - 1 only (last_row), the kernels handed the whole
     tensors and the token to start at."""
@@ -140,7 +140,7 @@ class PendingCombine:
         return torch.Size((self.weights.shape[0] - self.first, self.ys.shape[1]))
 
     def materialize(self) -> torch.Tensor:
-        return cuda_moe.combine(self.ys, self.inv, self.weights, self.shared, self.shared_gate, self.first)
+        return experts_ops.combine(self.ys, self.inv, self.weights, self.shared, self.shared_gate, self.first)
 
     def last_row(self) -> "PendingCombine":
         """The last token's branch. Not views at its rows (inv[-k:], ...): their alignment would
@@ -154,8 +154,8 @@ class PendingCombine:
         the kernel takes (then add_norm adds materialize()'s tensor)."""
         if not (x.is_contiguous() and x.dtype == self.ys.dtype and x.shape == self.shape):
             return None
-        return cuda_moe.combine_add_rms_norm(self.ys, self.inv, self.weights, x, weight, eps, self.shared,
-                                             self.shared_gate, out_dtype, self.first)
+        return experts_ops.combine_add_rms_norm(self.ys, self.inv, self.weights, x, weight, eps, self.shared,
+                                                self.shared_gate, out_dtype, self.first)
 
 
 # False: the grouped prefill's combine as its own launch, the next add_norm apart (the A/B of
@@ -188,7 +188,7 @@ def prefill_syncless(mlp: nn.Module, dtype: torch.dtype) -> bool:
 
 def decode_serves(ex: nn.Module) -> bool:
     """Whether the CUDA decode kernels read these experts: moe.Experts' contiguous 3D weights, or
-    PlanarExperts (its planar halves through qplanar.py's expert GEMVs)."""
+    PlanarExperts (its planar halves through the planar expert GEMVs)."""
     if isinstance(ex, PlanarExperts):
         return True
     return isinstance(ex, Experts) and ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous()
@@ -197,16 +197,17 @@ def decode_serves(ex: nn.Module) -> bool:
 def decode_experts(x: torch.Tensor, ex: nn.Module, idx: torch.Tensor, weights: torch.Tensor,
                    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """One token's routed experts on CUDA (decode_serves(ex)): x [1, H] contiguous, idx and weights
-    [1, k] from cuda_moe.route; plus shared * sigmoid(shared_gate) where given. Each half of
-    PlanarExperts through qplanar.py where planar, else through kernels/cuda/moe.py's launch for it
-    (h, the fp32 intermediate, passes between them); moe.Experts through cuda_moe.experts."""
+    [1, k] from experts_ops.route; plus shared * sigmoid(shared_gate) where given. Each half of
+    PlanarExperts through the planar GEMVs where planar, else through the half's launch for dense
+    experts (h, the fp32 intermediate, passes between them); moe.Experts through experts_ops.experts."""
     if not isinstance(ex, PlanarExperts):
-        return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, shared_gate)
+        return experts_ops.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared, shared_gate)
     gu, dn, E = ex.qweight("gate_up"), ex.qweight("down"), ex.num_experts
-    h = qplanar.experts_gate_up(x, gu, idx, E) if gu is not None else cuda_moe.experts_gate_up(x, ex.gate_up_proj, idx)
+    h = experts_ops.planar_gate_up(x, gu, idx, E) if gu is not None else \
+        experts_ops.experts_gate_up(x, ex.gate_up_proj, idx)
     if dn is not None:
-        return qplanar.experts_down(h, dn, idx, weights, E, x.dtype, shared, shared_gate)
-    return cuda_moe.experts_down(h, ex.down_proj, idx, weights, x.dtype, shared, shared_gate)
+        return experts_ops.planar_down(h, dn, idx, weights, E, x.dtype, shared, shared_gate)
+    return experts_ops.experts_down(h, ex.down_proj, idx, weights, x.dtype, shared, shared_gate)
 
 
 class Router(nn.Module):
@@ -226,23 +227,23 @@ class Router(nn.Module):
         (the experts' softmax and top k over the first num_experts logits only)."""
         E = self.weight.shape[0]
         logits = F.linear(x, self.weight if rows is None else rows)
-        if cuda_base.prefill_usable(x):  # one launch, not ~5; and a token routes as decode routes it
-            return (logits, *cuda_moe.route(logits, self.top_k, self.norm_topk, E))
+        if serving.rows(x):  # one launch, not ~5; and a token routes as decode routes it
+            return (logits, *experts_ops.route(logits, self.top_k, self.norm_topk, E))
         probs = logits[:, :E].float().softmax(-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, idx, weights
 
-    def decode_cuda(self, x: "torch.Tensor | cuda_linear.NormedRow", rows: torch.Tensor | None = None):
+    def decode_cuda(self, x: "torch.Tensor | linear_ops.NormedRow", rows: torch.Tensor | None = None):
         """One token on CUDA: (logits [1, len(rows)] in x's dtype, as the torch form rounds them;
         the input row as a tensor; ids [1, k]; weights [1, k] fp32), with no host sync. `rows`:
         the router's weight, or it with more rows below (a shared expert's gate) whose logits
         come back too. The GEMV normalizes a deferred row (NormedRow) in its prologue and writes
         it for the experts, which read it next."""
-        logits, row = cuda_linear.gemv_and_row(x, self.weight if rows is None else rows)
+        logits, row = linear_ops.gemv_and_row(x, self.weight if rows is None else rows)
         E = self.weight.shape[0]
-        idx, weights = cuda_moe.route(logits, self.top_k, self.norm_topk, E)
+        idx, weights = experts_ops.route(logits, self.top_k, self.norm_topk, E)
         return logits, row, idx, weights
 
 
@@ -259,12 +260,12 @@ class SparseMoe(nn.Module):
             self.shared_expert = SwiGLU(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
-    def forward(self, x: "torch.Tensor | cuda_linear.NormedRow", defer: bool = False) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | linear_ops.NormedRow", defer: bool = False) -> torch.Tensor:
         """x may be a NormedRow (a deferred norm, one row on CUDA: the decoder layer's add_norm
         with defer), which the CUDA decode path takes as it is and the torch form materializes.
         `defer` (moe.branch): the grouped CUDA prefill returns a PendingCombine."""
-        row = isinstance(x, cuda_linear.NormedRow)
-        if decode_serves(self.experts) and (row or cuda_base.usable(x)):
+        row = linear_ops.is_row(x)
+        if decode_serves(self.experts) and (row or serving.one_row(x)):
             return self.decode_cuda(x)
         if row:
             x = x.materialize()
@@ -285,7 +286,7 @@ class SparseMoe(nn.Module):
     def grouped_on_cuda(self, x: torch.Tensor) -> bool:
         """Whether these rows take Experts.grouped's CUDA form (a multi-row forward)."""
         return (x.shape[0] > 1 and type(self.experts) is Experts and EXPERTS_FORM == "grouped"
-                and cuda_base.prefill_usable(x) and grouped_serves(x, self.experts.down_proj.shape[-1]))
+                and serving.rows(x) and grouped_serves(x, self.experts.down_proj.shape[-1]))
 
     def fuse(self) -> None:
         """After loading: the router's rows and the shared expert's gate row in one weight, so
@@ -305,7 +306,7 @@ class SparseMoe(nn.Module):
         shared gate's too, where fused), the top k on the device, the chosen experts in two
         launches, with the shared expert as one more of them where its weights allow (else its
         output is added in the second one's epilogue)."""
-        x = x if isinstance(x, cuda_linear.NormedRow) else x.contiguous()
+        x = x if linear_ops.is_row(x) else x.contiguous()
         E = self.gate.weight.shape[0]
         fused = hasattr(self, "router_rows")  # [E + 1 + padding] logits: logit E the shared gate's
         logits, x, idx, weights = self.gate.decode_cuda(x, self.router_rows if fused else None)
@@ -320,9 +321,9 @@ class SparseMoe(nn.Module):
         if (isinstance(gu, FusedLinear) and isinstance(dn, nn.Linear) and gu.weight.shape == ex.gate_up_proj.shape[1:]
                 and gu.weight.dtype == dn.weight.dtype == ex.gate_up_proj.dtype and dn.weight.is_contiguous()):
             # the shared expert as one more expert of both launches
-            return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate=gate,
-                                    shared_gate_up=gu.weight, shared_down=dn.weight)
-        return cuda_moe.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, se(x), gate)
+            return experts_ops.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, shared_gate=gate,
+                                       shared_gate_up=gu.weight, shared_down=dn.weight)
+        return experts_ops.experts(x, ex.gate_up_proj, ex.down_proj, idx, weights, se(x), gate)
 
 
 def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gated_delta
-from ..kernels.cuda import attention as cuda_attention, base as cuda_base, conv as cuda_conv, delta as cuda_delta
-from ..kernels.cuda import qruns, scan as cuda_scan
+from ..ops import attention as attention_ops, linear as linear_ops, recurrent as recurrent_ops, serving
 from ..sharding import Plan, Split, divisible, expert_splits
 from .causal_conv import conv_prefill, conv_step
 from .causal_lm import Body, CausalLM
@@ -32,8 +31,8 @@ from .state_spec import AttentionState, FixedState, StateView
 
 # Test-only switch: the chunked prefill or the naive recurrent oracle for multi-token forwards.
 PREFILL_FORM = "chunked"
-# Whether a CUDA prefill normalises q and k, computes g and beta (inside cuda_scan.prepare_raw)
-# and the gated output norm (cuda_scan.gated_norm) in the fused kernels, not in torch
+# Whether a CUDA prefill normalises q and k, computes g and beta (inside recurrent_ops.scan_prepare_raw)
+# and the gated output norm (recurrent_ops.gated_norm) in the fused kernels, not in torch
 # (bench/ab_prefill.py's noraw variants)
 FUSED_PROLOGUE = True
 
@@ -185,8 +184,8 @@ class GatedDeltaNet(nn.Module):
         d = self.dk
         self.register_buffer("q_norm_w", torch.full((d,), 1.0 / d, device=device), persistent=False)
         self.register_buffer("k_norm_w", torch.full((d,), d ** -0.5, device=device), persistent=False)
-        # the counters through which the CUDA decode step's programs of a head meet (cuda_delta.decode)
-        self.register_buffer("delta_sync", cuda_delta.counters(self.nv, device), persistent=False)
+        # the counters through which the CUDA decode step's programs of a head meet (recurrent_ops.delta_step)
+        self.register_buffer("delta_sync", recurrent_ops.delta_counters(self.nv, device), persistent=False)
 
     def state(self) -> FixedState:
         return FixedState((("conv", (self.conv_dim, self.kernel - 1), None),
@@ -229,13 +228,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, st: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        if cuda_base.usable(x) and cuda_base.fits(self.dk, self.dv):
+        if serving.one_row(x) and serving.fits(self.dk, self.dv):
             # the conv, the delta rule and the gated norm in two kernels
-            out = cuda_delta.decode(self.project_in(x), st["conv"], self.conv1d.weight, st["recurrent"], self.neg_A,
-                                     self.dt_bias32, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk,
-                                     self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
-                                     int8_out=qruns.reads_int8(self.out_proj, x.dtype, "delta"),
-                                     tiled=self.out_tiled)
+            out = recurrent_ops.delta_step(self.project_in(x), st["conv"], self.conv1d.weight, st["recurrent"],
+                                           self.neg_A, self.dt_bias32, self.norm.weight, self.norm.eps, self.nk,
+                                           self.nv, self.dk, self.dv, beta_scale=self.beta_scale, sync=self.delta_sync,
+                                           int8_out=linear_ops.reads_int8(self.out_proj, x.dtype, "delta"),
+                                           tiled=self.out_tiled)
             return self.out_proj(out)  # already in out_proj's head order
         mixed, z, b, a = self.projections(x)
         if self.cpu_kernel is not None and T == 1 and not x.is_cuda and x.dtype == torch.float32:
@@ -245,20 +244,20 @@ class GatedDeltaNet(nn.Module):
                 self.q_norm_w, self.k_norm_w, self.norm.weight, self.norm.eps, self.nk, self.nv, self.dk, self.dv,
                 self.beta_scale))
         conv_state = st["conv"]
-        if cuda_conv.usable(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
-            mixed = cuda_conv.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)
+        if recurrent_ops.conv_serves(mixed, self.conv1d.weight):  # one kernel, read where the projection left it
+            mixed = recurrent_ops.causal_conv(mixed, conv_state, self.conv1d.weight, silu=True)
         else:  # continues the stream
             mixed = F.silu((conv_step if T == 1 else conv_prefill)(mixed, conv_state, self.conv1d.weight[:, 0], None))
-        if T > 1 and FUSED_PROLOGUE and PREFILL_FORM == "chunked" and cuda_base.prefill_usable(x) \
-                and cuda_scan.scan_fits(64, self.dk, self.dv):
+        if T > 1 and FUSED_PROLOGUE and PREFILL_FORM == "chunked" and serving.rows(x) \
+                and recurrent_ops.scan_fits(64, self.dk, self.dv):
             # the l2 norms, g and beta inside the chunks' first kernel, the gated norm in one more
             # (where the torch form below runs ~12 elementwise kernels)
             kd = self.key_dim
             q, k = mixed[:, :kd].unflatten(1, (self.nk, self.dk)), mixed[:, kd:2 * kd].unflatten(1, (self.nk, self.dk))
             out = gated_delta.chunked_raw(q, k, mixed[:, 2 * kd:].unflatten(1, (self.nv, self.dv)), a, b, self.neg_A,
                                           self.dt_bias32, self.beta_scale, st["recurrent"])
-            return self.project_out(cuda_scan.gated_norm(out, z.unflatten(1, (self.nv, self.dv)), self.norm.weight,
-                                                         self.norm.eps))
+            return self.project_out(recurrent_ops.gated_norm(out, z.unflatten(1, (self.nv, self.dv)),
+                                                             self.norm.weight, self.norm.eps))
         qk = mixed[:, :2 * self.key_dim].float().view(T, 2 * self.nk, self.dk)
         if self.norm.cpu_kernel is not None and T <= RMSNorm.KERNEL_ROWS and not qk.is_cuda:
             q = self.norm.cpu_kernel(qk[:, :self.nk], self.q_norm_w, 1e-6 / self.dk)  # l2norm_scaled's form
@@ -277,7 +276,7 @@ class GatedDeltaNet(nn.Module):
         if T == 1:
             out = gated_delta.step(q, k, v, g, beta, rec)
         elif PREFILL_FORM == "chunked":
-            out = gated_delta.chunked(q, k, v, g, beta, rec, fused=cuda_base.prefill_usable(x))
+            out = gated_delta.chunked(q, k, v, g, beta, rec, fused=serving.rows(x))
         else:
             out = gated_delta.recurrent_naive(q, k, v, g, beta, rec)
         z = z.reshape(T, self.nv, self.dv)
@@ -299,15 +298,15 @@ class GatedAttention(QKVProjections):
 
     def forward(self, x, positions, rope: Rope, cos, sin, kv, kv_len, mask):
         T = x.shape[0]
-        if cuda_base.rope_usable(x, self.d):
+        if attention_ops.rope_serves(x, self.d):
             # q/k norms, partial RoPE and the KV write in one kernel; a one-token attention applies the gate
             qkv = self.project_joint(x)
-            q = cuda_base.qk_rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
+            q = attention_ops.rope_kv_write(qkv, cos, sin, positions, kv[0], kv[1], self.nh, self.nkv,
                                             q_stride=2 * self.d, eps=self.q_norm.eps,
                                             norm_weights=(self.q_norm.fused_weight(), self.k_norm.fused_weight()))
-            if cuda_base.attention_usable(x, self.d):
-                return self.o_proj(cuda_attention.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d,
-                                                         int8_out=qruns.reads_int8(self.o_proj, x.dtype, "merge")))
+            if attention_ops.decode_serves(x, self.d):
+                return self.o_proj(attention_ops.decode(q, kv[0], kv[1], positions, qkv[:, self.d:], 2 * self.d,
+                                                        int8_out=linear_ops.reads_int8(self.o_proj, x.dtype, "merge")))
             gate = qkv[:, :self.nh * 2 * self.d].view(T, self.nh, 2 * self.d)[..., self.d:]
             out = attend_cached(q, kv[0], kv[1], kv_len, mask).view(T, self.nh, self.d) * torch.sigmoid(gate)
             return self.o_proj(out.view(T, -1))

@@ -4,8 +4,8 @@ KernelConfig; the weights a rule repacks are repacked here (`bind`), so the plan
 model then runs. `make` only reads: it plans for a device that need not be here (`chat plan
 --device cuda` on a CPU host plans as a CUDA host with Triton would).
 
-The rules' conditions call the kernels' own size checks (qlinear.fits, cuda_base.fits and
-attention_fits): this module is where the plan asks them."""
+The rules' conditions ask the ops' own predicates (models/ops: the quantized linears' fits, the
+per-head kernels' sizes, the decode attention's), the same rules the forwards follow."""
 from __future__ import annotations
 
 from collections import Counter
@@ -77,9 +77,9 @@ def _triton(config: KernelConfig, device: str, notes: list[str]) -> bool:
         return False
     if config.triton is not None:
         return config.triton
-    from ..kernels.cuda import base as cuda_base
+    from ..ops import serving
     if torch.cuda.is_available():
-        return cuda_base.ENABLED
+        return serving.enabled()
     notes.append("no CUDA device here: planned as a CUDA host with Triton would run it")
     return True
 
@@ -102,9 +102,9 @@ def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelCo
     offer = getattr(model, "offers_cpu_step", None) if device == "cpu" else None
     offers = bool(offer is not None and offer())
     if device == "cpu" and config.cpu_kernel:
-        from ..kernels import cpu_blocks_served, cpu_step_serves
-        step = offers and cpu_step_serves(model, dtype)
-        blocks = cpu_blocks_served(model, dtype)
+        from ..ops import cpu as cpu_ops
+        step = offers and cpu_ops.step_serves(model, dtype)
+        blocks = cpu_ops.blocks_served(model, dtype)
     tables = {_blocks_key(m) for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
     int8 = quant.int8_by_default(model) if config.cpu_int8 is None else config.cpu_int8
     return _Context(device, dtype, config, _triton(config, device, notes), step, offers, blocks, tables, int8)
@@ -129,10 +129,10 @@ def _kernel_format(site: Site) -> tuple[str, int | None]:
 def _rows16_fits(m: nn.Module, ctx: _Context) -> bool:
     """A CPU matrix of a rows16 type (quant/rows16.py) in whole 16-row groups, cpu_rows16 on, the
     library's rows16 forms built here."""
-    from ..kernels.cpu import step
+    from ..ops import cpu as cpu_ops
     from ..quant import rows16
     return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar and not m.stored()[0].is_cuda
-            and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in step.rows16_types())
+            and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in cpu_ops.rows16_types())
 
 
 def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
@@ -153,9 +153,9 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         whole = group > 0 and group % arg[0] == 0 and site.k % group == 0
         return whole == (name == "group")
     if name in ("fits", "not_fits"):
-        from ..kernels.cuda import qlinear
+        from ..ops import linear as linear_ops
         fmt, group = _kernel_format(site)
-        return qlinear.fits(fmt, site.k, group) == (name == "fits")
+        return linear_ops.quant_fits(fmt, site.k, group) == (name == "fits")
     if name == "half":
         return ctx.dtype in HALF
     if name == "fp32":
@@ -179,13 +179,13 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):
-        from ..kernels.cuda import base as cuda_base
+        from ..ops import attention as attention_ops, serving
         d = site.dims
         if name == "attention_fits":
-            return cuda_base.attention_fits(d["head_dim"])
+            return attention_ops.decode_fits(d["head_dim"])
         if name == "delta_fits":
-            return cuda_base.fits(d["dk"], d["dv"])
-        return cuda_base.fits(d["head_dim"], d["state"])
+            return serving.fits(d["dk"], d["dv"])
+        return serving.fits(d["head_dim"], d["state"])
     raise PlanError(f"unknown rule condition {cond!r}")
 
 

@@ -88,7 +88,6 @@ def test_attention_decode_branch_writes_the_cache_the_kernel_reads(tmp_path, mon
     torch stand-in of the kernel's contract (attend slots 0..positions[0]): decode steps still
     match transformers, so the branch (layers.rope_and_attend, nemotron_h's too) writes k and v
     where the kernel reads them."""
-    from models.architectures import layers
     from models.architectures.layers import attend_cached
     from tests.support.tiny import hf_model, write_checkpoint
     hf = hf_model("olmo_hybrid")
@@ -100,8 +99,9 @@ def test_attention_decode_branch_writes_the_cache_the_kernel_reads(tmp_path, mon
         return attend_cached(q, k_cache, v_cache, int(positions[0]) + 1, None)
 
     from models.architectures import olmo_hybrid
-    monkeypatch.setattr(layers.cuda_base, "attention_usable", lambda x, d: x.shape[0] == 1)
-    monkeypatch.setattr(layers.cuda_attention, "decode", kernel_contract)
+    from models.ops import attention as attention_ops
+    monkeypatch.setattr(attention_ops, "decode_serves", lambda x, d: x.shape[0] == 1)
+    monkeypatch.setattr(attention_ops, "decode", kernel_contract)
     # (the torch step's branch: the C++ step, which now decodes this family on the CPU, held back)
     monkeypatch.setattr(olmo_hybrid.OlmoHybridForCausalLM, "offers_cpu_step", lambda self: False)
     assert parity(hf, path, n=33) <= 1e-4 and calls
