@@ -181,14 +181,13 @@ def count_mtp_layers(config: dict, tensors: dict, device: torch.device) -> None:
     tensor-parallel rank's) has none."""
     from .architectures.moe import num_experts
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    dense_experts = (num_experts(cfg) > 0
-                     and not any(isinstance(t, gguf_tensors.GgufExperts) for t in tensors.values()))
-    if (device.type != "cpu" or dense_experts
-            or not any(n in tensors for n in ("mtp.fc.weight", "model.mtp.fc.weight"))):
-        held = 0
-    else:
-        held = max((int(m.group(1)) + 1 for n in tensors if (m := _MTP_LAYER.match(n))), default=0)
-    cfg[MTP_LOADED] = held
+    cfg[MTP_LOADED] = 0
+    # the cheap checks first: most loads are not on the CPU or hold no MTP layer
+    if device.type != "cpu" or not any(n in tensors for n in ("mtp.fc.weight", "model.mtp.fc.weight")):
+        return
+    if num_experts(cfg) > 0 and not any(isinstance(t, gguf_tensors.GgufExperts) for t in tensors.values()):
+        return  # dense experts
+    cfg[MTP_LOADED] = max((int(m.group(1)) + 1 for n in tensors if (m := _MTP_LAYER.match(n))), default=0)
 
 
 @contextlib.contextmanager
