@@ -530,66 +530,17 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
-        if self.speculating:
-            yield from self._speculative(prompt, logits[-1], cfg, stats, stops, sampler, t0, generation,
-                                         forced if forced is not None else expected, forced, mask)
-            return
         if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
-                and forced is None and mask is None and not self.state.has_fixed_state
+                and not self.speculating and forced is None and mask is None and not self.state.has_fixed_state
                 and getattr(sampler, "argmax_only", False)):
             yield from self._pipelined_greedy(logits[-1], cfg, stats, stops, sampler, t0, generation)
             return
-        # Tensor parallelism (engine/tensor_parallel.py): the leading rank chooses every token and
-        # tells the others after the reply's consumer took it (it may stop there: Ctrl-C); a
-        # following rank forwards what it is told. Ends by the rules below happen on every rank
-        # alike; any other end on the leader tells the followers to stop.
-        link = self.link
-        following = link is not None and link.follower
-        agreed_end = False
-        t1 = None  # set once the first token is known (a follower may be stopped before it)
-        try:
-            token = link.receive() if following else self._choose(sampler, logits[-1], forced, 0, stats, mask)
-            t1 = time.perf_counter()
-            stats.prefill_seconds = t1 - t0
-            while token is not None:
-                stats.generated_tokens += 1
-                stats.decode_seconds = time.perf_counter() - t1
-                yield token
-                if link is not None and not following:
-                    link.send(token)
-                if token in stops:
-                    stats.finish_reason = "stop"
-                    break
-                if stats.generated_tokens >= cfg.max_new_tokens:
-                    stats.finish_reason = "length"
-                    break
-                if self.state.length >= self.max_context:
-                    stats.finish_reason = "context"
-                    break
-                if following:
-                    self.step(token)
-                    token = link.receive()
-                    continue
-                sampler.accept(token)
-                if mask is not None:
-                    mask.advance(token)  # the next mask (computed while this forward runs)
-                token = self._choose(sampler, self.step(token)[-1], forced, stats.generated_tokens, stats, mask)
-            else:  # no break: the forced ids ran out where the generation would have gone on
-                stats.finish_reason = "forced"
-                if link is not None and not following:
-                    link.send(None)
-            agreed_end = True
-        except Interrupted:  # a follower told to stop (the leader's reply was interrupted)
-            agreed_end = True
-        finally:
-            if link is not None and not following and not agreed_end:
-                link.stop()
-        if t1 is not None:
-            stats.decode_seconds = time.perf_counter() - t1
+        drafter = self._drafts(prompt, forced if forced is not None else expected) if self.speculating else None
+        yield from self._decode(logits[-1], cfg, stats, stops, sampler, t0, generation, drafter, forced, mask)
 
     def _pipelined_greedy(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops,
                           sampler, t0: float, generation: int) -> Iterator[int]:
-        """The decode loop of `_generate` with the step that feeds each token queued before the
+        """The loop of `_decode` with the step that feeds each token queued before the
         host reads that token (the module docstring). The rules are the step-by-step loop's: a
         step is queued ahead only where that loop would take it unless the token is a stop id.
         (One difference: an error raised by a step queued ahead reaches the reader before the
@@ -648,19 +599,29 @@ class DecodeSession:
             if t1 is not None:
                 stats.decode_seconds = time.perf_counter() - t1
 
-    def _speculative(self, prompt: list[int], logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats,
-                     stops, sampler, t0: float, generation: int, expected: list[int] | None = None,
-                     forced: list[int] | None = None, mask: ConstraintMask | None = None) -> Iterator[int]:
-        """The decode loop of `_generate` with prompt-lookup drafts verified (engine/speculative.py).
-        Every token is the sampler's draw from a row whose logits a plain step gives bit for bit,
-        drawn in the plain loop's order (the constraint's mask advanced by each token before the
-        next row is drawn; forced ids fed and departures noted as there), and the stop rules are
-        the plain loop's; rows fed past
-        what the plain loop would have fed at a point (`excess`: the drafts after a token being
-        yielded) are unfed before the next forward, at a stop, or where the reader stops reading
-        (Ctrl-C), so the state and `cached` are the plain loop's at every yield's return."""
-        drafter, depth = self._drafts(prompt, expected), self._depth
-        excess, fed_to, t1, k, end = 0, None, None, 0, ""
+    def _decode(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops, sampler,
+                t0: float, generation: int, drafter=None, forced: list[int] | None = None,
+                mask: ConstraintMask | None = None) -> Iterator[int]:
+        """The generation loop: each token drawn from the row of logits a plain step gives, yielded,
+        judged by the stop rules (`_end_reason`), then fed. Its hooks:
+        - `drafter` (speculation, engine/speculative.py): drafts after the token are fed with it in
+          one verify forward, and each kept while it equals the draw from its row, in the plain
+          loop's order. Rows fed past what the plain loop would have fed at a point (`excess`: the
+          drafts after a token being yielded) are unfed before the next forward, at a stop, or
+          where the reader stops reading (Ctrl-C), so the state and `cached` are the plain loop's
+          at every yield's return.
+        - the tensor-parallel link (engine/tensor_parallel.py): the leading rank chooses every
+          token and tells the others once the reply's consumer took it (it may stop there:
+          Ctrl-C); a following rank feeds what it is told. Ends by the stop rules happen on every
+          rank alike; any other end on the leader tells the followers to stop.
+        - `forced` ids fed and yielded in place of the draws (departures noted; None past their
+          end: the reply ends "forced"), and the constraint's `mask`, advanced by each token
+          before the next row is drawn."""
+        link, depth = self.link, self._depth
+        following = link is not None and link.follower
+        leading = link is not None and not following
+        agreed_end = False
+        excess, fed_to, t1, k = 0, None, None, 0
 
         def unfeed_excess() -> None:
             nonlocal excess
@@ -671,31 +632,45 @@ class DecodeSession:
                 del self._ids[self.state.length:]
             excess = 0
 
+        def take(token: int) -> None:  # a yielded token that goes on: the draws' state moves past it
+            sampler.accept(token)
+            if mask is not None:
+                mask.advance(token)  # the next mask (computed while the next forward runs)
+            if drafter is not None:
+                drafter.extend((token,))
+
         try:
-            token = self._choose(sampler, logits, forced, 0, stats, mask)
+            token = link.receive() if following else self._choose(sampler, logits, forced, 0, stats, mask)
             t1 = time.perf_counter()
             stats.prefill_seconds = t1 - t0
             while True:
                 if token is None:  # the forced ids ran out where the generation would have gone on
                     stats.finish_reason = "forced"
+                    if leading:
+                        link.send(None)
                     break
                 stats.generated_tokens += 1
                 stats.decode_seconds = time.perf_counter() - t1
                 yield token
+                if leading:
+                    link.send(token)
                 end = self._end_reason(token, stats, cfg, stops)
                 if end:
                     stats.finish_reason = end
                     break
-                sampler.accept(token)
-                if mask is not None:
-                    mask.advance(token)
-                drafter.extend((token,))
-                room = min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)
+                if following:
+                    self.step(token)
+                    token = link.receive()
+                    continue
+                take(token)
                 started = time.perf_counter()  # (the drafting is part of a verify's cost: the MTP layer's)
-                drafts = drafter.propose(depth.choose(room), token)
+                drafts = [] if drafter is None else drafter.propose(depth.choose(
+                    min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)),
+                    token)
                 if not drafts:
                     row = self.step(token)[-1]
-                    depth.observe_cost(1, time.perf_counter() - started)
+                    if drafter is not None:
+                        depth.observe_cost(1, time.perf_counter() - started)
                     token = self._choose(sampler, row, forced, stats.generated_tokens, stats, mask)
                     continue
                 rows = self._forward([token] + drafts, verify=True)
@@ -719,17 +694,19 @@ class DecodeSession:
                     end = self._end_reason(token, stats, cfg, stops, excess)
                     if end:
                         break
-                    sampler.accept(token)
-                    if mask is not None:
-                        mask.advance(token)
-                    drafter.extend((token,))
+                    take(token)
                     j += 1
                 depth.observe(kept, k)
                 if excess:  # the inner loop ended the reply at an accepted draft
                     unfeed_excess()
                     stats.finish_reason = end
                     break
+            agreed_end = True
+        except Interrupted:  # a follower told to stop (the leader's reply was interrupted)
+            agreed_end = True
         finally:
+            if leading and not agreed_end:
+                link.stop()
             unfeed_excess()
             if t1 is not None:
                 stats.decode_seconds = time.perf_counter() - t1

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py, DecodeSession._speculative) against plain decoding.
+"""Speculative decoding (engine/speculative.py, DecodeSession._decode) against plain decoding.
 
 The C++ step's verify feeds several tokens in one call with each row's logits bit for bit a
 one-token step's (the row-exact linears, block_linear_rows); on that, a reply with drafts equals
