@@ -72,8 +72,9 @@ def test_projections_group_by_format_and_compute_the_dequantized_layers_function
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_cuda_decode_step_runs_for_every_mix_of_formats(monkeypatch, case):
     """On CUDA in bf16: each one-token step goes through cuda_delta.decode on project_in's joined
-    row, and gives the torch step's outputs and states (the kernel switched off by `fits`)."""
-    from models.kernels.cuda import base as cuda_base, delta as cuda_delta
+    row, and gives the torch step's outputs and states (the kernel switched off by the ops' `fits`)."""
+    from models.kernels.cuda import delta as cuda_delta
+    from models.ops import serving
     device = torch.device("cuda")
     mixed, _, states = _layers(device, torch.bfloat16, CASES[case][0])
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
@@ -81,7 +82,7 @@ def test_the_cuda_decode_step_runs_for_every_mix_of_formats(monkeypatch, case):
     monkeypatch.setattr(cuda_delta, "decode", lambda *a, _real=cuda_delta.decode, **kw: (calls.append(1), _real(*a, **kw))[1])
     got, st_got = _run(mixed, states, x)
     assert len(calls) == 2  # the two one-token steps
-    monkeypatch.setattr(cuda_base, "fits", lambda *a: False)
+    monkeypatch.setattr(serving, "fits", lambda *a, **k: False)
     want, st_want = _run(mixed, states, x)
     assert len(calls) == 2
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
