@@ -2,6 +2,7 @@
 
     python bench/quant_bench.py [--big qwen3.5-27b] [--formats bf16,Q4_K,AWQ,FP8]
         [--small smollm2-135m,qwen2.5-0.5b,qwen3.5-0.8b] [--small-formats bf16,Q4_K] [--new 128] [--prefill 2048]
+        [--plan | --plan-only]     (each model's kernel plan, as `chat plan` prints it; --plan-only: no timing)
     python bench/quant_bench.py --sweep     (the dequant-GEMV alone, per kernel config)
     python bench/quant_bench.py --sweep-planar     (only qplanar.py's, on bf16 and on int8 inputs)
     python bench/quant_bench.py --sweep-fp8     (only fp8.py's, beside the bf16 GEMV of the same matrix)
@@ -60,6 +61,10 @@ def run(name: str, fmt: str, args, device) -> dict:
         if not fmt.endswith("-stored"):
             from models import plan as kernel_plan
             kernel_plan.bind(model, device, dtype)
+    if args.plan or args.plan_only:
+        print_plan(model, name, fmt, device, dtype)
+        if args.plan_only:
+            return {}
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base
     formats = weight_formats(model)
@@ -70,6 +75,16 @@ def run(name: str, fmt: str, args, device) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return rec
+
+
+def print_plan(model, name: str, fmt: str, device, dtype) -> None:
+    """The model's kernel plan as it now is (bound where the run binds it), as `chat plan` prints
+    it, with the floor at this bench's 4.3 TB/s."""
+    from chat.plan_report import report
+    from models import plan as kernel_plan
+    plan = kernel_plan.make(model, device, dtype)
+    print(report(plan, f"kernel plan of the {name}-like shape in {fmt} on {device}, {dtype}",
+                 (4.3e12, "the floor this bench's table uses"), 8192) + "\n", flush=True)
 
 
 CONFIGS = [(2, 4, 1024), (4, 4, 256), (4, 4, 1024), (4, 8, 1024), (8, 4, 512), (8, 8, 1024), (16, 8, 512),
@@ -492,6 +507,8 @@ def main() -> None:
     ap.add_argument("--small-formats", default="bf16,Q4_K", help="the small shapes' formats (Q4_K-stored: the blocks as stored)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--plan", action="store_true", help="print each model's kernel plan before timing it")
+    ap.add_argument("--plan-only", action="store_true", help="print each model's kernel plan, time nothing")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--sweep", action="store_true", help="only time the dequant-GEMV alone per kernel config")
     ap.add_argument("--sweep-planar", action="store_true", help="--sweep for qplanar.py's GEMV alone")
@@ -554,8 +571,12 @@ def main() -> None:
     rows = []
     for name, fmt in jobs:
         rec = run(name, fmt, args, device)
+        if not rec:  # (--plan-only)
+            continue
         print(json.dumps(rec), flush=True)
         rows.append(rec)
+    if not rows:
+        return
     print(f"\n{'shape':14}{'format':>7}{'decode tok/s':>14}{'floor':>7}{'% floor':>8}{'prefill tok/s':>15}"
           f"{'vs bf16':>8}{'weights GB':>11}{'read GB':>9}{'held GB':>9}{'peak GB':>9}")
     bf16 = {r["model"]: r for r in rows if r["format"] == "bf16"}
