@@ -8,7 +8,7 @@ token is launched: on CUDA the launch returns at once (a graph replay), and the 
 mask while the GPU runs the step. Disallowed logits become
 -inf (out of place: the logits a checkpoint saved, or a CUDA graph's output, are left as they
 are). On CUDA the words cross from pinned host memory and are applied by one kernel
-(models/kernels/cuda/bitmask.py), without a host sync; where the logits are the same tensor step
+(models/ops/logits.py), without a host sync; where the logits are the same tensor step
 after step (a CUDA graph's output), the upload and the kernel are themselves a small CUDA graph,
 one replay a step: at ~2,400 tokens/s the host's launches were what a constrained token cost.
 The returned logits are then a buffer the next `apply` overwrites (as a graph's output is).
@@ -67,7 +67,7 @@ class DeviceMasks:
         self.seen: set[tuple] = set()
 
     def apply(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
-        from models.kernels.cuda.bitmask import masked_logits
+        from models.ops.logits import masked_logits
         shape = (logits.dtype, logits.numel())
         out = self.out.get(shape)
         if out is None:

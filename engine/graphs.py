@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from models.kernels.cuda import base as cuda_base
+from models.ops.serving import precompiling_now
 
 
 SMALLEST_BUCKET = 512
@@ -154,7 +154,7 @@ class PaddedPrefill:
             self.replays += 1
             return entry[1].clone()
         logits = self._run(bucket)
-        if self.use_graphs and not self.failed and not cuda_base.precompiling_now():
+        if self.use_graphs and not self.failed and not precompiling_now():
             self._capture(bucket)
         return logits
 

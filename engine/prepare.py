@@ -11,8 +11,8 @@ from .device import configure_process
 
 def main() -> int:
     configure_process()
-    from models.kernels.cpu import step
-    return step.main()
+    from models import build_cpu_step
+    return build_cpu_step()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ engine and the front end use: `load(path_or_alias)` → LoadedModel, `resolve`, 
 the registry and aliases, `configure` (the process's switches and folders, from the engine), `use_int8_inputs` and `int8_by_default` (the `cpu_int8` setting on a
 loaded model, and what its `auto` chooses),
 the kernel plan (`KernelConfig`, `Plan`: models/plan), `cpu_step_pending` (whether a model's C++ decode step still has
-to be compiled, for a start-up notice), `select_cpu_isa` (the `cpu_isa` setting: what the C++
+to be compiled, for a start-up notice), `build_cpu_step` (compile it ahead), `select_cpu_isa` (the `cpu_isa` setting: what the C++
 library is built for), and the tensor-parallel plan of a checkpoint or a config
 (`sharding_plan`, `config_plan`, `local_model`: models/sharding.py)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .plan import KernelConfig, Plan
 __all__ = ["ALIASES", "DEFAULT_ALIAS", "REGISTRY", "CheckpointError", "LoadedModel", "build_model", "fuse", "load",
            "materialize", "native_dtype", "read_checkpoint", "resolve", "text_config", "cpu_step_pending",
            "sharding_plan", "config_plan", "local_model", "use_int8_inputs", "int8_by_default", "rounding_by_default", "cpu_rounding", "select_cpu_isa", "cpu_isa_label",
-           "CpuStepUnavailable", "KernelConfig", "Plan", "configure"]
+           "CpuStepUnavailable", "KernelConfig", "Plan", "configure", "build_cpu_step"]
 
 
 def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True, fp8_prefill: str = "tensor",
@@ -52,27 +52,17 @@ def load(path_or_alias: str, device="cpu", dtype=None, quantized: bool = False, 
     dtype = torch.float32 if dtype is None else dtype
     config = kernels or kernel_plan.DEFAULT
     loaded = _loader.load(path_or_alias, device, dtype, quantized=quantized, shard=shard,
-                          q4_blocks=_q4_blocks(device, dtype, config))
+                          q4_blocks=kernel_plan.q4_in_blocks(device, dtype, config))
     loaded.plan = kernel_plan.bind(loaded.model, device, dtype, config)
     _loader.release_freed_memory()  # (what a repack replaced)
     return loaded
 
 
-def _q4_blocks(device, dtype, config: KernelConfig) -> bool:
-    """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
-    library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
-    the C++ kernels on, in fp32, where cpu_int8 is on or wide, or auto and either the plan
-    interleaves them (cpu_rows16: auto then rounds their inputs to 16 bits, models.rounding_by_default)
-    or the library runs its AVX2 forms. The rows16 products decode and prefill ahead of the planes
-    on both instruction sets (bench/cpu_bench.py --cpu-int8 off | wide), and on 16-bit inputs the
-    replies stay the fp32 model's (tests/e2e/test_e2e_pty.py; int8 inputs moved its near tie)."""
-    import torch
-
+def build_cpu_step() -> int:
+    """Build (or find in the cache) the C++ decode step's library for this machine; prints its path
+    or why it was not built, and returns the exit status (engine/prepare.py, `make chat`)."""
     from .kernels.cpu import step
-    if torch.device(device).type != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not step.ENABLED:
-        return False  # (the CPU's flags are not read for another device's load)
-    return config.cpu_int8 is True or (config.cpu_int8 is None and
-                                        ((config.cpu_rows16 and step.rows16_forms()) or not step.avx512_forms()))
+    return step.main()
 
 
 def cpu_step_pending(model, dtype) -> bool:

@@ -1,5 +1,6 @@
 """Device kernels: the fast forms of the architectures' ops (cuda/: Triton; cpu/: the C++ decode
-step). Architectures import the kernel modules they call; a kernel never imports an
+step). Architectures reach them through models/ops, and whether one serves a call is asked only
+by the planner's rules (models/plan/serving.py); a kernel never imports an op or an
 architecture. The C++ step is reached through the hook below (an architecture whose models it
 can serve offers it as `model.cpu_decode_step(dtype)`; the engine asks the model, not this
 package). Where the whole step does not serve a model, its GGUF blocks still go through the C++

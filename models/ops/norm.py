@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.cuda import base as _base, linear as _linear
+from ..plan.serving import add_norm_serves
 
 
 def add_rms_norm(x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -14,7 +15,7 @@ def add_rms_norm(x: torch.Tensor, branch: torch.Tensor | None, weight: torch.Ten
     """(stream, normed) from the kernels, or None where they do not serve x (then the caller adds
     and norms in torch). `branch` None: nothing to add (the stream is x); with defer and one row
     the normed row is a NormedRow; without a branch and without defer no kernel runs (None)."""
-    if not _base.prefill_usable(x) or (branch is not None and branch.dtype != x.dtype):
+    if not add_norm_serves(x, branch):
         return None
     if defer and x.shape[0] == 1:
         row = _linear.NormedRow(x, branch, weight, eps, out_dtype)

@@ -1,46 +1,27 @@
-"""Where the device kernels serve a call: device and dtype (`serves`), one token (`one_row`: the
-decode kernels) or any number (`rows`: the multi-token forms), per-head sizes (`fits`), and the
-context in which forwards compile their kernels ahead of a graph capture."""
+"""Where the device kernels serve a call, as the planner's rules say (models/plan/serving.py, the
+one place that asks the kernels: device and dtype `serves`, one token `one_row`, any number
+`rows`, per-head sizes `fits`), and the context in which forwards compile their kernels ahead of
+a graph capture."""
 from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..kernels.cuda import base as _base
+from ..plan.serving import enabled, fits, one_row, precompiles, rows, serves
+
+__all__ = ["calls", "enabled", "fits", "one_row", "precompile_context", "precompiling_now", "rows", "serves"]
 
 
-def enabled() -> bool:
-    """The Triton kernels are importable here and switched on (kernels.configure)."""
-    return _base.ENABLED
-
-
-def serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """The Triton kernels serve forwards on this device in this dtype (CUDA, half precision, on)."""
-    return _base.serves(device, dtype)
-
-
-def one_row(x: torch.Tensor) -> bool:
-    """The one-token kernels serve this forward: `serves`, one row, outside torch.compile."""
-    return _base.usable(x)
-
-
-def rows(x: torch.Tensor) -> bool:
-    """The multi-token kernels serve this forward: `serves`, outside torch.compile."""
-    return _base.prefill_usable(x)
-
-
-def fits(*dims: int, least: int = 1) -> bool:
-    """The per-head kernels take these sizes (powers of two, at least `least`)."""
-    return _base.fits(*dims, least=least)
-
-
-def precompile_context(device: torch.device, dtype: torch.dtype):
+def precompile_context(device, dtype):
     """A context inside which forwards on `device` in `dtype` submit their kernels' compiles in
     parallel instead of running them, or None where no kernel serves them or this Triton cannot."""
-    if _base.serves(device, dtype) and _base.can_precompile():
-        return _base.precompiling()
-    return None
+    return _base.precompiling() if precompiles(device, dtype) else None
+
+
+def precompiling_now() -> bool:
+    """Whether launches are being skipped (inside a precompile context): the outputs they would
+    fill hold garbage, so nothing may read them (no graph is captured over them)."""
+    return _base.precompiling_now()
 
 
 def calls(module, name: str):

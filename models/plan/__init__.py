@@ -5,6 +5,6 @@ prints one (report.py); /show and a recording's engine header carry its summary.
 from __future__ import annotations
 
 from .config import DEFAULT, KernelConfig
-from .planner import Choice, Plan, PlanError, bind, make
+from .planner import Choice, Plan, PlanError, bind, make, q4_in_blocks
 
-__all__ = ["DEFAULT", "KernelConfig", "Choice", "Plan", "PlanError", "bind", "make"]
+__all__ = ["DEFAULT", "KernelConfig", "Choice", "Plan", "PlanError", "bind", "make", "q4_in_blocks"]

@@ -4,8 +4,9 @@ KernelConfig; the weights a rule repacks are repacked here (`bind`), so the plan
 model then runs. `make` only reads: it plans for a device that need not be here (`chat plan
 --device cuda` on a CPU host plans as a CUDA host with Triton would).
 
-The rules' conditions ask the ops' own predicates (models/ops: the quantized linears' fits, the
-per-head kernels' sizes, the decode attention's), the same rules the forwards follow."""
+The rules' conditions ask serving.py, the one place that asks the kernels whether they serve (the
+quantized linears' fits, the per-head kernels' sizes, the decode attention's); the ops ask the
+same at call time, so the forwards follow the rules the plan states."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from ..quant import hf_layers, layers as quant
+from .serving import (cpu_avx512_forms, cpu_blocks_served, cpu_library_enabled, cpu_rows16_forms, cpu_rows16_types,
+                      cpu_step_serves, decode_attention_fits, enabled, fits, quant_fits)
 from .sites import Site, collect
 from .config import DEFAULT, KernelConfig
 from .table import DENSE, ROWS16_LAYOUT, Rule, rules_for
@@ -77,9 +80,8 @@ def _triton(config: KernelConfig, device: str, notes: list[str]) -> bool:
         return False
     if config.triton is not None:
         return config.triton
-    from ..ops import serving
     if torch.cuda.is_available():
-        return serving.enabled()
+        return enabled()
     notes.append("no CUDA device here: planned as a CUDA host with Triton would run it")
     return True
 
@@ -102,9 +104,8 @@ def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelCo
     offer = getattr(model, "offers_cpu_step", None) if device == "cpu" else None
     offers = bool(offer is not None and offer())
     if device == "cpu" and config.cpu_kernel:
-        from ..ops import cpu as cpu_ops
-        step = offers and cpu_ops.step_serves(model, dtype)
-        blocks = cpu_ops.blocks_served(model, dtype)
+        step = offers and cpu_step_serves(model, dtype)
+        blocks = cpu_blocks_served(model, dtype)
     tables = {_blocks_key(m) for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
     int8 = quant.int8_by_default(model) if config.cpu_int8 is None else config.cpu_int8
     return _Context(device, dtype, config, _triton(config, device, notes), step, offers, blocks, tables, int8)
@@ -129,10 +130,9 @@ def _kernel_format(site: Site) -> tuple[str, int | None]:
 def _rows16_fits(m: nn.Module, ctx: _Context) -> bool:
     """A CPU matrix of a rows16 type (quant/rows16.py) in whole 16-row groups, cpu_rows16 on, the
     library's rows16 forms built here."""
-    from ..ops import cpu as cpu_ops
     from ..quant import rows16
     return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar and not m.stored()[0].is_cuda
-            and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in cpu_ops.rows16_types())
+            and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in cpu_rows16_types())
 
 
 def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
@@ -153,9 +153,8 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         whole = group > 0 and group % arg[0] == 0 and site.k % group == 0
         return whole == (name == "group")
     if name in ("fits", "not_fits"):
-        from ..ops import linear as linear_ops
         fmt, group = _kernel_format(site)
-        return linear_ops.quant_fits(fmt, site.k, group) == (name == "fits")
+        return quant_fits(fmt, site.k, group) == (name == "fits")
     if name == "half":
         return ctx.dtype in HALF
     if name == "fp32":
@@ -179,13 +178,12 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):
-        from ..ops import attention as attention_ops, serving
         d = site.dims
         if name == "attention_fits":
-            return attention_ops.decode_fits(d["head_dim"])
+            return decode_attention_fits(d["head_dim"])
         if name == "delta_fits":
-            return serving.fits(d["dk"], d["dv"])
-        return serving.fits(d["head_dim"], d["state"])
+            return fits(d["dk"], d["dv"])
+        return fits(d["head_dim"], d["state"])
     raise PlanError(f"unknown rule condition {cond!r}")
 
 
@@ -220,6 +218,21 @@ def make(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DE
         step = "C++ decode step" if ctx.step else "torch eager step"
     kv = 2 if device == "cuda" or ctx.step else torch.tensor([], dtype=dtype).element_size()
     return Plan(device, dtype, config, choices, step, notes, kv)
+
+
+def q4_in_blocks(device, dtype: torch.dtype, config: KernelConfig = DEFAULT) -> bool:
+    """Whether a GGUF's Q4_0/Q4_1 linears stay in their blocks on the CPU (BlockLinear), for the
+    library's products on rounded inputs, rather than in torch's int4 planes on fp32 inputs: with
+    the C++ kernels on, in fp32, where cpu_int8 is on or wide, or auto and either the plan
+    interleaves them (cpu_rows16: auto then rounds their inputs to 16 bits, models.rounding_by_default)
+    or the library runs its AVX2 forms. The loader holds them so before a plan is made. The rows16
+    products decode and prefill ahead of the planes on both instruction sets (bench/cpu_bench.py
+    --cpu-int8 off | wide), and on 16-bit inputs the replies stay the fp32 model's
+    (tests/e2e/test_e2e_pty.py; int8 inputs moved its near tie)."""
+    if _device_type(device) != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not cpu_library_enabled():
+        return False  # (the CPU's flags are not read for another device's load)
+    return config.cpu_int8 is True or (config.cpu_int8 is None and
+                                        ((config.cpu_rows16 and cpu_rows16_forms()) or not cpu_avx512_forms()))
 
 
 def bind(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DEFAULT) -> Plan:

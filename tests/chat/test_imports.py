@@ -1,8 +1,10 @@
 """The layout's one direction, checked on the source: chat → engine → models, never back; inside
-models, formats → quant → kernels → ops → architectures → plan and the loader, never back (an
-architecture reaches a kernel only through models/ops; docs/ARCHITECTURE.md); and no import
-cycle among our modules. Every import counts, those inside functions too (a cycle through a
-function-level import is still a cycle)."""
+models, formats → quant → kernels → the planner's serving rules (models/plan/serving.py) → ops →
+architectures → the planner and the loader, never back (an architecture reaches a kernel only
+through models/ops, the engine only through the models package's and the ops' names;
+docs/ARCHITECTURE.md); no import cycle among our modules; and the kernels' availability checks
+asked only by those serving rules. Every import
+counts, those inside functions too (a cycle through a function-level import is still a cycle)."""
 import ast
 import os
 
@@ -21,7 +23,12 @@ FORBIDDEN = [("engine", "chat"), ("models", "chat"), ("models", "engine"),
              ("models.architectures", "models.plan"), ("models.architectures", "models.loader"),
              ("models.architectures", "models.kernels"), ("models.plan", "models.kernels"), ("models.kernels", "models.ops"),
              ("models.ops", "models.architectures"), ("models.ops", "models.plan"), ("models.ops", "models.loader"),
-             ("models.formats", "models.ops"), ("models.quant", "models.ops")]
+             ("models.formats", "models.ops"), ("models.quant", "models.ops"), ("engine", "models.kernels"),
+             ("models.plan.serving", "models.plan"), ("models.plan.serving", "models.ops"),
+             ("models.plan.serving", "models.architectures"), ("models.plan.serving", "models.loader")]
+# The planner's serving rules are a room of their own under the ops: they alone of models/plan ask
+# the kernels, and the ops ask them
+ALLOWED = [("models.plan.serving", "models.kernels"), ("models.ops", "models.plan.serving")]
 
 
 def modules() -> dict[str, str]:
@@ -100,8 +107,9 @@ def _under(name: str, prefix: str) -> bool:
 
 
 def back_edges(g: dict[str, set[str]]) -> list[tuple[str, str]]:
-    return sorted((a, b) for a, targets in g.items() for b in targets
-                  for src, dst in FORBIDDEN if _under(a, src) and _under(b, dst))
+    return sorted({(a, b) for a, targets in g.items() for b in targets
+                   for src, dst in FORBIDDEN if _under(a, src) and _under(b, dst)
+                   and not any(_under(a, x) and _under(b, y) for x, y in ALLOWED)})
 
 
 def test_no_back_edges():
@@ -124,6 +132,65 @@ def test_the_checks_can_fail():
     assert any("models.kernels.cpu.step" in c and "models.architectures.causal_lm" in c for c in cycles(planted))
     planted["engine.session"].add("chat.repl")
     assert ("engine.session", "chat.repl") in back_edges(planted)
+    planted["models.ops.linear"].add("models.plan.planner")  # the ops past the serving rules
+    planted["models.plan.serving"].add("models.ops.linear")
+    assert {("models.ops.linear", "models.plan.planner"), ("models.plan.serving", "models.ops.linear")} \
+        <= set(back_edges(planted))
+    assert ("models.ops.linear", "models.plan.serving") not in back_edges(planted)
+
+
+# The kernels' availability checks: whether a kernel is on, serves a device and dtype, or takes a
+# call's sizes. Only models/plan/serving.py (the planner's rules, which the ops ask at call time)
+# names them outside models/kernels, so that what a plan says runs is what the forwards run.
+AVAILABILITY = frozenset(("ENABLED", "serves", "usable", "prefill_usable", "fits", "attention_fits",
+                          "attention_usable", "rope_usable", "can_precompile", "decode_fits", "scan_fits",
+                          "solve_fits", "reads_int8", "takes", "cpu_step_serves", "cpu_blocks_served",
+                          "rows16_types", "rows16_forms", "avx512_forms", "int8_inputs"))
+AVAILABILITY_ASKERS = ("models.kernels", "models.plan.serving")
+
+
+def availability_asks(sources: dict[str, str]) -> list[str]:
+    """`module:line name` of each use of a kernel module's availability check (an attribute of a
+    name bound to a models.kernels module, a name imported from one, or a `calls(module, "name")`
+    op) outside AVAILABILITY_ASKERS."""
+    out = []
+    for name, path in sorted(sources.items()):
+        if any(_under(name, r) for r in AVAILABILITY_ASKERS):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        kernel_names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and "kernels" in (node.module or "").split("."):
+                for a in node.names:
+                    if a.name in AVAILABILITY:
+                        out.append((name, node.lineno, a.name))
+                    kernel_names.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                kernel_names.update(a.asname or a.name for a in node.names if ".kernels" in a.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in AVAILABILITY and isinstance(node.value, ast.Name) \
+                    and node.value.id in kernel_names:
+                out.append((name, node.lineno, node.attr))
+            elif isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[0], ast.Name) \
+                    and node.args[0].id in kernel_names and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in AVAILABILITY:
+                out.append((name, node.lineno, node.args[1].value))
+    return [f"{name}:{line} {what}" for name, line, what in sorted(out)]
+
+
+def test_only_the_planner_asks_whether_a_kernel_serves():
+    assert availability_asks(modules()) == []
+
+
+def test_the_availability_check_can_fail(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from ..kernels.cuda import base as _base, conv\nfrom ..kernels.cuda.ssd import decode_fits\n"
+                       "def f(x):\n    return _base.usable(x) and conv.ENABLED\n"
+                       "g = calls(_base, 'fits')\nh = calls(_base, 'silu_mul')\n")
+    assert availability_asks({"models.ops.planted": str(planted)}) == [
+        "models.ops.planted:2 decode_fits", "models.ops.planted:4 ENABLED", "models.ops.planted:4 usable",
+        "models.ops.planted:5 fits"]
+    assert availability_asks({"models.plan.serving": str(planted)}) == []
 
 
 # Where the environment may be read: engine/config.py (the engine's and the models' variables) and
