@@ -77,13 +77,14 @@ from engine.config import SamplingConfig  # noqa: E402
 from engine.session import DecodeSession  # noqa: E402
 from models.architectures import granitemoehybrid, layers  # noqa: E402
 from models import plan as kernel_plan  # noqa: E402
+from models.kernels import switch, switches  # noqa: E402
 from models.kernels.cuda import (base as cuda_base, delta as cuda_delta, fp8, linear as cuda_linear,  # noqa: E402
                                  qlinear, qplanar, qruns)
 from shapes import random_model, random_quantized_model  # noqa: E402
 
 KERNELS = kernel_plan.DEFAULT
-DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=cuda_base.PDL_ENABLED,
-                prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=cuda_base.ENABLED,
+DEFAULTS = dict(pipeline=DecodeSession.PIPELINE_GREEDY, pdl=switches()["pdl"],
+                prologue=cuda_linear.PROLOGUE_MAX_BYTES, triton=switches()["triton"],
                 wholek=cuda_linear.WHOLE_K_MAX_BYTES, prefetch=dict(qplanar.PREFETCH),
                 normquant=qplanar.NORM_QUANTIZE, reduce=qplanar.REDUCE_BLOCK,
                 nqp=qplanar.NORM_QUANTIZE_PROGRAMS, programs=qplanar.PROGRAMS, a16=False,
@@ -267,7 +268,8 @@ def apply(variant: str) -> None:
     qruns.quantize_input = _stale_int8 if "quant" in v["skip"] else _RUNS_QUANTIZE
     qruns.normed_input = _stale_int8 if "normquant" in v["skip"] else _RUNS_NORMED
     DecodeSession.PIPELINE_GREEDY = v["pipeline"]
-    cuda_base.PDL_ENABLED, cuda_linear.PROLOGUE_MAX_BYTES, cuda_base.ENABLED = v["pdl"], v["prologue"], v["triton"]
+    switch(pdl=v["pdl"], triton=v["triton"])
+    cuda_linear.PROLOGUE_MAX_BYTES = v["prologue"]
     cuda_linear.WHOLE_K_MAX_BYTES, qplanar.PREFETCH, qplanar.NORM_QUANTIZE = v["wholek"], v["prefetch"], v["normquant"]
     qplanar.REDUCE_BLOCK, qplanar.HEAD_FLOAT_TILE = v["reduce"], v["headtile"]
     qruns.NORM_QUANTIZE_PROGRAMS, qruns.QUANTIZE_RUNS = v["runsnqp"], v["runsq"]

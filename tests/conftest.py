@@ -22,14 +22,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process und
 @pytest.fixture(autouse=True)
 def _process_switches(monkeypatch):
     """The process-wide switches and folders that models.configure sets (a test that opens a
-    runtime configures the process from its environment): each test's own, restored after it."""
+    runtime configures the process from its environment, or calls models.kernels.switch): each
+    test's own, put back after it."""
+    from models import kernels
     from models.formats import checkpoints
-    from models.kernels.cpu import step
-    from models.kernels.cuda import base, fp8, fp8_gemm
-    for module, names in ((base, ("ENABLED", "PDL_ENABLED", "PRECOMPILE_ENABLED")), (fp8, ("FORM",)),
-                          (fp8_gemm, ("MODE",)), (step, ("CACHE_DIR", "COMPILER")), (checkpoints, ("INDEX_DIR",))):
-        for name in names:
-            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(checkpoints, "INDEX_DIR", checkpoints.INDEX_DIR)
+    before = kernels.switches()
+    yield
+    kernels.switch(**before)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,16 +20,39 @@ def configure(*, triton: bool = True, pdl: bool = True, precompile: bool = True,
     engine/config.py): the Triton kernels on CUDA at all, programmatic dependent launch, the
     kernels compiled ahead of a graph capture, the FP8 prefill's and GEMV's forms, and where the
     C++ library is cached and what compiles it. Each takes effect for the models loaded after it."""
+    switch(triton=triton, pdl=pdl, precompile=precompile, fp8_prefill=fp8_prefill, fp8_gemv=fp8_gemv,
+           compiler=compiler, **({"cache_dir": cache_dir} if cache_dir else {}))
+
+
+def switches() -> dict:
+    """The process-wide switches as they are now (configure's names; `triton` False where Triton
+    is absent, whatever was asked)."""
     from .cpu import step
     from .cuda import base, fp8, fp8_gemm
-    if fp8_prefill not in ("tensor", "dequant") or fp8_gemv not in ("f16", "f32"):
-        raise ValueError(f"fp8_prefill {fp8_prefill!r} / fp8_gemv {fp8_gemv!r}: tensor | dequant, f16 | f32")
-    base.ENABLED = base.triton is not None and triton
-    base.PDL_ENABLED, base.PRECOMPILE_ENABLED = pdl, precompile
-    fp8_gemm.MODE, fp8.FORM = fp8_prefill, fp8_gemv
-    if cache_dir:
-        step.CACHE_DIR = cache_dir
-    step.COMPILER = compiler
+    return dict(triton=base.ENABLED, pdl=base.PDL_ENABLED, precompile=base.PRECOMPILE_ENABLED,
+                fp8_prefill=fp8_gemm.MODE, fp8_gemv=fp8.FORM, cache_dir=step.CACHE_DIR, compiler=step.COMPILER)
+
+
+def switch(**changes) -> dict:
+    """Some of configure's switches changed, the others kept (a test's or a benchmark's form of a
+    switch: the process's API, not the kernels' module globals); returns the switches as they
+    were, for `switch(**before)` to put back. An unknown name or value raises ValueError and
+    changes nothing."""
+    from .cpu import step
+    from .cuda import base, fp8, fp8_gemm
+    before = switches()
+    unknown = sorted(set(changes) - set(before))
+    if unknown:
+        raise ValueError(f"unknown kernel switch {', '.join(unknown)}: one of {', '.join(before)}")
+    new = {**before, **changes}
+    if new["fp8_prefill"] not in ("tensor", "dequant") or new["fp8_gemv"] not in ("f16", "f32"):
+        raise ValueError(f"fp8_prefill {new['fp8_prefill']!r} / fp8_gemv {new['fp8_gemv']!r}: "
+                         "tensor | dequant, f16 | f32")
+    base.ENABLED = base.triton is not None and bool(new["triton"])
+    base.PDL_ENABLED, base.PRECOMPILE_ENABLED = bool(new["pdl"]), bool(new["precompile"])
+    fp8_gemm.MODE, fp8.FORM = new["fp8_prefill"], new["fp8_gemv"]
+    step.CACHE_DIR, step.COMPILER = new["cache_dir"], new["compiler"]
+    return before
 
 
 def _step_module(model):

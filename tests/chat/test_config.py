@@ -99,6 +99,23 @@ def test_configure_process_hands_the_environment_to_the_kernels():
     assert kernel_config(EngineConfig(), environment({})).triton is None
 
 
+def test_a_kernel_switch_changes_only_itself_and_puts_back():
+    from models import kernels
+    from models.kernels.cuda import base, fp8
+    start = kernels.switches()
+    before = kernels.switch(precompile=False, fp8_gemv="f32")
+    assert before == start and kernels.switches() == {**start, "precompile": False, "fp8_gemv": "f32"}
+    assert base.PRECOMPILE_ENABLED is False and fp8.FORM == "f32"
+    kernels.switch(triton=True)  # (Triton absent: still off)
+    assert kernels.switches()["triton"] == (base.triton is not None)
+    for bad in ({"tritn": False}, {"fp8_gemv": "f8"}):
+        with pytest.raises(ValueError) as e:
+            kernels.switch(**bad)
+        assert next(iter(bad)) in str(e.value) or "f8" in str(e.value)
+    kernels.switch(**before)
+    assert kernels.switches() == start
+
+
 def test_a_bad_diagnosis_switch_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys

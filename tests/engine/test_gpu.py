@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import models
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
+from models import kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -336,7 +337,7 @@ def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
             return [layer(x, st).float() for x in xs], st
 
     fused, st_f = run()
-    monkeypatch.setattr(cuda_base, "ENABLED", False)
+    kernels.switch(triton=False)
     plain, st_p = run()
     for a, b in zip(fused, plain):
         assert torch.allclose(a, b, atol=2e-2, rtol=3e-2), float((a - b).abs().max())
@@ -365,7 +366,7 @@ def test_fused_kernels_keep_the_model_close_to_the_torch_forms(gpu_models, monke
 
     ref = step_logits(models.load(lm.source).model, "cpu", torch.float32)
     fused = step_logits(lm.model, "cuda", torch.bfloat16)
-    monkeypatch.setattr(cuda_base, "ENABLED", False)
+    kernels.switch(triton=False)
     plain = step_logits(lm.model, "cuda", torch.bfloat16)
     err, err_plain = float((fused - ref).abs().max()), float((plain - ref).abs().max())
     assert err <= max(0.05 * float(ref.abs().max()) + 0.05, err_plain), (err, err_plain)
@@ -393,9 +394,8 @@ def test_graphs_on_off_identical_across_kv_buckets(gpu_models, monkeypatch):
     """Without Triton (CHAT_TRITON=0) the decode step reads a bucket of key slots that grows with
     the position; crossing from one bucket's graph to the next keeps graphs on = off."""
     import engine.graphs
-    from models.kernels.cuda import base as cuda_base
     monkeypatch.setattr(engine.graphs, "SMALLEST_BUCKET", 64)
-    monkeypatch.setattr(cuda_base, "ENABLED", False)
+    kernels.switch(triton=False)
     for kind in ("llama", "qwen3_5"):
         lm = gpu_models[kind]
         prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -475,7 +475,7 @@ def test_session_start_compiles_every_kernel_a_conversation_runs(tmp_path, monke
         over.update(hidden_size=192, moe_intermediate_size=64)
     lm = models.load(write_checkpoint(kind, str(tmp_path), **over), "cuda", dtype)
     prompts, tokens, later, cfg = _start_compiles_what_a_conversation_runs(lm, _compiled_kernels, dtype)
-    monkeypatch.setattr(cuda_base, "PRECOMPILE_ENABLED", False)  # a session started without them
+    kernels.switch(precompile=False)  # a session started without them
     fresh = DecodeSession(lm.model, max_context=512, device=torch.device("cuda"), dtype=dtype, cuda_graph="on")
     assert [list(fresh.generate(p, cfg)) for p in prompts] == tokens
     assert list(fresh.generate(prompts[-1] + tokens[-1] + [5, 6, 7], cfg)) == later

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support.hybrid import delta_layer_and_states
+from models import kernels
 
 
 def _steps(layer, states, xs, sync):
@@ -54,7 +55,7 @@ def check_split(device, dtype, bv, warps, monkeypatch, out_tol, state_tol):
             float((a.float() - b.float()).abs().max())
     assert torch.equal(st_s["conv"], st_o["conv"])
     assert (st_s["recurrent"] - st_o["recurrent"]).abs().max() <= state_tol
-    monkeypatch.setattr(cuda_base, "ENABLED", False)  # and the layer's torch form: its gated norm's output
+    kernels.switch(triton=False)  # and the layer's torch form: its gated norm's output
     st_t = {k: v.clone() for k, v in states.items()}
     for a, x in zip(split, xs):
         b = _gated_norm_output(layer, x, st_t).float().reshape(a.shape)

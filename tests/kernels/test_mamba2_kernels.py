@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from models.architectures import mamba2
+from models import kernels
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu),
@@ -46,12 +47,11 @@ def test_decode_kernels_match_the_torch_step(device, groups):
         st_ref, st = states(m, device, dtype), states(m, device, dtype)
         for t in range(5):  # five steps: the conv window shifts and the state carries between them
             h = torch.randn(1, 64, generator=torch.Generator().manual_seed(10 + t)).to(device, dtype)
-            from models.kernels.cuda import base as cuda_base
-            enabled, cuda_base.ENABLED = cuda_base.ENABLED, False
+            before = kernels.switch(triton=False)
             try:
                 ref = m(h, st_ref)  # the torch form
             finally:
-                cuda_base.ENABLED = enabled
+                kernels.switch(**before)
             out = ssd.decode(m.in_proj(h).contiguous(), st["conv"], m.conv1d.weight, m.conv1d.bias, st["ssm"], m.A,
                              m.dt_bias32, m.D32, m.norm.weight, m.norm.eps, m.dt_limit, m.H, m.P, m.N, m.G)
             assert out.dtype == dtype and out.shape == ref.shape

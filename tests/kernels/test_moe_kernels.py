@@ -13,6 +13,7 @@ import torch
 from models.architectures import moe
 import functools
 import models
+from models.kernels import switch as switch_kernels
 from engine.config import SamplingConfig
 from engine.session import DecodeSession
 
@@ -319,7 +320,6 @@ def test_prefill_routing_and_sort(T, E, k):
 @pytest.mark.parametrize("E,H,I,k,shared,norm", SHAPES)
 def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypatch):
     cuda_moe = kernels()
-    from models.kernels.cuda import base as cuda_base
     m = bf16_layer(E, H, I, k, shared, norm)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -328,10 +328,10 @@ def test_expert_kernels_match_the_torch_layer(E, H, I, k, shared, norm, monkeypa
         assert hasattr(m, "router_rows") == bool(shared)  # gate/up: one more expert where I matches
         # the fused GEMV rounds the same sums in another order: within one bf16 step of the largest output
         assert float((m(x).float() - fused).abs().max()) <= 2 ** -7 * float(fused.abs().max())
-        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        switch_kernels(triton=False)
         idx, w = m.gate(x)  # torch's routing (the kernel's breaks ties to the lower id)
         plain = m(x).float()
-        monkeypatch.setattr(cuda_base, "ENABLED", True)
+        switch_kernels(triton=True)
         args = (m.shared_expert(x), m.shared_expert_gate(x)) if shared else (None, None)
         direct = cuda_moe.experts(x, m.experts.gate_up_proj, m.experts.down_proj, idx, w, *args).float()
     scale = float(plain.abs().max())
@@ -510,7 +510,6 @@ def test_moe_graphs_on_off_identical(moe_models, kind):
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
 def test_moe_kernels_keep_the_model_close_to_the_torch_forms(moe_models, monkeypatch, kind):
     kernels()
-    from models.kernels.cuda import base as cuda_base
     lm = moe_models[kind]
 
     def step_logits():
@@ -520,7 +519,7 @@ def test_moe_kernels_keep_the_model_close_to_the_torch_forms(moe_models, monkeyp
         return torch.stack([first] + [s.step(t)[-1] for t in (5, 6, 7, 8)])
 
     fused = step_logits()
-    monkeypatch.setattr(cuda_base, "ENABLED", False)
+    switch_kernels(triton=False)
     plain = step_logits()
     assert float((fused - plain).abs().max()) <= 0.05 * float(plain.abs().max()) + 0.05
 
@@ -553,7 +552,6 @@ def test_k_quant_experts_decode_on_the_device_as_their_torch_form(gate_type, dow
     experts chosen)."""
     kernels()
     from models.quant import layers as quant
-    from models.kernels.cuda import base as cuda_base
     from tests.support.quant import PLANAR_LAYOUTS, gguf_experts
     E, H, I, k = 8, 256, 256, 3
     m = bf16_layer(E, H, I, k, shared, True, seed=1)
@@ -578,6 +576,6 @@ def test_k_quant_experts_decode_on_the_device_as_their_torch_form(gate_type, dow
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(fused, again)
-        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        switch_kernels(triton=False)
         plain = m(x).float()
     assert float((fused - plain).abs().max()) <= 0.02 * float(plain.abs().max())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.architectures import lfm2
+from models import kernels
 
 
 def layer_and_window(device, dtype, C, K, bias):
@@ -27,12 +28,12 @@ def compare(device, dtype, C, K, bias, atol, monkeypatch):
     """The kernel (called directly) against the layer's torch form between its two projections,
     over 6 tokens from one window. Both read the same projected input: the input projection has
     its own kernel on CUDA (a GEMV that rounds apart from cuBLAS), which is not under test here."""
-    from models.kernels.cuda import base as cuda_base, shortconv as cuda_shortconv
+    from models.kernels.cuda import shortconv as cuda_shortconv
     layer, window0 = layer_and_window(device, dtype, C, K, bias)
     xs = torch.randn(6, 1, C, device=device, dtype=dtype)
     plain_win, fused_win = window0.clone(), window0.clone()
     weight = layer.conv.weight[:, 0]
-    monkeypatch.setattr(cuda_base, "ENABLED", False)  # the torch forms on any device
+    kernels.switch(triton=False)  # the torch forms on any device
     with torch.inference_mode():
         for x in xs:
             bcx = layer.in_proj(x).contiguous()

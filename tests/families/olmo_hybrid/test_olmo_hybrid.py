@@ -14,6 +14,7 @@ import torch
 import models
 from engine.session import DecodeSession
 from tests.support.hybrid import delta_layer_and_states
+from models import kernels
 
 
 def parity(hf, path, n=70):
@@ -49,7 +50,7 @@ def test_value_heads_not_a_multiple_of_key_heads_are_refused():
 
 
 def delta_kernel_vs_torch(device, dtype, monkeypatch):
-    from models.kernels.cuda import base as cuda_base, delta as cuda_delta
+    from models.kernels.cuda import delta as cuda_delta
     layer, states = delta_layer_and_states(device, dtype)
     xs = torch.randn(5, 1, 256, device=device, dtype=dtype)
     st_k, st_t = ({k: v.clone() for k, v in states.items()} for _ in range(2))
@@ -58,7 +59,7 @@ def delta_kernel_vs_torch(device, dtype, monkeypatch):
                                                   st_k["recurrent"], layer.neg_A, layer.dt_bias32, layer.norm.weight,
                                                   layer.norm.eps, 2, 2, 64, 128, beta_scale=layer.beta_scale))
                  for x in xs]
-        monkeypatch.setattr(cuda_base, "ENABLED", False)
+        kernels.switch(triton=False)
         plain = [layer(x, st_t) for x in xs]
     return fused, plain, st_k, st_t
 
