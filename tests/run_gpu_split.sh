@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite with the embedded model's GGUF in one device call: the gpu-marked tests in
 # fifteen pytest processes side by side on one device, sharded by test file (the broad set in
-# four, the quantized GEMV files in four, tests/engine/test_gpu.py in two) and test_replay_devices.py by
+# four, the quantized GEMV files in four, tests/engine/test_graphs.py in two) and test_replay_devices.py by
 # test function (its two recording tests are the longest single items):
 #   tests/run_gpu_split.sh MODEL.gguf [seconds each may take, 530 by default]
 # Each process writes its output to $OUT/NAME.txt (or gpu-logs/ where OUT is unset); the last
@@ -14,8 +14,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CHAT_TEST_GGUF=$(realpath "$1")
 logs=${OUT:-gpu-logs}; mkdir -p "$logs"
 T=${2:-530}
 P="python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
-Q="tests/kernels/test_qplanar.py tests/kernels/test_qruns.py tests/kernels/test_quant_cuda.py tests/kernels/test_quant_kernels.py"
-APART="tests/e2e/test_gpu_real.py tests/e2e/test_replay_devices.py tests/engine/test_constraint_masks.py tests/engine/test_gpu.py $Q"
+Q="tests/kernels/test_qplanar.py tests/kernels/test_qruns.py tests/formats/test_quant.py tests/kernels/test_quant_kernels.py"
+APART="tests/e2e/test_gpu_real.py tests/e2e/test_replay_devices.py tests/engine/test_constraint_masks.py tests/engine/test_graphs.py $Q"
 
 run() {  # run NAME PYTEST-ARGS...: one process, its log and its exit status in $logs/NAME.txt
   local name=$1; shift
@@ -47,7 +47,7 @@ shard_tests() {  # shard_tests NAME N FILE: the gpu-marked tests of one file, ro
 
 shard gpu-1 4 $(printf -- '--ignore=%s ' $APART) tests/
 shard gpu-6 4 $Q
-shard_tests gpu-5 2 tests/engine/test_gpu.py
+shard_tests gpu-5 2 tests/engine/test_graphs.py
 run gpu-2 tests/e2e/test_gpu_real.py -k "capital or piped"
 run gpu-3 tests/e2e/test_gpu_real.py tests/engine/test_constraint_masks.py -k "run_then_replay or test_constraint_masks"
 for k in same_logits bf16_recording cpu_recordings; do

@@ -367,7 +367,7 @@ def _split_prefix_serves(q: torch.Tensor, start: int) -> bool:
     SPLIT_PREFIX on, on CUDA, in half dtypes and head sizes flash takes. Not by default: the
     two partial outputs are rounded to the half dtype before their merge (twice the masked form's
     error against fp32), and on an H200 that flipped a greedy token of a reused prefix against
-    the cold prefill (tests/engine/test_gpu.py::test_graphs_on_off_identical), which the masked form
+    the cold prefill (tests/engine/test_graphs.py::test_graphs_on_off_identical), which the masked form
     keeps equal there. It shortens a 27B-like later turn at 16k tokens (bench/turns_bench.py
     --profile)."""
     return start > 0 and SPLIT_PREFIX and _flash_takes(q)

@@ -5,7 +5,7 @@ The experts are stored as 3D tensors (the transformers 5 layout: `gate_up_proj` 
 gate rows first, `down_proj` [E, H, I]); `stack_experts` turns hub checkpoints' per-expert 2D
 weights into it. The layer takes [T, H] and returns [T, H]; routing weights stay fp32.
 
-Forms, each tested against the next (tests/kernels/test_moe_kernels.py, tests/engine/test_gpu.py): the per-expert
+Forms, each tested against the next (tests/kernels/test_moe_kernels.py, tests/engine/test_graphs.py): the per-expert
 loop (the oracle, as transformers computes), grouped GEMMs over the tokens sorted by expert
 (prefill: torch._grouped_mm, no host sync, no atomics), the gather of the chosen experts (decode
 on the CPU), and on CUDA in half precision the Triton decode of ops.experts (routing and

@@ -5,7 +5,7 @@ QuantizedTensor under `<linear>.weight` (its `.shape` is the linear's [out, in])
 is the oracle, in torch on any device: the fp32 weights the format encodes. On the CPU the loader
 widens them (the dequantized fp32 forward); on CUDA it keeps them quantized for the Triton kernels
 of models.kernels.cuda.qlinear, as models/quant/hf_layers.py's modules (`module(t, device)`;
-tests/kernels/test_quant_cuda.py compares the two).
+tests/formats/test_quant.py compares the two).
 - FP8 (`quant_method: fp8`, the official Qwen FP8 layout): `weight` float8_e4m3fn [N, K] and
   `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]; W = weight * scale of its 128 x 128 block.
 - AWQ (`awq`, AutoAWQ's GEMM layout, 4 bits): `qweight` int32 [K, N/8] (eight columns a word, in

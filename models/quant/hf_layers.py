@@ -1,7 +1,7 @@
 """HF quantized linears as modules: FP8 with 128 x 128 block scales (`Fp8Linear`) and AWQ / GPTQ
 4-bit groups repacked as QWeight's INT4 (`GroupInt4Linear`), built from formats/hf_quant.py's
 tensors by `module(t, device)`. Contract: each computes what its tensor's `dequantize()` gives,
-times x (tests/kernels/test_quant_cuda.py, tests/formats/test_hf_quant.py)."""
+times x (tests/formats/test_quant.py, tests/formats/test_hf_quant.py)."""
 from __future__ import annotations
 
 import torch

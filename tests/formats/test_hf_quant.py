@@ -5,7 +5,7 @@ tests/support/tiny_hf_quant.py (encoders written from the formats' descriptions)
 On the CPU the loader widens them: the model then computes exactly what the same model with the
 dequantized weights written as fp32 computes (the same weights bit for bit, the same ops: logits
 equal to fp32 rounding of nothing, compared with a 1e-6 relative margin). The CUDA kernels on
-these formats: tests/kernels/test_quant_kernels.py and tests/kernels/test_quant_cuda.py.
+these formats: tests/kernels/test_quant_kernels.py and tests/formats/test_quant.py.
 """
 import json
 import os

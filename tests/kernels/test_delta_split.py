@@ -1,5 +1,6 @@
-"""The Gated DeltaNet decode step with a head's value columns split over programs
-(models/kernels/cuda/delta.py, _delta_step_kernel with BV < DV): against the one-program-a-head kernel and
+"""The Gated DeltaNet decode step's kernels (models/kernels/cuda/delta.py) against the layer's torch
+form over several tokens (outputs, conv window, recurrent state), and with a head's value columns
+split over programs (_delta_step_kernel with BV < DV): against the one-program-a-head kernel and
 the layer's torch form, the counters left at zero, the same bits on every run.
 
 On CUDA (gpu-marked) and under Triton's interpreter (TRITON_INTERPRET=1), where the programs run
@@ -88,3 +89,30 @@ def test_delta_split_matches_one_program_a_head(bv, warps, monkeypatch):
 def test_delta_split_matches_one_program_a_head_under_the_interpreter(bv, monkeypatch):
     pytest.importorskip("triton")
     check_split(torch.device("cpu"), torch.float32, bv, 4, monkeypatch, out_tol=1e-5, state_tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk,nv", [(2, 2), (2, 6)])
+def test_gated_delta_decode_kernels_match_the_torch_layer(nk, nv, monkeypatch):
+    """The two-kernel DeltaNet step against GatedDeltaNet's torch form, over several tokens from
+    the same states: outputs, the conv window and the fp32 recurrent state."""
+    from models.kernels.cuda import base as cuda_base
+    from tests.support.hybrid import delta_layer_and_states
+    if not cuda_base.ENABLED:
+        pytest.skip("Triton is not installed here")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    layer, states = delta_layer_and_states(dev, bf, nk=nk, nv=nv, dk=128, dv=64, olmo=False)
+    xs = torch.randn(5, 1, 256, device=dev, dtype=bf)
+
+    def run():
+        st = {k: v.clone() for k, v in states.items()}
+        with torch.inference_mode():
+            return [layer(x, st).float() for x in xs], st
+
+    fused, st_f = run()
+    kernels.switch(triton=False)
+    plain, st_p = run()
+    for a, b in zip(fused, plain):
+        assert torch.allclose(a, b, atol=2e-2, rtol=3e-2), float((a - b).abs().max())
+    assert torch.equal(st_f["conv"], st_p["conv"])
+    assert torch.allclose(st_f["recurrent"], st_p["recurrent"], atol=1e-2, rtol=1e-2)

@@ -58,7 +58,7 @@ def tiny(tmp_path, qtype=None, tiled=False, kind="qwen3_5", nope=False):
 def delta_layer_and_states(device, dtype, nk=2, nv=2, dk=64, dv=128, olmo=True, fuse=True):
     """A GatedDeltaNet (hidden 256) with random weights and random states: as OLMo-Hybrid
     configures it (beta = 2 sigmoid(b), gated-norm eps 1e-5), or as Qwen3.5 does (olmo=False).
-    tests/engine/test_gpu.py's DeltaNet kernel test takes it too. fuse False: the projections left
+    tests/kernels/test_delta_split.py's kernel tests take it too. fuse False: the projections left
     apart (a test replaces some first: test_delta_projections.py)."""
     from models.architectures.qwen3_5 import GatedDeltaNet, HybridConfig
     cfg = HybridConfig(vocab_size=8, hidden_size=256, intermediate_size=8, layer_types=("linear_attention",),

@@ -25,7 +25,7 @@ def run_interpreted(script: str, timeout: int = 600, portable_blas: bool = False
     """portable_blas: numpy's OpenBLAS on its generic x86 kernels (the interpreter's tl.dot is
     np.matmul). Its AVX2 (Haswell) GEMM kernels round an output element differently by where it
     falls in their tiles, so the same rows of q and k in blocks cut at other rows can differ by an
-    ulp there; on the GPU the kernel's rows do not depend on their neighbours (tests/engine/test_gpu.py
+    ulp there; on the GPU the kernel's rows do not depend on their neighbours (tests/kernels/test_prefill_attention.py
     checks those bits). With the generic kernels the interpreter checks the kernel, not OpenBLAS."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     if portable_blas and platform.machine().lower() in ("x86_64", "amd64"):

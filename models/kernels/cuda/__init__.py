@@ -1,5 +1,5 @@
 """Triton kernels for CUDA forwards, one file per kind, each tested against the torch form it
-replaces (tests/engine/test_gpu.py): launcher.py (a compiled kernel's C launcher called directly once
+replaces (tests/kernels, the session's on the models: tests/engine/test_graphs.py): launcher.py (a compiled kernel's C launcher called directly once
 Triton has launched its key), base.py (launch, the predicates that say where kernels serve, PDL,
 the start-up precompile; q/k norm + RoPE + KV write; add + RMSNorm; SwiGLU's silu * up over
 many rows), linear.py (one-row GEMV,

@@ -2,7 +2,7 @@
 
 Contract: each function computes what its torch form computes, in fp32 inside and one rounding to
 the output dtype (torch's forms round between ops, so results agree to bf16 rounding, and
-tests/engine/test_gpu.py compares them). The eager decode step and the CUDA graph that records it run
+tests/kernels/test_rope_norm.py compares them). The eager decode step and the CUDA graph that records it run
 the same kernels; the CPU, fp32 models, torch.compile and machines without Triton use the torch
 forms. `CHAT_TRITON=0` turns them off.
 - qk_rope_kv_write: the optional per-head q/k RMSNorm (Qwen3, Qwen3.5) and RoPE (full or

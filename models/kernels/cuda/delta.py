@@ -2,7 +2,7 @@
 
 Contract: `decode(proj, conv_state, conv_weight, rec_state, neg_A, dt_bias, norm_weight, ...)`
 computes what GatedDeltaNet.forward computes for T == 1 between its input projection and its
-output projection (tests/engine/test_gpu.py compares them), and updates both states in place:
+output projection (tests/kernels/test_delta_split.py compares them), and updates both states in place:
 - conv_step: the depthwise causal conv over [conv window, new column] with SiLU, and the window
   shifted by one (one program owns each channel, so no two programs touch the same state row);
 - delta_step: L2-normalised q (scaled by 1/sqrt(dk)) and k of its key head, beta = beta_scale

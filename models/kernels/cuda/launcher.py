@@ -31,7 +31,7 @@ except ImportError:  # CPU-only installs, older Tritons: Triton's own call
     knobs = None
 
 # False: every launch through Triton's own call (the A/B of bench/ab_prefill.py, and the
-# equivalence test: tests/engine/test_gpu.py::test_fast_launch_identical)
+# equivalence test: tests/engine/test_graphs.py::test_fast_launch_identical)
 ENABLED = knobs is not None
 
 _entries: dict = {}  # (kernel, device, specialization, options) -> _Entry

@@ -14,7 +14,7 @@ initial state and overwritten with the final one; returns out [H, n, C, dv] fp32
 owns one head and a block of value columns (the columns of S evolve independently) and keeps its
 [dk, BV] slice of S in registers across all chunks. Its products run on tensor cores as tf32x3
 (each fp32 operand split into a TF32 head and tail: fp32-level accuracy), so it agrees with the
-torch loop to ~1e-7 (tests/engine/test_gpu.py compares them). The torch loop launches ~9 kernels per
+torch loop to ~1e-7 (tests/kernels/test_chunk_scan.py compares them). The torch loop launches ~9 kernels per
 chunk: 32 chunks x 18 layers made a 2k-token prefill of the 0.8B-like model launch-bound (and
 fp32 CUDA-core products made this kernel's first form slower than that loop: bench/scan_sweep.py);
 this is one kernel a layer.

@@ -10,7 +10,7 @@ T == 1 between its input projection and its output projection, and updates both 
   state decayed by exp(dt A) plus (dt x) B^T, y = S C + D x, gated by SiLU(z) (mamba2.step);
 - group_norm, one program per group: RMSNorm over the group's channels, times the weight.
 Everything accumulates in fp32 and rounds once to the output dtype; the torch form rounds between
-ops, so the two agree to bf16 rounding (tests/engine/test_gpu.py). The torch form is ~25 launches.
+ops, so the two agree to bf16 rounding (tests/kernels/test_mamba2_kernels.py). The torch form is ~25 launches.
 
 Contract, prefill: `chunk_scan(out, C_dec, chunk_states, chunk_decay, state)` runs exactly the
 loop at the end of mamba2.chunked, for every chunk in order, adding each chunk's reads of the

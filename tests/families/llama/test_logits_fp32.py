@@ -1,6 +1,6 @@
 """Logits are fp32 on every path: the final norm's output and the LM head's sums are never
 rounded to the model's half dtype (a bf16 rounding of a logit near 25 is 0.125, enough to flip
-a near tie under greedy decoding). CPU here; tests/engine/test_gpu.py checks the CUDA kernels."""
+a near tie under greedy decoding). CPU here; tests/kernels/test_gemv.py and tests/engine/test_graphs.py check the CUDA kernels."""
 import pytest
 import torch
 import torch.nn.functional as F
