@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from ..quant import hf_layers, layers as quant
-from .serving import (cpu_avx512_forms, cpu_blocks_served, cpu_library_enabled, cpu_rows16_forms, cpu_rows16_types,
-                      cpu_step_serves, decode_attention_fits, enabled, fits, quant_fits)
 from .sites import Site, collect
 from .config import DEFAULT, KernelConfig
 from .table import DENSE, ROWS16_LAYOUT, Rule, rules_for
@@ -81,6 +79,7 @@ def _triton(config: KernelConfig, device: str, notes: list[str]) -> bool:
     if config.triton is not None:
         return config.triton
     if torch.cuda.is_available():
+        from .serving import enabled  # (here, not at import: `import models` loads no kernel module)
         return enabled()
     notes.append("no CUDA device here: planned as a CUDA host with Triton would run it")
     return True
@@ -104,6 +103,7 @@ def _context(model: nn.Module, device: str, dtype: torch.dtype, config: KernelCo
     offer = getattr(model, "offers_cpu_step", None) if device == "cpu" else None
     offers = bool(offer is not None and offer())
     if device == "cpu" and config.cpu_kernel:
+        from .serving import cpu_blocks_served, cpu_step_serves
         step = offers and cpu_step_serves(model, dtype)
         blocks = cpu_blocks_served(model, dtype)
     tables = {_blocks_key(m) for m in model.modules() if isinstance(m, quant.BlockEmbedding)}
@@ -131,6 +131,7 @@ def _rows16_fits(m: nn.Module, ctx: _Context) -> bool:
     """A CPU matrix of a rows16 type (quant/rows16.py) in whole 16-row groups, cpu_rows16 on, the
     library's rows16 forms built here."""
     from ..quant import rows16
+    from .serving import cpu_rows16_types
     return (ctx.config.cpu_rows16 and isinstance(m, quant.BlockLinear) and not m.planar and not m.stored()[0].is_cuda
             and rows16.fits(m.ggml_type, m.out_features) and m.ggml_type in cpu_rows16_types())
 
@@ -153,6 +154,7 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
         whole = group > 0 and group % arg[0] == 0 and site.k % group == 0
         return whole == (name == "group")
     if name in ("fits", "not_fits"):
+        from .serving import quant_fits
         fmt, group = _kernel_format(site)
         return quant_fits(fmt, site.k, group) == (name == "fits")
     if name == "half":
@@ -178,6 +180,7 @@ def _holds(cond: tuple, site: Site, ctx: _Context) -> bool:
     if name == "planar":
         return isinstance(m, quant.PlanarExperts) and bool(m.planar_halves)
     if name in ("attention_fits", "delta_fits", "ssd_fits"):
+        from .serving import decode_attention_fits, fits
         d = site.dims
         if name == "attention_fits":
             return decode_attention_fits(d["head_dim"])
@@ -229,8 +232,11 @@ def q4_in_blocks(device, dtype: torch.dtype, config: KernelConfig = DEFAULT) -> 
     products decode and prefill ahead of the planes on both instruction sets (bench/cpu_bench.py
     --cpu-int8 off | wide), and on 16-bit inputs the replies stay the fp32 model's
     (tests/e2e/test_e2e_pty.py; int8 inputs moved its near tie)."""
-    if _device_type(device) != "cpu" or dtype != torch.float32 or not config.cpu_kernel or not cpu_library_enabled():
+    if _device_type(device) != "cpu" or dtype != torch.float32 or not config.cpu_kernel:
         return False  # (the CPU's flags are not read for another device's load)
+    from .serving import cpu_avx512_forms, cpu_library_enabled, cpu_rows16_forms
+    if not cpu_library_enabled():
+        return False
     return config.cpu_int8 is True or (config.cpu_int8 is None and
                                         ((config.cpu_rows16 and cpu_rows16_forms()) or not cpu_avx512_forms()))
 

@@ -249,3 +249,13 @@ def test_the_test_layout_check_can_fail(tmp_path):
         assert "test_planted.py:1" in str(e)
     else:
         raise AssertionError("a planted import of a test module passed")
+
+
+def test_importing_models_loads_no_kernel_module():
+    """`import models` (every `chat` command's first step) loads none of the CUDA kernel modules
+    (and so not Triton): they come with an architecture or a plan's question, at load."""
+    import subprocess
+    import sys
+    code = "import sys, models; print(sorted(m for m in sys.modules if m.startswith('models.kernels.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
