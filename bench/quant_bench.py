@@ -56,10 +56,13 @@ def run(name: str, fmt: str, args, device) -> dict:
     dtype = torch.bfloat16
     if fmt == "bf16":
         model = random_model(name, device, dtype)
-    else:  # as the kernel plan leaves them on CUDA (Q4_K as Q4KR, AWQ as stored: qruns.py); "-stored": unbound
+    else:  # as the kernel plan leaves them on CUDA (Q4_K as Q4KR, AWQ as stored: qruns.py); "-stored":
+        # the CUDA forms bound, nothing repacked
+        from models import plan as kernel_plan
         model = random_quantized_model(name, fmt.removesuffix("-stored"), device, dtype)
-        if not fmt.endswith("-stored"):
-            from models import plan as kernel_plan
+        if fmt.endswith("-stored"):
+            kernel_plan.bind_forms(model)
+        else:
             kernel_plan.bind(model, device, dtype)
     if args.plan or args.plan_only:
         print_plan(model, name, fmt, device, dtype)

@@ -172,7 +172,7 @@ class SwiGLU(nn.Module):
         if isinstance(fused, QuantLinear) and fused.cuda_serves(x) and x.shape[0] == 1:
             # the dequant-GEMV computes silu(gate) * up, and the down's int8 input where it reads one
             int8_out = linear_ops.reads_int8(self.down_proj, linear_ops.row_dtype(x), "pair")
-            return self.down_proj(fused.gemv_swiglu(x, int8_out=int8_out))
+            return self.down_proj(fused.forms.swiglu(fused, x, int8_out=int8_out))
         if isinstance(fused, FusedLinear) and serving.one_row(x):
             # one GEMV computes silu(gate) * up (the fused weight is [gate; up])
             x = x if linear_ops.is_row(x) else x.contiguous()

@@ -9,6 +9,6 @@ A kernel is looked up at call time, so that a benchmark's or a test's replacemen
 module's function holds for the ops too."""
 from __future__ import annotations
 
-from . import attention, cpu, experts, linear, logits, norm, recurrent, serving
+from . import attention, cpu, experts, linear, logits, norm, quant, recurrent, serving
 
-__all__ = ["attention", "cpu", "experts", "linear", "logits", "norm", "recurrent", "serving"]
+__all__ = ["attention", "cpu", "experts", "linear", "logits", "norm", "quant", "recurrent", "serving"]

@@ -1,7 +1,7 @@
 """Linear ops: a weight times rows. One CUDA row in a half dtype goes through the Triton GEMV (a
 deferred norm, NormedRow, runs in its prologue); the quantized linears reach their CUDA forms
-through QuantLinear.kernels (set by kernels/cuda/qlinear.py, imported here: quant imports no
-kernel). Elsewhere torch's forms run. Which form serves a call is the planner's rule
+through their bound forms (models/ops/quant.py: quant imports no kernel). Elsewhere torch's
+forms run. Which form serves a call is the planner's rule
 (models/plan/serving.py). Shapes: rows [T, K], weight [N, K], out [T, N]."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.cuda import base as _base, linear as _linear
-from ..kernels.cuda import qlinear  # noqa: F401  (imported, it sets QuantLinear.kernels: the quantized linears' CUDA forms)
 from ..plan.serving import gemv_serves, head_gemv_serves, quant_fits, reads_int8, silu_mul_serves
 from .serving import calls
 

@@ -241,10 +241,29 @@ def q4_in_blocks(device, dtype: torch.dtype, config: KernelConfig = DEFAULT) -> 
                                         ((config.cpu_rows16 and cpu_rows16_forms()) or not cpu_avx512_forms()))
 
 
+def bind_forms(module: nn.Module) -> int:
+    """Bind the CUDA forms (models/ops/quant.py) to every quantized module in `module` (itself
+    included) that computes through them: the quantized linears, planar experts and GGUF
+    embeddings. `bind` does it for a CUDA plan; a module built by hand (a benchmark's shape, a
+    test's linear) asks for it here. The forms ask at call time whether they serve (device,
+    switches, format), so a bound module on the CPU, or with the kernels switched off, runs its
+    torch forms. Returns how many modules it bound."""
+    from ..ops.quant import FORMS  # (here: a CPU load imports no CUDA kernel module)
+    bound = 0
+    for m in module.modules():
+        if isinstance(m, (quant.QuantLinear, quant.PlanarExperts, quant.BlockEmbedding)):
+            m.forms = FORMS
+            bound += 1
+    return bound
+
+
 def bind(model: nn.Module, device, dtype: torch.dtype, config: KernelConfig = DEFAULT) -> Plan:
     """Plan, then repack the weights whose rule names a layout (CUDA: once, after fusion), and
-    return the plan of the model as it now is. The only code that repacks a loaded model."""
+    return the plan of the model as it now is. The only code that repacks a loaded model; on
+    CUDA it binds the quantized modules' CUDA forms too (`bind_forms`)."""
     plan = make(model, device, dtype, config)
+    if plan.device == "cuda":
+        bind_forms(model)
     if plan.device == "cpu":
         made = [c.site.module.interleave() for c in plan.choices if c.layout in ROWS16_LAYOUT.values()]
         if any(made):

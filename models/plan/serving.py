@@ -76,6 +76,18 @@ def quant_fits(fmt: str, k: int, group: int | None) -> bool:
     return _qlinear.fits(fmt, k, group)
 
 
+def quant_serves(fmt: str, k: int, group: int | None, x) -> bool:
+    """The quantized linears' CUDA forms take rows x of a weight of this format, input width and
+    group: `quant_fits`, and x rows on CUDA the kernels serve (a NormedRow always is one)."""
+    return _qlinear.fits(fmt, k, group) and (not isinstance(x, torch.Tensor) or _qlinear.usable(x))
+
+
+def quant_tensor_serves(t: torch.Tensor) -> bool:
+    """The dequantizing kernels read this quantized tensor (on CUDA, the kernels on, outside
+    torch.compile)."""
+    return _qlinear.usable(t)
+
+
 def reads_int8(linear, dtype: torch.dtype, producer: str) -> bool:
     """`linear`'s one-row GEMV reads int8 runs of its input, which the launch making that input
     (`producer`: "merge", "delta", "pair") then makes too (qruns.FUSED_INT8)."""

@@ -4,5 +4,5 @@ QuantLinear and QWeight, what the kernels read), hf_layers.py (HF FP8, AWQ and G
 planar.py and runs.py (the CUDA layouts a plan repacks into, with their exact dequantizers).
 
 Built from the file side (models/formats: the tensors a checkpoint holds); the kernels, the
-architectures, the planner and the loader import these; nothing here imports a kernel (the CUDA
-forms of QuantLinear are `QuantLinear.kernels`, models/kernels/cuda/qlinear.py)."""
+architectures, the planner and the loader import these; nothing here imports a kernel (a module's
+CUDA forms, models/ops/quant.py, are its `forms`, which the kernel plan binds)."""

@@ -20,13 +20,14 @@ Contract: a module here computes what the dequantized fp32 module computes, up t
   token's chosen experts are dequantized exactly, one at a time, and multiplied in the
   activations' dtype (on CUDA, a Q4_K, Q5_K or Q6_K half of them is repacked as one Q4KP, Q5KP
   or Q6KP matrix, `PlanarExperts`; another type is dequantized at load for the MoE kernels).
-Weights are converted once at load. On CUDA (models.kernels.cuda.qlinear) every type above stays
+Weights are converted once at load. On CUDA every type above stays
 in its blocks as BlockLinear / BlockEmbedding, but for the linears repacked after fusion
 (`BlockLinear.to_planar`, where the kernel plan's rules say so: models/plan/table.py): Q4_K,
 Q5_0 and Q5_1 in runs.py's layouts, the larger Q5_K and Q6_K in planar.py's (a head tied to its
 embedding keeps its blocks). One-token products run the Triton
 dequant-GEMV, longer ones dequantize a chunk of rows
-to the activations' dtype in a Triton kernel and multiply with torch's GEMM (`QuantLinear`,
+to the activations' dtype in a Triton kernel and multiply with torch's GEMM (QuantLinear's
+CUDA forms, models/ops/quant.py, which the kernel plan binds to each module; QuantLinear is
 shared with the HF formats of hf_quant.py).
 """
 from __future__ import annotations
@@ -190,23 +191,16 @@ class QWeight:
 
 
 
-# Weights dequantized at a time by QuantLinear's many-row CUDA path (a bf16 scratch of 512 MiB at
-# most): one chunk covers every matrix of the benchmark models but an LM head.
-_CUDA_DEQUANT_ELEMENTS = 256 << 20
-
-
 class QuantLinear(nn.Module):
-    """The CUDA forms shared by linears on quantized weights (GGUF blocks, FP8, 4-bit groups):
-    a subclass gives `qweight()` (what the kernels read) and its own torch forward for other
-    devices. One row (or a NormedRow: not a tensor): the dequant-GEMV, in out_dtype (x's by
-    default; the LM head asks for fp32); more rows: the kernels' `matmul` where it takes the format
-    (FP8 on Hopper: kernels/cuda/fp8_gemm.py), else chunks of rows dequantized by a kernel to the
-    compute dtype, then torch's GEMM. `sizes` splits the rows of fused linears back."""
+    """A linear on quantized weights (GGUF blocks, FP8, 4-bit groups): a subclass gives
+    `qweight()` (what the kernels read), `dequantize()` and, where it has them, its own CPU forms.
+    On CUDA its forms are `forms` (models/ops/quant.py: the dequant-GEMV for one row, the kernels'
+    matmul or dequantized chunks and torch's GEMM for more), which the kernel plan binds to each
+    module it serves; where they are not bound or do not serve x, torch's linear on the weights
+    dequantized to x's dtype runs. `sizes` splits the rows of fused linears back."""
 
     sizes: list[int] | None = None
-    # models.kernels.cuda.qlinear, which sets itself here when imported (formats import no kernel;
-    # the architectures import it): None where it was not imported
-    kernels = None
+    forms = None  # the CUDA forms, bound per module by the kernel plan (models/plan: bind_forms)
 
     def qweight(self) -> QWeight:
         raise NotImplementedError
@@ -218,60 +212,21 @@ class QuantLinear(nn.Module):
         """The CUDA forms where they serve x, else torch's linear on the weights dequantized to
         x's dtype (a subclass with its own CPU kernels overrides this)."""
         if self.cuda_serves(x):
-            return self.cuda_forward(x, out_dtype)
+            return self.forms.forward(self, x, out_dtype)
         x = self.plain(x)
         y = nn.functional.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
 
     def cuda_serves(self, x) -> bool:
-        """Whether cuda_forward takes x: the kernels imported, this format and row length among
-        theirs, and x rows on CUDA they serve (a NormedRow always is one). A NormedRow they do not
-        take, the torch forward materializes (`plain`)."""
-        k, qw = self.kernels, self.qweight()
-        if k is None or not k.fits(qw.fmt, self.in_features, qw.group):
-            return False
-        return not isinstance(x, torch.Tensor) or k.usable(x)
+        """Whether the bound CUDA forms take x (this format and row length among the kernels',
+        x rows on CUDA they serve; a NormedRow always is one). A NormedRow they do not take, the
+        torch forward materializes (`plain`)."""
+        return self.forms is not None and self.forms.serves(self, x)
 
     @staticmethod
     def plain(x) -> torch.Tensor:
         """x as a tensor: a NormedRow (kernels.cuda.linear) normed, and its stream written, now."""
         return x if isinstance(x, torch.Tensor) else x.materialize()
-
-    def cuda_forward(self, x, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        k, qw = self.kernels, self.qweight()
-        if not isinstance(x, torch.Tensor):  # a NormedRow: the norm in the GEMV's prologue
-            return k.gemv(x, qw, self.bias, out_dtype=out_dtype)
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] == 1:
-            y = k.gemv(x2.contiguous(), qw, self.bias, out_dtype=out_dtype)
-        else:
-            dtype = out_dtype if out_dtype == torch.float32 else x2.dtype  # (fp32 sums for the head)
-            x2 = x2.to(dtype)
-            y = k.matmul(x2, qw, dtype)  # (FP8 on Hopper: the FP8 tensor cores, no bf16 copy)
-            if y is None:
-                y = self._dequantized_matmul(x2, qw, dtype)
-            if self.bias is not None:
-                y = y + self.bias.to(dtype)
-            y = y.to(out_dtype or x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _dequantized_matmul(self, x2: torch.Tensor, qw: QWeight, dtype: torch.dtype) -> torch.Tensor:
-        """x2 @ W^T: W dequantized to `dtype` by the kernels in chunks of rows, then torch's GEMM."""
-        k = self.kernels
-        rows = max(64, _CUDA_DEQUANT_ELEMENTS // self.in_features)
-        if rows >= self.out_features:
-            return x2 @ k.dequantize(qw, 0, self.out_features, dtype).t()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=dtype, device=x2.device)
-        for i in range(0, self.out_features, rows):
-            stop = min(self.out_features, i + rows)
-            y[:, i:stop] = x2 @ k.dequantize(qw, i, stop, dtype).t()
-        return y
-
-    def gemv_swiglu(self, x, int8_out: bool = False):
-        """silu(x W_g^T) * (x W_u^T) for fused [gate; up] rows, one row, in one launch. int8_out:
-        the kernels' (a runs GEMV reads the result next: the row carrying its int8 words too)."""
-        return self.kernels.gemv(x if not isinstance(x, torch.Tensor) else x.contiguous(), self.qweight(), self.bias,
-                                 swiglu=True, int8_out=int8_out)
 
     def split(self, x) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.sizes, dim=-1)
@@ -452,7 +407,7 @@ class BlockLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.stored()[0].is_cuda and self.cuda_serves(x):
-            return self.cuda_forward(x, out_dtype)
+            return self.forms.forward(self, x, out_dtype)
         x = self.plain(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = None
@@ -543,7 +498,9 @@ class PlanarExperts(nn.Module):
     dequantized to the model's dtype as moe.Experts holds it (`gate_up_proj`, `down_proj`: a
     Q8_0 half, say). The decode step (architectures/moe.py) reads only the chosen experts on the
     device (qplanar.py's expert GEMVs take every planar layout); more tokens take each chosen
-    expert's rows dequantized (the CUDA kernels where imported, else planar's oracle)."""
+    expert's rows dequantized (the bound CUDA forms where they serve, else planar's oracle)."""
+
+    forms = None  # the CUDA forms, bound per module by the kernel plan (models/plan: bind_forms)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -620,9 +577,9 @@ class PlanarExperts(nn.Module):
             return dense[e].to(dtype)
         pw = self.qweight(half)
         rows = pw.n // self.num_experts
-        k = QuantLinear.kernels
-        if k is not None and pw.data.is_cuda and k.usable(pw.data):
-            return k.dequantize(pw, e * rows, (e + 1) * rows, dtype)
+        y = None if self.forms is None else self.forms.dequantized(pw, e * rows, (e + 1) * rows, dtype)
+        if y is not None:
+            return y
         from . import planar
         return planar.dequantize_planar_rows(pw, e * rows, (e + 1) * rows).to(dtype)
 
@@ -647,6 +604,7 @@ class BlockEmbedding(nn.Module):
 
     out_dtype: torch.dtype = torch.float32
     planar = False  # True once share_layout() replaced the blocks by a tied head's runs
+    forms = None  # the CUDA forms, bound per module by the kernel plan (models/plan: bind_forms)
 
     def __init__(self, t: "GgufTensor | torch.Tensor", device=None, ggml_type: int | None = None):
         """t: the GGUF tensor, or its blocks as a uint8 tensor (with ggml_type)."""
@@ -674,17 +632,20 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        k = QuantLinear.kernels
+        forms = self.forms
         if self.planar:  # the runs' rows gathered, then decoded
             qw = QWeight(self.planar_fmt, self.words[flat], flat.numel(), self.embedding_dim, self.dd[flat],
                          self.sm[flat], self.planar_group)
-            if k is not None and k.usable(self.words):
-                return k.dequantize(qw, 0, flat.numel(), self.out_dtype).view(*ids.shape, -1)
+            y = None if forms is None else forms.dequantized(qw, 0, flat.numel(), self.out_dtype)
+            if y is not None:
+                return y.view(*ids.shape, -1)
             from . import runs
             return runs.dequantize(qw).to(self.out_dtype).view(*ids.shape, -1)
-        if self.blocks.is_cuda and k is not None and k.usable(self.blocks):
+        if forms is not None:
             qw = QWeight(gguf_blocks.type_name(self.ggml_type), self.blocks, *self.blocks_shape())
-            return k.dequantize_rows(qw, flat, self.out_dtype).view(*ids.shape, -1)
+            y = forms.dequantized_rows(qw, flat, self.out_dtype)
+            if y is not None:
+                return y.view(*ids.shape, -1)
         return gguf_blocks.dequantize(self.blocks[flat], self.ggml_type).to(self.out_dtype).view(*ids.shape, -1)
 
     def blocks_shape(self) -> tuple[int, int]:

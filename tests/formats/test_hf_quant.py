@@ -106,7 +106,8 @@ def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
     """A NormedRow (a deferred RMSNorm, kernels.cuda.linear) reaching a quantized linear whose
     format or row length the CUDA kernels do not take: the torch form materializes it and
     computes; the kernels are never called (they would read weights they cannot decode)."""
-    from models.quant.layers import QuantLinear
+    from models.kernels.cuda import qlinear
+    from models.plan import bind_forms
     g = torch.Generator().manual_seed(0)
     n, k, group = 6, 256, 128
     lin = hf_layers.GroupInt4Linear("AWQ", torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
@@ -114,19 +115,9 @@ def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
                                    torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g), group)
     called = []
 
-    class Kernels:  # the kernels' interface, taking nothing
-        @staticmethod
-        def fits(fmt, k, group=None):
-            return False
-
-        @staticmethod
-        def usable(x):
-            return True
-
-        @staticmethod
-        def gemv(*a, **kw):
-            called.append(1)
-            raise AssertionError("the kernels were handed a weight they do not fit")
+    def gemv(*a, **kw):
+        called.append(1)
+        raise AssertionError("the kernels were handed a weight they do not fit")
 
     class Row:  # a NormedRow's interface: not a tensor, materialized on demand
         def __init__(self, h):
@@ -135,7 +126,10 @@ def test_a_normed_row_the_kernels_do_not_fit_takes_the_torch_form(monkeypatch):
         def materialize(self):
             return self.h
 
-    monkeypatch.setattr(QuantLinear, "kernels", Kernels)
+    bind_forms(lin)  # (as a CUDA plan binds them), the kernels taking no format but serving any row
+    monkeypatch.setattr(qlinear, "fits", lambda fmt, k, group=None: False)
+    monkeypatch.setattr(qlinear, "usable", lambda x: True)
+    monkeypatch.setattr(qlinear, "gemv", gemv)
     h = torch.randn(1, k, generator=g)
     assert not lin.cuda_serves(Row(h))
     assert torch.allclose(lin(Row(h)), torch.nn.functional.linear(h, lin.dequantize()), atol=1e-5) and not called

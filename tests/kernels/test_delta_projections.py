@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from models.plan import bind_forms
 from tests.support.hybrid import delta_layer_and_states
 from tests.support.quant import int4_linear
 
@@ -41,6 +42,7 @@ def _layers(device, dtype, quantized):
         setattr(ref, name, _plain(lin.dequantize(torch.float64).to(device, dtype)))
     mixed.fuse()
     ref.fuse()
+    bind_forms(mixed)  # (as a CUDA plan binds them: the quantized projections' CUDA forms)
     return mixed, ref, states
 
 

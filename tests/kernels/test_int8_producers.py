@@ -98,13 +98,14 @@ def test_reads_int8_asks_for_words_only_where_a_runs_gemv_reads_them(monkeypatch
     """reads_int8: a QuantLinear of a runs layout (AWQ groups of whole runs) in a 16-bit model, its
     producer among FUSED_INT8; not an fp32 model, not qplanar.A16's inputs as given, not groups
     that are not whole runs (INT4P's), not a bf16 Linear, not a producer left out."""
-    from models.kernels.cuda import qlinear, qplanar, qruns  # (qlinear: the QuantLinears' CUDA forms, as a model imports them)
+    from models.kernels.cuda import qplanar, qruns
+    from models.plan import bind_forms
     from tests.support.quant import int4_linear
-    from models.quant.layers import QuantLinear
-    assert QuantLinear.kernels is qlinear
     runs_int4, planar_int4 = int4_linear(8, 256, 128, 0, "cpu"), int4_linear(8, 240, 48, 0, "cpu")
     monkeypatch.setattr(qplanar, "A16", False)
     monkeypatch.setattr(qruns, "FUSED_INT8", frozenset(("merge", "delta")))
+    assert not qruns.reads_int8(runs_int4, torch.bfloat16, "merge")  # (its CUDA forms not bound: torch's run)
+    assert bind_forms(torch.nn.ModuleList([runs_int4, planar_int4])) == 2
     assert qruns.reads_int8(runs_int4, torch.bfloat16, "merge") and qruns.reads_int8(runs_int4, torch.float16, "delta")
     assert not qruns.reads_int8(runs_int4, torch.bfloat16, "pair")
     assert not qruns.reads_int8(runs_int4, torch.float32, "merge")

@@ -5,6 +5,8 @@ kernels where the table says so, configs move the thresholds, every op and devic
 that always serves, and the loaded models carry their plan."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,26 @@ def test_bind_on_the_cpu_changes_nothing(two):
     plan = models.plan.bind(two, "cpu", torch.float32)
     assert [t.data_ptr() for m in (two.small, two.large) for t in m.stored()] == before
     assert not two.large.planar and plan.device == "cpu"
+
+
+def test_a_cuda_plan_binds_the_quantized_modules_cuda_forms_and_no_import_does():
+    """The quantized modules reach their CUDA forms (models/ops/quant.py) only through a plan's
+    binding: importing the forms and their kernels sets nothing on the classes, a CPU plan binds
+    none, a CUDA plan binds each module (a copy keeps them), and a bound module still runs its
+    torch forms on rows the kernels do not serve (here: CPU rows)."""
+    from models.kernels.cuda import qlinear  # noqa: F401  (imported: nothing registers)
+    from models.ops import quant as quant_ops
+    from models.plan import bind
+    assert quant.QuantLinear.forms is None and quant.BlockEmbedding.forms is None and quant.PlanarExperts.forms is None
+    net = TwoMatrices()
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
+    want = net.small(x)
+    bind(net, "cpu", torch.float32, KernelConfig(cpu_kernel=False))
+    assert net.small.forms is None and net.large.forms is None
+    bind(net, "cuda", torch.bfloat16, KernelConfig(triton=True))
+    assert net.small.forms is quant_ops.FORMS and net.large.forms is quant_ops.FORMS
+    assert copy.deepcopy(net).large.forms is quant_ops.FORMS
+    assert not net.small.cuda_serves(x) and torch.equal(net.small(x), want)
 
 
 def test_every_op_has_a_rule_that_always_serves():

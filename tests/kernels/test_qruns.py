@@ -4,6 +4,7 @@ against the dequantized product (of x~, the input rounded to int8 per 32-input r
 takes int8 inputs), on CUDA (`gpu`) and under Triton's interpreter on the CPU (TRITON_INTERPRET=1
 with a Triton on PYTHONPATH; skipped otherwise).
 Tolerance: |y - ref| <= 1e-5 * scale + (bf16 output: 2^-8 |ref|), scale = |x| @ |W|^T."""
+import copy
 import importlib.util
 import os
 
@@ -257,16 +258,19 @@ def test_runs_serve_rows_of_whole_groups_not_of_whole_128s(group):
     """An AWQ/GPTQ linear in groups of 32 or 64 over K = 320 (not whole 128s, the general
     kernels' INT4 block) stays as stored and is still the CUDA kernels' (qruns.py), not the torch
     path's; INT4 whose groups are not whole runs still needs whole 128s."""
-    from models.quant.layers import QuantLinear
     from models.kernels.cuda import qlinear, qruns
+    from models.ops import quant as quant_ops
+    from models.plan import bind_forms
     lin = int4_linear(6, 320, group, 3, "cpu")
     assert not lin.to_planar() and qruns.takes(lin.qweight())
     assert qlinear.fits("INT4", 320, group) and not qlinear.fits("INT4", 320, 16) and not qlinear.fits("INT4", 320)
-    assert QuantLinear.kernels is qlinear
 
     class Row:  # a NormedRow's interface: cuda_serves takes it without asking the device
         pass
+    assert not lin.cuda_serves(Row())  # (no forms bound: the torch forms)
+    assert bind_forms(lin) == 1 and lin.forms is quant_ops.FORMS
     assert lin.cuda_serves(Row())
+    assert copy.deepcopy(lin).forms is quant_ops.FORMS
 
 
 def test_qlinear_sends_runs_to_qruns(device):

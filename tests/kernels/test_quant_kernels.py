@@ -68,13 +68,14 @@ def test_norm_prologue_swiglu_and_many_rows(device, qtype):
     """A NormedRow input (residual add + RMSNorm in the prologue, the stream written), the SwiGLU
     pair of row halves, and the many-row path, against the same ops in fp64 on the oracle."""
     from models.kernels.cuda.linear import NormedRow
+    from models.ops import quant as quant_ops
     lin, w = gguf_weight(qtype, 16, 2, device)  # 8 gate rows, then 8 up rows
     g = torch.Generator().manual_seed(1)
     k = lin.in_features
     x, res = torch.randn(1, k, generator=g).to(device), torch.randn(1, k, generator=g).to(device)
     nw = torch.rand(k, generator=g).to(device) + 0.5
     row = NormedRow(x, res, nw, 1e-6)
-    got = lin.gemv_swiglu(row).double()
+    got = quant_ops.swiglu(lin, row).double()
     s = (x + res).double()
     h = F.rms_norm(s, (k,), nw.double(), 1e-6)
     gate, up = (h @ w.t()).chunk(2, dim=-1)
@@ -85,7 +86,7 @@ def test_norm_prologue_swiglu_and_many_rows(device, qtype):
     xs = torch.randn(37, k, generator=g).to(device)
     ref = xs.double() @ w.t()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    got = lin.cuda_forward(xs.to(dtype)).double()
+    got = quant_ops.forward(lin, xs.to(dtype)).double()
     assert torch.all((got - ref).abs() <= 1e-2 * bound(xs, w))
 
 
@@ -132,6 +133,7 @@ def hf_weight(method, n, k, seed, device):
 def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
     from models.kernels.cuda import qlinear
     from models.kernels.cuda.linear import NormedRow
+    from models.ops import quant as quant_ops
     lin, w = hf_weight(method, 264, 1536, 7, device)  # 264 rows: not whole 128-row FP8 blocks
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 1536, generator=g).to(device)
@@ -143,13 +145,13 @@ def test_hf_formats_gemv_dequantize_and_swiglu(device, method):
     half, _ = hf_weight(method, 256, 1536, 8, device)  # gate and up halves of 128 rows each
     wh = half.dequantize().double()
     res, nw = torch.randn(1, 1536, generator=g).to(device), torch.rand(1536, generator=g).to(device) + 0.5
-    got = half.gemv_swiglu(NormedRow(x, res, nw, 1e-6)).double()
+    got = quant_ops.swiglu(half, NormedRow(x, res, nw, 1e-6)).double()
     h = F.rms_norm((x + res).double(), (1536,), nw.double(), 1e-6)
     gate, up = (h @ wh.t()).chunk(2, dim=-1)
     tol = 1e-5 * (bound(h, wh[:128]) * up.abs() + bound(h, wh[128:]) * gate.abs()) + 1e-6 * gate.abs() * up.abs()
     assert torch.all((got - F.silu(gate) * up).abs() <= tol)
     xs = torch.randn(9, 1536, generator=g).to(device)
-    got = lin.cuda_forward(xs.to(torch.bfloat16 if device.type == "cuda" else torch.float32)).double()
+    got = quant_ops.forward(lin, xs.to(torch.bfloat16 if device.type == "cuda" else torch.float32)).double()
     assert torch.all((got - xs.double() @ w.t()).abs() <= 1e-2 * bound(xs, w))
 
 

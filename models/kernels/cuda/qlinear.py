@@ -24,8 +24,6 @@ bandwidth delivers ~8e12 weights a second, a budget of a few instructions each.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from . import base as cuda_base, fp8, fp8_gemm, qplanar, qruns
@@ -403,13 +401,3 @@ if triton is not None:
             mh = m & (step * W + ph < K)
         tl.store(o + pl, (sl[:, :, None] * lo - ol[:, :, None]).to(out.dtype.element_ty), mask=ml)
         tl.store(o + ph, (sh[:, :, None] * hi - oh[:, :, None]).to(out.dtype.element_ty), mask=mh)
-
-
-def _register() -> None:
-    """The quantized linears of models/formats (which import no kernel) reach these kernels
-    through QuantLinear.kernels, set here on import (as the C++ step sets BlockLinear's)."""
-    from ...quant import layers as quant
-    quant.QuantLinear.kernels = sys.modules[__name__]
-
-
-_register()
