@@ -15,7 +15,10 @@ yields it and launches the next replay. Where the token read turns out to end th
 id), the step queued ahead is unfed (`StateManager.unfeed`): the state, `cached` and the written
 slots are then what the step-by-step loop leaves, and the tokens are the same ids (the same
 argmax over the same logits). A step goes ahead only where no slot above the length is written
-(after a whole-prompt reuse, an earlier reply's slots are, until this reply's first step). `DecodeSession.PIPELINE_GREEDY = False` turns it off.
+(after a whole-prompt reuse, an earlier reply's slots are, until this reply's first step). It is
+a hook of the one generation loop (`_decode`'s `ahead`): the step queued ahead counts as rows fed
+past the plain loop, as speculation's drafts do. `DecodeSession.PIPELINE_GREEDY = False` turns it
+off.
 """
 from __future__ import annotations
 
@@ -112,6 +115,45 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class _Ahead:
+    """The pipelined decode's tokens in flight (DecodeSession._decode's `ahead`): each argmax stays
+    on the device, where the step queued next reads it, while its copy to the host completes, in
+    one of two pinned slots by turns (the token being read, and the one its step chose)."""
+
+    def __init__(self, sampler, device: torch.device):
+        cuda = device.type == "cuda"
+        self.sampler = sampler
+        self.host = torch.empty(2, dtype=torch.long, pin_memory=cuda)
+        self.ready = (torch.cuda.Event(), torch.cuda.Event()) if cuda else None
+        self.slot = 0
+        self.chosen: torch.Tensor | None = None  # the draw in `slot`, on the device
+
+    def _draw(self, row: torch.Tensor, slot: int) -> torch.Tensor:
+        d = self.sampler.device_choice(row)
+        self.host[slot].copy_(d, non_blocking=True)
+        if self.ready is not None:
+            self.ready[slot].record()
+        return d
+
+    def choose(self, row: torch.Tensor) -> None:
+        """The first draw, from the prompt's last row."""
+        self.chosen = self._draw(row, self.slot)
+
+    def choose_next(self, row: torch.Tensor) -> None:
+        """The draw from the row of the step that fed `chosen`, into the other slot."""
+        self._next = self._draw(row, 1 - self.slot)
+
+    def read(self) -> int:
+        """`chosen` on the host (waits for its copy)."""
+        if self.ready is not None:
+            self.ready[self.slot].synchronize()
+        return int(self.host[self.slot])
+
+    def turn(self) -> None:
+        """The next draw becomes the one read next."""
+        self.chosen, self.slot = self._next, 1 - self.slot
 
 
 class DecodeSession:
@@ -530,80 +572,35 @@ class DecodeSession:
         if self.verify_reuse and stats.reused_tokens > 0:
             self._verify(prompt, logits[-1], stats.reused_tokens)
         self.state.checkpoint(logits[-1], role=PROMPT)  # the end of the prompt: /retry, Ctrl-C
-        if (self.PIPELINE_GREEDY and self.graph is not None and self.device.type == "cuda" and self.link is None
-                and not self.speculating and forced is None and mask is None and not self.state.has_fixed_state
-                and getattr(sampler, "argmax_only", False)):
-            yield from self._pipelined_greedy(logits[-1], cfg, stats, stops, sampler, t0, generation)
-            return
+        ahead = self._pipelines(forced, mask, sampler)
         drafter = self._drafts(prompt, forced if forced is not None else expected) if self.speculating else None
-        yield from self._decode(logits[-1], cfg, stats, stops, sampler, t0, generation, drafter, forced, mask)
+        yield from self._decode(logits[-1], cfg, stats, stops, sampler, t0, generation, drafter, forced, mask, ahead)
 
-    def _pipelined_greedy(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops,
-                          sampler, t0: float, generation: int) -> Iterator[int]:
-        """The loop of `_decode` with the step that feeds each token queued before the
-        host reads that token (the module docstring). The rules are the step-by-step loop's: a
-        step is queued ahead only where that loop would take it unless the token is a stop id.
-        (One difference: an error raised by a step queued ahead reaches the reader before the
-        token that step feeds, where the loop would have yielded that token first.)"""
-        host = torch.empty(2, dtype=torch.long, pin_memory=True)  # two tokens in flight, by turns
-        ready = (torch.cuda.Event(), torch.cuda.Event())
+    def _overlaps(self) -> bool:
+        """Whether a step queued ahead overlaps the host's reading of a token here: CUDA with the
+        graphed step (a CPU forward is done before the host reads anything)."""
+        return self.graph is not None and self.device.type == "cuda"
 
-        def choose(row: torch.Tensor, slot: int) -> torch.Tensor:
-            d = sampler.device_choice(row)
-            host[slot].copy_(d, non_blocking=True)
-            ready[slot].record()
-            return d
-
-        # ahead_at: the length the step queued ahead brings the state to, set before that step is
-        # queued and cleared once its token is judged: a Ctrl-C anywhere between finds it set
-        # generation: generate()'s number for this call, taken when it was called (not when this
-        # generator first ran: another generate() may have come between)
-        chosen, slot, n, ahead_at, t1 = choose(logits, 0), 0, 0, None, None
-        try:
-            while True:
-                nxt = None
-                more = n + 1 < cfg.max_new_tokens and self.state.length < self.max_context
-                # Ahead only where no slot above the length is written: unfeeding it then leaves what
-                # the step-by-step loop leaves. (After a whole-prompt reuse the slots of an earlier
-                # reply stay written until this reply's first step; that step waits for its token.)
-                if more and self.state.written == self.state.length:
-                    ahead_at = self.state.length + 1
-                    logits = self._forward([chosen])  # the step feeding the chosen token, ahead
-                    nxt = choose(logits[-1], 1 - slot)
-                ready[slot].synchronize()
-                token = int(host[slot])
-                if ahead_at is not None:
-                    self._ids[-1] = token
-                if t1 is None:
-                    t1 = time.perf_counter()
-                    stats.prefill_seconds = t1 - t0
-                n = stats.generated_tokens = n + 1
-                stats.decode_seconds = time.perf_counter() - t1
-                yield token
-                if token in stops:
-                    stats.finish_reason = "stop"
-                    break
-                if not more:  # the count or the context ended the reply: no step was queued
-                    stats.finish_reason = "length" if n >= cfg.max_new_tokens else "context"
-                    break
-                sampler.accept(token)
-                if nxt is None:  # the step waited for its token (above)
-                    nxt = choose(self._forward([token])[-1], 1 - slot)
-                ahead_at, chosen, slot = None, nxt, 1 - slot  # the step ahead is now the loop's own
-        finally:
-            # the step ahead fed a token that ended the reply (or the reader stopped there): unfed,
-            # unless it never completed (its forward broke off) or a later generation has begun
-            if ahead_at is not None and self.state.length == ahead_at and self._generation == generation:
-                self.state.unfeed(1)
-                del self._ids[self.state.length:]
-            if t1 is not None:
-                stats.decode_seconds = time.perf_counter() - t1
+    def _pipelines(self, forced: list[int] | None, mask: ConstraintMask | None, sampler) -> bool:
+        """Whether this generation decodes pipelined (the module docstring): where it overlaps,
+        and where a step queued ahead can be unfed and nothing reads a token before the next step
+        (argmax draws without penalties; no forced ids, format mask, drafts or tensor-parallel link;
+        no fixed recurrent state)."""
+        return (self.PIPELINE_GREEDY and self._overlaps() and self.link is None and not self.speculating
+                and forced is None and mask is None and not self.state.has_fixed_state
+                and getattr(sampler, "argmax_only", False))
 
     def _decode(self, logits: torch.Tensor, cfg: SamplingConfig, stats: GenerationStats, stops, sampler,
                 t0: float, generation: int, drafter=None, forced: list[int] | None = None,
-                mask: ConstraintMask | None = None) -> Iterator[int]:
+                mask: ConstraintMask | None = None, ahead: bool = False) -> Iterator[int]:
         """The generation loop: each token drawn from the row of logits a plain step gives, yielded,
         judged by the stop rules (`_end_reason`), then fed. Its hooks:
+        - `ahead` (the pipelined greedy decode, the module docstring; `_pipelines` says where): each
+          argmax stays on the device, and the step feeding it is queued before the host reads it,
+          where the loop would take that step unless the token is a stop id. That step is then
+          `excess` as drafts are (below): unfed where the token ends the reply or the reader stops.
+          (An error raised by a step queued ahead reaches the reader before the token it feeds,
+          where the loop would have yielded that token first.)
         - `drafter` (speculation, engine/speculative.py): drafts after the token are fed with it in
           one verify forward, and each kept while it equals the draw from its row, in the plain
           loop's order. Rows fed past what the plain loop would have fed at a point (`excess`: the
@@ -620,7 +617,12 @@ class DecodeSession:
         link, depth = self.link, self._depth
         following = link is not None and link.follower
         leading = link is not None and not following
+        pipe = _Ahead(sampler, self.device) if ahead else None
         agreed_end = False
+        # excess, fed_to: rows fed past the plain loop (drafts, or the step queued ahead) and the
+        # length that feeding brought the state to, set before that forward runs: a Ctrl-C anywhere
+        # after finds them set; generation: generate()'s number for this call, taken when it was
+        # called (another generate() may have come before this generator first ran)
         excess, fed_to, t1, k = 0, None, None, 0
 
         def unfeed_excess() -> None:
@@ -640,10 +642,28 @@ class DecodeSession:
                 drafter.extend((token,))
 
         try:
-            token = link.receive() if following else self._choose(sampler, logits, forced, 0, stats, mask)
-            t1 = time.perf_counter()
-            stats.prefill_seconds = t1 - t0
+            if pipe is not None:
+                pipe.choose(logits)  # (read below, once the step feeding it is queued)
+            else:
+                token = link.receive() if following else self._choose(sampler, logits, forced, 0, stats, mask)
+                t1 = time.perf_counter()
+                stats.prefill_seconds = t1 - t0
             while True:
+                if pipe is not None:
+                    # Ahead only where the loop steps after this token unless it is a stop id, and no
+                    # slot above the length is written: unfeeding the step then leaves what the plain
+                    # loop leaves. (After a whole-prompt reuse the slots of an earlier reply stay
+                    # written until this reply's first step; that step waits for its token.)
+                    if (stats.generated_tokens + 1 < cfg.max_new_tokens and self.state.length < self.max_context
+                            and self.state.written == self.state.length):
+                        excess, fed_to, k = 1, self.state.length + 1, 0
+                        pipe.choose_next(self._forward([pipe.chosen])[-1])
+                    token = pipe.read()
+                    if excess:
+                        self._ids[-1] = token  # (the step ahead was fed the device's copy of it)
+                    if t1 is None:
+                        t1 = time.perf_counter()
+                        stats.prefill_seconds = t1 - t0
                 if token is None:  # the forced ids ran out where the generation would have gone on
                     stats.finish_reason = "forced"
                     if leading:
@@ -654,7 +674,7 @@ class DecodeSession:
                 yield token
                 if leading:
                     link.send(token)
-                end = self._end_reason(token, stats, cfg, stops)
+                end = self._end_reason(token, stats, cfg, stops, excess)
                 if end:
                     stats.finish_reason = end
                     break
@@ -663,6 +683,12 @@ class DecodeSession:
                     token = link.receive()
                     continue
                 take(token)
+                if pipe is not None:
+                    if not excess:  # no step went ahead (a slot above the length written): it waits for its token
+                        pipe.choose_next(self.step(token)[-1])
+                    excess = 0  # the step ahead is now the loop's own
+                    pipe.turn()
+                    continue
                 started = time.perf_counter()  # (the drafting is part of a verify's cost: the MTP layer's)
                 drafts = [] if drafter is None else drafter.propose(depth.choose(
                     min(cfg.max_new_tokens - stats.generated_tokens - 1, self.max_context - self.state.length - 1)),

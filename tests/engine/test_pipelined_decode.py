@@ -1,7 +1,10 @@
-"""CUDA: the pipelined greedy decode (engine/session.py) queues each step before the host reads
-the token it feeds. It must give the step-by-step loop's tokens, finish reasons and state (length,
-written slots, cached ids) at every way a reply ends: a stop id, the token count, the context,
-the reader closing the generator; and the next turn's reuse must then be the same."""
+"""The pipelined greedy decode (engine/session.py: the generation loop's `ahead` hook) queues each
+step before the host reads the token it feeds. It must give the step-by-step loop's tokens, finish
+reasons and state (length, written slots, cached ids) at every way a reply ends: a stop id, the
+token count, the context, the reader closing the generator; and the next turn's reuse must then be
+the same. On CUDA with graphs, where it runs by default (`gpu`), and on the CPU's torch step, where
+the tests switch it on (`_overlaps`: it overlaps nothing there, but the loop's bookkeeping is the
+same)."""
 import pytest
 import torch
 
@@ -10,19 +13,33 @@ from engine.config import SamplingConfig
 from engine.session import DecodeSession
 from engine.state import StateManager
 
-pytestmark = pytest.mark.gpu
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"]
+DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
-@pytest.fixture(scope="module")
-def lms(tmp_path_factory):
+@pytest.fixture(scope="module", params=DEVICES)
+def lms(request, tmp_path_factory):
     from tests.support.tiny import hf_model, write_checkpoint
-    return {kind: models.load(write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind)),
-                              "cuda", torch.bfloat16) for kind in ("llama", "qwen3", "qwen3_5")}
+    device = request.param
+    loaded = {kind: models.load(write_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), model=hf_model(kind)),
+                                device, DTYPES[device]) for kind in ("llama", "qwen3", "qwen3_5")}
+    return device, loaded
+
+
+@pytest.fixture
+def here(lms, monkeypatch):
+    """The device's models, with the pipelined loop allowed there (the CPU: switched on)."""
+    device, loaded = lms
+    if device == "cpu":
+        monkeypatch.setattr(DecodeSession, "_overlaps", lambda self: True)
+    return loaded
 
 
 def session(lm, max_context=160):
-    return DecodeSession(lm.model, max_context=max_context, device=torch.device("cuda"), dtype=torch.bfloat16,
-                         cuda_graph="on")
+    device = next(lm.model.parameters()).device
+    if device.type == "cuda":
+        return DecodeSession(lm.model, max_context=max_context, device=device, dtype=torch.bfloat16, cuda_graph="on")
+    return DecodeSession(lm.model, max_context=max_context, device=device, dtype=torch.float32, cpu_kernel="off")
 
 
 def run(s, prompt, cfg, stop_ids=(), close_after=None):
@@ -42,16 +59,17 @@ def both(monkeypatch, lm, turns, max_context=160):
     """Each turn (prompt, cfg, stop_ids, close_after) on one session, pipelined and step by step;
     returns both transcripts and how many turns took the pipelined loop."""
     calls = []
-    real = DecodeSession._pipelined_greedy
+    real = DecodeSession._pipelines
 
     def spy(self, *a, **k):
-        calls.append(1)
-        return real(self, *a, **k)
+        took = real(self, *a, **k)
+        calls.extend([1] if took else [])
+        return took
 
-    monkeypatch.setattr(DecodeSession, "_pipelined_greedy", spy)
+    monkeypatch.setattr(DecodeSession, "_pipelines", spy)
     unfed = []
     real_unfeed = StateManager.unfeed
-    monkeypatch.setattr(StateManager, "unfeed", lambda self, n: (unfed.append(n), real_unfeed(self, n))[1])
+    monkeypatch.setattr(StateManager, "unfeed", lambda self, n, *a: (unfed.append(n), real_unfeed(self, n, *a))[1])
     out = {}
     for pipelined in (True, False):
         monkeypatch.setattr(DecodeSession, "PIPELINE_GREEDY", pipelined)
@@ -65,8 +83,8 @@ def both(monkeypatch, lm, turns, max_context=160):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_pipelined_greedy_equals_the_step_by_step_loop(monkeypatch, lms, kind):
-    lm = lms[kind]
+def test_pipelined_greedy_equals_the_step_by_step_loop(monkeypatch, here, kind):
+    lm = here[kind]
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 300, (30,), generator=g).tolist()
     greedy = SamplingConfig(temperature=0, max_new_tokens=40)
@@ -92,7 +110,7 @@ def test_pipelined_greedy_equals_the_step_by_step_loop(monkeypatch, lms, kind):
     assert unfeeds >= 1  # (the closed turn's step ahead, at least)
 
 
-def test_pipelined_greedy_is_not_taken_where_it_cannot_be_undone_or_drawn(monkeypatch, lms):
+def test_pipelined_greedy_is_not_taken_where_it_cannot_be_undone_or_drawn(monkeypatch, here):
     """Recurrent state (its step ahead could not be unfed), sampled draws and penalties take the
     step-by-step loop; their tokens are unchanged by the setting."""
     g = torch.Generator().manual_seed(4)
@@ -100,16 +118,16 @@ def test_pipelined_greedy_is_not_taken_where_it_cannot_be_undone_or_drawn(monkey
     sampled = SamplingConfig(temperature=0.8, seed=2, max_new_tokens=12)
     penalised = SamplingConfig(temperature=0, repetition_penalty=1.3, max_new_tokens=12)
     greedy = SamplingConfig(temperature=0, max_new_tokens=12)
-    piped, plain, calls, _ = both(monkeypatch, lms["qwen3_5"], [(prompt, greedy, (), None)])
+    piped, plain, calls, _ = both(monkeypatch, here["qwen3_5"], [(prompt, greedy, (), None)])
     assert calls == 0 and piped == plain
-    piped, plain, calls, _ = both(monkeypatch, lms["llama"], [(prompt, sampled, (), None), (prompt, penalised, (), None)])
+    piped, plain, calls, _ = both(monkeypatch, here["llama"], [(prompt, sampled, (), None), (prompt, penalised, (), None)])
     assert calls == 0 and piped == plain
 
 
-def test_a_generator_closed_late_leaves_the_next_generation_alone(lms):
+def test_a_generator_closed_late_leaves_the_next_generation_alone(here):
     """A reader that drops a pipelined reply unclosed and starts another: when the first is
     collected at last, its step ahead is not unfed from the second's state."""
-    s = session(lms["llama"])
+    s = session(here["llama"])
     prompt = list(range(3, 33))
     greedy = SamplingConfig(temperature=0, max_new_tokens=20)
     first = s.generate(prompt, greedy, stop_ids=())
