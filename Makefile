@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: chat test setup setup-test bench golden clean
+.PHONY: chat test test-all setup setup-test bench golden clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,7 +33,11 @@ setup-test: $(VENV)/.setup-test $(VENV)/.cpu_step
 chat: setup
 	$(BIN)/chat $(ARGS)
 
+# The quick tests (a few minutes on 2 cores); test-all adds the `slow` ones (pyproject.toml's markers), as CI runs it.
 test: setup-test
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 golden: setup-test

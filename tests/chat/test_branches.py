@@ -66,6 +66,7 @@ def test_a_failed_edit_leaves_no_branch():
     assert len(c.branches) == 1 and c.current == 0 and len(c.turns) == 1
 
 
+@pytest.mark.slow
 def test_the_repl_edits_lists_and_switches(tmp_path):
     saved = tmp_path / "tree.yaml"
     lines = ["one", "two", "three", "/edit 2 TWO", "four", "/branches", "/branch 1", "/undo", "/undo", "/edit 9 x",
@@ -89,6 +90,7 @@ def test_the_repl_edits_lists_and_switches(tmp_path):
     assert "*  1  from the start, 2 exchanges: 'five'" in p.stdout and "   2  from branch 1 after exchange 1" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_script_forks_and_its_recording_replays(tmp_path):
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 3}\n"
@@ -102,6 +104,7 @@ def test_a_script_forks_and_its_recording_replays(tmp_path):
     assert chat("replay", rec, "--runs", "1", tmp_path=tmp_path).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("events,needle", [
     ("- user: a\n- command: /edit 2 x\n", "/edit 2: the current branch has 1 exchange"),
     ("- user: a\n- command: /branch 2\n", "/branch 2: there are 1 branches"),

@@ -116,6 +116,7 @@ def test_a_kernel_switch_changes_only_itself_and_puts_back():
     assert kernels.switches() == start
 
 
+@pytest.mark.slow
 def test_a_bad_diagnosis_switch_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys

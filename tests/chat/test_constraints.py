@@ -80,6 +80,7 @@ def _array(children):
 SCHEMAS = st.recursive(_leaf(), lambda inner: st.one_of(_object(inner), _array(inner)), max_leaves=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(schema=SCHEMAS, seed=st.integers(0, 2**32), penalty=st.sampled_from([0.0, 0.5]))
@@ -266,6 +267,7 @@ events:
 """
 
 
+@pytest.mark.slow
 def test_run_then_replay_constrained_recording(tiny_dirs, tmp_path, capsys):
     from chat import transcript as tr
     script, rec = tmp_path / "s.yaml", tmp_path / "r.yaml"

@@ -49,6 +49,7 @@ def test_garbage_safetensors_header(tiny_dirs, tmp_path):
     assert_clean_error(run_chat("--model", str(d), "--prompt", "hi"), "corrupt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [0.3, 0.9999])
 def test_truncated_gguf(smollm2_path, tmp_path, keep):
     data = open(smollm2_path, "rb").read()
@@ -57,18 +58,21 @@ def test_truncated_gguf(smollm2_path, tmp_path, keep):
     assert_clean_error(run_chat("--model", str(bad), "--prompt", "hi"), "bad.gguf")
 
 
+@pytest.mark.slow
 def test_not_a_model_file(tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("hello")
     assert_clean_error(run_chat("--model", str(f), "--prompt", "hi"), "not a GGUF file")
 
 
+@pytest.mark.slow
 def test_malformed_config_yaml(tmp_path):
     f = tmp_path / "config.yaml"
     f.write_text("sampling:\n  temperature: [unclosed\n")
     assert_clean_error(run_chat("--config", str(f), "--prompt", "hi"), "config.yaml", "malformed YAML")
 
 
+@pytest.mark.slow
 def test_config_unknown_key_and_bad_value(tmp_path):
     f = tmp_path / "config.yaml"
     f.write_text("sampling:\n  temprature: 0.5\n")
@@ -77,11 +81,13 @@ def test_config_unknown_key_and_bad_value(tmp_path):
     assert_clean_error(run_chat("--config", str(f), "--prompt", "hi"), "cuda_graph", "auto | on | off")
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_context(tiny_dirs):
     proc = run_chat("--model", tiny_dirs["llama"][0], "--max-context", "16", "--prompt", "word " * 50)
     assert_clean_error(proc, "context")
 
 
+@pytest.mark.slow
 def test_unknown_flag_and_cpu_only_switches():
     assert_clean_error(run_chat("--nonsense", "1"), "unrecognized arguments", "--help")
     assert_clean_error(run_chat("--compile", "maybe", "--prompt", "hi"), "compile")

@@ -158,6 +158,7 @@ def _mutations():
     return st.lists(st.one_of(edit, token, insert, header), min_size=1, max_size=3)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=15)
 @given(mutations=_mutations())
 def test_recordings(cli, tmp_path, mutations):

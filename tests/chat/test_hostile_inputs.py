@@ -34,6 +34,7 @@ def fifo(tmp_path):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--config", "{f}", "--prompt", "hi"], ["run", "{f}"], ["replay", "{f}"], ["--resume", "{f}"],
     ["--prompt", "hi", "--json-schema", "{f}"], ["--prompt", "hi", "--grammar", "{f}"],
@@ -44,17 +45,20 @@ def test_a_fifo_never_blocks(tmp_path, fifo, args):
     one_line(chat(*[a.format(f=fifo) for a in args], *model, tmp_path=tmp_path), str(fifo), "named pipe")
 
 
+@pytest.mark.slow
 def test_a_device_is_not_read_whole(tmp_path):
     one_line(chat("--model", TINY, "--prompt", "hi", "--grammar", "/dev/zero", tmp_path=tmp_path),
              "/dev/zero", "character device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schema,needle", [('{"const": 1e999}', "out of range"), ('{"maximum": NaN}', "NaN"),
                                            ('{"minimum": -Infinity}', "-Infinity")])
 def test_schemas_hold_only_json_numbers(tmp_path, schema, needle):
     one_line(chat("--model", TINY, "--prompt", "hi", "--json-schema", schema, tmp_path=tmp_path), needle)
 
 
+@pytest.mark.slow
 def test_a_script_schema_with_yaml_only_values(tmp_path):
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nevents:\n"
@@ -62,6 +66,7 @@ def test_a_script_schema_with_yaml_only_values(tmp_path):
     one_line(chat("run", script, "--model", TINY, tmp_path=tmp_path), "a value JSON cannot")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template,needle", [
     ("{{ 1/0 }}", "ZeroDivisionError"), ("{{ messages + 1 }}", "TypeError"),
     ("{% for x in range(10**9) %}{% endfor %}", "OverflowError"),
@@ -115,6 +120,7 @@ def test_real_templates_keep_their_range(tmp_path):
     assert ChatTemplate(src).render([]) == "52103abab"
 
 
+@pytest.mark.slow
 def test_a_template_bomb_leaves_the_repl_answering(tmp_path):
     model = shutil.copytree(TINY, tmp_path / "m")
     cfg = json.loads((model / "tokenizer_config.json").read_text())
@@ -125,6 +131,7 @@ def test_a_template_bomb_leaves_the_repl_answering(tmp_path):
     assert p.returncode == 0 and "loop steps" in p.stderr and "model:" in p.stdout, p.stderr
 
 
+@pytest.mark.slow
 def test_repl_goes_on_after_bad_system_and_schema_and_a_block_is_a_message(tmp_path):
     script = '/system a\x00b\n/format schema {"maximum": NaN}\nhi\n"""\n/undo\n"""\n/exit\n'
     p = chat("--model", TINY, "--max-new-tokens", "3", "--temperature", "0", stdin=script, tmp_path=tmp_path)
@@ -181,6 +188,7 @@ def test_a_model_whose_files_went_leaves_the_repl_without_a_model(tmp_path, caps
     assert app.controller.rt is not None and len(app.controller.conv.messages) == 4  # (the conversation kept)
 
 
+@pytest.mark.slow
 def test_conversations_dir_naming_a_file_fails_before_the_load(tmp_path):
     rec = os.path.join(ROOT, "tests", "golden", "recordings", "kv-greedy.yaml")
     a_file = tmp_path / "file"
@@ -190,6 +198,7 @@ def test_conversations_dir_naming_a_file_fails_before_the_load(tmp_path):
         one_line(p, "conversations_dir", needle)
 
 
+@pytest.mark.slow
 def test_system_shows_a_loaded_conversations_prompt(tmp_path):
     rec = tmp_path / "r.yaml"
     script = tmp_path / "s.yaml"

@@ -116,6 +116,7 @@ def test_quote_is_bounded():
     assert len(quote("x" * 10**6)) <= 80 and len(quote(10**4000)) <= 80
 
 
+@pytest.mark.slow
 def test_repl_set_out_of_range_then_next_message_is_answered():
     """`/set penalty_last_n 1e23` is refused in the REPL and the conversation goes on."""
     script = "/set penalty_last_n 99999999999999999999999\n/set top_k 99999999999999999999999\nhello\n/exit\n"
@@ -207,6 +208,7 @@ def test_duplicate_keys_in_a_recording(tmp_path):
         tr.load(str(path))
 
 
+@pytest.mark.slow
 def test_load_of_a_bad_recording_keeps_the_repl(tmp_path):
     doc = _kv()
     doc["events"].insert(0, {"command": "/retry"})

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 import yaml
 
 from tests.support.paths import ROOT
@@ -29,6 +30,7 @@ def pytest_in(tmp_path, *args):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_each_recording_is_an_item_and_a_divergence_fails_it_with_the_report(tmp_path):
     recs = tmp_path / "recs"
     recs.mkdir()

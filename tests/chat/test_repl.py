@@ -99,6 +99,7 @@ def test_interrupted_turn_leaves_pre_turn_state(app_factory):
     assert c.turns[-1].result.ids == fresh.controller.turns[-1].result.ids
 
 
+@pytest.mark.slow
 def test_piped_stdout_is_byte_stable(tiny_dirs):
     cmd = [sys.executable, "-m", "chat", "--model", tiny_dirs["llama"][0], "--temperature", "0",
            "--max-new-tokens", "16"]
@@ -226,11 +227,13 @@ def test_model_switch_keeps_the_messages_and_a_failed_one_keeps_the_model(app_fa
     assert c.rt.loaded.model_type == "llama" and c.conv.messages[:2] == messages
 
 
+@pytest.mark.slow
 def test_version_names_torch_and_the_device():
     proc = subprocess.run([sys.executable, "-m", "chat", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "torch" in proc.stdout and "device cpu" in proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_without_saved_conversations_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "chat", "--resume"], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, CHAT_CONVERSATIONS_DIR=str(tmp_path / "none")),
@@ -337,6 +340,7 @@ def test_save_errors_name_the_target_and_nothing_but_files_is_replaced(app_facto
     assert sorted(os.listdir(tmp_path)) == ["fifo", "h"]  # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_run_output_into_a_missing_directory_fails_before_the_run(tiny_dirs, tmp_path):
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nevents:\n  - user: hi\n", encoding="utf-8")

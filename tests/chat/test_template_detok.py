@@ -26,6 +26,7 @@ def test_syntax_error_names_line():
         ChatTemplate("ok\n{% for %}")
 
 
+@pytest.mark.slow
 def test_incremental_decoder_holds_partial_characters(smollm2):
     text = "emoji 😀🎉 naïve 日本語 done"
     ids = smollm2.tokenizer.encode(text, add_special_tokens=False).ids

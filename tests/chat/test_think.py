@@ -77,6 +77,7 @@ def test_the_prompt_ids_of_a_turn(request, which):
     assert c.turns[-1].think == "off"
 
 
+@pytest.mark.slow
 def test_the_repl_states_it_and_notes_a_template_without_it(thinking_model, tmp_path):
     p = chat("--model", thinking_model, "--max-new-tokens", "2", stdin="/think off\n/show\n/think\n/exit\n",
              tmp_path=tmp_path)
@@ -88,6 +89,7 @@ def test_the_repl_states_it_and_notes_a_template_without_it(thinking_model, tmp_
     assert p.returncode == 0 and "chat: note: think: off changes nothing here" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_a_script_switches_it_and_its_recording_replays(thinking_model, tmp_path):
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nsampling: {temperature: 0, max_new_tokens: 3}\n"
@@ -102,6 +104,7 @@ def test_a_script_switches_it_and_its_recording_replays(thinking_model, tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_a_repl_recording_states_the_switch_and_replays(thinking_model, tmp_path):
     saved = tmp_path / "saved.yaml"
     p = chat("--model", thinking_model, "--temperature", "0", "--max-new-tokens", "3",

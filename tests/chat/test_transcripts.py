@@ -51,6 +51,7 @@ PORTABLE_MARGIN = OTHER_CPU_TOLERANCE
 GGUF_RECORDINGS = ("smollm2-",)
 
 
+@pytest.mark.slow
 def test_golden_recordings_replay_identically_as_one_suite(tmp_path):
     """The whole directory in one process (each model loaded once), a fresh run and two on the
     reused session; the table has a row per recording and the JUnit file a passing case each
@@ -83,6 +84,7 @@ def test_golden_set_covers_kv_hybrid_greedy_and_seeded_with_both_samplers():
     assert sampler["kv-seeded-v2.yaml"] == sampler["hybrid-seeded-v2.yaml"] == sampler["smollm2-seeded.yaml"] == 2
 
 
+@pytest.mark.slow
 def test_cpu_fp32_recordings_replay_in_bf16_within_tolerance_and_strictly_stop_at_the_first_near_tie(
         tmp_path, chat_here):
     """Acceptance: recordings made on the CPU in fp32 (greedy and seeded, tiny models and the
@@ -110,6 +112,7 @@ def test_cpu_fp32_recordings_replay_in_bf16_within_tolerance_and_strictly_stop_a
         assert fails[name][1].startswith(f"divergence: turn {turn}, generated token {token}\n"), (name, text)
 
 
+@pytest.mark.slow
 def test_teacher_forced_lists_a_near_tie_and_diverges_beyond_the_margin(tmp_path, chat_here):
     data = yaml.safe_load(open(os.path.join(GOLDEN, "kv-greedy.yaml")))
     last = [e for e in data["events"] if "generated_ids" in e][-1]
@@ -147,6 +150,7 @@ def test_replay_flags_are_checked_in_one_line(capsys):
         assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_suite_table_exit_status_and_junit_with_a_tampered_and_invalid_recordings(tmp_path, chat_here):
     """Acceptance: a tampered recording is a <failure> with its report, invalid ones are <error>s,
     the table has a row each, and the exit status is 2 (an invalid one) over 1 (a divergence)."""
@@ -187,6 +191,7 @@ def test_junit_holds_text_xml_cannot(tmp_path):
         .replace("\ufffe", "\\xfffe")
 
 
+@pytest.mark.slow
 def test_suite_loads_each_model_once_and_keeps_the_order_given():
     import argparse
 
@@ -210,6 +215,7 @@ def test_exit_status_of_a_suite():
     assert exit_code([o("divergence"), o("invalid"), o("identical")]) == 2
 
 
+@pytest.mark.slow
 def test_sampler_version_is_recorded_checked_and_picks_the_sampler(tmp_path, chat_here):
     """A recording without `sampler` replays with version 1 (its seeded draws diverge under 2);
     `sampler: 1` says the same; other values are refused with the line."""
@@ -255,6 +261,7 @@ def test_saved_conversation_replays_its_sampled_turns_after_an_undo(tiny_dirs, t
     assert c.sampler_version == 1
 
 
+@pytest.mark.slow
 def test_record_then_replay_on_fresh_script(tmp_path):
     script = tmp_path / "s.yaml"
     script.write_text("format: chat-transcript\nversion: 1\nmodel: {source: tests/golden/tiny-qwen3_5}\n"
@@ -269,6 +276,7 @@ def test_record_then_replay_on_fresh_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_altered_token_reports_turn_and_index(tmp_path):
     data = yaml.safe_load(open(os.path.join(GOLDEN, "kv-greedy.yaml")))
     turns = [e for e in data["events"] if "generated_ids" in e]
@@ -281,6 +289,7 @@ def test_altered_token_reports_turn_and_index(tmp_path):
     assert "top-5" in proc.stderr and "expected" in proc.stderr and "actual" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_divergence_on_another_cpus_kernels_says_so(tmp_path):
     """New CPU recordings note their instruction set (transcript.cpu_isa); a divergence replaying
     one made on another set's kernels ends with a line naming both and --tolerance; on the same
@@ -305,6 +314,7 @@ def test_a_divergence_on_another_cpus_kernels_says_so(tmp_path):
         assert (note in proc.stderr and f"--tolerance {OTHER_CPU_TOLERANCE:g}" in proc.stderr) == noted, (isa, proc.stderr)
 
 
+@pytest.mark.slow
 def test_fingerprint_mismatch_is_exit_2_unless_allowed(tmp_path):
     data = yaml.safe_load(open(os.path.join(GOLDEN, "kv-greedy.yaml")))
     data["model"]["fingerprint"] = "sha256:" + "0" * 64
@@ -315,6 +325,7 @@ def test_fingerprint_mismatch_is_exit_2_unless_allowed(tmp_path):
     assert chat("replay", str(f), "--allow-model-change").returncode == 0
 
 
+@pytest.mark.slow
 def test_malformed_file_names_line(tmp_path):
     f = tmp_path / "m.yaml"
     f.write_text("format: chat-transcript\nversion: 1\nevents:\n  - user: hi\n  - usr: typo\n")
@@ -357,6 +368,7 @@ def test_fuzz_random_text(text):
     _parse_never_crashes(text)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_fuzz_mutated_recordings(data):

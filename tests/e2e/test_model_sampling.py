@@ -81,6 +81,7 @@ def test_a_gguf_general_sampling_keys(tmp_path):
     assert models.load(path).sampling_defaults == lm.sampling_defaults  # (from the cached index too)
 
 
+@pytest.mark.slow
 def test_show_names_each_values_origin(with_generation_config):
     env = dict(os.environ, CHAT_CONFIG="", XDG_STATE_HOME=os.path.dirname(with_generation_config))
     proc = subprocess.run([sys.executable, "-m", "chat", "--model", with_generation_config, "--device", "cpu",

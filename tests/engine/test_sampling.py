@@ -186,6 +186,7 @@ def test_a_draw_sorts_only_as_far_as_it_needs_and_agrees_with_the_full_order():
         assert draw(x, cfg(top_p=0.9), u) == int(ids[pick(r, u * float(r[-1]))]), u
 
 
+@pytest.mark.slow
 def test_draw_frequencies_follow_the_filtered_distribution():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     c = cfg(temperature=0.9, top_p=0.95)

@@ -94,6 +94,7 @@ def test_decode_kv_buckets():
     assert [decode_kv_len(p, b) for p in (0, 511, 512, 4095, 4096, 8191)] == [512, 512, 1024, 4096, 8192, 8192]
 
 
+@pytest.mark.slow
 def test_compiled_cpu_step_matches_eager_and_repeats_itself(lm):
     """`compile: on` on the CPU: the step is compiled at start by a scratch forward that leaves
     nothing behind; its logits equal the eager step's to fp32 summation order; greedy runs on

@@ -259,6 +259,7 @@ def test_an_expected_reply_is_verified_in_few_forwards(gguf_lm):
             assert st.accepted == st.drafted > 0 and st.verifies < len(out) // 2
 
 
+@pytest.mark.slow
 def test_the_embedded_model_speculates_exactly(smollm2_q4):
     """The embedded model's 4-bit linears and Q8 head: the self-check passes, a copy-with-edit
     prompt's greedy and sampled replies equal plain decoding's, and drafts are kept."""
@@ -345,6 +346,7 @@ def test_depth_follows_acceptance_and_cost():
 COPY = "Repeat exactly: The keeper, a quiet man named Tobias, climbed the spiral stairs each evening at dusk."
 
 
+@pytest.mark.slow
 def test_the_repl_shows_sets_and_reports_it(tmp_path):
     """The embedded model in the REPL: /show names the mode and where it came from, /stats the
     drafts kept, /set switches the live session (a bad value is one line; the REPL goes on), and
@@ -363,6 +365,7 @@ def test_the_repl_shows_sets_and_reports_it(tmp_path):
     assert lines[stats[0] - 1] == lines[stats[1] - 1]  # the reply (speculative on), the /retry's (off)
 
 
+@pytest.mark.slow
 def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
     from tests.support.cli import run_chat
     p = run_chat("--cpu-kernel", "off", "--speculative", "lookup", "--prompt", "hi", tmp_path=tmp_path)
@@ -372,6 +375,7 @@ def test_lookup_where_it_cannot_run_is_one_line(tmp_path):
         "CPU step of the dense GQA models, LFM2 and the DeltaNet and Mamba2 hybrids has one)); use auto or off")
 
 
+@pytest.mark.slow
 def test_a_recording_replays_with_it_on_and_off(tmp_path):
     """A script recorded with speculation on (a /set turning it off midway) replays exactly with
     it off and on; the replay drafts the recorded reply (engine/speculative.py)."""

@@ -121,6 +121,7 @@ def test_a_forged_file_is_refused_before_its_tensors_are_read(tmp_path):
     assert b.session.cached == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_resume_maps_the_saved_state_back(tmp_path, device):
     """(On CUDA the recording's device is the resumed session's; there the file is then refused

@@ -66,6 +66,7 @@ def drive(tmp_path, path, world, script, *flags, check=True):
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "qwen3_next", "qwen3_moe"])
 def test_two_ranks_give_one_ranks_replies(dirs, kind, tmp_path):
     one = drive(tmp_path, dirs[kind], 1, SCRIPT)
@@ -89,6 +90,7 @@ def same_replies(one: list[dict], two: list[dict], tol: float) -> int:
     return compared
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_one_checkpoint_ring(dirs, tmp_path):
     """"auto" budgets come from each rank's free memory; a rank with fewer slots would evict, and
     then reuse and prefill, differently from the others (mismatched collectives): they take the
@@ -101,6 +103,7 @@ def test_ranks_agree_on_one_checkpoint_ring(dirs, tmp_path):
 REZERO = [{"op": "generate", "prompt": P, "max_new": 16}, {"op": "generate", "prompt": P, "max_new": 16}]
 
 
+@pytest.mark.slow
 def test_reused_session_rezeroes_state_on_every_rank(dirs, tmp_path):
     """No checkpoints: the second reply goes through reset(), the path of the original bug."""
     first, second = drive(tmp_path, dirs["qwen3_5"], 2, REZERO, "--checkpoint-mib", "0")
@@ -125,6 +128,7 @@ def alive(pid: int, wait: float = 5.0) -> bool:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--kill-worker-after", "--stop-worker-after"])
 def test_a_worker_that_dies_or_hangs_ends_the_chat_in_one_line(dirs, tmp_path, how):
     pids = tmp_path / "pids"
@@ -137,12 +141,14 @@ def test_a_worker_that_dies_or_hangs_ends_the_chat_in_one_line(dirs, tmp_path, h
     assert not alive(worker)
 
 
+@pytest.mark.slow
 def test_workers_end_with_the_chat(dirs, tmp_path):
     pids = tmp_path / "pids"
     drive(tmp_path, dirs["qwen2"], 2, SCRIPT[:1], "--pid-file", str(pids))
     assert not alive(int(pids.read_text()))
 
 
+@pytest.mark.slow
 def test_bad_tensor_parallel_settings_are_one_line_errors(dirs):
     env = dict(os.environ, CHAT_HISTORY_FILE=os.devnull)
     for args, words in (([dirs["qwen2"], "--tensor-parallel", "3"], "does not divide the model's attention heads"),

@@ -12,6 +12,8 @@ import pytest
 from models.formats import gguf_tokenizer
 from models.formats.checkpoints import _field
 
+pytestmark = pytest.mark.slow  # (llama.cpp's vocabulary files and their test vectors)
+
 VOCABS = ["gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "refact"]
 SEPARATOR = "\n__ggml_vocab_test__\n"
 

@@ -90,18 +90,21 @@ def after_key(data: bytes, key: str) -> int:
 
 # --- config.json ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_config_that_is_not_an_object(model_dir, tmp_path):
     (model_dir / "config.json").write_text("[]")
     assert_clean_error(run_chat("--model", str(model_dir), tmp_path=tmp_path), "config.json",
                        "expected a JSON object", "found a list")
 
 
+@pytest.mark.slow
 def test_config_that_is_not_utf8(model_dir, tmp_path):
     (model_dir / "config.json").write_bytes(b'{"model_type": "ll\xe9ama"}')
     assert_clean_error(run_chat("--model", str(model_dir), tmp_path=tmp_path), "config.json", "not UTF-8",
                        "0xe9 at offset 18")
 
 
+@pytest.mark.slow
 def test_null_text_config(model_dir, tmp_path):
     edit_config(model_dir, text_config=None)
     assert_clean_error(run_chat("--model", str(model_dir), tmp_path=tmp_path), "config.json",
@@ -150,6 +153,7 @@ def test_sizes_are_checked_against_the_tensors_before_allocating(model_dir):
     assert "(320, 64) in the checkpoint, but the config makes it (320, 1048576)" in message, message
 
 
+@pytest.mark.slow
 def test_more_layers_than_the_checkpoint_holds(model_dir, tmp_path):
     """Building millions of layers, even on the meta device, would not end: refused from the names."""
     edit_config(model_dir, num_hidden_layers=(1 << 24) - 1)
@@ -171,6 +175,7 @@ def test_other_json_files_are_checked(model_dir, file, value, needle):
 
 # --- what a model path is -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fifo_as_model(tmp_path):
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
@@ -178,10 +183,12 @@ def test_fifo_as_model(tmp_path):
                        "not a model file or directory")
 
 
+@pytest.mark.slow
 def test_character_device_as_model(tmp_path):
     assert_clean_error(run_chat("--model", "/dev/null", tmp_path=tmp_path), "/dev/null", "a character device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors", "generation_config.json",
                                   "chat_template.jinja"])
 def test_fifo_inside_a_model_directory(model_dir, tmp_path, name):
@@ -197,6 +204,7 @@ def test_directory_where_a_file_belongs(model_dir):
     assert "tokenizer.json: a directory, not a regular file" in load_error(model_dir)
 
 
+@pytest.mark.slow
 def test_symlink_loop_as_model(tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
@@ -215,6 +223,7 @@ def test_broken_symlink_as_model_and_inside_a_directory(model_dir, tmp_path):
 
 # --- GGUF files ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_truncated_gguf_names_the_byte_and_the_size(gguf_bytes, tmp_path):
     cut = len(gguf_bytes) // 2
     bad = tmp_path / "cut.gguf"

@@ -140,6 +140,7 @@ def test_embedded_model_keeps_its_gguf_blocks(smollm2_q4):
     assert smollm2_q4.n_params == 134_515_008  # the checkpoint's count, however it is stored
 
 
+@pytest.mark.slow
 def test_embedded_model_within_documented_tolerance(smollm2, smollm2_q4):
     for text in CHAT_PROMPTS:
         ids = chat_ids(smollm2, text)

@@ -173,6 +173,7 @@ def test_cpu_rounding_says_what_the_block_products_take(monkeypatch):
                                         "Q4_K int8 tiles; Q5_0 x itself by the fp32 GEMM")
 
 
+@pytest.mark.slow
 def test_show_names_cpu_int8_and_why(tmp_path):
     """/show on the embedded model (CPU, cpu_int8: auto): the setting, what it resolved to, why and
     what the block products take."""

@@ -259,6 +259,7 @@ def test_the_library_is_cached_by_content(tmp_path, monkeypatch):
     assert cpu_step.library_path() != path
 
 
+@pytest.mark.slow
 def test_a_corrupt_cached_library_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_step, "CACHE_DIR", str(tmp_path / "chat"))
     monkeypatch.setattr(cpu_step, "_loaded", None)

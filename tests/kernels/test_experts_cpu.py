@@ -58,6 +58,7 @@ def test_bad_inputs_are_refused(cpp):
         torch.ops.chat_cpu.experts_decode(torch.randn(2, 256), *args, torch.tensor([[1]]), torch.tensor([[1.0]]))
 
 
+@pytest.mark.slow
 def test_a_granite_q8_0_gguf_decodes_as_with_the_loop(tmp_path, cpp):
     from tests.support.hybrid import decode_logits_with_op, granite_q8_0
     lm = granite_q8_0(tmp_path, "granitemoehybrid_e5")

@@ -46,6 +46,7 @@ def test_moe_hybrids_with_dense_experts_keep_the_torch_step(tmp_path):
     assert not isinstance(session(lm, "auto")._step_fn, hybrid_step.HybridStep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,int8", [("qwen3_5_moe", False), ("qwen3_5_moe", True), ("qwen3_next", True)])
 def test_routed_experts_in_blocks_take_the_step(tmp_path, monkeypatch, kind, int8):
     """A Qwen3.5-MoE / Qwen3-Next Q8_0 GGUF (llama.cpp's converter): the whole step against the

@@ -60,6 +60,7 @@ def test_the_per_linear_kernels_attach_it_and_cpu_kernel_off_detaches_it():
     assert layer.cpu_kernel is None and Mamba2Mixer.cpu_kernel is None
 
 
+@pytest.mark.slow
 def test_a_granite_q8_0_gguf_decodes_as_without_the_library(tmp_path):
     lm = granite_q8_0(tmp_path, position_embedding_type="nope")
     assert "C++ step: Mamba2 mixer" in lm.plan.kernels()  # (the whole step serves it; here the torch step's op)

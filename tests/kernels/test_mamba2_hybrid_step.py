@@ -40,6 +40,7 @@ CASES = [("granitemoehybrid", {"position_embedding_type": "rope"}, False),
 IDS = ["granite-rope", "granite-nope-int8", "granite-e5", "nemotron", "nemotron-int8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,over,int8", CASES, ids=IDS)
 def test_a_q8_0_gguf_s_step_is_the_torch_step_bit_for_bit(tmp_path, monkeypatch, kind, over, int8):
     """The whole step against the torch step on the library's kernels (its per-linear products,
@@ -64,6 +65,7 @@ def test_a_q8_0_gguf_s_step_is_the_torch_step_bit_for_bit(tmp_path, monkeypatch,
         close(runs[0], runs[1], 2e-6, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,over,int8", [c for c in CASES if not c[2]], ids=[i for c, i in zip(CASES, IDS) if not c[2]])
 def test_the_step_is_the_per_linear_path_it_replaces(tmp_path, monkeypatch, kind, over, int8):
     """Against the path such a file took before (the torch step on the per-linear kernels, an fp32

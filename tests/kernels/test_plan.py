@@ -156,6 +156,7 @@ def test_a_tiny_hybrid_lists_its_mixers(tmp_path):
         == len(lm.model.model.layers)
 
 
+@pytest.mark.slow
 def test_chat_plan_on_the_embedded_model(chat_here):
     code, out, err = chat_here("plan", "smollm2", "--bandwidth", "50")
     assert code == 0 and err == "", err

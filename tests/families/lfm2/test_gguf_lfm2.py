@@ -21,6 +21,7 @@ def pair(tmp_path_factory):
     return models.load(d), models.load(gguf), hf
 
 
+@pytest.mark.slow
 def test_converted_file_declares_the_layers_and_state_of_the_checkpoint(pair):
     hf_dir, from_gguf, _ = pair
     assert from_gguf.model_type == "lfm2"
@@ -45,6 +46,7 @@ def test_greedy_equals_the_hf_directory(pair):
     assert list(session(from_gguf).generate(ids, greedy)) == list(session(hf_dir).generate(ids, greedy))
 
 
+@pytest.mark.slow
 def test_q8_0_conversion_runs_on_its_blocks(pair, tmp_path):
     """llama.cpp's q8_0 output: the projections stay in their blocks on the CPU (the conv weight,
     3 taps a row, stays float), and the logits stay near the f32 file's."""

@@ -14,6 +14,8 @@ from engine.config import SamplingConfig
 from tests.support.llama_cpp_tree import convert
 from tests.support.parity import TOL, hf_logits, rand_ids, session
 
+pytestmark = pytest.mark.slow  # (each test converts a checkpoint with llama.cpp's converter)
+
 CASES = {  # case: (kind, HF config overrides, config.json's layer types as released or as transformers 5 saves them)
     "nemotron_h": ("nemotron_h", {}, True),
     "granitehybrid": ("granitemoehybrid", {"position_embedding_type": "nope"}, True),

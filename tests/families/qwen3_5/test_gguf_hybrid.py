@@ -17,6 +17,8 @@ from engine.session import DecodeSession
 from tests.support.parity import TOL, rand_ids, session
 from tests.support.tiny_gguf import mapped_spans
 
+pytestmark = pytest.mark.slow  # (each test converts a checkpoint with llama.cpp's converter)
+
 # kind → (tiny.py overrides the converter needs, converter options, the GGUF architecture)
 CASES = {
     "qwen3_5": ({}, ("--no-mtp",), "qwen35"),

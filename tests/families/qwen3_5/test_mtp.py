@@ -94,6 +94,7 @@ def mtp_rows(lm, prompt):
     return m.rows[:len(prompt)].clone(), m.head.logits(lm.model, out), nxt, m.propose(prompt, nxt, 3)
 
 
+@pytest.mark.slow
 def test_the_gguf_holds_the_hf_directorys_mtp_layer(files):
     """llama.cpp's converter writes the MTP layer as the nextn block (its norms stored as 1 + w):
     the GGUF's layer is the HF directory's, weight for weight, and drafts the same tokens."""
@@ -109,12 +110,14 @@ def test_the_gguf_holds_the_hf_directorys_mtp_layer(files):
     assert ra[2:] == rb[2:]
 
 
+@pytest.mark.slow
 def test_the_drafts_are_llama_cpps(files):
     """llama.cpp 0.3.36's draft-mtp on the same GGUF (tests/support/llama_mtp.py): the MTP logits of every
     prompt row agree to fp32 rounding and the chained drafts are the same tokens."""
     drafts_against_llama_cpp(files[1], "dense")
 
 
+@pytest.mark.slow
 def test_the_moe_drafts_are_llama_cpps(moe_files):
     """The same for the MoE hybrids (Qwen3.5-MoE, Qwen3-Next): their file is Q8_0 (the experts stay
     blocks only so), read on int8 inputs as llama.cpp reads it."""
@@ -287,6 +290,7 @@ def moe_files(request, tmp_path_factory):
     return hf, convert(hf, str(d / "f32.gguf"), "f32", pre="qwen2"), convert(hf, str(d / "q8.gguf"), "q8_0", pre="qwen2")
 
 
+@pytest.mark.slow
 def test_a_moe_hybrid_keeps_its_layer_where_its_experts_stay_blocks(moe_files):
     """Qwen3.5-MoE's MTP layer holds a layer's experts, and the exact verify its drafts need is the
     C++ step's, which reads experts as GGUF blocks: a GGUF loaded with its blocks keeps the layer
@@ -304,6 +308,7 @@ def test_a_moe_hybrid_keeps_its_layer_where_its_experts_stay_blocks(moe_files):
     assert session(lm).speculation_text.startswith("mtp:")
 
 
+@pytest.mark.slow
 def test_a_moe_gguf_holds_the_hf_directorys_mtp_layer(moe_files, monkeypatch):
     """The nextn block of a MoE hybrid (its routed experts, shared expert and gate among the
     layer's tensors) maps to the HF directory's MTP layer, weight for weight (both loads made to
@@ -324,6 +329,7 @@ def test_a_moe_gguf_holds_the_hf_directorys_mtp_layer(moe_files, monkeypatch):
         torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-inputs", "int8-inputs"])
 @pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_moe_replies_with_its_drafts_equal_plain_decoding(moe_files, cfg, int8):
